@@ -1,0 +1,36 @@
+# The two commands of the README are `make run` and `make test`; both set up .venv themselves.
+VENV ?= .venv
+BIN := $(VENV)/bin
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv run test test-unit test-slow check fmt bench
+
+venv:
+	@bash scripts/bootstrap.sh
+
+run: venv
+	$(BIN)/mint demo
+
+check: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+fmt: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+# unit + integration: the default tier set, and what CI runs
+test: check
+	$(BIN)/pytest -m "not slow" -q
+
+test-unit: venv
+	$(BIN)/pytest -m "not slow and not integration" -q
+
+test-slow: venv
+	$(BIN)/pytest -m slow -q
+
+bench: venv
+	$(BIN)/python benchmarks/mixed_adapter_decode.py

@@ -1,0 +1,182 @@
+"""The resident base: load any local Hugging Face causal LM frozen, fingerprint it, build tiny test bases."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+Family = Literal["dense", "moe", "mla"]
+
+# Parameters of fused MoE expert modules (transformers 5 stores all experts of a layer as one 3D tensor,
+# [experts, out, in], applied with F.linear(x, W[e])).
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a LoRA can attach: a linear layer, or one 3D expert parameter (`experts` > 0)."""
+
+    name: str  # module path for a linear ("model.layers.0.self_attn.q_proj"), module path + "." + param for experts
+    in_features: int
+    out_features: int
+    experts: int = 0  # 0 for a plain linear
+
+    @property
+    def module_path(self) -> str:
+        return self.name.rpartition(".")[0] if self.experts else self.name
+
+    @property
+    def short(self) -> str:
+        """The name PEFT matches in `target_modules` (linear) or `target_parameters` suffix (experts)."""
+        return self.name.rpartition(".")[2]
+
+
+@dataclass
+class Base:
+    """A frozen causal LM held once per process, with what adapters are checked against."""
+
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase | None
+    fingerprint: str
+    name: str
+    sites: dict[str, Site] = field(default_factory=dict)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.model.config  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def fingerprint(model: nn.Module) -> str:
+    """sha256 over the config and every weight (name, dtype, shape, bytes), in a canonical order."""
+    h = hashlib.sha256()
+    cfg = model.config.to_dict()  # type: ignore[operator]
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_experts_implementation"):
+        cfg.pop(volatile, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    seen: set[int] = set()
+    for name, t in sorted(model.state_dict().items()):
+        if t.data_ptr() in seen and t.numel():  # tied weights hash once
+            h.update(f"{name}=tied".encode())
+            continue
+        seen.add(t.data_ptr())
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def discover_sites(model: nn.Module) -> dict[str, Site]:
+    """Every linear layer and fused expert parameter under the decoder layers (not embeddings or lm_head)."""
+    sites: dict[str, Site] = {}
+    for name, module in model.named_modules():
+        if ".layers." not in f".{name}":
+            continue
+        if isinstance(module, nn.Linear):
+            sites[name] = Site(name, module.in_features, module.out_features)
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                if pname in EXPERT_PARAMS and p.dim() == 3:
+                    experts, out_f, in_f = p.shape
+                    sites[f"{name}.{pname}"] = Site(f"{name}.{pname}", in_f, out_f, experts)
+    return sites
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def from_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, name: str) -> Base:
+    freeze(model)
+    return Base(model, tokenizer, fingerprint(model), name, discover_sites(model))
+
+
+def load_base(path: str | Path, dtype: torch.dtype | str = "float32", device: str = "cpu") -> Base:
+    """Load a local Hugging Face causal-LM directory (never a hub id), frozen and fingerprinted."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"base model directory {path} has no config.json")
+    t0 = time.perf_counter()
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(device)
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    base = from_model(model, tokenizer, path.name)
+    logger.info("loaded base %s (%s) in %.1f s", path, base.fingerprint[:12], time.perf_counter() - t0)
+    return base
+
+
+def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
+    """Small random configs of the three families mint supports, for tests and demos."""
+    common: dict[str, Any] = dict(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512
+    )
+    if family == "dense":
+        kw = dict(common, intermediate_size=128, num_key_value_heads=2, model_type="llama")
+    elif family == "moe":
+        kw = dict(
+            common,
+            model_type="qwen3_moe",
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+        )
+    elif family == "mla":
+        kw = dict(
+            common,
+            model_type="deepseek_v3",
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            rope_scaling=None,
+        )
+    else:
+        raise ValueError(f"unknown family {family!r}; expected dense, moe or mla")
+    kw.update(overrides)
+    model_type = kw.pop("model_type")
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def build_tiny_base(family: Family, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, **overrides: Any) -> Base:
+    """A randomly initialised base of one family, frozen and fingerprinted (no download)."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return from_model(model, tokenizer, f"tiny-{family}")

@@ -1,0 +1,58 @@
+"""Sampling parameters and per-row token choice (greedy, temperature, top-p, seeded)."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How one request is decoded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    """Most tokens to generate."""
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    """0 is greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int | None = None
+    """Seed of this request's own generator, so its sample does not depend on the rest of the batch."""
+    stop: list[str] = Field(default_factory=list)
+    """Generation ends when the text ends with any of these; the stop string is not returned."""
+    logprobs: bool = False
+    """Return the log-probability of each generated token (under the model, before temperature)."""
+    echo: bool = False
+    """Also return the prompt's tokens with their log-probabilities."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks)."""
+
+
+def filter_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's nucleus. logits [n, V], top_p [n]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # a token is dropped if the mass before it already reaches top_p (the top token always stays)
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def choose_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Next token per row. logits [n, V] (float32)."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    out = logits.argmax(dim=-1)
+    sampled = (temps > 0).nonzero().flatten().tolist()
+    if not sampled:
+        return out
+    sub = logits[sampled] / temps[sampled, None]
+    top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)
+    if bool((top_p < 1).any()):
+        sub = filter_top_p(sub, top_p)
+    probs = sub.softmax(dim=-1)
+    for j, i in enumerate(sampled):
+        out[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+    return out

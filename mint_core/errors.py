@@ -1,0 +1,27 @@
+"""Errors that name what was wrong, shared by every layer of mint."""
+
+from __future__ import annotations
+
+
+class MintError(Exception):
+    """Base class for errors mint raises on purpose."""
+
+
+class AdapterError(MintError):
+    """An adapter revision could not be read, validated or placed; names the adapter and its path."""
+
+    def __init__(self, adapter: str, path: str | None, problems: list[str]):
+        self.adapter = adapter
+        self.path = path
+        self.problems = list(problems)
+        where = f" at {path}" if path else ""
+        body = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"adapter {adapter!r}{where} is invalid ({len(self.problems)} problem(s)):\n{body}")
+
+
+class WorkingSetFull(MintError):
+    """Every device slot is pinned or in use by a running request, so nothing can be evicted."""
+
+
+class UnknownAdapter(MintError):
+    """An adapter name that the engine has never been given."""

@@ -1,0 +1,235 @@
+"""Multi-LoRA layers: one base layer, many adapters in stacked slot tensors, chosen per batch row.
+
+Every wrapped layer of a model shares one `LoRAContext`, which holds the slot index of each row of the
+batch being run (`-1` = bare base). Slot tensors have one extra, all-zero slot at the end; rows with `-1`
+point at it, so a mixed batch needs no branch: gather each row's A and B, then two batched matmuls.
+LoRA scaling (alpha / r) is folded into B when a slot is written.
+
+Shapes: S slots (+1 zero slot), R max rank, E experts; `A_SIR` is [S+1, in, R], `B_SRO` is [S+1, R, out]
+(stored transposed so each gathered row is ready for `bmm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mint_core.engine.base import EXPERT_PARAMS, Site
+
+
+class LoRAContext:
+    """Which slot each row of the current batch uses; shared by all multi-LoRA layers of one model."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.zero_slot = num_slots
+        self.rows: torch.Tensor | None = None  # [B] slot per row, -1 already mapped to zero_slot
+        self.any_lora = False
+        self._tokens: tuple[int, torch.Tensor] | None = None
+
+    def set_rows(self, slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu") -> None:
+        t = torch.as_tensor(slots, dtype=torch.long, device=device)
+        if t.numel() and (int(t.max()) >= self.num_slots or int(t.min()) < -1):
+            raise ValueError(f"slot index out of range [-1, {self.num_slots - 1}]: {t.tolist()}")
+        self.any_lora = bool((t >= 0).any())
+        self.rows = torch.where(t < 0, self.zero_slot, t)
+        self._tokens = None
+
+    def clear(self) -> None:
+        self.rows = None
+        self.any_lora = False
+        self._tokens = None
+
+    def token_slots(self, n_tokens: int) -> torch.Tensor:
+        """Slot of each token when a layer sees the batch flattened to [B*T, ...] (MoE experts do)."""
+        assert self.rows is not None
+        if self._tokens is None or self._tokens[0] != n_tokens:
+            per_row = n_tokens // self.rows.numel()
+            self._tokens = (n_tokens, self.rows.repeat_interleave(per_row))
+        return self._tokens[1]
+
+
+class _SlotBank(nn.Module):
+    """Stacked A/B slot tensors for one site; `lead` is () for a linear and (E,) for an expert parameter."""
+
+    def __init__(self, site: Site, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.site = site
+        self.max_rank = max_rank
+        lead = (site.experts,) if site.experts else ()
+        self.A = nn.Parameter(
+            torch.zeros(num_slots + 1, *lead, site.in_features, max_rank, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.B = nn.Parameter(
+            torch.zeros(num_slots + 1, *lead, max_rank, site.out_features, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.filled = 0  # how many slots hold a nonzero adapter here; 0 lets the forward skip the site
+
+    @torch.no_grad()
+    def write(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+        """A: [r, in] or [E, r, in]; B: [out, r] or [E, out, r] (PEFT orientation)."""
+        r = A.shape[-2]
+        was_filled = bool(self.A[slot].any())
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        self.A[slot][..., :r].copy_(A.transpose(-1, -2))
+        self.B[slot][..., :r, :].copy_((B * scale).transpose(-1, -2))
+        self.filled += 1 - int(was_filled)
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        if bool(self.A[slot].any()):
+            self.filled -= 1
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+
+    def read(self, slot: int, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `write`: PEFT-oriented A, B of the first `rank` columns, with scaling taken out."""
+        A = self.A[slot][..., :rank].transpose(-1, -2)
+        B = self.B[slot][..., :rank, :].transpose(-1, -2) / scale
+        return A.contiguous(), B.contiguous()
+
+
+class MultiLoRALinear(nn.Module):
+    """An nn.Linear plus per-row LoRA from a slot bank: y = W x + B[slot] A[slot] x."""
+
+    def __init__(self, base: nn.Linear, bank: _SlotBank, ctx: LoRAContext):
+        super().__init__()
+        self.base_layer = base
+        self.bank = bank
+        self.ctx = ctx
+
+    @property
+    def weight(self) -> torch.Tensor:  # some HF code reads `.weight` of projections (dtype/device checks)
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        ctx = self.ctx
+        if not ctx.any_lora or self.bank.filled == 0:
+            return out
+        assert ctx.rows is not None
+        if x.dim() == 2:  # flattened tokens (MoE shared experts in some models)
+            rows = ctx.token_slots(x.shape[0])
+            h = torch.bmm(x.unsqueeze(1), self.bank.A.index_select(0, rows))
+            return torch.baddbmm(out.unsqueeze(1), h, self.bank.B.index_select(0, rows)).squeeze(1)
+        lead = x.shape[:-1]
+        x3 = x.reshape(ctx.rows.numel(), -1, x.shape[-1])
+        h = torch.bmm(x3, self.bank.A.index_select(0, ctx.rows))
+        y = torch.baddbmm(out.reshape(x3.shape[0], x3.shape[1], -1), h, self.bank.B.index_select(0, ctx.rows))
+        return y.reshape(*lead, -1)
+
+
+class MultiLoRAExperts(nn.Module):
+    """Fused MoE experts (transformers 5 layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]) with per-token LoRA.
+
+    With no adapter in the batch it defers to the wrapped module (and its fast experts kernel); otherwise it
+    runs the reference per-expert loop with each token's own slot added to both projections.
+    """
+
+    def __init__(self, base: nn.Module, banks: dict[str, _SlotBank], ctx: LoRAContext):
+        super().__init__()
+        self.base_layer = base
+        self.banks = nn.ModuleDict(banks)
+        self.ctx = ctx
+        self.num_experts = int(base.gate_up_proj.shape[0])
+
+    def _delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int) -> torch.Tensor | None:
+        if name not in self.banks or self.banks[name].filled == 0:
+            return None
+        bank = self.banks[name]
+        h = torch.bmm(x.unsqueeze(1), bank.A[slots, expert])
+        return torch.bmm(h, bank.B[slots, expert]).squeeze(1)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not self.ctx.any_lora or all(b.filled == 0 for b in self.banks.values()):
+            return self.base_layer(hidden_states, top_k_index, top_k_weights)
+        base = self.base_layer
+        token_slots = self.ctx.token_slots(hidden_states.shape[0])
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        for e in hit:
+            top_k_pos, token_idx = torch.where(expert_mask[e])
+            x = hidden_states[token_idx]
+            slots = token_slots[token_idx]
+            gate_up = F.linear(x, base.gate_up_proj[e])
+            d = self._delta("gate_up_proj", x, slots, e)
+            if d is not None:
+                gate_up = gate_up + d
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = base.act_fn(gate) * up
+            y = F.linear(h, base.down_proj[e])
+            d = self._delta("down_proj", h, slots, e)
+            if d is not None:
+                y = y + d
+            y = y * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, y.to(final.dtype))
+        return final
+
+
+class LoRAModel:
+    """The multi-LoRA view of one base: its context and a slot bank per targeted site."""
+
+    def __init__(self, ctx: LoRAContext, banks: dict[str, _SlotBank], max_rank: int):
+        self.ctx = ctx
+        self.banks = banks
+        self.max_rank = max_rank
+
+    @property
+    def num_slots(self) -> int:
+        return self.ctx.num_slots
+
+    def write_slot(self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        for name, bank in self.banks.items():
+            if name in tensors:
+                A, B = tensors[name]
+                bank.write(slot, A.to(bank.A.dtype), B.to(bank.B.dtype), scale)
+            else:
+                bank.clear(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        for bank in self.banks.values():
+            bank.clear(slot)
+
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot across all banks."""
+        return sum((b.A[0].numel() + b.B[0].numel()) * b.A.element_size() for b in self.banks.values())
+
+
+def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, child, new)
+
+
+def inject(model: nn.Module, sites: Iterable[Site], num_slots: int, max_rank: int) -> LoRAModel:
+    """Wrap the given sites of a (frozen) HF model with multi-LoRA layers, in place."""
+    if num_slots < 1 or max_rank < 1:
+        raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots} and {max_rank}")
+    ctx = LoRAContext(num_slots)
+    param = next(model.parameters())
+    banks: dict[str, _SlotBank] = {}
+    experts: dict[str, dict[str, _SlotBank]] = {}
+    for site in sites:
+        bank = _SlotBank(site, num_slots, max_rank, param.dtype, param.device)
+        banks[site.name] = bank
+        if site.experts:
+            experts.setdefault(site.module_path, {})[site.short] = bank
+        else:
+            module = model.get_submodule(site.name)
+            if not isinstance(module, nn.Linear):
+                raise TypeError(f"site {site.name} is {type(module).__name__}, not nn.Linear")
+            _set_submodule(model, site.name, MultiLoRALinear(module, bank, ctx))
+    for path, module_banks in experts.items():
+        module = model.get_submodule(path)
+        missing = [p for p in EXPERT_PARAMS if not hasattr(module, p)] + ([] if hasattr(module, "act_fn") else ["act_fn"])
+        if missing or getattr(module, "has_bias", False):
+            raise TypeError(f"experts module {path} ({type(module).__name__}) has an unsupported layout: missing {missing}")
+        _set_submodule(model, path, MultiLoRAExperts(module, module_banks, ctx))
+    return LoRAModel(ctx, banks, max_rank)

@@ -1,0 +1,183 @@
+"""Validate an adapter directory before anything changes state, collecting every problem into one error.
+
+Checked, in order, without ever unpickling: the path is inside an allowed root; the config is PEFT LoRA with
+supported options; the weights are safetensors (a `.bin`/`.pt` is refused unread); the safetensors header is
+sane (length, JSON, dtypes, offsets inside the file); every tensor is finite; the rank fits the engine; the
+base fingerprint matches; each key names a module of the base with matching shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from mint_core.engine.base import Site
+from mint_core.errors import AdapterError
+from mint_core.lora.adapter import CONFIG_FILE, FINGERPRINT_KEY, WEIGHTS_FILE, AdapterWeights, digest_files, from_peft_state
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "modules_to_save": "modules_to_save (full copies of base modules)",
+    "lora_bias": "LoRA bias",
+    "layer_replication": "layer_replication",
+}
+
+
+@dataclass(frozen=True)
+class BaseSpec:
+    """What an adapter is checked against: the base's fingerprint and its LoRA sites."""
+
+    fingerprint: str
+    sites: dict[str, Site]
+    max_rank: int
+
+
+def _within(path: Path, roots: list[Path]) -> bool:
+    real = path.resolve()
+    return any(real == r or r in real.parents for r in (root.resolve() for root in roots))
+
+
+def check_safetensors_header(data: bytes) -> list[str]:
+    """Problems with a safetensors file's framing, found without parsing any tensor."""
+    if len(data) < 8:
+        return [f"{WEIGHTS_FILE} is truncated ({len(data)} bytes; no header length)"]
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES or n > len(data) - 8:
+        return [f"{WEIGHTS_FILE} header length {n} exceeds the file ({len(data)} bytes): truncated or not safetensors"]
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{WEIGHTS_FILE} header is not valid JSON ({e.__class__.__name__}): garbage or not safetensors"]
+    if not isinstance(header, dict):
+        return [f"{WEIGHTS_FILE} header is not a JSON object"]
+    problems = []
+    body = len(data) - 8 - n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            numel = math.prod(int(s) for s in shape)
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"tensor {key!r}: malformed header entry")
+            continue
+        if dtype not in _DTYPE_BYTES:
+            problems.append(f"tensor {key!r}: unsupported dtype {dtype}")
+        elif dtype not in _FLOAT_DTYPES:
+            problems.append(f"tensor {key!r}: dtype {dtype} is not floating point")
+        elif end - begin != numel * _DTYPE_BYTES[dtype]:
+            problems.append(f"tensor {key!r}: byte range {end - begin} does not fit shape {shape} of {dtype}")
+        if end > body or begin < 0:
+            problems.append(f"tensor {key!r}: data ends at byte {end} but the file holds {body}: truncated")
+    return problems
+
+
+def read_adapter(
+    path: str | Path,
+    spec: BaseSpec,
+    name: str | None = None,
+    allowed_roots: list[Path] | None = None,
+) -> AdapterWeights:
+    """Read and validate one adapter directory; raise a single AdapterError listing every problem."""
+    path = Path(path)
+    label = name or path.name
+    problems: list[str] = []
+
+    def fail() -> AdapterError:
+        return AdapterError(label, str(path), problems)
+
+    if allowed_roots is not None and not _within(path, allowed_roots):
+        problems.append(f"path is outside the allowed roots {[str(r) for r in allowed_roots]}")
+        raise fail()
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            problems.append(f"{path.name} is a pickle-based checkpoint; refused without loading (use safetensors)")
+        else:
+            problems.append("expected an adapter directory (adapter_config.json + adapter_model.safetensors), got a file")
+        raise fail()
+    if not path.is_dir():
+        problems.append("no adapter directory at this path")
+        raise fail()
+
+    config_bytes = b""
+    config: dict = {}
+    if not (path / CONFIG_FILE).is_file():
+        problems.append(f"{CONFIG_FILE} is missing")
+    else:
+        config_bytes = (path / CONFIG_FILE).read_bytes()
+        try:
+            config = json.loads(config_bytes)
+            if not isinstance(config, dict):
+                raise ValueError("not an object")
+        except (ValueError, UnicodeDecodeError) as e:
+            problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
+            config = {}
+    rank = config.get("r")
+    alpha = config.get("lora_alpha")
+    if config:
+        if config.get("peft_type") != "LORA":
+            problems.append(f"peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            problems.append(f"r must be a positive integer, got {rank!r}")
+            rank = None
+        elif rank > spec.max_rank:
+            problems.append(f"rank {rank} is above the engine's max rank {spec.max_rank}")
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+            problems.append(f"lora_alpha must be a finite number, got {alpha!r}")
+        for key, what in _UNSUPPORTED.items():
+            if config.get(key):
+                problems.append(f"{what} is not supported ({key}={config[key]!r})")
+
+    weights = path / WEIGHTS_FILE
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    state: dict[str, torch.Tensor] = {}
+    weights_bytes = b""
+    if not weights.is_file():
+        if pickles:
+            problems.append(f"weights only in pickle format {pickles}; refused without loading (use safetensors)")
+        else:
+            problems.append(f"{WEIGHTS_FILE} is missing")
+    else:
+        weights_bytes = weights.read_bytes()
+        header_problems = check_safetensors_header(weights_bytes)
+        problems += header_problems
+        if not header_problems:
+            try:
+                state = load_safetensors(weights_bytes)
+            except Exception as e:
+                problems.append(f"{WEIGHTS_FILE} could not be read: {e}")
+            n = struct.unpack("<Q", weights_bytes[:8])[0]
+            meta = json.loads(weights_bytes[8 : 8 + n]).get("__metadata__") or {}
+            fp = meta.get(FINGERPRINT_KEY)
+            if fp is not None and fp != spec.fingerprint:
+                problems.append(f"made for base {fp[:12]}, but this engine's base is {spec.fingerprint[:12]}")
+    for key, t in state.items():
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            problems.append(f"tensor {key!r} has {bad} non-finite value(s) (NaN or inf)")
+    tensors = from_peft_state(state, spec.sites, rank, problems) if state and rank else {}
+    if state and rank and not tensors and not problems:
+        problems.append("no LoRA tensors found")
+    if problems:
+        raise fail()
+    return AdapterWeights(
+        rank=int(rank),  # type: ignore[arg-type]
+        alpha=float(alpha),  # type: ignore[arg-type]
+        tensors={k: (a.float(), b.float()) for k, (a, b) in tensors.items()},
+        base_fingerprint=spec.fingerprint,
+        base_name=config.get("base_model_name_or_path"),
+        use_rslora=bool(config.get("use_rslora", False)),
+        digest=digest_files(config_bytes, weights_bytes),
+    )

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create or refresh .venv: torch pinned and installed first (a CPU build; an unpinned torch pulls CUDA),
+# then mint and its dev tools. Re-runs only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MINT_VENV:-.venv}
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp="$VENV/.mint-installed"
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip >/dev/null
+echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV" >&2
+"$VENV/bin/pip" install -q "torch==2.13.0"
+echo "bootstrap: installing mint and its dependencies" >&2
+"$VENV/bin/pip" install -q -e ".[dev]"
+echo "$want" >"$stamp"
