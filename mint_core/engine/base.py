@@ -12,7 +12,14 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +53,7 @@ class Site:
 class Base:
     """A frozen causal LM held once per process, with what adapters are checked against."""
 
-    model: nn.Module
+    model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     fingerprint: str
     name: str
@@ -54,7 +61,7 @@ class Base:
 
     @property
     def config(self) -> PretrainedConfig:
-        return self.model.config  # type: ignore[no-any-return]
+        return self.model.config
 
     @property
     def device(self) -> torch.device:
@@ -65,11 +72,17 @@ class Base:
         return next(self.model.parameters()).dtype
 
 
-def fingerprint(model: nn.Module) -> str:
+def fingerprint(model: PreTrainedModel) -> str:
     """sha256 over the config and every weight (name, dtype, shape, bytes), in a canonical order."""
     h = hashlib.sha256()
-    cfg = model.config.to_dict()  # type: ignore[operator]
-    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_experts_implementation"):
+    cfg = model.config.to_dict()
+    for volatile in (
+        "_name_or_path",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_experts_implementation",
+    ):
         cfg.pop(volatile, None)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     seen: set[int] = set()
@@ -99,14 +112,14 @@ def discover_sites(model: nn.Module) -> dict[str, Site]:
     return sites
 
 
-def freeze(model: nn.Module) -> nn.Module:
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
 
 
-def from_model(model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, name: str) -> Base:
+def from_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> Base:
     freeze(model)
     return Base(model, tokenizer, fingerprint(model), name, discover_sites(model))
 
@@ -118,7 +131,8 @@ def load_base(path: str | Path, dtype: torch.dtype | str = "float32", device: st
         raise FileNotFoundError(f"base model directory {path} has no config.json")
     t0 = time.perf_counter()
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    model.to(device)  # type: ignore[arg-type]
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -130,7 +144,11 @@ def load_base(path: str | Path, dtype: torch.dtype | str = "float32", device: st
 def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
     """Small random configs of the three families mint supports, for tests and demos."""
     common: dict[str, Any] = dict(
-        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
     )
     if family == "dense":
         kw = dict(common, intermediate_size=128, num_key_value_heads=2, model_type="llama")
@@ -174,7 +192,9 @@ def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **kw)
 
 
-def build_tiny_base(family: Family, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, **overrides: Any) -> Base:
+def build_tiny_base(
+    family: Family, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, **overrides: Any
+) -> Base:
     """A randomly initialised base of one family, frozen and fingerprinted (no download)."""
     torch.manual_seed(seed)
     cfg = tiny_config(family, **overrides)

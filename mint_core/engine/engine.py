@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.engine.base import Base
+from mint_core.engine.kv_cache import preallocated_cache
 from mint_core.engine.sampling import SamplingParams, choose_tokens
 from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import AdapterError, MintError
@@ -86,13 +87,20 @@ class Engine:
         self.tokenizer = base.tokenizer
         targets = set(base.sites) if config.target_modules == "all" else None
         sites = {
-            n: s for n, s in base.sites.items() if targets is not None or s.short in set(config.target_modules)
+            n: s
+            for n, s in base.sites.items()
+            if targets is not None or s.short in set(config.target_modules)
         }
         if not sites:
             raise ValueError(f"target_modules {config.target_modules} match no layer of the base")
         self.sites = sites
         self.lora: LoRAModel = inject(base.model, sites.values(), config.max_loras, config.max_lora_rank)
-        self.spec = BaseSpec(base.fingerprint, sites, config.max_lora_rank)
+        self.spec = BaseSpec(
+            base.fingerprint,
+            sites,
+            config.max_lora_rank,
+            frozenset(base.sites) | {s.module_path for s in base.sites.values()},
+        )
         assert config.max_cpu_loras is not None
         self.working_set = WorkingSet(self.lora, config.max_cpu_loras, reload=self._read)
         # One forward at a time: the LoRA context is shared state of the model.
@@ -102,6 +110,8 @@ class Engine:
         self.eos_id: int | None = int(eos) if eos is not None else None
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (eos or 0))
+        positions = getattr(base.config, "max_position_embeddings", None) or config.max_model_len
+        self.max_model_len = min(config.max_model_len, int(positions))
 
     # ---- adapters -----------------------------------------------------------------------------------------
 
@@ -119,10 +129,21 @@ class Engine:
         if weights.rank > self.config.max_lora_rank:
             problems.append(f"rank {weights.rank} is above the engine's max rank {self.config.max_lora_rank}")
         if weights.base_fingerprint not in (None, self.base.fingerprint):
-            problems.append(f"made for base {weights.base_fingerprint[:12]}, this engine's is {self.base.fingerprint[:12]}")
+            problems.append(
+                f"made for base {weights.base_fingerprint[:12]}, this engine's is {self.base.fingerprint[:12]}"
+            )
         for site, (A, B) in weights.tensors.items():
             if site not in self.sites:
                 problems.append(f"target {site} is not a LoRA site of this engine")
+            elif (
+                A.shape[-2] != weights.rank
+                or B.shape[-1] != weights.rank
+                or A.shape[-1] != self.sites[site].in_features
+                or B.shape[-2] != self.sites[site].out_features
+            ):
+                problems.append(
+                    f"target {site}: shapes A{tuple(A.shape)} B{tuple(B.shape)} do not fit the base at rank {weights.rank}"
+                )
             elif not (torch.isfinite(A).all() and torch.isfinite(B).all()):
                 problems.append(f"target {site} has non-finite values")
         if problems:
@@ -141,14 +162,21 @@ class Engine:
     # ---- forward ------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor, adapters: Sequence[str | None], attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        adapters: Sequence[str | None],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Full-sequence logits [B, T, V] with each row run under its own adapter (None = bare base)."""
         slots = self._acquire(adapters)
         try:
             with self._forward_lock:
                 self.lora.ctx.set_rows(slots, self.base.device)
                 try:
-                    out = self.base.model(input_ids=input_ids.to(self.base.device), attention_mask=attention_mask)
+                    out = self.base.model(
+                        input_ids=input_ids.to(self.base.device), attention_mask=attention_mask
+                    )
                 finally:
                     self.lora.ctx.clear()
             return out.logits
@@ -185,14 +213,14 @@ class Engine:
             return []
         prompts = [self._encode(r.prompt) for r in requests]
         for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
-            if len(p) + r.params.max_tokens > self.config.max_model_len:
+            if len(p) + r.params.max_tokens > self.max_model_len:
                 raise RequestError(
                     f"request {i}: prompt ({len(p)} tokens) + max_tokens ({r.params.max_tokens}) exceeds "
-                    f"max_model_len {self.config.max_model_len}"
+                    f"max_model_len {self.max_model_len}"
                 )
         slots = self._acquire([r.adapter for r in requests])
         try:
-            revisions = [None if r.adapter is None else self.working_set.digest_of(r.adapter) for r in requests]
+            revisions = [self.working_set.revision_in(s) if s >= 0 else None for s in slots]
             with self._forward_lock:
                 try:
                     results = self._decode(prompts, requests, slots)
@@ -204,7 +232,9 @@ class Engine:
             res.revision = rev
         return results
 
-    def _decode(self, prompts: list[list[int]], requests: Sequence[Request], slots: list[int]) -> list[Completion]:
+    def _decode(
+        self, prompts: list[list[int]], requests: Sequence[Request], slots: list[int]
+    ) -> list[Completion]:
         dev = self.base.device
         model = self.base.model
         n = len(prompts)
@@ -218,19 +248,29 @@ class Engine:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         params = [r.params for r in requests]
         gens = [
-            torch.Generator(device=dev).manual_seed(p.seed) if p.seed is not None else self._generator for p in params
+            torch.Generator(device=dev).manual_seed(p.seed) if p.seed is not None else self._generator
+            for p in params
         ]
         echo = any(p.echo for p in params)
         ctx = self.lora.ctx
         ctx.set_rows(slots, dev)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=0 if echo else 1)
-        cache = out.past_key_values
+        cache = preallocated_cache(model.config, width + max(p.max_tokens for p in params))
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if echo else 1,
+        )
         prompt_lp: list[list[float | None] | None] = [None] * n
         if echo:
-            lp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            lp = (
+                torch.log_softmax(out.logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            )
             for i, p in enumerate(prompts):
                 if params[i].echo:
-                    prompt_lp[i] = [None] + lp[i, width - len(p) :].tolist()
+                    prompt_lp[i] = [None, *lp[i, width - len(p):].tolist()]
         logits = out.logits[:, -1].float()
 
         gen_ids: list[list[int]] = [[] for _ in range(n)]
@@ -242,25 +282,29 @@ class Engine:
         while True:
             tokens = choose_tokens(logits, [params[i] for i in active], [gens[i] for i in active])
             want_lp = any(params[i].logprobs for i in active)
-            lps = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist() if want_lp else None
+            lps = (
+                torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
+                if want_lp
+                else None
+            )
             tok_list = tokens.tolist()
             keep: list[int] = []
             for j, i in enumerate(active):
                 t = tok_list[j]
-                p = params[i]
-                if t == self.eos_id and not p.ignore_eos:
+                sp = params[i]
+                if t == self.eos_id and not sp.ignore_eos:
                     finish[i] = "stop"
                     continue
                 gen_ids[i].append(t)
                 if lps is not None:
                     gen_lp[i].append(lps[j])
-                if p.stop:
-                    text = self.tokenizer.decode(gen_ids[i], skip_special_tokens=True)
-                    hit = min((text.find(s) for s in p.stop if s in text), default=-1)
+                if sp.stop:
+                    text = str(self.tokenizer.decode(gen_ids[i], skip_special_tokens=True))
+                    hit = min((text.find(s) for s in sp.stop if s in text), default=-1)
                     if hit >= 0:
                         texts[i], finish[i] = text[:hit], "stop"
                         continue
-                if len(gen_ids[i]) >= p.max_tokens:
+                if len(gen_ids[i]) >= sp.max_tokens:
                     finish[i] = "length"
                     continue
                 keep.append(j)
@@ -285,7 +329,8 @@ class Engine:
 
         results = []
         for i in range(n):
-            text = texts[i] if texts[i] is not None else self.tokenizer.decode(gen_ids[i], skip_special_tokens=True)
+            cut = texts[i]
+            text = cut if cut is not None else str(self.tokenizer.decode(gen_ids[i], skip_special_tokens=True))
             results.append(
                 Completion(
                     text=text,
@@ -299,4 +344,3 @@ class Engine:
                 )
             )
         return results
-

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class SamplingParams(BaseModel):
@@ -19,14 +19,22 @@ class SamplingParams(BaseModel):
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     seed: int | None = None
     """Seed of this request's own generator, so its sample does not depend on the rest of the batch."""
-    stop: list[str] = Field(default_factory=list)
-    """Generation ends when the text ends with any of these; the stop string is not returned."""
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    """Generation ends as soon as the text contains any of these; the text returned stops before it
+    (token_ids and logprobs keep the tokens that completed it)."""
     logprobs: bool = False
     """Return the log-probability of each generated token (under the model, before temperature)."""
     echo: bool = False
     """Also return the prompt's tokens with their log-probabilities."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _nonempty_stops(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
 
 
 def filter_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

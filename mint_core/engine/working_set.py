@@ -56,7 +56,9 @@ class WorkingSet:
         self._lock = threading.RLock()
         self._names: dict[str, str] = {}  # name -> digest of its current revision
         self._revs: dict[str, _Revision] = {}
-        self._host: OrderedDict[str, None] = OrderedDict()  # digests whose weights are in host memory, LRU first
+        self._host: OrderedDict[str, None] = (
+            OrderedDict()
+        )  # digests whose weights are in host memory, LRU first
         self._slot_of: dict[str, int] = {}
         self._owner: list[str | None] = [None] * lora.num_slots
         self._refs: list[int] = [0] * lora.num_slots
@@ -66,7 +68,9 @@ class WorkingSet:
 
     # ---- names and revisions ------------------------------------------------------------------------------
 
-    def add(self, name: str, weights: AdapterWeights, source: Path | None = None, replace: bool = False) -> bool:
+    def add(
+        self, name: str, weights: AdapterWeights, source: Path | None = None, replace: bool = False
+    ) -> bool:
         """Register `weights` under `name`. Returns False if `name` already is this revision.
 
         With `replace`, an existing name moves to the new revision (in-place load); without, it is an error.
@@ -108,11 +112,12 @@ class WorkingSet:
         if rev.names:
             return
         slot = self._slot_of.get(digest)
-        if slot is not None and self._refs[slot] == 0:
+        if slot is not None and self._refs[slot] > 0:
+            return  # still running: the last release frees the slot and forgets the revision
+        if slot is not None:
             self._free(slot)
-        if slot is None:
-            self._revs.pop(digest)
-            self._host.pop(digest, None)
+        self._revs.pop(digest)
+        self._host.pop(digest, None)
 
     def names(self) -> dict[str, str]:
         with self._lock:
@@ -123,6 +128,11 @@ class WorkingSet:
             if name not in self._names:
                 raise UnknownAdapter(f"no adapter named {name!r} is loaded")
             return self._names[name]
+
+    def revision_in(self, slot: int) -> str | None:
+        """Digest of the revision a slot holds (what a request holding that slot is served by)."""
+        with self._lock:
+            return self._owner[slot]
 
     def pin(self, name: str) -> int:
         """Keep `name` in a device slot until unpinned (champions stay resident)."""
@@ -200,17 +210,21 @@ class WorkingSet:
 
     def _host_weights(self, digest: str, name: str) -> AdapterWeights:
         rev = self._revs[digest]
-        if rev.weights is None:
+        weights = rev.weights
+        if weights is None:
             if rev.source is None or self._reload is None:
                 raise UnknownAdapter(f"adapter {name!r} left the host cache and has no source to reload from")
             self.stats.cold_loads += 1
             weights = self._reload(name, rev.source)
             if weights.digest != digest:
-                raise ValueError(f"adapter {name!r} at {rev.source} changed on disk: digest {weights.digest} != {digest}")
+                raise ValueError(
+                    f"adapter {name!r} at {rev.source} changed on disk: digest {weights.digest} != {digest}"
+                )
             rev.weights = weights
         self._touch_host(digest)
+        # may drop this very revision again (when the rest of the cache cannot leave), so return the local
         self._shrink_host()
-        return rev.weights
+        return weights
 
     def _shrink_host(self) -> None:
         # Only revisions that can be reloaded from a source leave host memory; the rest stay (trainer handoffs).

@@ -19,12 +19,13 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from mint_core.engine.base import EXPERT_PARAMS, Site
 
@@ -34,7 +35,9 @@ PREFIX = "base_model.model."
 FINGERPRINT_KEY = "mint.base_fingerprint"
 Layout = Literal["packed", "unpacked"]
 
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+?)(?P<nest>(?:\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$")
+_KEY = re.compile(
+    r"^base_model\.model\.(?P<module>.+?)(?P<nest>(?:\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$"
+)
 _UNPACKED = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 SiteTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -58,7 +61,9 @@ class AdapterWeights:
         return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
 
     def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values())
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.tensors.values()
+        )
 
 
 def digest_files(config_bytes: bytes, weights_bytes: bytes) -> str:
@@ -83,7 +88,9 @@ def _expert_params_of(module_path: str, sites: dict[str, Site]) -> list[str]:
     return [p for p in EXPERT_PARAMS if f"{module_path}.{p}" in sites]
 
 
-def to_peft_state(tensors: SiteTensors, sites: dict[str, Site], layout: Layout = "packed") -> dict[str, torch.Tensor]:
+def to_peft_state(
+    tensors: SiteTensors, sites: dict[str, Site], layout: Layout = "packed"
+) -> dict[str, torch.Tensor]:
     """PEFT key -> tensor for the given site tensors."""
     state: dict[str, torch.Tensor] = {}
     for name, (A, B) in tensors.items():
@@ -98,12 +105,15 @@ def to_peft_state(tensors: SiteTensors, sites: dict[str, Site], layout: Layout =
             targeted = [p for p in _expert_params_of(module, sites) if f"{module}.{p}" in tensors]
             nest = ".base_layer" * (len(targeted) - 1 - targeted.index(site.short))
             state[f"{PREFIX}{module}{nest}.lora_A.weight"] = A.reshape(E * r, -1).contiguous()
-            state[f"{PREFIX}{module}{nest}.lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], r * E).contiguous()
+            state[f"{PREFIX}{module}{nest}.lora_B.weight"] = (
+                B.permute(1, 2, 0).reshape(B.shape[1], r * E).contiguous()
+            )
         elif site.short == "gate_up_proj":
             half = B.shape[1] // 2
             for e in range(E):
                 for proj, Bp in (("gate_proj", B[e, :half]), ("up_proj", B[e, half:])):
-                    state[f"{PREFIX}{module}.{e}.{proj}.lora_A.weight"] = A[e].contiguous()
+                    # a copy each: gate and up share A, and safetensors refuses two keys on one storage
+                    state[f"{PREFIX}{module}.{e}.{proj}.lora_A.weight"] = A[e].clone()
                     state[f"{PREFIX}{module}.{e}.{proj}.lora_B.weight"] = Bp.contiguous()
         else:
             for e in range(E):
@@ -113,7 +123,11 @@ def to_peft_state(tensors: SiteTensors, sites: dict[str, Site], layout: Layout =
 
 
 def from_peft_state(
-    state: dict[str, torch.Tensor], sites: dict[str, Site], rank: int, problems: list[str]
+    state: dict[str, torch.Tensor],
+    sites: dict[str, Site],
+    rank: int,
+    problems: list[str],
+    base_modules: Collection[str] = (),
 ) -> SiteTensors:
     """Site tensors from a PEFT state dict in either expert layout; appends what is wrong to `problems`."""
     pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -121,7 +135,9 @@ def from_peft_state(
     for key, t in state.items():
         m = _KEY.match(key)
         if not m:
-            problems.append(f"tensor {key!r} is not a PEFT LoRA key (base_model.model.<module>.lora_A|B.weight)")
+            problems.append(
+                f"tensor {key!r} is not a PEFT LoRA key (base_model.model.<module>.lora_A|B.weight)"
+            )
             continue
         module, depth, ab = m["module"], m["nest"].count(".base_layer"), m["ab"]
         u = _UNPACKED.match(module)
@@ -144,7 +160,12 @@ def from_peft_state(
         A, B = ab["A"], ab["B"]
         if module in sites and depth == 0:
             site = sites[module]
-            if A.dim() != 2 or B.dim() != 2 or A.shape != (rank, site.in_features) or B.shape != (site.out_features, rank):
+            if (
+                A.dim() != 2
+                or B.dim() != 2
+                or A.shape != (rank, site.in_features)
+                or B.shape != (site.out_features, rank)
+            ):
                 problems.append(
                     f"module {module}: shapes A{tuple(A.shape)} B{tuple(B.shape)}, base needs "
                     f"A({rank}, {site.in_features}) B({site.out_features}, {rank}) for rank {rank}"
@@ -154,23 +175,34 @@ def from_peft_state(
             continue
         params = _expert_params_of(module, sites)
         if not params:
-            problems.append(f"target module {module} does not exist in the base")
+            problems.append(_missing(module, base_modules))
             continue
         count = depth_count[module]
         if count > len(params):
             problems.append(f"module {module}: nesting depth {depth} but the module has only {params}")
             continue
         # The adapter's targeted params are ordered as declared; guess which by shape when fewer than all.
-        candidates = [p for p in params if sites[f"{module}.{p}"].in_features == (A.shape[-1] if A.dim() == 2 else -1)]
-        name = f"{module}.{params[count - 1 - depth]}" if count == len(params) else (
-            f"{module}.{candidates[0]}" if len(candidates) == 1 else None
+        candidates = [
+            p for p in params if sites[f"{module}.{p}"].in_features == (A.shape[-1] if A.dim() == 2 else -1)
+        ]
+        name = (
+            f"{module}.{params[count - 1 - depth]}"
+            if count == len(params)
+            else (f"{module}.{candidates[0]}" if len(candidates) == 1 else None)
         )
         if name is None:
-            problems.append(f"module {module}: cannot tell which expert parameter tensors at depth {depth} belong to")
+            problems.append(
+                f"module {module}: cannot tell which expert parameter tensors at depth {depth} belong to"
+            )
             continue
         site = sites[name]
         E = site.experts
-        if A.dim() != 2 or B.dim() != 2 or A.shape != (E * rank, site.in_features) or B.shape != (site.out_features, rank * E):
+        if (
+            A.dim() != 2
+            or B.dim() != 2
+            or A.shape != (E * rank, site.in_features)
+            or B.shape != (site.out_features, rank * E)
+        ):
             problems.append(
                 f"expert parameter {name}: shapes A{tuple(A.shape)} B{tuple(B.shape)}, base needs "
                 f"A({E * rank}, {site.in_features}) B({site.out_features}, {rank * E}) for rank {rank} x {E} experts"
@@ -181,6 +213,12 @@ def from_peft_state(
     for module, experts in unpacked.items():
         _pack_unpacked(module, experts, sites, rank, out, problems)
     return out
+
+
+def _missing(module: str, base_modules: Collection[str]) -> str:
+    if module in base_modules:
+        return f"target module {module} exists in the base but is not a LoRA site of this engine (see target_modules)"
+    return f"target module {module} does not exist in the base"
 
 
 def _pack_unpacked(
@@ -194,14 +232,20 @@ def _pack_unpacked(
     gu, down = sites[f"{module}.gate_up_proj"], sites.get(f"{module}.down_proj")
     E = gu.experts
     if sorted(experts) != list(range(E)):
-        problems.append(f"experts {module}: unpacked tensors for experts {sorted(experts)}, base has 0..{E - 1}")
+        problems.append(
+            f"experts {module}: unpacked tensors for experts {sorted(experts)}, base has 0..{E - 1}"
+        )
         return
     projs = set(experts[0])
-    if any(set(experts[e]) != projs for e in experts) or any(set(ab) != {"A", "B"} for p in experts.values() for ab in p.values()):
+    if any(set(experts[e]) != projs for e in experts) or any(
+        set(ab) != {"A", "B"} for p in experts.values() for ab in p.values()
+    ):
         problems.append(f"experts {module}: every expert needs lora_A and lora_B for the same projections")
         return
     if ("gate_proj" in projs) != ("up_proj" in projs):
-        problems.append(f"experts {module}: gate_proj and up_proj must both be present (transformers fuses them)")
+        problems.append(
+            f"experts {module}: gate_proj and up_proj must both be present (transformers fuses them)"
+        )
         return
     half = gu.out_features // 2
     if "gate_proj" in projs:
@@ -214,15 +258,25 @@ def _pack_unpacked(
                     "one A across the fused gate_up_proj, so this adapter cannot be packed without loss"
                 )
                 return
-            if g["A"].shape != (rank, gu.in_features) or g["B"].shape != (half, rank) or u["B"].shape != (half, rank):
+            if (
+                g["A"].shape != (rank, gu.in_features)
+                or g["B"].shape != (half, rank)
+                or u["B"].shape != (half, rank)
+            ):
                 problems.append(f"experts {module}.{e}: gate/up shapes do not match the base at rank {rank}")
                 return
             As.append(g["A"])
             Bs.append(torch.cat([g["B"], u["B"]], dim=0))
         out[gu.name] = (torch.stack(As), torch.stack(Bs))
+    if "down_proj" in projs and down is None:
+        # the packed layout reports this too; serving the adapter without its down_proj would be silently wrong
+        problems.append(f"target module {module}.down_proj is not a LoRA site of this engine")
+        return
     if "down_proj" in projs and down is not None:
         d = [experts[e]["down_proj"] for e in range(E)]
-        if any(x["A"].shape != (rank, down.in_features) or x["B"].shape != (down.out_features, rank) for x in d):
+        if any(
+            x["A"].shape != (rank, down.in_features) or x["B"].shape != (down.out_features, rank) for x in d
+        ):
             problems.append(f"experts {module}: down_proj shapes do not match the base at rank {rank}")
             return
         out[down.name] = (torch.stack([x["A"] for x in d]), torch.stack([x["B"] for x in d]))
@@ -231,7 +285,9 @@ def _pack_unpacked(
 # ---- config ------------------------------------------------------------------------------------------------
 
 
-def peft_config(adapter: AdapterWeights, sites: dict[str, Site], layout: Layout = "packed") -> dict[str, object]:
+def peft_config(
+    adapter: AdapterWeights, sites: dict[str, Site], layout: Layout = "packed"
+) -> dict[str, object]:
     """PEFT's adapter_config.json for these tensors (keys PEFT, vLLM and lm-eval read)."""
     modules: set[str] = set()
     params: set[str] = set()
@@ -262,7 +318,9 @@ def peft_config(adapter: AdapterWeights, sites: dict[str, Site], layout: Layout 
     return cfg
 
 
-def save_adapter(adapter: AdapterWeights, path: str | Path, sites: dict[str, Site], layout: Layout = "packed") -> str:
+def save_adapter(
+    adapter: AdapterWeights, path: str | Path, sites: dict[str, Site], layout: Layout = "packed"
+) -> str:
     """Write PEFT's two files into `path` (created); returns the revision's digest.
 
     Writes into a temporary sibling directory and renames it into place, so a crash leaves no half revision.
@@ -272,12 +330,24 @@ def save_adapter(adapter: AdapterWeights, path: str | Path, sites: dict[str, Sit
         raise FileExistsError(f"refusing to overwrite non-empty adapter directory {path}")
     tmp = path.with_name(f".{path.name}.tmp-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}")
     tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in to_peft_state(adapter.tensors, sites, layout).items()}
+    state = {
+        k: v.detach().to("cpu").contiguous() for k, v in to_peft_state(adapter.tensors, sites, layout).items()
+    }
     meta = {"format": "pt"}
     if adapter.base_fingerprint:
         meta[FINGERPRINT_KEY] = adapter.base_fingerprint
-    save_file(state, str(tmp / WEIGHTS_FILE), metadata=meta)
-    (tmp / CONFIG_FILE).write_text(json.dumps(peft_config(adapter, sites, layout), indent=2, sort_keys=True) + "\n")
+    data = save_safetensors(state, metadata=meta)
+    # safetensors writes the metadata map in hash order, different on every save; sort it so the same weights
+    # always give the same bytes, and so the same digest
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    (tmp / WEIGHTS_FILE).write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    (tmp / CONFIG_FILE).write_text(
+        json.dumps(peft_config(adapter, sites, layout), indent=2, sort_keys=True) + "\n"
+    )
     if path.exists():
         path.rmdir()
     tmp.rename(path)

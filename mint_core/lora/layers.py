@@ -12,6 +12,7 @@ Shapes: S slots (+1 zero slot), R max rank, E experts; `A_SIR` is [S+1, in, R], 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,20 +110,23 @@ class MultiLoRALinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
+        base = self.base_layer
+        out = F.linear(x, base.weight, base.bias)
         ctx = self.ctx
-        if not ctx.any_lora or self.bank.filled == 0:
+        bank = self.bank
+        if not ctx.any_lora or bank.filled == 0:
             return out
-        assert ctx.rows is not None
-        if x.dim() == 2:  # flattened tokens (MoE shared experts in some models)
-            rows = ctx.token_slots(x.shape[0])
-            h = torch.bmm(x.unsqueeze(1), self.bank.A.index_select(0, rows))
-            return torch.baddbmm(out.unsqueeze(1), h, self.bank.B.index_select(0, rows)).squeeze(1)
-        lead = x.shape[:-1]
-        x3 = x.reshape(ctx.rows.numel(), -1, x.shape[-1])
-        h = torch.bmm(x3, self.bank.A.index_select(0, ctx.rows))
-        y = torch.baddbmm(out.reshape(x3.shape[0], x3.shape[1], -1), h, self.bank.B.index_select(0, ctx.rows))
-        return y.reshape(*lead, -1)
+        rows = ctx.rows
+        assert rows is not None
+        if x.dim() == 3 and x.shape[0] == rows.shape[0]:  # [B, T, in], the usual case
+            h = torch.bmm(x, bank.A.index_select(0, rows))
+            return torch.baddbmm(out, h, bank.B.index_select(0, rows))
+        # tokens flattened to [N, in] (some MoE shared experts): one slot per token
+        x2 = x.reshape(-1, x.shape[-1])
+        tokens = ctx.token_slots(x2.shape[0])
+        h = torch.bmm(x2.unsqueeze(1), bank.A.index_select(0, tokens))
+        y = torch.baddbmm(out.reshape(x2.shape[0], 1, -1), h, bank.B.index_select(0, tokens))
+        return y.reshape(out.shape)
 
 
 class MultiLoRAExperts(nn.Module):
@@ -134,22 +138,24 @@ class MultiLoRAExperts(nn.Module):
 
     def __init__(self, base: nn.Module, banks: dict[str, _SlotBank], ctx: LoRAContext):
         super().__init__()
-        self.base_layer = base
+        self.base_layer: Any = base
         self.banks = nn.ModuleDict(banks)
         self.ctx = ctx
-        self.num_experts = int(base.gate_up_proj.shape[0])
+        self.num_experts = int(self.base_layer.gate_up_proj.shape[0])
 
     def _delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int) -> torch.Tensor | None:
         if name not in self.banks or self.banks[name].filled == 0:
             return None
-        bank = self.banks[name]
+        bank: Any = self.banks[name]
         h = torch.bmm(x.unsqueeze(1), bank.A[slots, expert])
         return torch.bmm(h, bank.B[slots, expert]).squeeze(1)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         if not self.ctx.any_lora or all(b.filled == 0 for b in self.banks.values()):
             return self.base_layer(hidden_states, top_k_index, top_k_weights)
-        base = self.base_layer
+        base: Any = self.base_layer
         token_slots = self.ctx.token_slots(hidden_states.shape[0])
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
@@ -186,7 +192,9 @@ class LoRAModel:
     def num_slots(self) -> int:
         return self.ctx.num_slots
 
-    def write_slot(self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+    def write_slot(
+        self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
+    ) -> None:
         for name, bank in self.banks.items():
             if name in tensors:
                 A, B = tensors[name]
@@ -228,8 +236,12 @@ def inject(model: nn.Module, sites: Iterable[Site], num_slots: int, max_rank: in
             _set_submodule(model, site.name, MultiLoRALinear(module, bank, ctx))
     for path, module_banks in experts.items():
         module = model.get_submodule(path)
-        missing = [p for p in EXPERT_PARAMS if not hasattr(module, p)] + ([] if hasattr(module, "act_fn") else ["act_fn"])
+        missing = [p for p in EXPERT_PARAMS if not hasattr(module, p)] + (
+            [] if hasattr(module, "act_fn") else ["act_fn"]
+        )
         if missing or getattr(module, "has_bias", False):
-            raise TypeError(f"experts module {path} ({type(module).__name__}) has an unsupported layout: missing {missing}")
+            raise TypeError(
+                f"experts module {path} ({type(module).__name__}) has an unsupported layout: missing {missing}"
+            )
         _set_submodule(model, path, MultiLoRAExperts(module, module_banks, ctx))
     return LoRAModel(ctx, banks, max_rank)

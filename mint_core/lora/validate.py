@@ -19,11 +19,29 @@ from safetensors.torch import load as load_safetensors
 
 from mint_core.engine.base import Site
 from mint_core.errors import AdapterError
-from mint_core.lora.adapter import CONFIG_FILE, FINGERPRINT_KEY, WEIGHTS_FILE, AdapterWeights, digest_files, from_peft_state
+from mint_core.lora.adapter import (
+    CONFIG_FILE,
+    FINGERPRINT_KEY,
+    WEIGHTS_FILE,
+    AdapterWeights,
+    digest_files,
+    from_peft_state,
+)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _UNSUPPORTED = {
     "use_dora": "DoRA",
@@ -42,6 +60,8 @@ class BaseSpec:
     fingerprint: str
     sites: dict[str, Site]
     max_rank: int
+    base_modules: frozenset[str] = frozenset()
+    """Every module and expert parameter of the base, to tell "not in the base" from "not enabled here"."""
 
 
 def _within(path: Path, roots: list[Path]) -> bool:
@@ -55,21 +75,30 @@ def check_safetensors_header(data: bytes) -> list[str]:
         return [f"{WEIGHTS_FILE} is truncated ({len(data)} bytes; no header length)"]
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER_BYTES or n > len(data) - 8:
-        return [f"{WEIGHTS_FILE} header length {n} exceeds the file ({len(data)} bytes): truncated or not safetensors"]
+        return [
+            f"{WEIGHTS_FILE} header length {n} exceeds the file ({len(data)} bytes): truncated or not safetensors"
+        ]
     try:
         header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [f"{WEIGHTS_FILE} header is not valid JSON ({e.__class__.__name__}): garbage or not safetensors"]
+        return [
+            f"{WEIGHTS_FILE} header is not valid JSON ({e.__class__.__name__}): garbage or not safetensors"
+        ]
     if not isinstance(header, dict):
         return [f"{WEIGHTS_FILE} header is not a JSON object"]
     problems = []
+    beyond: list[str] = []
     body = len(data) - 8 - n
     for key, info in header.items():
         if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                problems.append(f"{WEIGHTS_FILE} __metadata__ is not an object of strings")
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
             numel = math.prod(int(s) for s in shape)
+            if not isinstance(dtype, str) or not isinstance(begin, int) or not isinstance(end, int):
+                raise TypeError(key)
         except (KeyError, TypeError, ValueError):
             problems.append(f"tensor {key!r}: malformed header entry")
             continue
@@ -80,7 +109,12 @@ def check_safetensors_header(data: bytes) -> list[str]:
         elif end - begin != numel * _DTYPE_BYTES[dtype]:
             problems.append(f"tensor {key!r}: byte range {end - begin} does not fit shape {shape} of {dtype}")
         if end > body or begin < 0:
-            problems.append(f"tensor {key!r}: data ends at byte {end} but the file holds {body}: truncated")
+            beyond.append(key)
+    if beyond:
+        problems.append(
+            f"{WEIGHTS_FILE} is truncated: {len(beyond)} tensor(s) end beyond its {body} data bytes "
+            f"(first: {beyond[0]!r})"
+        )
     return problems
 
 
@@ -103,16 +137,28 @@ def read_adapter(
         raise fail()
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
-            problems.append(f"{path.name} is a pickle-based checkpoint; refused without loading (use safetensors)")
+            problems.append(
+                f"{path.name} is a pickle-based checkpoint; refused without loading (use safetensors)"
+            )
         else:
-            problems.append("expected an adapter directory (adapter_config.json + adapter_model.safetensors), got a file")
+            problems.append(
+                "expected an adapter directory (adapter_config.json + adapter_model.safetensors), got a file"
+            )
         raise fail()
     if not path.is_dir():
         problems.append("no adapter directory at this path")
         raise fail()
+    if allowed_roots is not None:
+        # a file symlinked out of an allowed directory escapes the roots as much as the directory would
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            if (path / f).exists() and not _within(path / f, allowed_roots):
+                problems.append(f"{f} resolves outside the allowed roots {[str(r) for r in allowed_roots]}")
+        if problems:
+            raise fail()
 
     config_bytes = b""
     config: dict = {}
+    parsed = False
     if not (path / CONFIG_FILE).is_file():
         problems.append(f"{CONFIG_FILE} is missing")
     else:
@@ -121,12 +167,13 @@ def read_adapter(
             config = json.loads(config_bytes)
             if not isinstance(config, dict):
                 raise ValueError("not an object")
+            parsed = True
         except (ValueError, UnicodeDecodeError) as e:
             problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
             config = {}
     rank = config.get("r")
     alpha = config.get("lora_alpha")
-    if config:
+    if parsed:  # `{}` too: an empty config must fail these checks, not slip past them
         if config.get("peft_type") != "LORA":
             problems.append(f"peft_type is {config.get('peft_type')!r}, expected 'LORA'")
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -146,7 +193,9 @@ def read_adapter(
     weights_bytes = b""
     if not weights.is_file():
         if pickles:
-            problems.append(f"weights only in pickle format {pickles}; refused without loading (use safetensors)")
+            problems.append(
+                f"weights only in pickle format {pickles}; refused without loading (use safetensors)"
+            )
         else:
             problems.append(f"{WEIGHTS_FILE} is missing")
     else:
@@ -167,8 +216,8 @@ def read_adapter(
         if not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             problems.append(f"tensor {key!r} has {bad} non-finite value(s) (NaN or inf)")
-    tensors = from_peft_state(state, spec.sites, rank, problems) if state and rank else {}
-    if state and rank and not tensors and not problems:
+    tensors = from_peft_state(state, spec.sites, rank, problems, spec.base_modules) if state and rank else {}
+    if rank and not tensors and not problems:
         problems.append("no LoRA tensors found")
     if problems:
         raise fail()
