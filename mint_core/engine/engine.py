@@ -270,7 +270,7 @@ class Engine:
             )
             for i, p in enumerate(prompts):
                 if params[i].echo:
-                    prompt_lp[i] = [None, *lp[i, width - len(p):].tolist()]
+                    prompt_lp[i] = [None, *lp[i, width - len(p) :].tolist()]
         logits = out.logits[:, -1].float()
 
         gen_ids: list[list[int]] = [[] for _ in range(n)]
@@ -330,7 +330,9 @@ class Engine:
         results = []
         for i in range(n):
             cut = texts[i]
-            text = cut if cut is not None else str(self.tokenizer.decode(gen_ids[i], skip_special_tokens=True))
+            text = (
+                cut if cut is not None else str(self.tokenizer.decode(gen_ids[i], skip_special_tokens=True))
+            )
             results.append(
                 Completion(
                     text=text,

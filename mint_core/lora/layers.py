@@ -30,6 +30,10 @@ class LoRAContext:
         self.rows: torch.Tensor | None = None  # [B] slot per row, -1 already mapped to zero_slot
         self.any_lora = False
         self._tokens: tuple[int, torch.Tensor] | None = None
+        # Each row's A and B, gathered once per batch composition and reused by every decode step (rows keep
+        # their slot until the batch changes, and a slot in use is never rewritten). Not used under autograd,
+        # where the banks are being trained in place.
+        self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_rows(self, slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu") -> None:
         t = torch.as_tensor(slots, dtype=torch.long, device=device)
@@ -38,11 +42,13 @@ class LoRAContext:
         self.any_lora = bool((t >= 0).any())
         self.rows = torch.where(t < 0, self.zero_slot, t)
         self._tokens = None
+        self.gathered = {}
 
     def clear(self) -> None:
         self.rows = None
         self.any_lora = False
         self._tokens = None
+        self.gathered = {}
 
     def token_slots(self, n_tokens: int) -> torch.Tensor:
         """Slot of each token when a layer sees the batch flattened to [B*T, ...] (MoE experts do)."""
@@ -119,8 +125,17 @@ class MultiLoRALinear(nn.Module):
         rows = ctx.rows
         assert rows is not None
         if x.dim() == 3 and x.shape[0] == rows.shape[0]:  # [B, T, in], the usual case
-            h = torch.bmm(x, bank.A.index_select(0, rows))
-            return torch.baddbmm(out, h, bank.B.index_select(0, rows))
+            if torch.is_grad_enabled():
+                A_BIR, B_BRO = bank.A.index_select(0, rows), bank.B.index_select(0, rows)
+            else:
+                pair = ctx.gathered.get(id(bank))
+                if pair is None:
+                    pair = ctx.gathered[id(bank)] = (
+                        bank.A.index_select(0, rows),
+                        bank.B.index_select(0, rows),
+                    )
+                A_BIR, B_BRO = pair
+            return torch.baddbmm(out, torch.bmm(x, A_BIR), B_BRO)
         # tokens flattened to [N, in] (some MoE shared experts): one slot per token
         x2 = x.reshape(-1, x.shape[-1])
         tokens = ctx.token_slots(x2.shape[0])
@@ -141,7 +156,7 @@ class MultiLoRAExperts(nn.Module):
         self.base_layer: Any = base
         self.banks = nn.ModuleDict(banks)
         self.ctx = ctx
-        self.num_experts = int(self.base_layer.gate_up_proj.shape[0])
+        self.num_experts = int(self.base_layer.gate_up_proj.shape[0])  # type: ignore[index]
 
     def _delta(self, name: str, x: torch.Tensor, slots: torch.Tensor, expert: int) -> torch.Tensor | None:
         if name not in self.banks or self.banks[name].filled == 0:
