@@ -10,9 +10,11 @@ stamp="$VENV/.mint-installed"
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip >/dev/null
+# pip warns once per index entry this machine's mirror lacks; those lines say nothing about mint.
+pip_install() { "$VENV/bin/pip" install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+pip_install --upgrade pip >/dev/null
 echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV" >&2
-"$VENV/bin/pip" install -q "torch==2.13.0"
+pip_install "torch==2.13.0"
 echo "bootstrap: installing mint and its dependencies" >&2
-"$VENV/bin/pip" install -q -e ".[dev]"
+pip_install -e ".[dev]"
 echo "$want" >"$stamp"
