@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from pathlib import Path
 from typing import Literal
 
@@ -14,10 +14,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.engine.base import Base
-from mint_core.engine.kv_cache import preallocated_cache
-from mint_core.engine.sampling import SamplingParams, choose_tokens
+from mint_core.engine.batcher import Batcher
+from mint_core.engine.sequence import Completion, Request, RequestError, Sequence
 from mint_core.engine.working_set import WorkingSet
-from mint_core.errors import AdapterError, MintError
+from mint_core.errors import AdapterError
 from mint_core.lora.adapter import AdapterWeights, to_peft_state
 from mint_core.lora.layers import LoRAModel, inject
 from mint_core.lora.validate import BaseSpec, read_adapter
@@ -51,29 +51,6 @@ class EngineConfig(BaseModel):
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         return self
-
-
-class RequestError(MintError):
-    """A generation request that cannot be served as asked (prompt too long, unknown adapter, ...)."""
-
-
-@dataclass
-class Request:
-    prompt: str | list[int]
-    adapter: str | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
-    adapter: str | None
-    revision: str | None  # digest of the adapter revision that served this request
-    prompt_token_ids: list[int]
-    logprobs: list[float] | None = None
-    prompt_logprobs: list[float | None] | None = None
 
 
 class Engine:
@@ -165,7 +142,7 @@ class Engine:
     def logits(
         self,
         input_ids: torch.Tensor,
-        adapters: Sequence[str | None],
+        adapters: Sequence_[str | None],
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Full-sequence logits [B, T, V] with each row run under its own adapter (None = bare base)."""
@@ -183,7 +160,7 @@ class Engine:
         finally:
             self._release(slots)
 
-    def _acquire(self, adapters: Sequence[str | None]) -> list[int]:
+    def _acquire(self, adapters: Sequence_[str | None]) -> list[int]:
         slots: list[int] = []
         try:
             for a in adapters:
@@ -200,149 +177,61 @@ class Engine:
 
     # ---- generation ---------------------------------------------------------------------------------------
 
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
     def _encode(self, prompt: str | list[int]) -> list[int]:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("prompt is empty")
         return ids
 
-    @torch.no_grad()
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """Run all requests as one batch (each with its own adapter or none) to completion."""
-        if not requests:
-            return []
-        prompts = [self._encode(r.prompt) for r in requests]
-        for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
-            if len(p) + r.params.max_tokens > self.max_model_len:
-                raise RequestError(
-                    f"request {i}: prompt ({len(p)} tokens) + max_tokens ({r.params.max_tokens}) exceeds "
-                    f"max_model_len {self.max_model_len}"
-                )
-        slots = self._acquire([r.adapter for r in requests])
-        try:
-            revisions = [self.working_set.revision_in(s) if s >= 0 else None for s in slots]
-            with self._forward_lock:
-                try:
-                    results = self._decode(prompts, requests, slots)
-                finally:
-                    self.lora.ctx.clear()
-        finally:
-            self._release(slots)
-        for res, rev in zip(results, revisions, strict=True):
-            res.revision = rev
-        return results
-
-    def _decode(
-        self, prompts: list[list[int]], requests: Sequence[Request], slots: list[int]
-    ) -> list[Completion]:
-        dev = self.base.device
-        model = self.base.model
-        n = len(prompts)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        params = [r.params for r in requests]
-        gens = [
-            torch.Generator(device=dev).manual_seed(p.seed) if p.seed is not None else self._generator
-            for p in params
-        ]
-        echo = any(p.echo for p in params)
-        ctx = self.lora.ctx
-        ctx.set_rows(slots, dev)
-        cache = preallocated_cache(model.config, width + max(p.max_tokens for p in params))
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if echo else 1,
+    def new_sequence(self, request: Request, on_event: Callable[[Sequence], None] | None = None) -> Sequence:
+        """Check a request against this engine (prompt length, adapter name) and wrap it; holds no slot yet."""
+        ids = self._encode(request.prompt)
+        if len(ids) + request.params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({request.params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        if request.adapter is not None:
+            self.working_set.digest_of(request.adapter)  # UnknownAdapter now rather than at admission
+        seed = request.params.seed
+        gen = (
+            torch.Generator(device=self.base.device).manual_seed(seed)
+            if seed is not None
+            else self._generator
         )
-        prompt_lp: list[list[float | None] | None] = [None] * n
-        if echo:
-            lp = (
-                torch.log_softmax(out.logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            )
-            for i, p in enumerate(prompts):
-                if params[i].echo:
-                    prompt_lp[i] = [None, *lp[i, width - len(p) :].tolist()]
-        logits = out.logits[:, -1].float()
+        return Sequence(request, ids, gen, on_event)
 
-        gen_ids: list[list[int]] = [[] for _ in range(n)]
-        gen_lp: list[list[float]] = [[] for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        texts: list[str | None] = [None] * n
-        active = list(range(n))  # original row index of each live batch row
-        last_pos = pos[:, -1]
-        while True:
-            tokens = choose_tokens(logits, [params[i] for i in active], [gens[i] for i in active])
-            want_lp = any(params[i].logprobs for i in active)
-            lps = (
-                torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
-                if want_lp
-                else None
-            )
-            tok_list = tokens.tolist()
-            keep: list[int] = []
-            for j, i in enumerate(active):
-                t = tok_list[j]
-                sp = params[i]
-                if t == self.eos_id and not sp.ignore_eos:
-                    finish[i] = "stop"
-                    continue
-                gen_ids[i].append(t)
-                if lps is not None:
-                    gen_lp[i].append(lps[j])
-                if sp.stop:
-                    text = str(self.tokenizer.decode(gen_ids[i], skip_special_tokens=True))
-                    hit = min((text.find(s) for s in sp.stop if s in text), default=-1)
-                    if hit >= 0:
-                        texts[i], finish[i] = text[:hit], "stop"
-                        continue
-                if len(gen_ids[i]) >= sp.max_tokens:
-                    finish[i] = "length"
-                    continue
-                keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                mask, last_pos, tokens = mask[idx], last_pos[idx], tokens[idx]
-                active = [active[j] for j in keep]
-                ctx.set_rows([slots[i] for i in active], dev)
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            last_pos = last_pos + 1
-            out = model(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=last_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1].float()
+    def acquire_slot(self, seq: Sequence) -> None:
+        """Pin the revision `seq` will be served by (held until it finishes)."""
+        if seq.request.adapter is not None:
+            seq.slot = self.working_set.acquire(seq.request.adapter)
+            seq.revision = self.working_set.revision_in(seq.slot)
 
-        results = []
-        for i in range(n):
-            cut = texts[i]
-            text = (
-                cut if cut is not None else str(self.tokenizer.decode(gen_ids[i], skip_special_tokens=True))
-            )
-            results.append(
-                Completion(
-                    text=text,
-                    token_ids=gen_ids[i],
-                    finish_reason="length" if finish[i] == "length" else "stop",
-                    adapter=requests[i].adapter,
-                    revision=None,
-                    prompt_token_ids=prompts[i],
-                    logprobs=gen_lp[i] if params[i].logprobs else None,
-                    prompt_logprobs=prompt_lp[i],
-                )
-            )
-        return results
+    @torch.no_grad()
+    def generate(self, requests: Sequence_[Request]) -> list[Completion]:
+        """Run all requests as one batch (each with its own adapter or none) to completion."""
+        seqs = []
+        for i, r in enumerate(requests):
+            try:
+                seqs.append(self.new_sequence(r))
+            except RequestError as e:
+                raise RequestError(f"request {i}: {e}") from None
+        batcher = Batcher(self)
+        try:
+            for s in seqs:
+                self.acquire_slot(s)
+            batcher.admit(seqs)
+            while len(batcher):
+                batcher.step()
+        finally:
+            for s in seqs:  # on error, give back whatever is still held
+                if s.slot >= 0:
+                    self.working_set.release(s.slot)
+                    s.slot = -2
+        return [s.completion(self.decode) for s in seqs]
+
+
+__all__ = ["Completion", "Engine", "EngineConfig", "Request", "RequestError"]

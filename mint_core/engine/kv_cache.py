@@ -1,28 +1,32 @@
-"""A KV cache whose layers are allocated once per batch at their final length.
+"""A KV cache for continuous batching: rows join, leave and are aligned on the left.
 
 transformers' DynamicLayer concatenates on every step, copying the whole cache each time (quadratic in
-length). A batch knows its longest prompt and its largest max_tokens up front, so each layer allocates that
-once, writes new keys and values in place, and hands attention a view of the filled part.
+length). `RaggedLayer` keeps keys and values in a buffer with room on the right, writes each step in place
+and hands attention a view of the filled part. Rows of different lengths share the buffer left-padded (the
+attention mask hides the padding), so a sequence can join a running batch between two decode steps:
+`join` pads the shorter side on the left and stacks the rows; `select` drops finished rows; `trim_left`
+drops leading columns that every row pads.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 
-class PreallocatedLayer(DynamicLayer):
-    def __init__(self, capacity: int):
+class RaggedLayer(DynamicLayer):
+    def __init__(self, capacity: int = 0):
         super().__init__()
         self.capacity = capacity
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        b, h = key_states.shape[:2]
-        self._k = key_states.new_empty(b, h, self.capacity, key_states.shape[-1])
-        self._v = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
+        cap = max(self.capacity, key_states.shape[-2])
+        self._k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[-1])
+        self._v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[-1])
         self.length = 0
         self.is_initialized = True
 
@@ -30,12 +34,17 @@ class PreallocatedLayer(DynamicLayer):
         self.keys = self._k[:, :, : self.length]
         self.values = self._v[:, :, : self.length]
 
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self._k.shape[2], 16)
+        self._k = F.pad(self._k[:, :, : self.length], (0, 0, 0, cap - self.length))
+        self._v = F.pad(self._v[:, :, : self.length], (0, 0, 0, cap - self.length))
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def, override]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[-2]
-        if self.length + t > self.capacity:
-            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({self.length} + {t})")
+        if self.length + t > self._k.shape[2]:
+            self._grow(self.length + t)
         self._k[:, :, self.length : self.length + t] = key_states
         self._v[:, :, self.length : self.length + t] = value_states
         self.length += t
@@ -51,22 +60,59 @@ class PreallocatedLayer(DynamicLayer):
             self._v = self._v.index_select(0, indices)
             self._views()
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self.is_initialized:
-            self.length = max(0, self.length + tokens_to_remove)
+    def trim_left(self, n: int) -> None:
+        if self.is_initialized and n > 0:
+            self._k = self._k[:, :, n:]
+            self._v = self._v[:, :, n:]
+            self.length -= n
             self._views()
+
+    def join(self, other: RaggedLayer, room: int) -> None:
+        """Stack `other`'s rows under this layer's, left-padding the shorter so both end at the same column."""
+        if not other.is_initialized:
+            return
+        if not self.is_initialized:
+            self.__dict__.update({k: v for k, v in other.__dict__.items()})
+            return
+        length = max(self.length, other.length)
+        cap = length + room
+
+        def aligned(buf: torch.Tensor, n: int) -> torch.Tensor:
+            return F.pad(buf[:, :, :n], (0, 0, length - n, cap - length))
+
+        self._k = torch.cat([aligned(self._k, self.length), aligned(other._k, other.length)], dim=0)
+        self._v = torch.cat([aligned(self._v, self.length), aligned(other._v, other.length)], dim=0)
+        self.length = length
+        self._views()
 
     def reset(self) -> None:
         self.length = 0
         self.is_initialized = False
 
 
-def preallocated_cache(config: PretrainedConfig, capacity: int) -> DynamicCache:
-    """A DynamicCache for `config` whose full-attention layers preallocate `capacity` positions.
+class RaggedCache(DynamicCache):
+    """A DynamicCache of RaggedLayers (full attention only)."""
 
-    Falls back to transformers' own layers for anything else (sliding windows), which stay correct."""
-    cache = DynamicCache(config=config)
-    cache.layers = [
-        PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
-    ]
-    return cache
+    def __init__(self, config: PretrainedConfig, capacity: int = 0):
+        super().__init__(config=config)
+        for layer in self.layers:
+            if type(layer) is not DynamicLayer:
+                raise NotImplementedError(
+                    f"{type(layer).__name__} (sliding-window attention) is not supported"
+                )
+        self.layers = [RaggedLayer(capacity) for _ in self.layers]
+
+    def _ragged(self) -> list[RaggedLayer]:
+        return self.layers  # type: ignore[return-value]
+
+    def select(self, indices: torch.Tensor) -> None:
+        for layer in self._ragged():
+            layer.batch_select_indices(indices)
+
+    def trim_left(self, n: int) -> None:
+        for layer in self._ragged():
+            layer.trim_left(n)
+
+    def join(self, other: RaggedCache, room: int) -> None:
+        for mine, theirs in zip(self._ragged(), other._ragged(), strict=True):
+            mine.join(theirs, room)

@@ -34,8 +34,16 @@ class LoRAContext:
         # their slot until the batch changes, and a slot in use is never rewritten). Not used under autograd,
         # where the banks are being trained in place.
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._key: object = None
 
-    def set_rows(self, slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu") -> None:
+    def set_rows(
+        self, slots: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu", key: object = None
+    ) -> None:
+        """Route the next forward: row i uses slot slots[i] (-1: bare base). With the same non-None `key` as the
+        previous call (same batch composition), the rows and their gathered factors are kept as they are."""
+        if key is not None and key == self._key and self.rows is not None:
+            return
+        self._key = key
         t = torch.as_tensor(slots, dtype=torch.long, device=device)
         if t.numel() and (int(t.max()) >= self.num_slots or int(t.min()) < -1):
             raise ValueError(f"slot index out of range [-1, {self.num_slots - 1}]: {t.tolist()}")
@@ -45,6 +53,7 @@ class LoRAContext:
         self.gathered = {}
 
     def clear(self) -> None:
+        self._key = None
         self.rows = None
         self.any_lora = False
         self._tokens = None

@@ -1,0 +1,194 @@
+"""Continuous batching: sequences with different adapters join and leave one running batch between steps.
+
+A step chooses the next token of every running row from the logits of the previous forward, retires rows that
+finished (releasing their adapter slot), and runs one decode forward for the rest. Admission prefills new
+sequences as a small batch of their own, then joins their KV cache to the running one, left-padded, so later
+arrivals share every following decode step with earlier ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import torch
+
+from mint_core.engine.kv_cache import RaggedCache
+from mint_core.engine.sampling import choose_tokens
+from mint_core.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from mint_core.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+# Process-wide, so two batchers (or one after another) never share a key.
+_compositions = itertools.count(1)
+
+
+class Batcher:
+    def __init__(self, engine: Engine, on_finish: Callable[[Sequence], None] | None = None):
+        self.engine = engine
+        self.seqs: list[Sequence] = []
+        self.cache: RaggedCache | None = None
+        self.mask: torch.Tensor | None = None  # [B, L] 1 where a row has a real token
+        self.pos: torch.Tensor | None = None  # [B] position of each row's last token
+        self.logits: torch.Tensor | None = None  # [B, V] float32, for each row's next token
+        self.composition = next(_compositions)  # new whenever rows join or leave (keys the gathered factors)
+        self._on_finish = on_finish
+        self.dev = engine.base.device
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def _room(self) -> int:
+        return max((s.params.max_tokens - len(s.out_ids) for s in self.seqs), default=0) + 1
+
+    def _forward(self, rows: list[int], **inputs: torch.Tensor | RaggedCache | int | None) -> torch.Tensor:
+        eng = self.engine
+        with eng._forward_lock:
+            eng.lora.ctx.set_rows(rows, self.dev, key=self.composition)
+            out = eng.base.model(use_cache=True, **inputs)
+        return out.logits  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def admit(self, seqs: Seq[Sequence]) -> None:
+        """Prefill `seqs` (slots already acquired) and join them to the running batch."""
+        if not seqs:
+            return
+        width = max(len(s.prompt_ids) for s in seqs)
+        n = len(seqs)
+        ids = torch.full((n, width), self.engine.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s.prompt_ids) :] = torch.tensor(s.prompt_ids)
+            mask[i, width - len(s.prompt_ids) :] = 1
+        ids, mask = ids.to(self.dev), mask.to(self.dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        echo = any(s.params.echo for s in seqs)
+        room = max(s.params.max_tokens for s in seqs) + 1
+        cache = RaggedCache(self.engine.base.config, capacity=width + room)
+        self.composition = next(_compositions)
+        logits = self._forward(
+            [s.slot for s in seqs],
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            logits_to_keep=0 if echo else 1,
+        )
+        if echo:
+            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            for i, s in enumerate(seqs):
+                if s.params.echo:
+                    s.prompt_logprobs = [None, *lp[i, width - len(s.prompt_ids) :].tolist()]
+        last = logits[:, -1].float()
+        if self.cache is None or self.mask is None or self.pos is None or self.logits is None:
+            self.cache, self.mask, self.pos, self.logits = cache, mask, pos[:, -1], last
+        else:
+            length = max(self.mask.shape[1], width)
+            self.cache.join(cache, max(room, self._room()))
+            self.mask = torch.cat(
+                [
+                    torch.nn.functional.pad(self.mask, (length - self.mask.shape[1], 0)),
+                    torch.nn.functional.pad(mask, (length - width, 0)),
+                ]
+            )
+            self.pos = torch.cat([self.pos, pos[:, -1]])
+            self.logits = torch.cat([self.logits, last])
+        self.seqs.extend(seqs)
+        self.composition = next(_compositions)  # the prefill routed only the newcomers; the batch is new
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """Choose one token for every running row, retire finished rows, run one decode forward.
+
+        Returns the sequences that finished in this step."""
+        if not self.seqs:
+            return []
+        assert (
+            self.logits is not None
+            and self.mask is not None
+            and self.pos is not None
+            and self.cache is not None
+        )
+        seqs = self.seqs
+        tokens = choose_tokens(self.logits, [s.params for s in seqs], [s.generator for s in seqs])
+        want_lp = any(s.params.logprobs for s in seqs)
+        lps = (
+            torch.log_softmax(self.logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
+            if want_lp
+            else None
+        )
+        keep: list[int] = []
+        done: list[Sequence] = []
+        for j, (s, t) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+            self._advance(s, t, None if lps is None else lps[j])
+            if s.finished:
+                done.append(s)
+            else:
+                keep.append(j)
+            if s.on_event is not None:
+                s.on_event(s)
+        for s in done:
+            self._retire(s)
+        if not keep:
+            self.seqs, self.cache, self.mask, self.pos, self.logits = [], None, None, None, None
+            return done
+        if len(keep) < len(seqs):
+            idx = torch.tensor(keep, device=self.dev)
+            self.cache.select(idx)
+            self.mask, self.pos, tokens = self.mask[idx], self.pos[idx], tokens[idx]
+            self.seqs = [seqs[j] for j in keep]
+            self.composition = next(_compositions)
+            lead = int((self.mask.cumsum(1) == 0).sum(1).min())  # columns every row pads
+            if lead:
+                self.cache.trim_left(lead)
+                self.mask = self.mask[:, lead:]
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.seqs), 1))], dim=1)
+        self.pos = self.pos + 1
+        self.logits = self._forward(
+            [s.slot for s in self.seqs],
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.pos[:, None],
+            past_key_values=self.cache,
+        )[:, -1].float()
+        return done
+
+    def _advance(self, s: Sequence, token: int, logprob: float | None) -> None:
+        p = s.params
+        if token == self.engine.eos_id and not p.ignore_eos:
+            s.finish_reason = "stop"
+            return
+        s.out_ids.append(token)
+        if logprob is not None and p.logprobs:
+            s.out_logprobs.append(logprob)
+        if p.stop:
+            text = self.engine.decode(s.out_ids)
+            hit = min((text.find(x) for x in p.stop if x in text), default=-1)
+            if hit >= 0:
+                s.cut_text, s.finish_reason = text[:hit], "stop"
+                return
+        if len(s.out_ids) >= p.max_tokens:
+            s.finish_reason = "length"
+
+    def _retire(self, s: Sequence) -> None:
+        if s.slot >= 0:
+            self.engine.working_set.release(s.slot)
+            s.slot = -2  # released; never release twice
+        if self._on_finish is not None:
+            self._on_finish(s)
+
+    def abort_all(self, error: BaseException) -> list[Sequence]:
+        """Finish every running row with `error` (the batch could not continue)."""
+        done = self.seqs
+        for s in done:
+            s.error, s.finish_reason = error, "abort"
+            self._retire(s)
+            if s.on_event is not None:
+                s.on_event(s)
+        self.seqs, self.cache, self.mask, self.pos, self.logits = [], None, None, None, None
+        return done
