@@ -114,6 +114,33 @@ def adapter_convert(
 
 
 @app.command()
+def serve(
+    config: Annotated[
+        Path | None, typer.Option(help="YAML or JSON settings file (ServingConfig fields).")
+    ] = None,
+    base: Annotated[str | None, typer.Option(help="Model directory or tiny-dense|tiny-moe|tiny-mla.")] = None,
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    adapter_root: Annotated[
+        Path | None, typer.Option(help="Adapter store: load requests may only name paths here.")
+    ] = None,
+    max_loras: Annotated[int | None, typer.Option()] = None,
+) -> None:
+    """Serve the base and its adapters over the OpenAI/vLLM HTTP contract (settings: file, then MINT_SERVE_*)."""
+    from mint_core.serving.app import serve as run_server
+    from mint_core.serving.config import ServingConfig
+
+    cfg = ServingConfig.load(
+        config, base=base, host=host, port=port, adapter_root=adapter_root, max_loras=max_loras
+    )
+    token = cfg.admin_secret()
+    console.print(f"mint serving [bold]{cfg.base}[/] at http://{cfg.host}:{cfg.port}/v1  (metrics: /metrics)")
+    console.print(f"adapter store: {cfg.adapter_root.resolve()}")
+    console.print(f"admin token (load/unload): {token}")
+    run_server(cfg)
+
+
+@app.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the demo writes its base and adapters.")] = Path(
         ".mint/demo"

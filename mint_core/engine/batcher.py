@@ -28,6 +28,12 @@ logger = logging.getLogger(__name__)
 _compositions = itertools.count(1)
 
 
+def _top(logp: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """The k most likely tokens and their log-probabilities, per row of logp [n, V]."""
+    values, ids = logp.topk(k, dim=-1)
+    return [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+
+
 class Batcher:
     def __init__(self, engine: Engine, on_finish: Callable[[Sequence], None] | None = None):
         self.engine = engine
@@ -80,11 +86,32 @@ class Batcher:
             logits_to_keep=0 if echo else 1,
         )
         if echo:
-            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
             for i, s in enumerate(seqs):
                 if s.params.echo:
-                    s.prompt_logprobs = [None, *lp[i, width - len(s.prompt_ids) :].tolist()]
+                    start = width - len(s.prompt_ids)
+                    s.prompt_logprobs = [None, *lp[i, start:].tolist()]
+                    if s.params.top_logprobs:
+                        s.prompt_top = [None, *_top(logp[i, start:], s.params.top_logprobs)]
         last = logits[:, -1].float()
+        # Prompt-only requests (max_tokens=0, scoring) are done after the prefill.
+        scored = [i for i, s in enumerate(seqs) if s.params.max_tokens == 0]
+        if scored:
+            for i in scored:
+                seq = seqs[i]
+                seq.finish_reason = "length"
+                self._retire(seq)
+                if seq.on_event is not None:
+                    seq.on_event(seq)
+            live = [i for i in range(n) if seqs[i].params.max_tokens > 0]
+            if not live:
+                return
+            idx = torch.tensor(live, device=self.dev)
+            cache.select(idx)
+            mask, pos, last = mask[idx], pos[idx], last[idx]
+            seqs = [seqs[i] for i in live]
+            width = mask.shape[1]
         if self.cache is None or self.mask is None or self.pos is None or self.logits is None:
             self.cache, self.mask, self.pos, self.logits = cache, mask, pos[:, -1], last
         else:
@@ -117,15 +144,15 @@ class Batcher:
         seqs = self.seqs
         tokens = choose_tokens(self.logits, [s.params for s in seqs], [s.generator for s in seqs])
         want_lp = any(s.params.logprobs for s in seqs)
-        lps = (
-            torch.log_softmax(self.logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
-            if want_lp
-            else None
-        )
+        logp = torch.log_softmax(self.logits, dim=-1) if want_lp else None
+        lps = logp.gather(-1, tokens[:, None]).squeeze(-1).tolist() if logp is not None else None
         keep: list[int] = []
         done: list[Sequence] = []
         for j, (s, t) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+            n_before = len(s.out_ids)
             self._advance(s, t, None if lps is None else lps[j])
+            if logp is not None and s.params.top_logprobs and len(s.out_ids) > n_before:
+                s.top.append(_top(logp[j : j + 1], s.params.top_logprobs)[0])
             if s.finished:
                 done.append(s)
             else:
@@ -160,6 +187,9 @@ class Batcher:
 
     def _advance(self, s: Sequence, token: int, logprob: float | None) -> None:
         p = s.params
+        if s.cancelled:
+            s.finish_reason = "abort"
+            return
         if token == self.engine.eos_id and not p.ignore_eos:
             s.finish_reason = "stop"
             return

@@ -11,8 +11,8 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(16, ge=1, le=1_000_000)
-    """Most tokens to generate."""
+    max_tokens: int = Field(16, ge=0, le=1_000_000)
+    """Most tokens to generate (0: score the prompt only, with echo)."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
     """0 is greedy; otherwise logits are divided by it before sampling."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -26,6 +26,8 @@ class SamplingParams(BaseModel):
     """Return the log-probability of each generated token (under the model, before temperature)."""
     echo: bool = False
     """Also return the prompt's tokens with their log-probabilities."""
+    top_logprobs: int = Field(0, ge=0, le=20)
+    """Also return, per returned logprob, the k most likely tokens and their log-probabilities."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks)."""
 

@@ -36,6 +36,8 @@ class Completion:
     prompt_token_ids: list[int]
     logprobs: list[float] | None = None
     prompt_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 _ids = itertools.count()
@@ -57,9 +59,12 @@ class Sequence:
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    top: list[dict[int, float]] = field(default_factory=list)  # per generated token, if top_logprobs
+    prompt_top: list[dict[int, float] | None] | None = None
     finish_reason: FinishReason | None = None
     cut_text: str | None = None  # the text up to a stop string, once one was seen
     error: BaseException | None = None
+    cancelled: bool = False  # set by the caller (client went away); the batcher retires it at the next step
 
     @property
     def params(self) -> SamplingParams:
@@ -80,4 +85,6 @@ class Sequence:
             prompt_token_ids=self.prompt_ids,
             logprobs=list(self.out_logprobs) if self.params.logprobs else None,
             prompt_logprobs=self.prompt_logprobs,
+            top_logprobs=list(self.top) if self.params.top_logprobs else None,
+            prompt_top_logprobs=self.prompt_top,
         )

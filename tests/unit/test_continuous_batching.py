@@ -3,6 +3,8 @@ leave at different times, get exactly the tokens they get when run alone (greedy
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -18,17 +20,35 @@ def test_late_joiners_match_solo_runs(family, make_engine, adapter_dir):
     engine = make_engine(family, seed=2)
     sites = peft_loadable_sites(family, engine.sites)
     for i, rank in enumerate([2, 8]):
-        a = random_adapter(sites, TARGETS[family], rank, seed=i, std=0.2, base_fingerprint=engine.base.fingerprint)
+        a = random_adapter(
+            sites, TARGETS[family], rank, seed=i, std=0.2, base_fingerprint=engine.base.fingerprint
+        )
         save_adapter(a, adapter_dir / f"a{i}", engine.sites)
         engine.load_adapter(f"a{i}", adapter_dir / f"a{i}")
 
     g = torch.Generator().manual_seed(3)
     reqs = [
         # a long prompt that finishes first, so the batch later trims the columns only it needed
-        Request(torch.randint(0, 256, (23,), generator=g).tolist(), "a0", SamplingParams(max_tokens=4, ignore_eos=True)),
-        Request(torch.randint(0, 256, (5,), generator=g).tolist(), "a1", SamplingParams(max_tokens=12, ignore_eos=True)),
-        Request(torch.randint(0, 256, (9,), generator=g).tolist(), None, SamplingParams(max_tokens=10, ignore_eos=True)),
-        Request(torch.randint(0, 256, (3,), generator=g).tolist(), "a0", SamplingParams(max_tokens=6, ignore_eos=True)),
+        Request(
+            torch.randint(0, 256, (23,), generator=g).tolist(),
+            "a0",
+            SamplingParams(max_tokens=4, ignore_eos=True),
+        ),
+        Request(
+            torch.randint(0, 256, (5,), generator=g).tolist(),
+            "a1",
+            SamplingParams(max_tokens=12, ignore_eos=True),
+        ),
+        Request(
+            torch.randint(0, 256, (9,), generator=g).tolist(),
+            None,
+            SamplingParams(max_tokens=10, ignore_eos=True),
+        ),
+        Request(
+            torch.randint(0, 256, (3,), generator=g).tolist(),
+            "a0",
+            SamplingParams(max_tokens=6, ignore_eos=True),
+        ),
     ]
     solo = [engine.generate([r])[0].token_ids for r in reqs]
 
@@ -49,4 +69,4 @@ def test_late_joiners_match_solo_runs(family, make_engine, adapter_dir):
         assert s.out_ids == want, f"{family} request {i}"
     assert all(slot_refs == 0 for _, _, slot_refs in engine.working_set.slot_table())
     # the 23-token prompt left after 4 tokens: the batch's width must have shrunk at least once
-    assert any(b < a for a, b in zip(widths, widths[1:], strict=False))
+    assert any(b < a for a, b in itertools.pairwise(widths))

@@ -1,0 +1,98 @@
+"""One client for any server that speaks the serving contract: mint's embedded server or a vLLM deployment."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from mint_core.errors import MintError
+
+
+class ServingError(MintError):
+    """A non-2xx answer from a serving endpoint, with its status, error type and message."""
+
+    def __init__(self, status: int, type: str, message: str, url: str):
+        self.status, self.type, self.message, self.url = status, type, message, url
+        super().__init__(f"{url}: {status} {type}: {message}")
+
+
+class ServingClient:
+    """Admin and inference calls against `base_url` (e.g. http://127.0.0.1:8000)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        admin_token: str | None = None,
+        timeout: float = 120.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.admin_token = admin_token
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ServingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        token = self.admin_token if admin else self.api_key
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _call(self, method: str, path: str, admin: bool = False, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, headers=self._headers(admin), **kw)
+        except httpx.HTTPError as e:
+            raise ServingError(0, "ConnectionError", str(e) or type(e).__name__, self.base_url + path) from e
+        if r.status_code >= 400:
+            try:
+                err = r.json().get("error", {})
+                typ, msg = (
+                    (err.get("type", "Error"), err.get("message", r.text))
+                    if isinstance(err, dict)
+                    else ("Error", str(err))
+                )
+            except ValueError:
+                typ, msg = "Error", r.text
+            raise ServingError(r.status_code, typ, msg, self.base_url + path)
+        return r
+
+    # ---- admin ----------------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str, inplace: bool = False) -> str:
+        """POST /v1/load_lora_adapter; with `inplace`, swap the revision under an existing name."""
+        body = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
+        return self._call("POST", "/v1/load_lora_adapter", admin=True, json=body).text
+
+    def unload_adapter(self, name: str) -> str:
+        return self._call("POST", "/v1/unload_lora_adapter", admin=True, json={"lora_name": name}).text
+
+    # ---- inference and state ----------------------------------------------------------------------------
+
+    def models(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/v1/models").json()["data"])
+
+    def complete(self, model: str, prompt: str, **params: Any) -> dict[str, Any]:
+        body = {"model": model, "prompt": prompt, **params}
+        return dict(self._call("POST", "/v1/completions", json=body).json())
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.health():
+                return
+            time.sleep(0.2)
+        raise ServingError(0, "Timeout", f"not healthy after {timeout:.0f} s", self.base_url + "/health")

@@ -1,0 +1,73 @@
+"""Settings of the embedded server, from a YAML/JSON file and MINT_SERVE_* environment variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+ENV_PREFIX = "MINT_SERVE_"
+
+
+class ServingConfig(BaseModel):
+    """How `mint serve` runs: which base, which adapters may be loaded, limits and credentials."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port to bind (0: any free port)."""
+    base: str = "tiny-dense"
+    """A local Hugging Face model directory, or a built-in random base: tiny-dense, tiny-moe, tiny-mla."""
+    served_model_name: str | None = None
+    """The base's name in the API (`model` for requests with no adapter); default: the directory's name."""
+    adapter_root: Path = Path(".mint/store")
+    """`lora_path` of a load request must resolve inside this directory (the adapter store)."""
+    api_key: SecretStr | None = None
+    """If set, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
+    admin_token: SecretStr | None = None
+    """Bearer token for load/unload; generated and printed at start when unset."""
+    max_loras: int = Field(8, ge=1)
+    """Device slots (adapters in one batch without a load)."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """Host cache of adapter revisions (default 4 x max_loras)."""
+    max_lora_rank: int = Field(16, ge=1)
+    """Largest adapter rank accepted."""
+    max_model_len: int = Field(1024, ge=8)
+    """Longest prompt + completion in tokens."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most requests decoded together in one batch."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype of the base."""
+    device: str = "cpu"
+    """torch device of the base."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Server log level."""
+
+    def admin_secret(self) -> str:
+        if self.admin_token is None:
+            self.admin_token = SecretStr(secrets.token_urlsafe(24))
+        return self.admin_token.get_secret_value()
+
+    @classmethod
+    def load(cls, path: Path | None = None, **overrides: Any) -> ServingConfig:
+        """File values, then MINT_SERVE_<FIELD> environment variables, then explicit overrides."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text()
+            loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping of settings")
+            values.update(loaded)
+        for name in cls.model_fields:
+            env = os.environ.get(ENV_PREFIX + name.upper())
+            if env is not None:
+                values[name] = env
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)

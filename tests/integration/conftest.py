@@ -1,0 +1,134 @@
+"""A real serving endpoint for the contract tests.
+
+By default each test module gets mint's embedded server, started as `mint serve` in a subprocess on a free
+loopback port, with an adapter store in a temporary directory. Set MINT_SERVING_URL (and MINT_SERVING_API_KEY,
+MINT_SERVING_ADMIN_TOKEN, MINT_SERVING_STORE = a directory that server can read as its adapter store, and
+MINT_SERVING_BASE_DIR = the base model directory, so tests can build matching adapters) to run the same tests
+against another server that speaks the contract, such as a vLLM deployment (infra/vllm/).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mint_core.engine.base import Base, Site, build_tiny_base, load_base
+from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.serving.client import ServingClient
+
+
+@dataclass
+class Endpoint:
+    url: str  # http://host:port
+    api_key: str | None
+    admin_token: str
+    store: Path  # the server's adapter store (lora_path may be relative to it)
+    base: Base  # a base equal to the served one, to build adapters for it
+    base_name: str
+    process: subprocess.Popen[str] | None = None
+
+    def client(self) -> ServingClient:
+        return ServingClient(self.url, api_key=self.api_key, admin_token=self.admin_token)
+
+    @property
+    def sites(self) -> dict[str, Site]:
+        return self.base.sites
+
+    def make_adapter(
+        self, name: str, seed: int, rank: int = 8, std: float = 0.3, targets: list[str] | None = None
+    ) -> Path:
+        """Write a random adapter for the served base into the store; returns its directory."""
+        targets = targets or ["q_proj", "k_proj", "v_proj", "o_proj"]
+        a = random_adapter(
+            self.sites, targets, rank, seed=seed, std=std, base_fingerprint=self.base.fingerprint
+        )
+        path = self.store / name
+        save_adapter(a, path, self.sites)
+        return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(
+    store: Path, *extra: str, env: dict[str, str] | None = None, port: int | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    """`mint serve` on the built-in tiny dense base; returns the process and its URL once healthy."""
+    port = port or free_port()
+    full_env = {**os.environ, "MINT_SERVE_ADMIN_TOKEN": "admin-secret", **(env or {})}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mint_core.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--adapter-root",
+            str(store),
+            *extra,
+        ],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    client = ServingClient(url)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"mint serve exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}"
+            )
+        if client.health():
+            return proc, url
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("mint serve did not become healthy in 90 s")
+
+
+def stop_server(proc: subprocess.Popen[str], timeout: float = 30) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    url = os.environ.get("MINT_SERVING_URL")
+    if url:
+        store = Path(os.environ["MINT_SERVING_STORE"])
+        base = load_base(os.environ["MINT_SERVING_BASE_DIR"])
+        yield Endpoint(
+            url,
+            os.environ.get("MINT_SERVING_API_KEY"),
+            os.environ["MINT_SERVING_ADMIN_TOKEN"],
+            store,
+            base,
+            os.environ.get("MINT_SERVING_BASE_NAME", Path(os.environ["MINT_SERVING_BASE_DIR"]).name),
+        )
+        return
+    store = tmp_path_factory.mktemp("store")
+    proc, url = start_server(store)
+    try:
+        # the same weights `mint serve --base tiny-dense` builds (seed 0), so adapters made here fit it
+        base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+        yield Endpoint(url, None, "admin-secret", store, base, "tiny-dense", proc)
+    finally:
+        stop_server(proc)
