@@ -62,10 +62,12 @@ if [[ -z ${MINT_VLLM_API_KEY:-} ]]; then
 fi
 [[ -f $config ]] || die "config file not found: $config"
 
-# Read the YAML and emit the arguments of `vllm serve`, one per line: the base model first, then flag/value
-# pairs. Every field is checked here so a mistake is reported by name before vLLM spends minutes starting.
+# Read the YAML and print one item per line: the adapter store (empty if none), the base model, then the
+# flag/value pairs of `vllm serve`. Every field is checked here, so a mistake is reported by name before vLLM
+# spends minutes starting.
 read_config=$(
     cat <<'PY'
+import os
 import sys
 
 try:
@@ -85,6 +87,7 @@ DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 # key: (flag, kind, required)
 FIELDS = {
     "model": (None, str, True),
+    "adapter_store": (None, str, False),
     "served_model_name": ("--served-model-name", str, True),
     "host": ("--host", str, True),
     "port": ("--port", int, True),
@@ -130,6 +133,11 @@ if "max_loras" in values:
 if problems:
     sys.exit(f"launch.sh: {path}: " + "; ".join(problems))
 
+# launch.sh starts vLLM inside the adapter store, so both paths are made absolute first
+for key in ("model", "adapter_store"):
+    if key in values:
+        values[key] = os.path.abspath(os.path.expanduser(values[key]))
+print(values.get("adapter_store", ""))
 print(values["model"])
 for key, (flag, _kind, _required) in FIELDS.items():
     if flag is not None and key in values:
@@ -140,6 +148,8 @@ PY
 )
 serve_text=$("$python_bin" -c "$read_config" "$config") || exit 2
 mapfile -t serve_args <<<"$serve_text"
+adapter_store=${serve_args[0]}
+serve_args=("${serve_args[@]:1}")
 
 cmd=("$vllm_bin" serve "${serve_args[@]}" --api-key "$MINT_VLLM_API_KEY" "${extra_args[@]}")
 
@@ -149,7 +159,8 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # Older vLLM let VLLM_API_KEY take precedence over --api-key; keep exactly one key, the one given here.
 unset VLLM_API_KEY
 
-# The command as one shell line, with the key shown as the variable it comes from.
+# The command as one shell line (a `cd` into the adapter store first), with the key shown as the variable it
+# comes from.
 render() {
     local arg out=()
     for arg in "$@"; do
@@ -160,6 +171,9 @@ render() {
             out+=("$(printf '%q' "$arg")")
         fi
     done
+    if [[ -n $adapter_store ]]; then
+        printf 'cd %q && ' "$adapter_store"
+    fi
     printf 'VLLM_ALLOW_RUNTIME_LORA_UPDATING=%s HF_HUB_OFFLINE=%s %s\n' \
         "$VLLM_ALLOW_RUNTIME_LORA_UPDATING" "$HF_HUB_OFFLINE" "${out[*]}"
 }
@@ -173,6 +187,12 @@ command -v "$vllm_bin" >/dev/null 2>&1 ||
     die "'$vllm_bin' not found on PATH: install vLLM on this GPU host (pip install vllm) or set MINT_VLLM_BIN"
 [[ -d ${serve_args[0]} ]] ||
     die "base model directory not found: ${serve_args[0]} (model in $config must be a local Hugging Face directory)"
+if [[ -n $adapter_store ]]; then
+    [[ -d $adapter_store ]] ||
+        die "adapter store not found: $adapter_store (mount the store there, or fix adapter_store in $config)"
+    # relative lora_paths of load requests resolve inside the store, as on mint's embedded server
+    cd -- "$adapter_store"
+fi
 if [[ ${VLLM_SERVER_DEV_MODE:-0} == 1 ]]; then
     printf 'launch.sh: warning: VLLM_SERVER_DEV_MODE=1 exposes unauthenticated debug routes; never in production\n' >&2
 fi

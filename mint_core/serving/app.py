@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
+import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
 import torch
 import uvicorn
@@ -55,4 +59,20 @@ def serve(config: ServingConfig) -> None:
             app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=30
         )
     )
-    server.run()
+    # On SIGTERM uvicorn stops accepting, finishes the requests in flight (streams included), shuts the engine
+    # loop down, then raises the signal again under the handler it found. With Python's default handler that
+    # kills the process after the clean shutdown (status -15, as if it had been killed mid-request); a handler
+    # of our own turns the re-raised signal into exit status 0. A SIGTERM before uvicorn installs its own
+    # handlers exits 0 too: nothing is in flight yet.
+    if threading.current_thread() is not threading.main_thread():
+        server.run()
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_after_shutdown)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_after_shutdown(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)

@@ -348,20 +348,25 @@ class _Deltas:
         self.engine, self.seq, self.sent = engine, seq, 0
         self.hold = max((len(x) for x in seq.params.stop), default=1) - 1
 
-    def next(self) -> str:
+    def next(self) -> tuple[str, bool]:
+        """(text to send now, whether the sequence had finished when it was read).
+
+        The engine thread may finish the sequence while this runs, so callers must use the flag returned here,
+        not read `seq.finished` again: text read before the last token must not go out as the final chunk.
+        """
         s = self.seq
-        if s.finished:
+        if s.finished:  # out_ids and cut_text are complete once finish_reason is set
             text = s.cut_text if s.cut_text is not None else self.engine.decode(s.out_ids)
             out, self.sent = text[self.sent :], len(text)
-            return out
+            return out, True
         text = self.engine.decode(s.out_ids)
         ready = len(text) - self.hold
         while ready > self.sent and text[ready - 1] == "\ufffd":  # a character still being spelled in bytes
             ready -= 1
         if ready <= self.sent:
-            return ""
+            return "", False
         out, self.sent = text[self.sent : ready], ready
-        return out
+        return out, False
 
 
 def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI:
@@ -380,8 +385,10 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         if e.status >= 400 and request.url.path.startswith("/v1/") and "completions" in request.url.path:
-            model = getattr(request.state, "model", "?")
-            server.metrics.requests.labels(model=model, outcome=str(e.status)).inc()
+            # label only names the server serves: a client must not be able to mint label values
+            model = getattr(request.state, "model", None)
+            known = model == server.base_name or model in engine.working_set.names()
+            server.metrics.requests.labels(model=model if known else "_unknown", outcome=str(e.status)).inc()
         return JSONResponse(error_body(e.status, e.message, e.type, e.param), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
@@ -622,12 +629,14 @@ def _usage(seqs: list[Sequence]) -> dict[str, int]:
 
 
 async def _progress(seqs: list[Sequence], wake: asyncio.Queue[None]) -> AsyncIterator[None]:
-    """Yields whenever any of the sequences made progress, until all finished."""
+    """Yields whenever any of the sequences made progress, until all finished, then once more: a sequence can
+    finish while the caller handles the previous yield, after it was read as running."""
     while not all(s.finished for s in seqs):
         await wake.get()
         while not wake.empty():
             wake.get_nowait()
         yield
+    yield
 
 
 async def _stream_completion(
@@ -646,8 +655,8 @@ async def _stream_completion(
             for i, (s, d) in enumerate(zip(seqs, deltas, strict=True)):
                 if reported[i]:
                     continue
-                text = d.next()
-                if text or s.finished:
+                text, done = d.next()
+                if text or done:
                     yield _sse(
                         {
                             "id": rid,
@@ -660,12 +669,12 @@ async def _stream_completion(
                                     "index": i,
                                     "text": text,
                                     "logprobs": None,
-                                    "finish_reason": s.finish_reason if s.finished else None,
+                                    "finish_reason": s.finish_reason if done else None,
                                 }
                             ],
                         }
                     )
-                reported[i] = s.finished
+                reported[i] = done
         server.count(body.model, seqs, "200")
         if body.stream_options and body.stream_options.get("include_usage"):
             yield _sse(
@@ -712,12 +721,12 @@ async def _stream_chat(
             for i, (s, d) in enumerate(zip(seqs, deltas, strict=True)):
                 if reported[i]:
                     continue
-                text = d.next()
+                text, done = d.next()
                 if text:
                     yield chunk(i, {"content": text}, None, s.revision or "base")
-                if s.finished:
+                if done:
                     yield chunk(i, {}, s.finish_reason, s.revision or "base")
-                reported[i] = s.finished
+                reported[i] = done
         server.count(body.model, seqs, "200")
         if body.stream_options and body.stream_options.get("include_usage"):
             yield _sse(

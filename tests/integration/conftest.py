@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,11 +63,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+LOGS: dict[int, Path] = {}
+
+
+def server_log(proc: subprocess.Popen[str]) -> str:
+    """What a server started by `start_server` has printed so far."""
+    path = LOGS.get(proc.pid)
+    return path.read_text(errors="replace") if path and path.exists() else ""
+
+
 def start_server(
     store: Path, *extra: str, env: dict[str, str] | None = None, port: int | None = None
 ) -> tuple[subprocess.Popen[str], str]:
     """`mint serve` on the built-in tiny dense base; returns the process and its URL once healthy."""
     port = port or free_port()
+    # Output goes to a file: a pipe nobody reads would block the server once its buffer fills.
+    log = tempfile.NamedTemporaryFile("w", prefix=f"mint-serve-{port}-", suffix=".log", delete=False)  # noqa: SIM115 (the server owns it)
     full_env = {**os.environ, "MINT_SERVE_ADMIN_TOKEN": "admin-secret", **(env or {})}
     proc = subprocess.Popen(
         [
@@ -81,18 +93,17 @@ def start_server(
             *extra,
         ],
         env=full_env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    LOGS[proc.pid] = Path(log.name)
     url = f"http://127.0.0.1:{port}"
     client = ServingClient(url)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"mint serve exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}"
-            )
+            raise RuntimeError(f"mint serve exited with {proc.returncode}:\n{server_log(proc)}")
         if client.health():
             return proc, url
         time.sleep(0.2)

@@ -54,6 +54,9 @@ def test_dry_run_prints_the_vllm_command_from_serve_yaml() -> None:
     assert len(lines) == 1, out.stdout
     argv = shlex.split(lines[0])
 
+    # vLLM starts inside the adapter store, so relative lora_paths resolve there
+    assert argv[:3] == ["cd", cfg["adapter_store"], "&&"]
+    argv = argv[3:]
     env = {}
     while "=" in argv[0]:
         name, value = argv.pop(0).split("=", 1)
@@ -102,17 +105,18 @@ def test_bad_config_is_refused_with_every_problem_named(tmp_path: Path) -> None:
 
 def test_exec_passes_the_key_and_the_environment_to_vllm(tmp_path: Path) -> None:
     """Without --dry-run the script execs vLLM: a stand-in executable records what it was given."""
-    base = tmp_path / "base"
+    base, store = tmp_path / "base", tmp_path / "store"
     base.mkdir()
+    store.mkdir()
     cfg = yaml.safe_load(SERVE_YAML.read_text())
-    cfg["model"] = str(base)
+    cfg.update(model=str(base), adapter_store=str(store))
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(cfg))
     fake = tmp_path / "vllm"
     fake.write_text(
         "#!/usr/bin/env bash\n"
         'printf "%s\\n" "$@" > "$(dirname "$0")/argv.txt"\n'
-        'printf "%s|%s|%s\\n" "$VLLM_ALLOW_RUNTIME_LORA_UPDATING" "$HF_HUB_OFFLINE" "${VLLM_API_KEY-unset}"'
+        'printf "%s|%s|%s|%s\\n" "$VLLM_ALLOW_RUNTIME_LORA_UPDATING" "$HF_HUB_OFFLINE" "${VLLM_API_KEY-unset}" "$PWD"'
         ' > "$(dirname "$0")/env.txt"\n'
     )
     fake.chmod(0o755)
@@ -128,7 +132,7 @@ def test_exec_passes_the_key_and_the_environment_to_vllm(tmp_path: Path) -> None
     assert argv[:2] == ["serve", str(base)]
     assert flag_value(argv, "--api-key") == KEY
     assert argv[-1] == "--enforce-eager"  # pass-through arguments come last
-    assert (tmp_path / "env.txt").read_text().strip() == "True|1|unset"
+    assert (tmp_path / "env.txt").read_text().strip() == f"True|1|unset|{store}"
     assert KEY not in out.stderr  # the script logs the command it starts, with the key hidden
 
 
@@ -175,16 +179,15 @@ def test_live_vllm_serves_the_contract(tmp_path: Path) -> None:
     tiny.model.save_pretrained(base_dir)
     assert tiny.tokenizer is not None
     tiny.tokenizer.save_pretrained(base_dir)
-    revisions = []
     for seed in (1, 2):
         a = random_adapter(tiny.sites, ["q_proj", "k_proj", "v_proj", "o_proj"], 8, seed=seed, std=0.2)
         save_adapter(a, store / f"rev{seed}", tiny.sites)
-        revisions.append(str(store / f"rev{seed}"))
 
     port = free_port()
     cfg = yaml.safe_load(SERVE_YAML.read_text())
     cfg.update(
         model=str(base_dir),
+        adapter_store=str(store),
         served_model_name="tiny-base",
         host="127.0.0.1",
         port=port,
@@ -233,7 +236,7 @@ def test_live_vllm_serves_the_contract(tmp_path: Path) -> None:
             return str(json.loads(body)["choices"][0]["text"])
 
         complete("tiny-base")
-        load = {"lora_name": "tenant-a", "lora_path": revisions[0]}
+        load = {"lora_name": "tenant-a", "lora_path": "rev1"}  # relative: resolved inside the store
         assert http("POST", f"{url}/v1/load_lora_adapter", load, key=None)[0] == 401  # admin route guarded
         assert http("POST", f"{url}/v1/load_lora_adapter", load)[0] == 200
         models = json.loads(http("GET", f"{url}/v1/models")[1])["data"]
@@ -242,7 +245,7 @@ def test_live_vllm_serves_the_contract(tmp_path: Path) -> None:
         ).items()
         complete("tenant-a")
         assert http("POST", f"{url}/v1/load_lora_adapter", load)[0] == 400  # duplicate name, not in place
-        swap = {"lora_name": "tenant-a", "lora_path": revisions[1], "load_inplace": True}
+        swap = {"lora_name": "tenant-a", "lora_path": str(store / "rev2"), "load_inplace": True}
         assert http("POST", f"{url}/v1/load_lora_adapter", swap)[0] == 200  # promote: new revision in place
         complete("tenant-a")
         missing = {"lora_name": "tenant-b", "lora_path": str(store / "no-such-revision")}
