@@ -35,6 +35,8 @@ def load_serving_base(config: ServingConfig) -> Base:
 
 
 def build_app(config: ServingConfig, base: Base | None = None) -> FastAPI:
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     base = base or load_serving_base(config)
     root = Path(config.adapter_root)
     root.mkdir(parents=True, exist_ok=True)

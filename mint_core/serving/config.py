@@ -47,6 +47,9 @@ class ServingConfig(BaseModel):
     """Weights dtype of the base."""
     device: str = "cpu"
     """torch device of the base."""
+    torch_threads: int | None = Field(None, ge=1)
+    """CPU threads for torch (default: torch's own choice). 1 keeps decode steady when the cores are shared with
+    other busy processes, where OpenMP's spinning threads stall each other."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Server log level."""
 
