@@ -1,0 +1,143 @@
+"""Synthetic tasks with verifiable answers: the built-in base is pretrained on them, policies learn them.
+
+Every example is a prompt `"<task>: <input> ="` and an answer `" <output>"` ending with the tokenizer's EOS.
+Inputs are drawn by a seeded generator, so a task's train and held-out sets are reproducible; held-out sets use
+a disjoint seed range and exclude every train prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+LETTERS = string.ascii_lowercase
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    make: Callable[[random.Random], tuple[str, str]]  # rng -> (input, output)
+    answer_pattern: str  # a well-formed answer matches this (the format reward)
+    description: str
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"{a}+{b}", str(a + b)
+
+
+def _word(rng: random.Random, lo: int = 3, hi: int = 7) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    w = _word(rng)
+    return w, w[::-1]
+
+
+def _copy(rng: random.Random) -> tuple[str, str]:
+    w = _word(rng)
+    return w, w
+
+
+def _upper(rng: random.Random) -> tuple[str, str]:
+    w = _word(rng)
+    return w, w.upper()
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    digits = "".join(rng.choice(string.digits) for _ in range(rng.randint(3, 6)))
+    return digits, "".join(sorted(digits))
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        Task("add", _add, r"\d{1,3}", "the sum of two numbers below 100"),
+        Task("reverse", _reverse, r"[a-z]{3,7}", "a lowercase word spelled backwards"),
+        Task("copy", _copy, r"[a-z]{3,7}", "a lowercase word repeated"),
+        Task("upper", _upper, r"[A-Z]{3,7}", "a lowercase word in capitals"),
+        Task("sort", _sort, r"\d{3,6}", "digits in ascending order"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str
+    task: str
+    prompt: str
+    answer: str  # without the leading space or EOS
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def task(name: str) -> Task:
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def prompt_of(task_name: str, inp: str) -> str:
+    return f"{task_name}: {inp} ="
+
+
+def examples(task_name: str, seed: int, exclude: set[str] | None = None) -> Iterator[Example]:
+    """An endless reproducible stream of distinct examples of one task (none whose prompt is in `exclude`)."""
+    t = task(task_name)
+    rng = random.Random(f"{task_name}:{seed}")
+    seen = set(exclude or ())
+    i = 0
+    misses = 0
+    while True:
+        inp, out = t.make(rng)
+        prompt = prompt_of(task_name, inp)
+        if prompt in seen:
+            misses += 1
+            if misses > 100_000:
+                raise ValueError(f"task {task_name} has no more distinct prompts (seed {seed})")
+            continue
+        seen.add(prompt)
+        yield Example(f"{task_name}-{seed}-{i}", task_name, prompt, out)
+        i += 1
+
+
+def take(stream: Iterable[Example], n: int) -> list[Example]:
+    out: list[Example] = []
+    for ex in stream:
+        if len(out) == n:
+            break
+        out.append(ex)
+    return out
+
+
+def split(task_name: str, n_train: int, n_heldout: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """Train and held-out sets of one task; no held-out prompt appears in train."""
+    train = take(examples(task_name, seed), n_train)
+    heldout = take(examples(task_name, seed + 1_000_003, exclude={e.prompt for e in train}), n_heldout)
+    return train, heldout
+
+
+def is_well_formed(task_name: str, completion: str) -> bool:
+    return re.fullmatch(task(task_name).answer_pattern, completion.strip()) is not None
+
+
+def write_jsonl(path: Path, rows: Iterable[Example]) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w") as f:
+        for r in rows:
+            f.write(r.to_json() + "\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    with Path(path).open() as f:
+        return [Example(**json.loads(line)) for line in f if line.strip()]

@@ -1,0 +1,70 @@
+"""Rollouts through the engine: G samples per prompt, prompts of many policies in one batch, rewards attached."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mint_core.data.tasks import Example
+from mint_core.engine.engine import Engine, Request
+from mint_core.engine.sampling import SamplingParams
+from mint_core.rl.rewards import reward as reward_fn
+
+
+@dataclass
+class RolloutRow:
+    policy: str
+    group: int  # rows with the same group share a prompt (and a policy)
+    example: Example
+    prompt_ids: list[int]
+    completion_ids: list[int]  # generated tokens, plus EOS when the model chose to stop
+    sampling_logprobs: list[float]  # of the generated tokens (EOS excluded), as sampled
+    text: str
+    reward: float
+    finish_reason: str
+
+
+def rollout(
+    engine: Engine,
+    prompts: dict[str, list[Example]],
+    rewards: dict[str, str],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int | None = None,
+) -> list[RolloutRow]:
+    """`group_size` samples of every prompt of every policy (adapter name -> its examples), one engine batch."""
+    requests: list[Request] = []
+    meta: list[tuple[str, int, Example]] = []
+    group = 0
+    for policy, examples in prompts.items():
+        for ex in examples:
+            for g in range(group_size):
+                params = SamplingParams(
+                    max_tokens=max_new_tokens,
+                    temperature=temperature,
+                    logprobs=True,
+                    seed=None if seed is None else hash((seed, group, g)) & 0x7FFFFFFF,
+                )
+                requests.append(Request(ex.prompt, policy, params))
+                meta.append((policy, group, ex))
+            group += 1
+    out = engine.generate(requests)
+    rows = []
+    for (policy, g, ex), c in zip(meta, out, strict=True):
+        ids = list(c.token_ids)
+        if c.finish_reason == "stop" and engine.eos_id is not None and not requests[0].params.stop:
+            ids.append(engine.eos_id)
+        rows.append(
+            RolloutRow(
+                policy=policy,
+                group=g,
+                example=ex,
+                prompt_ids=c.prompt_token_ids,
+                completion_ids=ids,
+                sampling_logprobs=list(c.logprobs or []),
+                text=c.text,
+                reward=reward_fn(rewards[policy])(ex, c.text),
+                finish_reason=c.finish_reason,
+            )
+        )
+    return rows
