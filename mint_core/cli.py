@@ -6,7 +6,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -17,8 +17,10 @@ from mint_core import __version__
 app = typer.Typer(help="mint: many LoRA policies over one resident base model.", no_args_is_help=True)
 adapter_app = typer.Typer(help="Inspect and convert adapter revisions.", no_args_is_help=True)
 base_app = typer.Typer(help="Build and inspect bases.", no_args_is_help=True)
+data_app = typer.Typer(help="Build the task datasets.", no_args_is_help=True)
 app.add_typer(adapter_app, name="adapter")
 app.add_typer(base_app, name="base")
+app.add_typer(data_app, name="data")
 console = Console()
 
 
@@ -54,6 +56,65 @@ def build_tiny(
     assert base.tokenizer is not None
     base.tokenizer.save_pretrained(out)
     console.print(f"wrote {family} base to {out} (fingerprint {base.fingerprint[:16]})")
+
+
+def _params(path: Path, section: str) -> dict[str, Any]:
+    """One section of a params.yaml (the DVC pipeline's parameters); {} (defaults) if the file is missing."""
+    import yaml
+
+    if not path.is_file():
+        console.print(f"[yellow]{path} not found: using default {section} parameters[/]")
+        return {}
+    doc = yaml.safe_load(path.read_text()) or {}
+    got = doc.get(section) or {}
+    if not isinstance(got, dict):
+        raise typer.BadParameter(f"{path}: section {section!r} is not a mapping")
+    return got
+
+
+@data_app.command("build")
+def data_build(
+    out: Annotated[Path, typer.Option(help="Directory for train/, heldout/, corpus.txt.")] = Path(
+        "data/tasks"
+    ),
+    params: Annotated[Path, typer.Option(help="YAML file whose data: section is used.")] = Path(
+        "params.yaml"
+    ),
+) -> None:
+    """Write each task's train and held-out sets and the pretraining corpus (the `task_data` stage)."""
+    from mint_core.data.build import DataParams, write_task_data
+
+    p = DataParams(**_params(params, "data"))
+    manifest = write_task_data(out, p.tasks, p.n_train, p.n_heldout, p.seed)
+    console.print(
+        f"wrote {len(p.tasks)} tasks ({p.n_train} train + {p.n_heldout} held-out each, seed {p.seed}) "
+        f"and a {manifest['corpus_lines']}-line corpus to {out}"
+    )
+
+
+@base_app.command("pretrain")
+def base_pretrain(
+    data: Annotated[Path, typer.Option(help="Output of `mint data build`.")] = Path("data/tasks"),
+    out: Annotated[Path, typer.Option(help="Directory to write the base into.")] = Path("data/base"),
+    params: Annotated[Path, typer.Option(help="YAML file whose base: section is used.")] = Path(
+        "params.yaml"
+    ),
+    metrics: Annotated[
+        Path | None, typer.Option(help="Also write metrics.json here (a DVC metrics file).")
+    ] = None,
+) -> None:
+    """Pretrain the built-in base on the task corpus, save it, and record its held-out accuracy per task."""
+    from mint_core.engine.pretrain import PretrainParams, pretrain
+
+    m = pretrain(out, PretrainParams(**_params(params, "base")), data, metrics_path=metrics)
+    table = Table("task", "exact match", "well formed", "n")
+    for task_name, v in m["heldout"].items():
+        table.add_row(task_name, f"{v['exact_match']:.3f}", f"{v['well_formed']:.3f}", str(v["n"]))
+    console.print(table)
+    console.print(
+        f"wrote base to {out} ({m['parameters'] / 1e6:.2f}M parameters, final loss {m['final_loss']:.3f}, "
+        f"{m['train_seconds']:.0f} s training)"
+    )
 
 
 @base_app.command("info")
@@ -138,6 +199,69 @@ def serve(
     console.print(f"adapter store: {cfg.adapter_root.resolve()}")
     console.print(f"admin token (load/unload): {token}")
     run_server(cfg)
+
+
+@app.command()
+def train(
+    policies: Annotated[
+        str, typer.Option(help="Comma-separated tasks, one policy per task (add,reverse,...).")
+    ] = "add,reverse,sort",
+    base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
+        "data/base"
+    ),
+    steps: Annotated[int, typer.Option(min=1)] = 10,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 8,
+    group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-3,
+    rank: Annotated[int, typer.Option(min=1)] = 8,
+    out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
+        "runs/train"
+    ),
+    seed: int = 0,
+) -> None:
+    """Train several policies with GRPO at once on one base; print held-out reward before and after."""
+    from tqdm import tqdm
+
+    from mint_core.data.tasks import split, task
+    from mint_core.engine.base import load_base
+    from mint_core.engine.engine import Engine, EngineConfig
+    from mint_core.rl.evaluate import heldout_scores
+    from mint_core.rl.grpo import GRPOConfig
+    from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+
+    names = [t.strip() for t in policies.split(",") if t.strip()]
+    for t in names:
+        task(t)  # unknown task: a clear error before any work
+    if not (base / "config.json").is_file():
+        raise typer.BadParameter(
+            f"{base} is not a model directory (build the built-in base with `dvc repro`)"
+        )
+    engine = Engine(
+        load_base(base), EngineConfig(max_loras=len(names), max_lora_rank=max(rank, 8), max_model_len=128)
+    )
+    specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
+    trainer = MultiPolicyTrainer(engine, GRPOConfig(group_size=group, learning_rate=lr), specs, seed=seed)
+    data = {t: split(t, prompts * steps, 64, seed) for t in names}
+    before = {t: heldout_scores(engine, t, data[t][1]) for t in names}
+    curve = []
+    for s in tqdm(range(steps), desc="GRPO steps", unit="step"):
+        stats = trainer.step({t: data[t][0][s * prompts : (s + 1) * prompts] for t in names})
+        curve.append(stats.reward)
+    after = {t: heldout_scores(engine, t, data[t][1]) for t in names}
+    table = Table("policy", "held-out exact match before", "after", "train reward first step", "last step")
+    for t in names:
+        table.add_row(
+            t,
+            f"{before[t]:.3f}",
+            f"{after[t]:.3f}",
+            f"{curve[0].get(t, 0):.3f}",
+            f"{curve[-1].get(t, 0):.3f}",
+        )
+    console.print(table)
+    trainer.save_state(out / "state")
+    for t in names:
+        digest = trainer.export(t, out / "revisions" / f"{t}-step{steps}")
+        console.print(f"exported {t}: sha256:{digest[:16]} -> {out / 'revisions' / f'{t}-step{steps}'}")
 
 
 @app.command()

@@ -1,0 +1,24 @@
+"""Greedy held-out scores of a policy (or the bare base) on its task."""
+
+from __future__ import annotations
+
+from mint_core.data.tasks import Example
+from mint_core.engine.engine import Engine, Request
+from mint_core.engine.sampling import SamplingParams
+from mint_core.rl.rewards import reward as reward_fn
+
+
+def heldout_scores(
+    engine: Engine,
+    adapter: str | None,
+    examples: list[Example],
+    reward: str = "exact_match",
+    max_new_tokens: int = 12,
+) -> float:
+    """Mean reward of greedy answers to `examples` under `adapter` (None: the bare base), in one batch."""
+    if not examples:
+        raise ValueError("no examples to score")
+    params = SamplingParams(max_tokens=max_new_tokens)
+    out = engine.generate([Request(ex.prompt, adapter, params) for ex in examples])
+    fn = reward_fn(reward)
+    return sum(fn(ex, c.text) for ex, c in zip(examples, out, strict=True)) / len(examples)
