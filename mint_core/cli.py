@@ -209,10 +209,10 @@ def train(
     base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
         "data/base"
     ),
-    steps: Annotated[int, typer.Option(min=1)] = 10,
+    steps: Annotated[int, typer.Option(min=1)] = 30,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 8,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 2e-3,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-3,
     rank: Annotated[int, typer.Option(min=1)] = 8,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
