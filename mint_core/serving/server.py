@@ -34,6 +34,7 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.sequence import Request as GenRequest
 from mint_core.engine.sequence import RequestError, Sequence
 from mint_core.errors import AdapterError, MintError, UnknownAdapter
+from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.loop import EngineLoop
 from mint_core.serving.metrics import Metrics
@@ -120,6 +121,7 @@ class Server:
         self.loop = EngineLoop(engine, config.max_num_seqs)
         self.metrics = Metrics(engine, self.loop)
         self.root = Path(config.adapter_root).resolve()
+        self.store = AdapterStore(self.root)
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.created = int(time.time())
 
@@ -149,6 +151,21 @@ class Server:
         raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def resolve_path(self, lora_path: str) -> Path:
+        """A directory inside the adapter store, or a content address `sha256:<hex>` of a stored revision
+        (digest verified on the way out)."""
+        if lora_path.startswith("sha256:"):
+            try:
+                return self.store.local_dir(lora_path)
+            except ValueError as e:
+                raise APIError(400, str(e), "BadRequestError", "lora_path") from None
+            except UnknownRevision:
+                raise APIError(
+                    404,
+                    f"No adapter found at {lora_path!r} in the adapter store {self.root}",
+                    "NotFoundError",
+                ) from None
+            except StoreError as e:
+                raise APIError(400, str(e), "BadRequestError", "lora_path") from None
         p = Path(lora_path)
         real = (p if p.is_absolute() else self.root / p).resolve()
         if real != self.root and self.root not in real.parents:
