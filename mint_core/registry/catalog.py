@@ -1,0 +1,642 @@
+"""The catalog: every addressable adapter revision, address -> digest -> blob location.
+
+Four address forms name a revision anywhere an adapter is named:
+
+    policy            the policy's champion (same as `policy@champion`)
+    policy@alias      a movable pointer, e.g. `p@candidate`
+    policy/v7         one version of a policy; versions count up from 1 per policy
+    sha256:<hex>      the revision itself (64 lowercase hex digits)
+
+Three tables hold it: `revisions` (one row per digest: base, rank, blob location, tags), `versions` (policy,
+version -> digest) and `aliases` (policy, alias -> version). SQLite by default (WAL, busy timeout), any
+SQLAlchemy URL otherwise (PostgreSQL for many writers). SQLAlchemy Core rather than the ORM so that a million
+entries register in bulk in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import BaseModel, Field
+from sqlalchemy.engine import Connection, Engine
+
+from mint_core.errors import MintError
+
+logger = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+CHUNK = 10_000
+_RETRIES = 8
+_PG_VERSIONS_LOCK = 0x6D696E745F766572  # "mint_ver": the advisory lock that serializes version appends
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+_NAME_RE = re.compile(_NAME)
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+_VERSION_RE = re.compile(r"v([1-9][0-9]{0,17})")
+_FORMS = "`policy`, `policy@alias`, `policy/v<N>` (N >= 1) or `sha256:<64 lowercase hex>`"
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+
+
+class CatalogError(MintError):
+    """The catalog could not do what was asked; nothing was changed."""
+
+
+class AddressError(CatalogError, ValueError):
+    """An address that is not well formed; names the input and the forms expected."""
+
+
+class UnknownAddress(CatalogError):
+    """A well-formed address that names nothing in the catalog."""
+
+
+# ---- config -------------------------------------------------------------------------------------------------
+
+
+class CatalogConfig(BaseModel):
+    """Where the catalog index lives."""
+
+    url: str = "sqlite:///.mint/catalog.db"
+    """Any SQLAlchemy URL. SQLite (the default, a file under `.mint/`) for one machine;
+    `postgresql+psycopg://user@host:5432/db` when several processes or machines write."""
+
+    busy_timeout_ms: int = Field(default=5000, ge=0)
+    """SQLite only: how long a writer waits for another writer's lock before failing."""
+
+    echo: bool = False
+    """Log every SQL statement (debugging)."""
+
+
+# ---- addresses ----------------------------------------------------------------------------------------------
+
+
+AddressKind = Literal["policy", "alias", "version", "digest"]
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """A parsed address; `str(address)` gives its canonical spelling."""
+
+    kind: AddressKind
+    policy: str | None = None
+    alias: str | None = None
+    version: int | None = None
+    digest: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "digest":
+            return f"sha256:{self.digest}"
+        if self.kind == "alias":
+            return f"{self.policy}@{self.alias}"
+        if self.kind == "version":
+            return f"{self.policy}/v{self.version}"
+        return str(self.policy)
+
+
+def _bad(s: object, why: str) -> AddressError:
+    return AddressError(f"malformed address {s!r}: {why}; expected {_FORMS}")
+
+
+def _check_name(s: str, what: str, name: str) -> None:
+    if not name:
+        raise _bad(s, f"empty {what}")
+    if not _NAME_RE.fullmatch(name):
+        raise _bad(s, f"{what} {name!r} must be 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+
+
+def parse_address(s: str) -> Address:
+    """Parse one of the four address forms; anything else raises `AddressError` naming the input."""
+    if not isinstance(s, str):
+        raise _bad(s, f"not a string but {type(s).__name__}")
+    if not s:
+        raise _bad(s, "empty")
+    if s.startswith("sha256:"):
+        hex_ = s.removeprefix("sha256:")
+        if not _HEX64_RE.fullmatch(hex_):
+            raise _bad(s, f"digest must be 64 lowercase hex digits, got {len(hex_)} characters")
+        return Address("digest", digest=hex_)
+    if "@" in s:
+        policy, _, alias = s.partition("@")
+        _check_name(s, "policy", policy)
+        _check_name(s, "alias", alias)
+        return Address("alias", policy=policy, alias=alias)
+    if "/" in s:
+        policy, _, rest = s.partition("/")
+        _check_name(s, "policy", policy)
+        m = _VERSION_RE.fullmatch(rest)
+        if not m:
+            raise _bad(s, f"version must be `v` and a number >= 1 without leading zeros, got {rest!r}")
+        return Address("version", policy=policy, version=int(m.group(1)))
+    _check_name(s, "policy", s)
+    return Address("policy", policy=s)
+
+
+def normalize_digest(digest: str) -> str:
+    """`sha256:<hex>` or bare `<hex>` -> bare 64 lowercase hex; anything else raises `CatalogError`."""
+    hex_ = digest.removeprefix("sha256:") if isinstance(digest, str) else None
+    if hex_ is None or not _HEX64_RE.fullmatch(hex_):
+        raise CatalogError(
+            f"digest {digest!r} is not 64 lowercase hex digits (optionally `sha256:`-prefixed)"
+        )
+    return hex_
+
+
+# ---- tables -------------------------------------------------------------------------------------------------
+
+metadata = sa.MetaData()
+
+revisions = sa.Table(
+    "revisions",
+    metadata,
+    sa.Column("digest", sa.CHAR(64), primary_key=True),
+    sa.Column("base", sa.Text, nullable=False),
+    sa.Column("rank", sa.Integer, nullable=False),
+    sa.Column("location", sa.Text, nullable=False),
+    sa.Column("tags", sa.JSON(none_as_null=True), nullable=True),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Index("ix_revisions_base_rank", "base", "rank"),
+    sa.Index("ix_revisions_rank", "rank"),
+    sa.Index("ix_revisions_created", "created", "digest"),
+)
+
+versions = sa.Table(
+    "versions",
+    metadata,
+    sa.Column("policy", sa.String(128), primary_key=True),
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("digest", sa.CHAR(64), sa.ForeignKey("revisions.digest"), nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Index("ix_versions_digest", "digest"),
+)
+
+# No foreign key to `versions`: an alias may outlive the version it names, and resolve says so.
+aliases = sa.Table(
+    "aliases",
+    metadata,
+    sa.Column("policy", sa.String(128), primary_key=True),
+    sa.Column("alias", sa.String(128), primary_key=True),
+    sa.Column("version", sa.Integer, nullable=False),
+)
+
+
+# ---- records ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One revision to register, optionally as the next version of `policy`."""
+
+    digest: str
+    base: str
+    rank: int
+    location: str
+    tags: Mapping[str, str] | None = None
+    policy: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """What an address names: the revision's digest and blob location, and the policy version if any."""
+
+    digest: str
+    location: str
+    policy: str | None = None
+    version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One row of `Catalog.list`: a revision, and the policy version it is (None for a bare revision)."""
+
+    digest: str
+    base: str
+    rank: int
+    location: str
+    tags: dict[str, str] = field(default_factory=dict)
+    created: float = 0.0
+    policy: str | None = None
+    version: int | None = None
+
+
+def _validated(i: int, row: Registration | Mapping[str, Any], problems: list[str]) -> Registration | None:
+    """The row with its digest normalized, or None after appending what is wrong with it to `problems`."""
+    where = f"row {i}"
+    try:
+        reg = row if isinstance(row, Registration) else Registration(**row)
+    except TypeError as e:
+        problems.append(f"{where}: {e}")
+        return None
+    bad: list[str] = []
+    try:
+        digest = normalize_digest(reg.digest)
+    except CatalogError as e:
+        bad.append(str(e))
+        digest = reg.digest
+    where = f"row {i} ({reg.digest!r})"
+    if not isinstance(reg.base, str) or not reg.base:
+        bad.append(f"base must be a non-empty string, got {reg.base!r}")
+    if not isinstance(reg.rank, int) or isinstance(reg.rank, bool) or reg.rank < 1:
+        bad.append(f"rank must be an integer >= 1, got {reg.rank!r}")
+    if not isinstance(reg.location, str) or not reg.location:
+        bad.append(f"location must be a non-empty string, got {reg.location!r}")
+    if reg.tags is not None and not (
+        isinstance(reg.tags, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in reg.tags.items())
+    ):
+        bad.append(f"tags must be a mapping of str to str, got {reg.tags!r}")
+    if reg.policy is not None and not (isinstance(reg.policy, str) and _NAME_RE.fullmatch(reg.policy)):
+        bad.append(f"policy {reg.policy!r} must be 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
+    if bad:
+        problems.extend(f"{where}: {b}" for b in bad)
+        return None
+    tags = dict(reg.tags) if reg.tags is not None else None
+    return Registration(digest, reg.base, reg.rank, reg.location, tags, reg.policy)
+
+
+def _chunks(rows: Sequence[Registration], n: int) -> Iterator[Sequence[Registration]]:
+    for start in range(0, len(rows), n):
+        yield rows[start : start + n]
+
+
+def _sqlite_pragmas(busy_timeout_ms: int, in_memory: bool):  # type: ignore[no-untyped-def]
+    def on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        cur = dbapi_connection.cursor()
+        if not in_memory:
+            cur.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: durable across process crashes, and a commit costs no fsync of the main file
+            cur.execute("PRAGMA synchronous=NORMAL")
+        # 64 MiB page cache (default 2 MiB): random digest keys touch index pages all over the file
+        cur.execute("PRAGMA cache_size=-65536")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    return on_connect
+
+
+# ---- the catalog --------------------------------------------------------------------------------------------
+
+
+class Catalog:
+    """Address -> digest -> location over one SQLAlchemy database; creates its tables on first use."""
+
+    def __init__(self, config: CatalogConfig | None = None):
+        self.config = config or CatalogConfig()
+        url = sa.make_url(self.config.url)
+        in_memory = False
+        if url.get_backend_name() == "sqlite":
+            in_memory = url.database in (None, "", ":memory:")
+            if not in_memory and url.database:
+                Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        self.engine: Engine = sa.create_engine(url, echo=self.config.echo)
+        if url.get_backend_name() == "sqlite":
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas(self.config.busy_timeout_ms, in_memory))
+        metadata.create_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- writes ----
+
+    def register(
+        self,
+        digest: str,
+        base: str,
+        rank: int,
+        location: str,
+        tags: Mapping[str, str] | None = None,
+        policy: str | None = None,
+    ) -> int | None:
+        """Record a revision (idempotent by digest) and, with `policy`, make it that policy's next version.
+
+        Returns the version, or None without a policy. Registering the digest that already is the policy's
+        latest version returns that version instead of appending another, so a retried export is harmless.
+        A digest already recorded with another base or rank is an error; its location and tags are updated.
+        """
+        return self.register_many([Registration(digest, base, rank, location, tags, policy)])[0]
+
+    def register_many(self, rows: Iterable[Registration | Mapping[str, Any]]) -> list[int | None]:
+        """`register` for many rows: every row is checked first (a bad one writes nothing), then rows are
+        written in chunks of 10,000, one transaction each. Returns each row's version (None without policy)."""
+        problems: list[str] = []
+        checked: list[Registration] = []
+        for i, row in enumerate(rows):
+            reg = _validated(i, row, problems)
+            if reg is not None:
+                checked.append(reg)
+        first: dict[str, Registration] = {}
+        for i, reg in enumerate(checked):
+            seen = first.setdefault(reg.digest, reg)
+            if (seen.base, seen.rank) != (reg.base, reg.rank):
+                problems.append(
+                    f"row {i} ({reg.digest!r}): base/rank {reg.base!r}/{reg.rank} disagree with an earlier "
+                    f"row's {seen.base!r}/{seen.rank} for the same digest"
+                )
+        if problems:
+            shown = "\n".join(f"  - {p}" for p in problems[:10])
+            more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise CatalogError(f"{len(problems)} problem(s) in registration; nothing written:\n{shown}{more}")
+
+        out: list[int | None] = []
+        for chunk in _chunks(checked, CHUNK):
+            out.extend(self._retrying(lambda conn, chunk=chunk: self._write_chunk(conn, chunk)))
+        return out
+
+    def _retrying(self, fn):  # type: ignore[no-untyped-def]
+        """Run `fn(conn)` in one transaction, again when a concurrent writer took the same key or lock."""
+        for attempt in range(_RETRIES):
+            try:
+                with self.engine.begin() as conn:
+                    return fn(conn)
+            except (sa.exc.IntegrityError, sa.exc.OperationalError) as e:
+                if attempt == _RETRIES - 1:
+                    raise CatalogError(f"catalog write failed after {_RETRIES} attempts: {e.orig}") from e
+                logger.info("catalog write conflicted (%s), retrying", type(e.orig).__name__)
+                time.sleep(random.uniform(0.005, 0.01 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _write_chunk(self, conn: Connection, chunk: Sequence[Registration]) -> list[int | None]:
+        now = time.time()
+        digests = list({r.digest: None for r in chunk})
+        existing = {
+            d: (b, k, loc, t)
+            for d, b, k, loc, t in conn.execute(
+                sa.select(
+                    revisions.c.digest,
+                    revisions.c.base,
+                    revisions.c.rank,
+                    revisions.c.location,
+                    revisions.c.tags,
+                ).where(revisions.c.digest.in_(digests))
+            )
+        }
+        clashes = [
+            f"{r.digest}: recorded as base {existing[r.digest][0]!r} rank {existing[r.digest][1]}, "
+            f"given base {r.base!r} rank {r.rank}"
+            for r in chunk
+            if r.digest in existing and existing[r.digest][:2] != (r.base, r.rank)
+        ]
+        if clashes:
+            raise CatalogError(
+                "a digest names fixed bytes, so its base and rank cannot change:\n  "
+                + "\n  ".join(clashes[:10])
+            )
+
+        new: dict[str, dict[str, Any]] = {}
+        changed: dict[str, dict[str, Any]] = {}
+        for r in chunk:
+            if r.digest in existing:
+                _, _, old_location, old_tags = existing[r.digest]
+                tags = r.tags if r.tags is not None else old_tags
+                if (r.location, tags) != (old_location, old_tags):
+                    changed[r.digest] = {"d": r.digest, "location": r.location, "tags": tags}
+                    existing[r.digest] = (r.base, r.rank, r.location, tags)
+            else:
+                new[r.digest] = {
+                    "digest": r.digest,
+                    "base": r.base,
+                    "rank": r.rank,
+                    "location": r.location,
+                    "tags": r.tags,
+                    "created": now,
+                }
+        if new:
+            conn.execute(revisions.insert(), list(new.values()))
+        if changed:
+            conn.execute(
+                revisions.update()
+                .where(revisions.c.digest == sa.bindparam("d"))
+                .values(location=sa.bindparam("location"), tags=sa.bindparam("tags")),
+                list(changed.values()),
+            )
+
+        policies = list({r.policy: None for r in chunk if r.policy is not None})
+        if not policies:
+            return [None] * len(chunk)
+        # Appends are serialized so that two writers never compute the same next version: on SQLite this
+        # transaction holds the write lock since the writes above; on PostgreSQL a transaction-scoped advisory
+        # lock does it. Elsewhere a race ends in a key clash and `_retrying` runs the chunk again.
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_VERSIONS_LOCK})
+        latest: dict[str, tuple[int, str]] = {}
+        for start in range(0, len(policies), 1000):
+            part = policies[start : start + 1000]
+            v2 = versions.alias("v2")
+            rows = conn.execute(
+                sa.select(versions.c.policy, versions.c.version, versions.c.digest).where(
+                    versions.c.policy.in_(part),
+                    versions.c.version
+                    == sa.select(sa.func.max(v2.c.version))
+                    .where(v2.c.policy == versions.c.policy)
+                    .scalar_subquery(),
+                )
+            )
+            latest.update({p: (v, d) for p, v, d in rows})
+        out: list[int | None] = []
+        inserts: list[dict[str, Any]] = []
+        for r in chunk:
+            if r.policy is None:
+                out.append(None)
+                continue
+            version, digest = latest.get(r.policy, (0, ""))
+            if digest != r.digest:
+                version += 1
+                latest[r.policy] = (version, r.digest)
+                inserts.append({"policy": r.policy, "version": version, "digest": r.digest, "created": now})
+            out.append(version)
+        if inserts:
+            conn.execute(versions.insert(), inserts)
+        return out
+
+    def set_alias(self, policy: str, alias: str, version: int) -> int | None:
+        """Point `policy@alias` at an existing version; returns the version it pointed at before (or None)."""
+        s = f"{policy}@{alias}"
+        _check_name(s, "policy", policy)
+        _check_name(s, "alias", alias)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CatalogError(f"cannot set {s}: version must be an integer >= 1, got {version!r}")
+
+        def move(conn: Connection) -> int | None:
+            found = conn.execute(
+                sa.select(versions.c.version).where(
+                    versions.c.policy == policy, versions.c.version == version
+                )
+            ).first()
+            if found is None:
+                raise UnknownAddress(
+                    f"cannot set {s} -> v{version}: {self._policy_versions_text(conn, policy)}"
+                )
+            before = conn.execute(
+                sa.select(aliases.c.version).where(aliases.c.policy == policy, aliases.c.alias == alias)
+            ).scalar_one_or_none()
+            if before is None:
+                conn.execute(aliases.insert().values(policy=policy, alias=alias, version=version))
+            elif before != version:
+                conn.execute(
+                    aliases.update()
+                    .where(aliases.c.policy == policy, aliases.c.alias == alias)
+                    .values(version=version)
+                )
+            return before
+
+        before = self._retrying(move)
+        logger.info("alias %s: v%s -> v%d", s, before, version)
+        return before
+
+    # ---- reads ----
+
+    def resolve(self, address: str | Address) -> Resolved:
+        """The revision an address names; `policy` alone means `policy@champion`. Raises `UnknownAddress`."""
+        addr = address if isinstance(address, Address) else parse_address(address)
+        with self.engine.connect() as conn:
+            if addr.kind == "digest":
+                loc = conn.execute(
+                    sa.select(revisions.c.location).where(revisions.c.digest == addr.digest)
+                ).scalar_one_or_none()
+                if loc is None:
+                    raise UnknownAddress(f"no revision sha256:{addr.digest} in the catalog")
+                assert addr.digest is not None
+                return Resolved(addr.digest, loc)
+            policy = addr.policy
+            assert policy is not None
+            if addr.kind == "version":
+                row = conn.execute(
+                    sa.select(versions.c.digest, revisions.c.location)
+                    .join_from(versions, revisions, versions.c.digest == revisions.c.digest)
+                    .where(versions.c.policy == policy, versions.c.version == addr.version)
+                ).first()
+                if row is None:
+                    raise UnknownAddress(
+                        f"unknown address {str(addr)!r}: {self._policy_versions_text(conn, policy)}"
+                    )
+                return Resolved(row[0], row[1], policy, addr.version)
+            alias = addr.alias or CHAMPION
+            hit = conn.execute(
+                sa.select(aliases.c.version, versions.c.digest, revisions.c.location)
+                .select_from(
+                    aliases.outerjoin(
+                        versions,
+                        sa.and_(
+                            versions.c.policy == aliases.c.policy, versions.c.version == aliases.c.version
+                        ),
+                    ).outerjoin(revisions, revisions.c.digest == versions.c.digest)
+                )
+                .where(aliases.c.policy == policy, aliases.c.alias == alias)
+            ).first()
+            if hit is None:
+                raise UnknownAddress(self._missing_alias_text(conn, addr, alias))
+            version, digest, location = hit
+            if digest is None or location is None:
+                raise UnknownAddress(
+                    f"address {str(addr)!r}: alias {policy}@{alias} points at {policy}/v{version}, "
+                    f"a version missing from the catalog (deleted?); move the alias to an existing version"
+                )
+            return Resolved(digest, location, policy, version)
+
+    def _policy_versions_text(self, conn: Connection, policy: str) -> str:
+        lo, hi, n = conn.execute(
+            sa.select(
+                sa.func.min(versions.c.version), sa.func.max(versions.c.version), sa.func.count()
+            ).where(versions.c.policy == policy)
+        ).one()
+        if not n:
+            return f"unknown policy {policy!r} (it has no versions)"
+        return f"policy {policy!r} has {n} version(s), v{lo}..v{hi}, and not that one"
+
+    def _missing_alias_text(self, conn: Connection, addr: Address, alias: str) -> str:
+        policy = addr.policy
+        names = list(
+            conn.execute(
+                sa.select(aliases.c.alias).where(aliases.c.policy == policy).order_by(aliases.c.alias)
+            ).scalars()
+        )
+        has_versions = conn.execute(
+            sa.select(versions.c.version).where(versions.c.policy == policy).limit(1)
+        ).first()
+        if not names and not has_versions:
+            return f"unknown address {str(addr)!r}: unknown policy {policy!r}"
+        meaning = f" (a bare policy means {policy}@{CHAMPION})" if addr.kind == "policy" else ""
+        have = f"its aliases: {', '.join(names)}" if names else "it has no aliases yet"
+        return f"unknown address {str(addr)!r}: policy {policy!r} has no alias {alias!r}{meaning}; {have}"
+
+    def list(
+        self,
+        policy: str | None = None,
+        base: str | None = None,
+        rank: int | None = None,
+        tag: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[Entry]:
+        """Catalog entries, filtered. With `policy`: that policy's versions, oldest first. Without: every
+        revision once per version that names it (once with policy None if none does), oldest first.
+        `tag` is `key` (the tag is set) or `key=value`."""
+        if limit < 0 or offset < 0:
+            raise CatalogError(f"limit and offset must be >= 0, got limit={limit} offset={offset}")
+        cols = [
+            revisions.c.digest,
+            revisions.c.base,
+            revisions.c.rank,
+            revisions.c.location,
+            revisions.c.tags,
+            revisions.c.created,
+            versions.c.policy,
+            versions.c.version,
+        ]
+        if policy is not None:
+            q = (
+                sa.select(*cols)
+                .join_from(versions, revisions, versions.c.digest == revisions.c.digest)
+                .where(versions.c.policy == policy)
+                .order_by(versions.c.version)
+            )
+        else:
+            q = (
+                sa.select(*cols)
+                .join_from(revisions, versions, versions.c.digest == revisions.c.digest, isouter=True)
+                .order_by(revisions.c.created, revisions.c.digest, versions.c.policy, versions.c.version)
+            )
+        if base is not None:
+            q = q.where(revisions.c.base == base)
+        if rank is not None:
+            q = q.where(revisions.c.rank == rank)
+        if tag is not None:
+            key, eq, value = tag.partition("=")
+            if not key:
+                raise CatalogError(f"tag filter {tag!r} must be `key` or `key=value`")
+            tag_value = revisions.c.tags[key].as_string()
+            q = q.where(tag_value == value) if eq else q.where(tag_value.is_not(None))
+        with self.engine.connect() as conn:
+            rows = conn.execute(q.limit(limit).offset(offset)).all()
+        return [Entry(d, b, k, loc, dict(t or {}), created, p, v) for d, b, k, loc, t, created, p, v in rows]
+
+    def referenced_digests(self) -> set[str]:
+        """Every digest a revision or version row names: the blobs the store's garbage collection keeps."""
+        q = sa.union(sa.select(revisions.c.digest), sa.select(versions.c.digest))
+        with self.engine.connect() as conn:
+            return set(conn.execute(q).scalars())
+
+    def count(self, policy: str | None = None) -> int:
+        """Number of revisions, or with `policy` the number of that policy's versions."""
+        q = (
+            sa.select(sa.func.count()).select_from(revisions)
+            if policy is None
+            else sa.select(sa.func.count()).select_from(versions).where(versions.c.policy == policy)
+        )
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar_one())
