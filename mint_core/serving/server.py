@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -537,8 +537,12 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
         seqs = await server.submit_all([(adapter, ids, params) for _, ids, params in jobs], wake)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
+            with_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
             return StreamingResponse(
-                _stream_completion(server, body, rid, seqs, wake), media_type="text/event-stream"
+                _stream(
+                    server, body.model, "text_completion", rid, seqs, wake, with_usage, _completion_choices
+                ),
+                media_type="text/event-stream",
             )
         await server.wait(seqs, wake)
         server.count(body.model, seqs, "200")
@@ -594,8 +598,12 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
         seqs = await server.submit_all(jobs, wake)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
+            with_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
             return StreamingResponse(
-                _stream_chat(server, body, rid, seqs, wake), media_type="text/event-stream"
+                _stream(
+                    server, body.model, "chat.completion.chunk", rid, seqs, wake, with_usage, _chat_choices
+                ),
+                media_type="text/event-stream",
             )
         await server.wait(seqs, wake)
         server.count(body.model, seqs, "200")
@@ -656,108 +664,77 @@ async def _progress(seqs: list[Sequence], wake: asyncio.Queue[None]) -> AsyncIte
     yield
 
 
-async def _stream_completion(
+ChoiceRender = Callable[[int, Sequence, str, bool, bool], list[dict[str, Any]]]
+
+
+async def _stream(
     server: Server,
-    body: CompletionBody,
+    model: str,
+    obj: str,
     rid: str,
     seqs: list[Sequence],
     wake: asyncio.Queue[None],
+    include_usage: bool,
+    render: ChoiceRender,
 ) -> AsyncIterator[str]:
-    engine = server.engine
-    deltas = [_Deltas(engine, s) for s in seqs]
-    reported = [False] * len(seqs)
+    """The SSE loop both endpoints share: each choice's new text as it comes (`render` shapes it), usage if asked,
+    then [DONE]; if the client goes away, whatever is still running is cancelled."""
     created = int(time.time())
-    try:
-        async for _ in _progress(seqs, wake):
-            for i, (s, d) in enumerate(zip(seqs, deltas, strict=True)):
-                if reported[i]:
-                    continue
-                text, done = d.next()
-                if text or done:
-                    yield _sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": body.model,
-                            "system_fingerprint": s.revision or "base",
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "text": text,
-                                    "logprobs": None,
-                                    "finish_reason": s.finish_reason if done else None,
-                                }
-                            ],
-                        }
-                    )
-                reported[i] = done
-        server.count(body.model, seqs, "200")
-        if body.stream_options and body.stream_options.get("include_usage"):
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": body.model,
-                    "choices": [],
-                    "usage": _usage(seqs),
-                }
-            )
-        yield _sse("[DONE]")
-    finally:
-        for s in seqs:
-            if not s.finished:
-                server.loop.cancel(s)
-
-
-async def _stream_chat(
-    server: Server, body: ChatBody, rid: str, seqs: list[Sequence], wake: asyncio.Queue[None]
-) -> AsyncIterator[str]:
-    engine = server.engine
-    deltas = [_Deltas(engine, s) for s in seqs]
+    deltas = [_Deltas(server.engine, s) for s in seqs]
     reported = [False] * len(seqs)
-    created = int(time.time())
 
-    def chunk(i: int, delta: dict[str, Any], finish: str | None, fp: str) -> str:
-        return _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "system_fingerprint": fp,
-                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            }
-        )
+    def event(
+        choices: list[dict[str, Any]], fp: str | None = None, usage: dict[str, int] | None = None
+    ) -> str:
+        e: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
+        if fp is not None:
+            e["system_fingerprint"] = fp
+        e["choices"] = choices
+        if usage is not None:
+            e["usage"] = usage
+        return _sse(e)
 
     try:
         for i, s in enumerate(seqs):
-            yield chunk(i, {"role": "assistant", "content": ""}, None, s.revision or "base")
+            for c in render(i, s, "", False, True):
+                yield event([c], s.revision or "base")
         async for _ in _progress(seqs, wake):
             for i, (s, d) in enumerate(zip(seqs, deltas, strict=True)):
                 if reported[i]:
                     continue
-                text, done = d.next()
-                if text:
-                    yield chunk(i, {"content": text}, None, s.revision or "base")
-                if done:
-                    yield chunk(i, {}, s.finish_reason, s.revision or "base")
+                text, done = d.next()  # one read of `finished`: the text is final when done
+                for c in render(i, s, text, done, False):
+                    yield event([c], s.revision or "base")
                 reported[i] = done
-        server.count(body.model, seqs, "200")
-        if body.stream_options and body.stream_options.get("include_usage"):
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": body.model,
-                    "choices": [],
-                    "usage": _usage(seqs),
-                }
-            )
+        server.count(model, seqs, "200")
+        if include_usage:
+            yield event([], usage=_usage(seqs))
         yield _sse("[DONE]")
     finally:
         for s in seqs:
             if not s.finished:
                 server.loop.cancel(s)
+
+
+def _completion_choices(i: int, s: Sequence, text: str, done: bool, first: bool) -> list[dict[str, Any]]:
+    if first or not (text or done):
+        return []
+    return [{"index": i, "text": text, "logprobs": None, "finish_reason": s.finish_reason if done else None}]
+
+
+def _chat_choices(i: int, s: Sequence, text: str, done: bool, first: bool) -> list[dict[str, Any]]:
+    if first:
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+    out = []
+    if text:
+        out.append({"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+    if done:
+        out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": s.finish_reason})
+    return out
