@@ -22,7 +22,8 @@ from mint_core.errors import AdapterError
 from mint_core.lora.adapter import WEIGHTS_FILE, random_adapter, save_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = ["2+3=", "reverse: abc ->", "copy: mint ->", "upper: lora ->"]
+PROMPTS = ["add: 23+58 =", "reverse: lora =", "copy: mint =", "upper: serve =", "sort: 9315 ="]
+BUILTIN = Path("data/base")
 
 
 @contextmanager
@@ -33,14 +34,21 @@ def step(console: Console, what: str):  # type: ignore[no-untyped-def]
 
 
 def run_demo(workdir: Path, n_adapters: int, console: Console) -> None:
-    base_dir = workdir / "base"
-    with step(console, f"built a tiny dense base into {base_dir}"):
-        tiny = build_tiny_base(
-            "dense", seed=0, tokenizer=byte_tokenizer(), hidden_size=128, num_hidden_layers=4
-        )
-        tiny.model.save_pretrained(base_dir)
-        assert tiny.tokenizer is not None
-        tiny.tokenizer.save_pretrained(base_dir)
+    builtin = (BUILTIN / "config.json").is_file()
+    if builtin:
+        base_dir = BUILTIN
+        console.print(f"using the built-in base at {BUILTIN} (pretrained here on the synthetic tasks)")
+    else:
+        base_dir = workdir / "base"
+        with step(
+            console, f"no built-in base yet (`dvc repro` builds it): wrote a random tiny base to {base_dir}"
+        ):
+            tiny = build_tiny_base(
+                "dense", seed=0, tokenizer=byte_tokenizer(), hidden_size=128, num_hidden_layers=4
+            )
+            tiny.model.save_pretrained(base_dir)
+            assert tiny.tokenizer is not None
+            tiny.tokenizer.save_pretrained(base_dir)
 
     with step(console, "loaded the base once (frozen, fingerprinted)"):
         engine = Engine(
@@ -53,8 +61,10 @@ def run_demo(workdir: Path, n_adapters: int, console: Console) -> None:
     ranks = [[2, 4, 8, 16][i % 4] for i in range(n_adapters)]
     with step(console, f"wrote {n_adapters} adapters in PEFT format and loaded them (validated first)"):
         for i, (name, r) in enumerate(zip(names, ranks, strict=True)):
+            # small random adapters: each nudges the base differently (trained ones come from `mint train`)
+            std = 0.05 if builtin else 0.2
             a = random_adapter(
-                engine.sites, TARGETS, r, seed=100 + i, std=0.2, base_fingerprint=engine.base.fingerprint
+                engine.sites, TARGETS, r, seed=100 + i, std=std, base_fingerprint=engine.base.fingerprint
             )
             save_adapter(a, workdir / "adapters" / name, engine.sites)
             engine.load_adapter(name, workdir / "adapters" / name)
@@ -89,7 +99,8 @@ def run_demo(workdir: Path, n_adapters: int, console: Console) -> None:
             "✓" if out.token_ids == ref.token_ids else "✗",
         )
     console.print(table)
-    console.print(
-        "[dim]The base is random (the trained built-in base comes with the GRPO step), so answers are noise; "
-        "what matters is that each row's answer is its own adapter's and matches running it alone.[/]"
-    )
+    if not builtin:
+        console.print(
+            "[dim]The base is random (run `dvc repro` for the built-in one), so answers are noise; what matters is "
+            "that each row's answer is its own adapter's and matches running it alone.[/]"
+        )
