@@ -29,6 +29,9 @@ class ServingConfig(BaseModel):
     """The base's name in the API (`model` for requests with no adapter); default: the directory's name."""
     adapter_root: Path = Path(".mint/store")
     """`lora_path` of a load request must resolve inside this directory (the adapter store)."""
+    catalog_url: str | None = None
+    """SQLAlchemy URL of the adapter catalog; when set, `lora_path` may also be a catalog address
+    (`policy@alias`, `policy/vN`), resolved to a revision of the adapter store."""
     api_key: SecretStr | None = None
     """If set, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
     admin_token: SecretStr | None = None

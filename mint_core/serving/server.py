@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,12 +35,17 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.sequence import Request as GenRequest
 from mint_core.engine.sequence import RequestError, Sequence
 from mint_core.errors import AdapterError, MintError, UnknownAdapter
+from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.loop import EngineLoop
 from mint_core.serving.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+
+
+# catalog addresses a load request may name (a bare policy name stays a store path): policy@alias, policy/vN
+_CATALOG_ADDRESS = re.compile(r"^[^/@]+(@[^/@]*|/v[^/]*)$")
 
 
 class APIError(Exception):
@@ -122,6 +128,7 @@ class Server:
         self.metrics = Metrics(engine, self.loop)
         self.root = Path(config.adapter_root).resolve()
         self.store = AdapterStore(self.root)
+        self.catalog = Catalog(CatalogConfig(url=config.catalog_url)) if config.catalog_url else None
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.created = int(time.time())
 
@@ -167,6 +174,15 @@ class Server:
             except StoreError as e:
                 raise APIError(400, str(e), "BadRequestError", "lora_path") from None
         p = Path(lora_path)
+        if self.catalog is not None and not (self.root / p).exists() and _CATALOG_ADDRESS.match(lora_path):
+            try:
+                return self.store.local_dir(self.catalog.resolve(lora_path).digest)
+            except AddressError as e:
+                raise APIError(400, str(e), "BadRequestError", "lora_path") from None
+            except (UnknownAddress, UnknownRevision) as e:
+                raise APIError(404, f"No adapter found at {lora_path!r}: {e}", "NotFoundError") from None
+            except StoreError as e:
+                raise APIError(400, str(e), "BadRequestError", "lora_path") from None
         real = (p if p.is_absolute() else self.root / p).resolve()
         if real != self.root and self.root not in real.parents:
             raise APIError(
