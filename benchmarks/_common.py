@@ -11,18 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-def best_of(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-    """Median wall time of `fn` over `repeats` runs after `warmup` runs, and all the times."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
-
-
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, float]:
     """Median wall time of each function, run round-robin so that drift in machine speed hits all alike."""
     for _ in range(warmup):

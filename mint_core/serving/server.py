@@ -309,6 +309,27 @@ class Server:
             raise
         return seqs
 
+    async def run(
+        self,
+        model: str,
+        jobs: list[tuple[str | None, list[int], SamplingParams]],
+        rid: str,
+        obj: str,
+        stream_options: dict[str, Any] | None,
+        render: ChoiceRender,
+    ) -> StreamingResponse | list[Sequence]:
+        """Submit the request's sequences; a stream when `stream_options` is not None (the request asked to
+        stream), else wait for all of them and return them finished."""
+        wake: asyncio.Queue[None] = asyncio.Queue()
+        seqs = await self.submit_all(jobs, wake)
+        if stream_options is not None:
+            usage = bool(stream_options.get("include_usage"))
+            events = _stream(self, model, obj, rid, seqs, wake, usage, render)
+            return StreamingResponse(events, media_type="text/event-stream")
+        await self.wait(seqs, wake)
+        self.count(model, seqs, "200")
+        return seqs
+
     def count(self, model: str, seqs: list[Sequence], outcome: str) -> None:
         self.metrics.requests.labels(model=model, outcome=outcome).inc()
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in seqs))
@@ -549,19 +570,19 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
                     len(ids),
                 )
                 jobs.append((p, ids, params))
-        wake: asyncio.Queue[None] = asyncio.Queue()
-        seqs = await server.submit_all([(adapter, ids, params) for _, ids, params in jobs], wake)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            with_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return StreamingResponse(
-                _stream(
-                    server, body.model, "text_completion", rid, seqs, wake, with_usage, _completion_choices
-                ),
-                media_type="text/event-stream",
-            )
-        await server.wait(seqs, wake)
-        server.count(body.model, seqs, "200")
+        opts = (body.stream_options or {}) if body.stream else None
+        ran = await server.run(
+            body.model,
+            [(adapter, i, p) for _, i, p in jobs],
+            rid,
+            "text_completion",
+            opts,
+            _completion_choices,
+        )
+        if isinstance(ran, StreamingResponse):
+            return ran
+        seqs = ran
         choices = []
         for i, ((p, _, params), s) in enumerate(zip(jobs, seqs, strict=True)):
             text = s.completion(engine.decode).text
@@ -610,19 +631,12 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
                 len(ids),
             )
             jobs.append((adapter, ids, params))
-        wake: asyncio.Queue[None] = asyncio.Queue()
-        seqs = await server.submit_all(jobs, wake)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            with_usage = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return StreamingResponse(
-                _stream(
-                    server, body.model, "chat.completion.chunk", rid, seqs, wake, with_usage, _chat_choices
-                ),
-                media_type="text/event-stream",
-            )
-        await server.wait(seqs, wake)
-        server.count(body.model, seqs, "200")
+        opts = (body.stream_options or {}) if body.stream else None
+        ran = await server.run(body.model, jobs, rid, "chat.completion.chunk", opts, _chat_choices)
+        if isinstance(ran, StreamingResponse):
+            return ran
+        seqs = ran
         choices = []
         for i, s in enumerate(seqs):
             lp = None
