@@ -19,10 +19,10 @@ import logging
 import random
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
@@ -31,6 +31,7 @@ from sqlalchemy.engine import Connection, Engine
 from mint_core.errors import MintError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHAMPION = "champion"
 CHUNK = 10_000
@@ -187,6 +188,32 @@ aliases = sa.Table(
     sa.Column("version", sa.Integer, nullable=False),
 )
 
+# Every alias move made through mint (and every move made elsewhere, e.g. in the MLflow UI, once reconcile sees
+# it): when, from, to, why, by whom. Append-only; the newest row per (policy, alias) says where it points.
+alias_moves = sa.Table(
+    "alias_moves",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("policy", sa.String(128), nullable=False),
+    sa.Column("alias", sa.String(128), nullable=False),
+    sa.Column("from_version", sa.Integer, nullable=True),
+    sa.Column("to_version", sa.Integer, nullable=True),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("actor", sa.String(128), nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Index("ix_alias_moves_policy", "policy", "alias", "id"),
+)
+
+# One row per policy that has ever been locked: a writer that updates its row holds the policy's write lock
+# until its transaction ends (SQLite: the database write lock; PostgreSQL: the row lock).
+policy_locks = sa.Table(
+    "policy_locks",
+    metadata,
+    sa.Column("policy", sa.String(128), primary_key=True),
+    sa.Column("holder", sa.Text, nullable=True),
+    sa.Column("since", sa.Float, nullable=True),
+)
+
 
 # ---- records ------------------------------------------------------------------------------------------------
 
@@ -211,6 +238,19 @@ class Resolved:
     location: str
     policy: str | None = None
     version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AliasMove:
+    """One move of `policy@alias`: from one version to another (None: unset), when, why and by whom."""
+
+    policy: str
+    alias: str
+    from_version: int | None
+    to_version: int | None
+    reason: str
+    actor: str
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,7 +538,132 @@ class Catalog:
         logger.info("alias %s: v%s -> v%d", s, before, version)
         return before
 
+    def record_version(
+        self, policy: str, version: int, reg: Registration, conn: Connection | None = None
+    ) -> None:
+        """Record `policy/v<version>` -> `reg` with a number given by another registry (MLflow numbers the
+        versions of a registered model). Idempotent; a different digest already at that number is an error."""
+        _check_name(f"{policy}/v{version}", "policy", policy)
+        problems: list[str] = []
+        checked = _validated(0, reg, problems)
+        if checked is None:
+            raise CatalogError(f"cannot record {policy}/v{version}: " + "; ".join(problems))
+
+        def write(c: Connection) -> None:
+            self._write_chunk(
+                c, [Registration(checked.digest, checked.base, checked.rank, checked.location, checked.tags)]
+            )
+            have = c.execute(
+                sa.select(versions.c.digest).where(versions.c.policy == policy, versions.c.version == version)
+            ).scalar_one_or_none()
+            if have is None:
+                c.execute(
+                    versions.insert().values(
+                        policy=policy, version=version, digest=checked.digest, created=time.time()
+                    )
+                )
+            elif have != checked.digest:
+                raise CatalogError(
+                    f"{policy}/v{version} is already sha256:{have}; it cannot become sha256:{checked.digest}"
+                )
+
+        if conn is not None:
+            write(conn)
+        else:
+            self._retrying(write)
+
+    def locked(self, policy: str, holder: str, fn: Callable[[Connection], T]) -> T:
+        """Run `fn(conn)` in one transaction that holds `policy`'s write lock, so that writers of one policy
+        (version appends, alias moves) run one at a time across processes. Retried on lock timeouts."""
+        _check_name(policy, "policy", policy)
+
+        def run(conn: Connection) -> T:
+            row = {"policy": policy, "holder": holder, "since": time.time()}
+            taken = conn.execute(
+                policy_locks.update()
+                .where(policy_locks.c.policy == policy)
+                .values(holder=holder, since=row["since"])
+            ).rowcount
+            if not taken:
+                conn.execute(policy_locks.insert().values(**row))
+            return fn(conn)
+
+        return self._retrying(run)
+
+    def move_alias(
+        self,
+        conn: Connection,
+        policy: str,
+        alias: str,
+        version: int | None,
+        reason: str,
+        actor: str,
+        before: int | None,
+    ) -> AliasMove:
+        """Inside `locked`: point the catalog's `policy@alias` at `version` (None: remove it) and log the move
+        from `before`. The caller checked that the version exists where it keeps versions."""
+        _check_name(f"{policy}@{alias}", "alias", alias)
+        conn.execute(aliases.delete().where(aliases.c.policy == policy, aliases.c.alias == alias))
+        if version is not None:
+            conn.execute(aliases.insert().values(policy=policy, alias=alias, version=version))
+        move = AliasMove(policy, alias, before, version, reason, actor, time.time())
+        conn.execute(
+            alias_moves.insert().values(
+                policy=policy,
+                alias=alias,
+                from_version=before,
+                to_version=version,
+                reason=reason,
+                actor=actor,
+                at=move.at,
+            )
+        )
+        return move
+
     # ---- reads ----
+
+    def alias_moves(self, policy: str, alias: str | None = None, limit: int = 100) -> list[AliasMove]:
+        """The newest `limit` moves of the policy's aliases (or of one alias), newest first."""
+        q = sa.select(
+            alias_moves.c.policy,
+            alias_moves.c.alias,
+            alias_moves.c.from_version,
+            alias_moves.c.to_version,
+            alias_moves.c.reason,
+            alias_moves.c.actor,
+            alias_moves.c.at,
+        ).where(alias_moves.c.policy == policy)
+        if alias is not None:
+            q = q.where(alias_moves.c.alias == alias)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q.order_by(alias_moves.c.id.desc()).limit(limit)).all()
+        return [AliasMove(*r) for r in rows]
+
+    def entry(self, digest: str) -> Entry:
+        """The revision row of one digest (policy and version None). Raises `UnknownAddress`."""
+        digest = normalize_digest(digest)
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(
+                    revisions.c.digest,
+                    revisions.c.base,
+                    revisions.c.rank,
+                    revisions.c.location,
+                    revisions.c.tags,
+                    revisions.c.created,
+                ).where(revisions.c.digest == digest)
+            ).first()
+        if row is None:
+            raise UnknownAddress(f"no revision sha256:{digest} in the catalog")
+        d, b, k, loc, t, created = row
+        return Entry(d, b, k, loc, dict(t or {}), created)
+
+    def alias_version(self, policy: str, alias: str) -> int | None:
+        """The version the catalog's `policy@alias` names, or None."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                sa.select(aliases.c.version).where(aliases.c.policy == policy, aliases.c.alias == alias)
+            ).scalar_one_or_none()
 
     def resolve(self, address: str | Address) -> Resolved:
         """The revision an address names; `policy` alone means `policy@champion`. Raises `UnknownAddress`."""

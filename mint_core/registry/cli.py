@@ -1,0 +1,312 @@
+"""`mint catalog ...` and `mint registry ...`: look up addresses, review revisions, promote and roll back."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mint_core.errors import MintError
+
+catalog_app = typer.Typer(help="The adapter catalog: every addressable revision.", no_args_is_help=True)
+registry_app = typer.Typer(
+    help="The MLflow registry: policies, their revisions, promotion and rollback.", no_args_is_help=True
+)
+console = Console()
+
+CatalogOpt = Annotated[
+    str,
+    typer.Option(
+        "--catalog", envvar="MINT_CATALOG_URL", help="SQLAlchemy URL of the catalog index.", show_default=True
+    ),
+]
+StoreOpt = Annotated[
+    str, typer.Option("--store", envvar="MINT_STORE", help="Adapter store root (a folder or fsspec URL).")
+]
+TrackingOpt = Annotated[
+    str,
+    typer.Option("--tracking-uri", envvar="MLFLOW_TRACKING_URI", help="The MLflow tracking server."),
+]
+DEFAULT_CATALOG = "sqlite:///.mint/catalog.db"
+DEFAULT_STORE = ".mint/store"
+DEFAULT_TRACKING = "http://127.0.0.1:5000"
+
+
+def _fail(e: Exception) -> typer.Exit:
+    console.print(f"[red]error:[/red] {e}")
+    return typer.Exit(1)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _catalog(url: str):  # type: ignore[no-untyped-def]
+    from mint_core.registry.catalog import Catalog, CatalogConfig
+
+    return Catalog(CatalogConfig(url=url))
+
+
+def _registry(catalog: str, store: str, tracking_uri: str):  # type: ignore[no-untyped-def]
+    from mint_core.registry.mlflow_registry import Registry, RegistryConfig
+    from mint_core.registry.store import AdapterStore
+
+    return Registry(AdapterStore(store), _catalog(catalog), RegistryConfig(tracking_uri=tracking_uri))
+
+
+# ---- catalog ----
+
+
+@catalog_app.command("ls")
+def catalog_ls(
+    policy: Annotated[str | None, typer.Option(help="Only this policy's versions.")] = None,
+    base: Annotated[str | None, typer.Option(help="Only revisions of this base fingerprint.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Only revisions of this rank.")] = None,
+    tag: Annotated[str | None, typer.Option(help="`key` or `key=value`.")] = None,
+    limit: int = 50,
+    offset: int = 0,
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+) -> None:
+    """List catalog entries, oldest first."""
+    try:
+        with _catalog(catalog) as cat:
+            rows = cat.list(policy=policy, base=base, rank=rank, tag=tag, limit=limit, offset=offset)
+            total = cat.count(policy)
+    except MintError as e:
+        raise _fail(e) from e
+    table = Table(title=f"catalog {catalog}: {len(rows)} of {total}", title_justify="left")
+    for col in ("address", "digest", "base", "rank", "tags", "created"):
+        table.add_column(col)
+    for r in rows:
+        address = f"{r.policy}/v{r.version}" if r.policy else "-"
+        tags = ", ".join(f"{k}={v}" for k, v in sorted(r.tags.items()))
+        table.add_row(address, r.digest[:16], r.base[:12], str(r.rank), tags, _when(r.created))
+    console.print(table)
+
+
+@catalog_app.command("resolve")
+def catalog_resolve(
+    address: Annotated[str, typer.Argument(help="policy, policy@alias, policy/vN or sha256:<hex>")],
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+) -> None:
+    """Print the digest and location an address names."""
+    try:
+        with _catalog(catalog) as cat:
+            r = cat.resolve(address)
+    except MintError as e:
+        raise _fail(e) from e
+    where = f"  ({r.policy}/v{r.version})" if r.policy else ""
+    console.print(f"sha256:{r.digest}  {r.location}{where}")
+
+
+@catalog_app.command("show")
+def catalog_show(
+    address: Annotated[str, typer.Argument(help="policy, policy@alias, policy/vN or sha256:<hex>")],
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+) -> None:
+    """Everything the catalog knows about one address: revision, versions naming it, alias moves."""
+    try:
+        with _catalog(catalog) as cat:
+            r = cat.resolve(address)
+            entry = cat.entry(r.digest)
+            moves = cat.alias_moves(r.policy, limit=10) if r.policy else []
+    except MintError as e:
+        raise _fail(e) from e
+    table = Table(show_header=False, title=address, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("digest", f"sha256:{r.digest}")
+    table.add_row("location", r.location)
+    if r.policy:
+        table.add_row("version", f"{r.policy}/v{r.version}")
+    table.add_row("base", entry.base)
+    table.add_row("rank", str(entry.rank))
+    table.add_row("tags", ", ".join(f"{k}={v}" for k, v in sorted(entry.tags.items())) or "-")
+    table.add_row("created", _when(entry.created))
+    console.print(table)
+    if moves:
+        _print_moves(moves, f"{r.policy}: latest alias moves")
+
+
+@catalog_app.command("gc")
+def catalog_gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
+    registry: Annotated[
+        bool, typer.Option(help="Also keep every revision an MLflow version names (needs the server).")
+    ] = True,
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """Remove store revisions no catalog entry, version or alias references (never a referenced one)."""
+    from mint_core.registry.store import AdapterStore
+
+    try:
+        with _catalog(catalog) as cat:
+            keep = cat.referenced_digests()
+            if registry:
+                reg = _registry(catalog, store, tracking_uri)
+                for policy in reg.policies():
+                    keep |= {r.digest for r in reg.revisions(policy) if r.digest}
+        removed = AdapterStore(store).gc(keep, dry_run=dry_run)
+    except MintError as e:
+        raise _fail(e) from e
+    verb = "would remove" if dry_run else "removed"
+    console.print(f"{verb} {len(removed)} item(s); kept {len(keep)} referenced revision(s)")
+    for item in removed[:50]:
+        console.print(f"  {item}")
+    if len(removed) > 50:
+        console.print(f"  ... and {len(removed) - 50} more")
+
+
+# ---- registry ----
+
+
+def _print_moves(moves, title: str) -> None:  # type: ignore[no-untyped-def]
+    table = Table(title=title, title_justify="left")
+    for col in ("when", "alias", "from", "to", "by", "why"):
+        table.add_column(col)
+    for m in moves:
+        v_from = f"v{m.from_version}" if m.from_version is not None else "-"
+        v_to = f"v{m.to_version}" if m.to_version is not None else "-"
+        table.add_row(_when(m.at), m.alias, v_from, v_to, m.actor, m.reason)
+    console.print(table)
+
+
+def _version(text: str) -> int:
+    t = text.split("/")[-1]
+    t = t[1:] if t.startswith("v") else t
+    if not t.isdigit() or int(t) < 1:
+        raise typer.BadParameter(f"a version is N or vN (N >= 1), not {text!r}")
+    return int(t)
+
+
+@registry_app.command("ls")
+def registry_ls(
+    policy: Annotated[str | None, typer.Argument(help="A policy; without it, list the policies.")] = None,
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """List policies, or one policy's revisions with their aliases and gate decisions."""
+    try:
+        reg = _registry(catalog, store, tracking_uri)
+        if policy is None:
+            table = Table(title=f"policies in {reg.uri}", title_justify="left")
+            for col in ("policy", "versions", "champion", "candidate"):
+                table.add_column(col)
+            for p in reg.policies():
+                revs = reg.revisions(p)
+                by_alias = {a: r.version for r in revs for a in r.aliases}
+                table.add_row(
+                    p,
+                    str(len(revs)),
+                    f"v{by_alias['champion']}" if "champion" in by_alias else "-",
+                    f"v{by_alias['candidate']}" if "candidate" in by_alias else "-",
+                )
+            console.print(table)
+            return
+        revs = reg.revisions(policy)
+    except MintError as e:
+        raise _fail(e) from e
+    table = Table(title=f"{policy} ({reg.uri}/#/models/{policy})", title_justify="left")
+    for col in ("version", "aliases", "digest", "rank", "parent", "data_rev", "gate", "created"):
+        table.add_column(col)
+    for r in revs:
+        gate = r.gate
+        gate_text = "-" if gate is None else ("pass" if gate.get("passed") else "fail")
+        table.add_row(
+            f"v{r.version}",
+            ", ".join(r.aliases) or "-",
+            r.digest[:16],
+            str(r.rank),
+            r.parent or "-",
+            (r.data_rev or "-")[:12],
+            gate_text,
+            _when(r.created_ms / 1000),
+        )
+    console.print(table)
+
+
+@registry_app.command("lineage")
+def registry_lineage(
+    address: Annotated[str, typer.Argument(help="policy/vN")],
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """A revision and its ancestors through mint.parent, newest first."""
+    policy, _, version = address.partition("/")
+    if not version:
+        raise typer.BadParameter(f"expected policy/vN, got {address!r}")
+    try:
+        chain = _registry(catalog, store, tracking_uri).lineage(policy, _version(version))
+    except MintError as e:
+        raise _fail(e) from e
+    table = Table(title=f"lineage of {address}", title_justify="left")
+    for col in ("revision", "digest", "data_rev", "run"):
+        table.add_column(col)
+    for r in chain:
+        table.add_row(r.address, r.digest[:16], (r.data_rev or "-")[:12], r.run_id or "-")
+    console.print(table)
+
+
+@registry_app.command("history")
+def registry_history(
+    policy: str,
+    alias: Annotated[str | None, typer.Option(help="Only this alias.")] = None,
+    limit: int = 20,
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+) -> None:
+    """Alias moves of a policy (when, from, to, by whom, why), newest first."""
+    try:
+        with _catalog(catalog) as cat:
+            moves = cat.alias_moves(policy, alias, limit)
+    except MintError as e:
+        raise _fail(e) from e
+    _print_moves(moves, f"{policy}: alias moves")
+
+
+@registry_app.command("promote")
+def registry_promote(
+    policy: str,
+    version: Annotated[str, typer.Argument(help="N or vN")],
+    reason: Annotated[str, typer.Option("--reason", "-m", help="Why (kept in the move log).")],
+    alias: Annotated[str, typer.Option(help="The alias to move.")] = "champion",
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """Point an alias (champion by default) at a version. Serving follows champion via reconcile."""
+    try:
+        move = _registry(catalog, store, tracking_uri).set_alias(policy, alias, _version(version), reason)
+    except MintError as e:
+        raise _fail(e) from e
+    console.print(f"{policy}@{alias}: {_v(move.from_version)} -> {_v(move.to_version)}")
+
+
+@registry_app.command("rollback")
+def registry_rollback(
+    policy: str,
+    to: Annotated[
+        str | None, typer.Option(help="N or vN; default: the champion before the current one.")
+    ] = None,
+    reason: Annotated[str, typer.Option("--reason", "-m", help="Why (kept in the move log).")] = "rollback",
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """Move champion back to an earlier version."""
+    try:
+        reg = _registry(catalog, store, tracking_uri)
+        move = reg.rollback(policy, _version(to) if to else None, reason)
+    except MintError as e:
+        raise _fail(e) from e
+    console.print(f"{policy}@champion: {_v(move.from_version)} -> {_v(move.to_version)}")
+
+
+def _v(v: int | None) -> str:
+    return "unset" if v is None else f"v{v}"
