@@ -25,6 +25,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, TypeVar
 
 import httpx
@@ -448,7 +449,7 @@ class Registry:
         while True:
             page = self._call(
                 "list policies",
-                lambda token=token: self.client.search_registered_models(max_results=1000, page_token=token),
+                partial(self.client.search_registered_models, max_results=1000, page_token=token),
             )
             names.extend(rm.name for rm in page)
             token = page.token
