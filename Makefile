@@ -5,7 +5,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv run test test-unit test-slow check fmt bench
+.PHONY: venv run test test-unit test-slow check fmt bench up down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -34,3 +34,11 @@ test-slow: venv
 
 bench: venv
 	$(BIN)/python benchmarks/mixed_adapter_decode.py
+
+# the local services in the background (MLflow :5000, Prefect :4200, mint serve :8000; state in .mint/run);
+# a subset: make up ONLY=mlflow,prefect
+up: venv
+	$(BIN)/mint up $(if $(ONLY),--only $(ONLY))
+
+down:
+	$(BIN)/mint down $(if $(ONLY),--only $(ONLY))

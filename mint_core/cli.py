@@ -13,14 +13,21 @@ from rich.console import Console
 from rich.table import Table
 
 from mint_core import __version__
+from mint_core.eval.cli import eval_app
+from mint_core.registry.cli import catalog_app, registry_app
+from mint_core.services_cli import register as register_service_commands
 
 app = typer.Typer(help="mint: many LoRA policies over one resident base model.", no_args_is_help=True)
 adapter_app = typer.Typer(help="Inspect and convert adapter revisions.", no_args_is_help=True)
 base_app = typer.Typer(help="Build and inspect bases.", no_args_is_help=True)
-data_app = typer.Typer(help="Build the task datasets.", no_args_is_help=True)
+data_app = typer.Typer(help="Build and check the datasets.", no_args_is_help=True)
 app.add_typer(adapter_app, name="adapter")
 app.add_typer(base_app, name="base")
 app.add_typer(data_app, name="data")
+app.add_typer(catalog_app, name="catalog")
+app.add_typer(registry_app, name="registry")
+app.add_typer(eval_app, name="eval")
+register_service_commands(app)  # mint up / down / status
 console = Console()
 
 
@@ -90,6 +97,48 @@ def data_build(
         f"wrote {len(p.tasks)} tasks ({p.n_train} train + {p.n_heldout} held-out each, seed {p.seed}) "
         f"and a {manifest['corpus_lines']}-line corpus to {out}"
     )
+
+
+@data_app.command("check")
+def data_check(
+    path: Annotated[Path, typer.Argument(help="A file, or for prompts a directory of *.jsonl files.")],
+    kind: Annotated[str, typer.Option(help="prompts, rollouts or eval")] = "prompts",
+    params: Annotated[Path, typer.Option(help="YAML file whose checks: section is used.")] = Path(
+        "params.yaml"
+    ),
+    report: Annotated[
+        Path | None, typer.Option(help="Write a JSON summary here (a DVC metrics file).")
+    ] = None,
+    result: Annotated[
+        Path | None, typer.Option(help="Write the full Great Expectations result (JSON) here.")
+    ] = None,
+) -> None:
+    """Validate a dataset with its Great Expectations suite; exit 1 naming every failing expectation."""
+    import json
+    from typing import cast
+
+    from mint_core.data.checks import KINDS, CheckParams, Kind, check, read_table
+    from mint_core.errors import DataCheckError
+
+    if kind not in KINDS:
+        raise typer.BadParameter(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    which = cast(Kind, kind)
+    try:
+        frame = read_table(path, which)
+    except DataCheckError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    rep = check(frame, which, CheckParams(**_params(params, "checks")), str(path), raise_on_failure=False)
+    for out, doc in ((report, rep.summary()), (result, rep.result_json)):
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    if not rep.success:
+        console.print(f"[red]{kind} check of {path} failed ({len(rep.failed)} expectation(s)):[/]")
+        for line in rep.failed:
+            console.print(f"  - {line}", markup=False, soft_wrap=True)
+        raise typer.Exit(1)
+    console.print(f"{kind} check of {path}: {rep.rows} rows, {rep.evaluated} expectations met")
 
 
 @base_app.command("pretrain")
@@ -218,6 +267,13 @@ def train(
         "runs/train"
     ),
     seed: int = 0,
+    deepspeed: Annotated[
+        Path | None,
+        typer.Option(
+            help="Train under DeepSpeed with this config (infra/deepspeed/zero2.json or zero3.json); for "
+            "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_core.cli train`."
+        ),
+    ] = None,
 ) -> None:
     """Train several policies with GRPO at once on one base; print held-out reward before and after."""
     from tqdm import tqdm
@@ -236,15 +292,29 @@ def train(
         raise typer.BadParameter(
             f"{base} is not a model directory (build the built-in base with `dvc repro`)"
         )
+    lead = True  # the process that prints and exports (rank 0 under DeepSpeed)
+    device, dtype = "cpu", "float32"
+    if deepspeed is not None:
+        from mint_core.rl.distributed import init_distributed, rank_placement
+
+        lead = init_distributed()[0] == 0
+        device, dtype = rank_placement()
     engine = Engine(
-        load_base(base), EngineConfig(max_loras=len(names), max_lora_rank=max(rank, 8), max_model_len=128)
+        load_base(base, dtype, device),
+        EngineConfig(max_loras=len(names), max_lora_rank=max(rank, 8), max_model_len=128),
     )
     specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
-    trainer = MultiPolicyTrainer(engine, GRPOConfig(group_size=group, learning_rate=lr), specs, seed=seed)
+    cfg = GRPOConfig(group_size=group, learning_rate=lr)
+    if deepspeed is not None:
+        from mint_core.rl.distributed import DeepSpeedTrainer
+
+        trainer: MultiPolicyTrainer = DeepSpeedTrainer(engine, cfg, specs, deepspeed, seed=seed)
+    else:
+        trainer = MultiPolicyTrainer(engine, cfg, specs, seed=seed)
     data = {t: split(t, prompts * steps, 64, seed) for t in names}
     before = {t: heldout_scores(engine, t, data[t][1]) for t in names}
     curve = []
-    for s in tqdm(range(steps), desc="GRPO steps", unit="step"):
+    for s in tqdm(range(steps), desc="GRPO steps", unit="step", disable=not lead):
         stats = trainer.step({t: data[t][0][s * prompts : (s + 1) * prompts] for t in names})
         curve.append(stats.reward)
     after = {t: heldout_scores(engine, t, data[t][1]) for t in names}
@@ -257,8 +327,10 @@ def train(
             f"{curve[0].get(t, 0):.3f}",
             f"{curve[-1].get(t, 0):.3f}",
         )
+    trainer.save_state(out / "state")  # every rank: a DeepSpeed checkpoint is written collectively
+    if not lead:
+        return
     console.print(table)
-    trainer.save_state(out / "state")
     for t in names:
         digest = trainer.export(t, out / "revisions" / f"{t}-step{steps}")
         console.print(f"exported {t}: sha256:{digest[:16]} -> {out / 'revisions' / f'{t}-step{steps}'}")
@@ -279,6 +351,85 @@ def demo(
         shutil.rmtree(workdir)
     run_demo(workdir, adapters, console)
     console.print(f"\n[bold]done in {time.perf_counter() - t0:.1f} s[/]")
+
+
+def _flow_params(path: Path | None) -> dict[str, Any]:
+    """A flow's parameters from a YAML or JSON file (the same fields as its Prefect form); {} without one."""
+    import json
+
+    import yaml
+
+    if path is None:
+        return {}
+    text = path.read_text()
+    doc = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    if not isinstance(doc, dict):
+        raise typer.BadParameter(f"{path}: expected a mapping of flow parameters")
+    return doc
+
+
+def _run_wave(one: bool, doc: dict[str, Any]) -> None:
+    """Run the lifecycle (one policy) or wave flow in this process and print each policy's outcome."""
+    from flows.lifecycle import WaveFailed, lifecycle, wave
+
+    try:
+        report = lifecycle(**doc) if one else wave(**doc)
+    except WaveFailed as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    table = Table("policy", "status", "candidate", "champion before", "champion after", "why")
+    for o in report.outcomes:
+        table.add_row(
+            o.policy,
+            o.status,
+            o.candidate or "",
+            o.champion_before or "",
+            o.champion_after or "",
+            "; ".join(o.reasons)[:120],
+        )
+    console.print(table)
+
+
+_FlowParams = Annotated[
+    Path | None,
+    typer.Option(
+        "--params", help="YAML/JSON of the flow's parameters (training, evaluation, checks, workspace, ...)."
+    ),
+]
+
+
+@app.command("wave")
+def wave_cmd(
+    policies: Annotated[
+        str, typer.Option(help="Comma-separated tasks, one policy per task (unless --params names them).")
+    ] = "add,reverse,sort",
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="GRPO steps (unless --params sets training).")
+    ] = None,
+    params: _FlowParams = None,
+) -> None:
+    """Train, evaluate, gate and promote several policies at once (the wave flow; needs `mint up`)."""
+    doc = _flow_params(params)
+    doc.setdefault("policies", [{"spec": {"name": t, "task": t}} for t in policies.split(",") if t.strip()])
+    if steps is not None:
+        doc.setdefault("training", {})["steps"] = steps
+    _run_wave(False, doc)
+
+
+@app.command("lifecycle")
+def lifecycle_cmd(
+    task: Annotated[str, typer.Option(help="The policy's task; the policy is named after it.")] = "add",
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="GRPO steps (unless --params sets training).")
+    ] = None,
+    params: _FlowParams = None,
+) -> None:
+    """Train, evaluate, gate and promote one policy (the lifecycle flow; needs `mint up`)."""
+    doc = _flow_params(params)
+    doc.setdefault("policy", {"spec": {"name": task, "task": task}})
+    if steps is not None:
+        doc.setdefault("training", {})["steps"] = steps
+    _run_wave(True, doc)
 
 
 if __name__ == "__main__":

@@ -25,3 +25,17 @@ class WorkingSetFull(MintError):
 
 class UnknownAdapter(MintError):
     """An adapter name that the engine has never been given."""
+
+
+class DataCheckError(MintError):
+    """A dataset failed its Great Expectations suite; lists every failing expectation with its column and what
+    was observed. `result_json` is the full validation result (JSON-ready), for a run to store."""
+
+    def __init__(self, suite: str, source: str | None, failures: list[str], result_json: dict | None = None):
+        self.suite = suite
+        self.source = source
+        self.failures = list(failures)
+        self.result_json = result_json or {}
+        where = f" on {source}" if source else ""
+        body = "\n".join(f"  - {f}" for f in self.failures)
+        super().__init__(f"data check {suite!r}{where} failed ({len(self.failures)} expectation(s)):\n{body}")

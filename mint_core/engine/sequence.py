@@ -65,6 +65,7 @@ class Sequence:
     cut_text: str | None = None  # the text up to a stop string, once one was seen
     error: BaseException | None = None
     cancelled: bool = False  # set by the caller (client went away); the batcher retires it at the next step
+    held: str | None = None  # an on-demand adapter name held for this sequence until it is admitted
 
     @property
     def params(self) -> SamplingParams:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,22 +64,41 @@ class WorkingSet:
         self._refs: list[int] = [0] * lora.num_slots
         self._slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(lora.num_slots))
         self._pinned: set[str] = set()
+        # names loaded on demand from the catalog: forgotten once their revision leaves the host cache (the
+        # catalog can name them again), so a sweep through a million addresses keeps memory bounded
+        self._ephemeral: set[str] = set()
+        self._held: Counter[str] = Counter()  # ephemeral names a caller is about to use: not forgotten yet
         self.stats = WorkingSetStats()
 
     # ---- names and revisions ------------------------------------------------------------------------------
 
     def add(
-        self, name: str, weights: AdapterWeights, source: Path | None = None, replace: bool = False
+        self,
+        name: str,
+        weights: AdapterWeights,
+        source: Path | None = None,
+        replace: bool = False,
+        ephemeral: bool = False,
+        hold: bool = False,
     ) -> bool:
         """Register `weights` under `name`. Returns False if `name` already is this revision.
 
         With `replace`, an existing name moves to the new revision (in-place load); without, it is an error.
+        An `ephemeral` name (a catalog address loaded on demand) is forgotten when its revision leaves the host
+        cache; `hold` keeps it until `unhold` (taken atomically with the add, so it cannot vanish in between).
         """
         if weights.digest is None:
             raise ValueError(f"adapter {name!r} has no digest")
         with self._lock:
+            if hold:
+                self._held[name] += 1
+            if ephemeral and name not in self._names:
+                self._ephemeral.add(name)
+            elif not ephemeral:
+                self._ephemeral.discard(name)
             current = self._names.get(name)
             if current == weights.digest:
+                self._touch_host(current)
                 return False
             if current is not None and not replace:
                 raise ValueError(f"adapter {name!r} is already loaded (revision {current[:12]}); use replace")
@@ -103,6 +122,7 @@ class WorkingSet:
             if digest is None:
                 return False
             self._pinned.discard(name)
+            self._ephemeral.discard(name)
             self._detach(name, digest)
             return True
 
@@ -123,6 +143,11 @@ class WorkingSet:
         with self._lock:
             return dict(self._names)
 
+    def ephemeral_names(self) -> set[str]:
+        """Names loaded on demand (forgotten when they leave the host cache)."""
+        with self._lock:
+            return set(self._ephemeral)
+
     def digest_of(self, name: str) -> str:
         with self._lock:
             if name not in self._names:
@@ -133,6 +158,21 @@ class WorkingSet:
         """Digest of the revision a slot holds (what a request holding that slot is served by)."""
         with self._lock:
             return self._owner[slot]
+
+    def hold(self, name: str) -> bool:
+        """Keep an ephemeral `name` from being forgotten until `unhold`; False if it is not loaded."""
+        with self._lock:
+            if name not in self._names:
+                return False
+            self._held[name] += 1
+            return True
+
+    def unhold(self, name: str) -> None:
+        with self._lock:
+            if self._held[name] <= 1:
+                self._held.pop(name, None)
+            else:
+                self._held[name] -= 1
 
     def pin(self, name: str) -> int:
         """Keep `name` in a device slot until unpinned (champions stay resident)."""
@@ -190,6 +230,7 @@ class WorkingSet:
                 logger.debug("evicting %s from slot %d for %s", owner[:12], slot, for_name)
                 self.stats.evictions += 1
                 self._free(slot)
+                self._shrink_host()  # an on-demand revision kept only for its slot may go now
                 return slot
         raise WorkingSetFull(
             f"cannot place {for_name!r}: all {self.lora.num_slots} device slots are pinned or in use by running requests"
@@ -233,9 +274,19 @@ class WorkingSet:
             if excess <= 0:
                 break
             rev = self._revs[digest]
-            if rev.source is None or (rev.names & self._pinned):
+            if rev.names & self._pinned or any(self._held[n] for n in rev.names):
                 continue
-            rev.weights = None
+            if rev.names and rev.names <= self._ephemeral:
+                if digest in self._slot_of:
+                    continue  # still in a device slot: forgotten when the slot is evicted
+                for n in rev.names:
+                    self._names.pop(n, None)
+                    self._ephemeral.discard(n)
+                self._revs.pop(digest)
+            elif rev.source is None:
+                continue
+            else:
+                rev.weights = None
             del self._host[digest]
             self.stats.host_evictions += 1
             excess -= 1

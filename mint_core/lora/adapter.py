@@ -328,8 +328,23 @@ def save_adapter(
     path = Path(path)
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"refusing to overwrite non-empty adapter directory {path}")
+    config_bytes, weights_bytes = adapter_bytes(adapter, sites, layout)
     tmp = path.with_name(f".{path.name}.tmp-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}")
     tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / WEIGHTS_FILE).write_bytes(weights_bytes)
+    (tmp / CONFIG_FILE).write_bytes(config_bytes)
+    if path.exists():
+        path.rmdir()
+    tmp.rename(path)
+    adapter.digest = digest_files(config_bytes, weights_bytes)
+    return adapter.digest
+
+
+def adapter_bytes(
+    adapter: AdapterWeights, sites: dict[str, Site], layout: Layout = "packed"
+) -> tuple[bytes, bytes]:
+    """PEFT's two files as bytes: (adapter_config.json, adapter_model.safetensors). The same weights always
+    give the same bytes, so the same digest."""
     state = {
         k: v.detach().to("cpu").contiguous() for k, v in to_peft_state(adapter.tensors, sites, layout).items()
     }
@@ -344,16 +359,9 @@ def save_adapter(
     header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    (tmp / WEIGHTS_FILE).write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
-    (tmp / CONFIG_FILE).write_text(
-        json.dumps(peft_config(adapter, sites, layout), indent=2, sort_keys=True) + "\n"
-    )
-    if path.exists():
-        path.rmdir()
-    tmp.rename(path)
-    digest = digest_dir(path)
-    adapter.digest = digest
-    return digest
+    weights_bytes = len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+    config_bytes = (json.dumps(peft_config(adapter, sites, layout), indent=2, sort_keys=True) + "\n").encode()
+    return config_bytes, weights_bytes
 
 
 def random_adapter(

@@ -156,13 +156,40 @@ def read_adapter(
         if problems:
             raise fail()
 
-    config_bytes = b""
-    config: dict = {}
-    parsed = False
+    config_bytes: bytes | None = None
     if not (path / CONFIG_FILE).is_file():
         problems.append(f"{CONFIG_FILE} is missing")
     else:
         config_bytes = (path / CONFIG_FILE).read_bytes()
+    weights = path / WEIGHTS_FILE
+    weights_bytes: bytes | None = None
+    if not weights.is_file():
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            problems.append(
+                f"weights only in pickle format {pickles}; refused without loading (use safetensors)"
+            )
+        else:
+            problems.append(f"{WEIGHTS_FILE} is missing")
+    else:
+        weights_bytes = weights.read_bytes()
+    return validate_bytes(config_bytes, weights_bytes, spec, label, str(path), problems)
+
+
+def validate_bytes(
+    config_bytes: bytes | None,
+    weights_bytes: bytes | None,
+    spec: BaseSpec,
+    label: str,
+    where: str | None = None,
+    problems: list[str] | None = None,
+) -> AdapterWeights:
+    """Validate an adapter given as PEFT's two files' bytes (None: the file is missing, already reported in
+    `problems`); raise a single AdapterError listing every problem."""
+    problems = [] if problems is None else problems
+    config: dict = {}
+    parsed = False
+    if config_bytes is not None:
         try:
             config = json.loads(config_bytes)
             if not isinstance(config, dict):
@@ -187,19 +214,8 @@ def read_adapter(
             if config.get(key):
                 problems.append(f"{what} is not supported ({key}={config[key]!r})")
 
-    weights = path / WEIGHTS_FILE
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     state: dict[str, torch.Tensor] = {}
-    weights_bytes = b""
-    if not weights.is_file():
-        if pickles:
-            problems.append(
-                f"weights only in pickle format {pickles}; refused without loading (use safetensors)"
-            )
-        else:
-            problems.append(f"{WEIGHTS_FILE} is missing")
-    else:
-        weights_bytes = weights.read_bytes()
+    if weights_bytes is not None:
         header_problems = check_safetensors_header(weights_bytes)
         problems += header_problems
         if not header_problems:
@@ -220,7 +236,8 @@ def read_adapter(
     if rank and not tensors and not problems:
         problems.append("no LoRA tensors found")
     if problems:
-        raise fail()
+        raise AdapterError(label, where, problems)
+    assert config_bytes is not None and weights_bytes is not None
     return AdapterWeights(
         rank=int(rank),  # type: ignore[arg-type]
         alpha=float(alpha),  # type: ignore[arg-type]

@@ -84,6 +84,18 @@ class StepStats:
     extra: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+@dataclass
+class _Batch:
+    """One update's rows as tensors: right-padded prompt + completion ids, and what the loss needs."""
+
+    ids: torch.Tensor  # [B, T]
+    attn: torch.Tensor  # [B, T]
+    comp: torch.Tensor  # [B, T-1] next-token targets that are completion tokens of kept groups
+    adv: torch.Tensor  # [B] group-relative advantages
+    keep: torch.Tensor  # [B] bool, on the host: the row's group carries signal (or nothing is dropped)
+    slots: list[int]  # each row's policy slot
+
+
 class MultiPolicyTrainer:
     def __init__(self, engine: Engine, config: GRPOConfig, policies: list[PolicySpec], seed: int = 0):
         names = [p.name for p in policies]
@@ -161,6 +173,38 @@ class MultiPolicyTrainer:
 
     def update(self, rows: list[RolloutRow]) -> StepStats:
         """One GRPO update of every policy that has rows."""
+        eng = self.engine
+        batch = self._batch(rows)
+        ref = self._reference(batch)
+        banks = [eng.lora.banks[s] for p in self.policies.values() for s in p.sites]
+        for b in set(banks):
+            b.A.requires_grad_(True)
+            b.B.requires_grad_(True)
+        try:
+            with torch.enable_grad(), eng._forward_lock:
+                eng.lora.ctx.set_rows(batch.slots, batch.ids.device)
+                try:
+                    lp = _token_logprobs(
+                        eng.base.model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids
+                    )
+                finally:
+                    eng.lora.ctx.clear()
+                total, losses, extra = self._losses(rows, batch, lp, ref)
+                total.backward()
+            with torch.no_grad():
+                for name in losses:
+                    self._adam_step(self.policies[name])
+        finally:
+            for b in set(banks):
+                b.A.grad = None
+                b.B.grad = None
+                b.A.requires_grad_(False)
+                b.B.requires_grad_(False)
+        self.steps += 1
+        return self._stats(rows, batch, losses, extra)
+
+    def _batch(self, rows: list[RolloutRow]) -> _Batch:
+        """Group advantages, and one right-padded batch of prompt + completion for every row."""
         cfg = self.config
         eng = self.engine
         by_group: dict[int, list[int]] = {}
@@ -173,7 +217,6 @@ class MultiPolicyTrainer:
             a, k = group_advantages(rewards, cfg.advantage)
             adv[idx] = a[0]
             keep[idx] = bool(k[0]) or not cfg.drop_zero_variance
-        # one right-padded batch of prompt + completion for every row
         seqs = [r.prompt_ids + r.completion_ids for r in rows]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(rows), width), eng.pad_id, dtype=torch.long)
@@ -185,58 +228,58 @@ class MultiPolicyTrainer:
             if keep[i]:
                 comp[i, len(r.prompt_ids) - 1 : len(s) - 1] = 1
         dev = eng.base.device
-        ids, attn, comp = ids.to(dev), attn.to(dev), comp.to(dev)
         slots = [self.policies[r.policy].slot for r in rows]
-        banks = [eng.lora.banks[s] for p in self.policies.values() for s in p.sites]
-        ref = None
-        if cfg.kl_coef > 0:
-            with torch.no_grad(), eng._forward_lock:
-                eng.lora.ctx.set_rows([-1] * len(rows), dev)
-                ref = _token_logprobs(eng.base.model(input_ids=ids, attention_mask=attn).logits, ids)
-        for b in set(banks):
-            b.A.requires_grad_(True)
-            b.B.requires_grad_(True)
-        try:
-            with torch.enable_grad(), eng._forward_lock:
-                eng.lora.ctx.set_rows(slots, dev)
-                try:
-                    lp = _token_logprobs(eng.base.model(input_ids=ids, attention_mask=attn).logits, ids)
-                finally:
-                    eng.lora.ctx.clear()
-                losses: dict[str, float] = {}
-                extra: dict[str, dict[str, float]] = {}
-                total = lp.sum() * 0.0
-                for name in self.policies:
-                    sel = torch.tensor([r.policy == name for r in rows], device=dev)
-                    # no kept token (no rows, or every group without variance): no step at all, since
-                    # Adam's momentum would still move the weights on a zero gradient
-                    if not bool(comp[sel].any()):
-                        continue
-                    loss, st = grpo_loss(
-                        lp[sel],
-                        lp[sel].detach(),
-                        adv.to(dev)[sel],
-                        comp[sel],
-                        cfg,
-                        None if ref is None else ref[sel],
-                    )
-                    total = total + loss
-                    losses[name] = float(loss.detach())
-                    extra[name] = st
-                total.backward()
-            with torch.no_grad():
-                for name in losses:
-                    self._adam_step(self.policies[name])
-        finally:
-            for b in set(banks):
-                b.A.grad = None
-                b.B.grad = None
-                b.A.requires_grad_(False)
-                b.B.requires_grad_(False)
-        self.steps += 1
+        return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots)
+
+    def _reference(self, batch: _Batch) -> torch.Tensor | None:
+        """Token logprobs of the bare base (slot -1) for the KL term; None when kl_coef is 0."""
+        if self.config.kl_coef <= 0:
+            return None
+        eng = self.engine
+        with torch.no_grad(), eng._forward_lock:
+            eng.lora.ctx.set_rows([-1] * len(batch.slots), batch.ids.device)
+            try:
+                logits = eng.base.model(input_ids=batch.ids, attention_mask=batch.attn).logits
+            finally:
+                eng.lora.ctx.clear()
+            return _token_logprobs(logits, batch.ids)
+
+    def _losses(
+        self, rows: list[RolloutRow], batch: _Batch, lp: torch.Tensor, ref: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, float], dict[str, dict[str, float]]]:
+        """Each policy's GRPO loss over its own rows, and their sum (what backward runs on). A policy with no
+        kept token (no rows, or every group without variance) gets no loss and so no step at all, since Adam's
+        momentum would still move the weights on a zero gradient."""
+        losses: dict[str, float] = {}
+        extra: dict[str, dict[str, float]] = {}
+        total = lp.sum() * 0.0
+        for name in self.policies:
+            sel = torch.tensor([r.policy == name for r in rows], device=lp.device)
+            if not bool(batch.comp[sel].any()):
+                continue
+            loss, st = grpo_loss(
+                lp[sel],
+                lp[sel].detach(),
+                batch.adv[sel],
+                batch.comp[sel],
+                self.config,
+                None if ref is None else ref[sel],
+            )
+            total = total + loss
+            losses[name] = float(loss.detach())
+            extra[name] = st
+        return total, losses, extra
+
+    def _stats(
+        self,
+        rows: list[RolloutRow],
+        batch: _Batch,
+        losses: dict[str, float],
+        extra: dict[str, dict[str, float]],
+    ) -> StepStats:
         reward = {p: float(torch.tensor([r.reward for r in rows if r.policy == p]).mean()) for p in losses}
         kept = {
-            p: len({r.group for r, k in zip(rows, keep.tolist(), strict=True) if r.policy == p and k})
+            p: len({r.group for r, k in zip(rows, batch.keep.tolist(), strict=True) if r.policy == p and k})
             for p in losses
         }
         return StepStats(self.steps, 0.0, reward, losses, kept, extra)

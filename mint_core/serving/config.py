@@ -32,6 +32,8 @@ class ServingConfig(BaseModel):
     catalog_url: str | None = None
     """SQLAlchemy URL of the adapter catalog; when set, `lora_path` may also be a catalog address
     (`policy@alias`, `policy/vN`), resolved to a revision of the adapter store."""
+    loader_workers: int = Field(2, ge=1, le=64)
+    """Threads that cold-load catalog addresses named by requests or prefetch (with catalog_url)."""
     api_key: SecretStr | None = None
     """If set, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
     admin_token: SecretStr | None = None

@@ -49,9 +49,13 @@ class EngineLoop:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def submit(self, request: Request, on_event: Callable[[Sequence], None] | None = None) -> Sequence:
-        """Queue a request; raises RequestError / UnknownAdapter at once for what can never be served."""
+    def submit(
+        self, request: Request, on_event: Callable[[Sequence], None] | None = None, held: str | None = None
+    ) -> Sequence:
+        """Queue a request; raises RequestError / UnknownAdapter at once for what can never be served. `held`:
+        an adapter name the caller holds for this request, given back at admission (or cancel)."""
         seq = self.engine.new_sequence(request, on_event)
+        seq.held = held
         with self._cv:
             if self._stopping:
                 raise MintError("the server is shutting down")
@@ -64,6 +68,7 @@ class EngineLoop:
         with self._cv:
             if seq in self._waiting:
                 self._waiting.remove(seq)
+                self._unhold(seq)
                 seq.finish_reason = "abort"
                 if seq.on_event is not None:
                     seq.on_event(seq)
@@ -81,7 +86,10 @@ class EngineLoop:
             while self._waiting and len(self.batcher) + len(admitted) < self.max_num_seqs:
                 seq = self._waiting[0]
                 try:
-                    self.engine.acquire_slot(seq)
+                    try:
+                        self.engine.acquire_slot(seq)
+                    finally:
+                        self._unhold(seq)
                 except WorkingSetFull as e:
                     if len(self.batcher) or admitted:
                         break  # a running request will release a slot
@@ -95,6 +103,11 @@ class EngineLoop:
                 self._waiting.popleft()
                 admitted.append(seq)
         return admitted
+
+    def _unhold(self, seq: Sequence) -> None:
+        if seq.held is not None:
+            self.engine.working_set.unhold(seq.held)
+            seq.held = None
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         seq.error, seq.finish_reason = error, "abort"

@@ -12,14 +12,15 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from mint_core.engine.engine import Engine
+    from mint_core.engine.loader import AdapterLoader
     from mint_core.serving.loop import EngineLoop
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _WorkingSetCollector(Collector):
-    def __init__(self, engine: Engine, loop: EngineLoop):
-        self.engine, self.loop = engine, loop
+    def __init__(self, engine: Engine, loop: EngineLoop, loader: AdapterLoader | None):
+        self.engine, self.loop, self.loader = engine, loop, loader
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         ws = self.engine.working_set
@@ -35,6 +36,22 @@ class _WorkingSetCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        if self.loader is not None:
+            ls = self.loader.stats
+            counters: tuple[tuple[str, float, str], ...] = (
+                ("mint_catalog_requests", ls.requests, "Catalog addresses asked of the loader"),
+                ("mint_catalog_hits", ls.hits, "Catalog addresses already loaded when asked"),
+                (
+                    "mint_catalog_cold_loads",
+                    ls.cold_loads,
+                    "Catalog addresses loaded on demand or by prefetch",
+                ),
+                ("mint_catalog_load_failures", ls.failures, "Catalog loads that failed"),
+                ("mint_catalog_prefetches", ls.prefetches, "Addresses asked for by prefetch"),
+                ("mint_catalog_cold_load_seconds", sum(ls.cold_load_s), "Time spent in cold loads"),
+            )
+            for cname, cvalue, cdoc in counters:
+                yield CounterMetricFamily(cname, cdoc, value=cvalue)
         running, waiting = self.loop.queue_depth()
         for name, value, doc in (
             ("mint_lora_slots_in_use", ws.slots_in_use(), "Device slots holding an adapter"),
@@ -48,7 +65,7 @@ class _WorkingSetCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: Engine, loop: EngineLoop):
+    def __init__(self, engine: Engine, loop: EngineLoop, loader: AdapterLoader | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -65,7 +82,7 @@ class Metrics:
         self.e2e = Histogram(
             "mint_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r
         )
-        r.register(_WorkingSetCollector(engine, loop))
+        r.register(_WorkingSetCollector(engine, loop, loader))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -31,11 +31,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.engine.engine import Engine
+from mint_core.engine.loader import AdapterLoader
 from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.sequence import Request as GenRequest
 from mint_core.engine.sequence import RequestError, Sequence
 from mint_core.errors import AdapterError, MintError, UnknownAdapter
-from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress
+from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.loop import EngineLoop
@@ -109,6 +110,11 @@ class LoadBody(_Body):
     load_inplace: bool = False
 
 
+class PrefetchBody(_Body):
+    addresses: list[str] = Field(default_factory=list, max_length=100_000)
+    wait: bool = False
+
+
 class UnloadBody(_Body):
     lora_name: str = ""
     lora_int_id: int | None = None
@@ -125,10 +131,16 @@ class Server:
         self.config = config
         self.base_name = base_name
         self.loop = EngineLoop(engine, config.max_num_seqs)
-        self.metrics = Metrics(engine, self.loop)
         self.root = Path(config.adapter_root).resolve()
         self.store = AdapterStore(self.root)
         self.catalog = Catalog(CatalogConfig(url=config.catalog_url)) if config.catalog_url else None
+        # with a catalog, any catalog address is a model name: loaded on demand by the loader's threads
+        self.loader = (
+            AdapterLoader(engine, self.catalog, self.store, workers=config.loader_workers)
+            if self.catalog is not None
+            else None
+        )
+        self.metrics = Metrics(engine, self.loop, self.loader)
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.created = int(time.time())
 
@@ -149,13 +161,36 @@ class Server:
 
     # -- adapters ------------------------------------------------------------------------------------------
 
-    def resolve_model(self, model: str) -> str | None:
-        """None for the base; the adapter name otherwise; 404 for anything unknown."""
+    async def resolve_model(self, model: str) -> str | None:
+        """None for the base; the adapter name otherwise. A catalog address not loaded yet is loaded now (this
+        request waits, the batch does not); 404 for anything unknown."""
         if model == self.base_name:
             return None
-        if model in self.engine.working_set.names():
-            return model
-        raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        names = self.engine.working_set.names()
+        if self.loader is None or (model in names and model not in self.engine.working_set.ephemeral_names()):
+            if model in names:
+                return model
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return await self._ensure(model, hold=False)
+
+    async def _ensure(self, model: str, hold: bool) -> str:
+        assert self.loader is not None
+        try:
+            return await asyncio.wrap_future(self.loader.ensure(model, hold=hold))
+        except AddressError:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model") from None
+        except (UnknownAddress, UnknownRevision) as e:
+            raise APIError(
+                404, f"The model `{model}` does not exist: {e}", "NotFoundError", "model"
+            ) from None
+        except AdapterError as e:
+            raise APIError(
+                400, f"The model `{model}` cannot be loaded: {e}", "BadRequestError", "model"
+            ) from None
+        except (StoreError, MintError) as e:
+            raise APIError(
+                503, f"The model `{model}` cannot be loaded now: {e}", "ServiceUnavailableError"
+            ) from None
 
     def resolve_path(self, lora_path: str) -> Path:
         """A directory inside the adapter store, or a content address `sha256:<hex>` of a stored revision
@@ -252,7 +287,11 @@ class Server:
         return ids
 
     async def submit(
-        self, adapter: str | None, ids: list[int], params: SamplingParams, wake: asyncio.Queue[None]
+        self,
+        adapter: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        wake: asyncio.Queue[None],
     ) -> Sequence:
         """Queue one sequence; `wake` gets an item whenever it makes progress (one queue per HTTP request)."""
         aloop = asyncio.get_running_loop()
@@ -273,14 +312,26 @@ class Server:
             with contextlib.suppress(RuntimeError):
                 aloop.call_soon_threadsafe(wake.put_nowait, None)
 
+        ws = self.engine.working_set
+        if adapter is not None and adapter in ws.ephemeral_names():
+            # hold the on-demand name until admission, so a burst of other loads cannot evict it in between
+            held: str | None = adapter
+            if not ws.hold(adapter):
+                await self._ensure(adapter, hold=True)
+        else:
+            held = None
         try:
-            seq = self.loop.submit(GenRequest(ids, adapter, params), on_event)
-        except UnknownAdapter as e:
-            raise APIError(404, str(e), "NotFoundError", "model") from None
-        except RequestError as e:
-            raise APIError(400, str(e), "BadRequestError", "prompt") from None
-        except MintError as e:
-            raise APIError(503, str(e), "ServiceUnavailableError") from None
+            seq = self.loop.submit(GenRequest(ids, adapter, params), on_event, held=held)
+        except BaseException as e:
+            if held is not None:
+                ws.unhold(held)
+            if isinstance(e, UnknownAdapter):
+                raise APIError(404, str(e), "NotFoundError", "model") from None
+            if isinstance(e, RequestError):
+                raise APIError(400, str(e), "BadRequestError", "prompt") from None
+            if isinstance(e, MintError):
+                raise APIError(503, str(e), "ServiceUnavailableError") from None
+            raise
         return seq
 
     async def wait(self, seqs: list[Sequence], wake: asyncio.Queue[None]) -> None:
@@ -432,6 +483,8 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
         logger.info("serving %s with %d adapter slots", base_name, engine.config.max_loras)
         yield
         await run_in_threadpool(server.loop.stop)  # finish what is queued and running
+        if server.loader is not None:
+            server.loader.close()
 
     app = FastAPI(title="mint", lifespan=lifespan)
     app.state.server = server
@@ -527,6 +580,33 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
         )
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
+    @app.post("/v1/mint/prefetch")
+    async def prefetch(request: Request, body: PrefetchBody) -> dict[str, Any]:
+        """mint's extension: schedule cold loads of catalog addresses ahead of need (admin). With `wait`,
+        answer once they are loaded, with each address's outcome."""
+        server.check_admin(request)
+        if server.loader is None:
+            raise APIError(400, "this server has no catalog (set catalog_url)", "BadRequestError")
+        bad = []
+        for a in body.addresses:
+            try:
+                parse_address(a)
+            except AddressError as e:
+                bad.append(str(e))
+        if bad:
+            raise APIError(400, "; ".join(bad[:5]), "BadRequestError", "addresses")
+        futures = server.loader.prefetch(body.addresses)
+        if not body.wait:
+            return {"scheduled": len(futures)}
+        results: dict[str, str] = {}
+        for a, f in zip(body.addresses, futures, strict=True):
+            try:
+                await asyncio.wrap_future(f)
+                results[a] = "loaded"
+            except Exception as e:
+                results[a] = f"error: {e}"
+        return {"scheduled": len(futures), "results": results}
+
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request, body: UnloadBody) -> Response:
         server.check_admin(request)
@@ -541,7 +621,7 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     async def completions(request: Request, body: CompletionBody) -> Response | dict[str, Any]:
         server.check_api_key(request)
         request.state.model = body.model
-        adapter = server.resolve_model(body.model)
+        adapter = await server.resolve_model(body.model)
         prompts: list[str | list[int]]
         if isinstance(body.prompt, str):
             prompts = [body.prompt]
@@ -613,7 +693,7 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     async def chat_completions(request: Request, body: ChatBody) -> Response | dict[str, Any]:
         server.check_api_key(request)
         request.state.model = body.model
-        adapter = server.resolve_model(body.model)
+        adapter = await server.resolve_model(body.model)
         ids = server.tokenize(_chat_prompt(engine, body.messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         jobs = []

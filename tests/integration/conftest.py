@@ -15,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import pytest
 from mint_core.engine.base import Base, Site, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.services import Service, ServiceName, ServicesConfig, start, stop
 from mint_core.serving.client import ServingClient
 
 
@@ -143,3 +146,73 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
         yield Endpoint(url, None, "admin-secret", store, base, "tiny-dense", proc)
     finally:
         stop_server(proc)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real MLflow and Prefect servers, one of each per test session, started through mint_core.services (what
+# `mint up` runs) on free loopback ports with their state in temporary directories.
+
+PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@contextmanager
+def running_service(name: ServiceName, state_dir: Path, **settings: object) -> Iterator[Service]:
+    """One service from mint_core.services, started in `state_dir` on a free port, stopped afterwards."""
+    config = ServicesConfig.model_validate({"state_dir": state_dir, f"{name}_port": free_port(), **settings})
+    service = start(config, [name])[0]
+    try:
+        yield service
+    finally:
+        stop(config, [name])
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real MLflow tracking server + registry (SQLite store, proxied artifacts, temporary dir)."""
+    with running_service("mlflow", tmp_path_factory.mktemp("mlflow")) as s:
+        yield s.url
+
+
+@pytest.fixture(scope="session")
+def mlflow_server_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a real MLflow server whose store is a fresh PostgreSQL database (127.0.0.1:5432, user
+    postgres, or MINT_TEST_PG_URL), created for the session and dropped at its end. Skips without PostgreSQL."""
+    import sqlalchemy as sa
+
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except sa.exc.OperationalError as e:
+        admin.dispose()
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(e.orig).strip().splitlines()[0]}")
+    name = f"mint_mlflow_{uuid.uuid4().hex[:16]}"
+    url = admin.url.set(database=name).render_as_string(hide_password=False)
+    try:
+        # the database does not exist yet: starting the service creates it
+        with running_service("mlflow", tmp_path_factory.mktemp("mlflow-pg"), mlflow_backend_url=url) as s:
+            yield s.url
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """API URL (http://127.0.0.1:<port>/api) of a real Prefect server with its own PREFECT_HOME. For the
+    session, PREFECT_API_URL points at it, in os.environ (subprocesses) and in Prefect's settings of this
+    process (read once at import), so flows run by tests report to it; both are restored afterwards."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with running_service("prefect", tmp_path_factory.mktemp("prefect")) as s:
+        previous = os.environ.get("PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = s.api_url
+        try:
+            with temporary_settings(updates={PREFECT_API_URL: s.api_url}):
+                yield s.api_url
+        finally:
+            if previous is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = previous

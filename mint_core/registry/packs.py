@@ -1,0 +1,131 @@
+"""Packs: many small adapter revisions of one shape in one safetensors file.
+
+A million rank-1 revisions as a million pairs of files is a million inodes and a million opens; a pack holds
+up to a few thousand of them stacked per site (`A.<site>` [n, r, in], `B.<site>` [n, out, r]) with their digests
+in the header. Each member is still a revision of its own: its digest is that of the PEFT files it exports to,
+its catalog location is `<pack file>#<index>`, and reading it rebuilds those files' bytes, checks them like any
+adapter and verifies the digest, so a pack changed on disk is caught on read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mint_core.engine.base import Site
+from mint_core.errors import AdapterError
+from mint_core.lora.adapter import AdapterWeights, adapter_bytes, digest_files
+from mint_core.lora.validate import BaseSpec, validate_bytes
+
+PACK_KEY = "mint.pack"
+MAX_PACK = 65536
+
+
+def is_pack_location(location: str) -> bool:
+    head, sep, index = location.rpartition("#")
+    return bool(sep) and index.isdigit() and head.endswith(".safetensors")
+
+
+def write_pack(path: str | Path, adapters: Sequence[AdapterWeights], sites: dict[str, Site]) -> list[str]:
+    """Write `adapters` (same rank, alpha, sites and base) into one pack file, atomically; returns their
+    digests in order (a member's location is `f"{path}#{i}"`)."""
+    if not adapters:
+        raise ValueError("a pack needs at least one adapter")
+    if len(adapters) > MAX_PACK:
+        raise ValueError(f"a pack holds at most {MAX_PACK} adapters, got {len(adapters)}")
+    first = adapters[0]
+    shape = (
+        first.rank,
+        first.alpha,
+        first.use_rslora,
+        first.base_fingerprint,
+        first.base_name,
+        sorted(first.tensors),
+    )
+    for i, a in enumerate(adapters):
+        if (a.rank, a.alpha, a.use_rslora, a.base_fingerprint, a.base_name, sorted(a.tensors)) != shape:
+            raise ValueError(
+                f"adapter {i} differs from adapter 0 in rank, alpha, base or sites; packs are uniform"
+            )
+    digests = [digest_files(*adapter_bytes(a, sites)) for a in adapters]
+    tensors: dict[str, torch.Tensor] = {}
+    for site in first.tensors:
+        tensors[f"A.{site}"] = torch.stack([a.tensors[site][0].float() for a in adapters]).contiguous()
+        tensors[f"B.{site}"] = torch.stack([a.tensors[site][1].float() for a in adapters]).contiguous()
+    meta = {
+        "rank": first.rank,
+        "alpha": first.alpha,
+        "use_rslora": first.use_rslora,
+        "base_fingerprint": first.base_fingerprint,
+        "base_name": first.base_name,
+        "digests": digests,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={PACK_KEY: json.dumps(meta)})
+    os.replace(tmp, path)
+    return digests
+
+
+class PackReader:
+    """Reads members of pack files, keeping the last few files open (members of one pack are read together)."""
+
+    def __init__(self, sites: dict[str, Site], open_files: int = 8):
+        self.sites = sites
+        self.open_files = open_files
+        self._open: dict[str, tuple[object, dict]] = {}
+
+    def _handle(self, path: str) -> tuple[object, dict]:
+        hit = self._open.pop(path, None)
+        if hit is None:
+            f = safe_open(path, framework="pt")
+            meta = json.loads((f.metadata() or {})[PACK_KEY])
+            hit = (f, meta)
+            while len(self._open) >= self.open_files:
+                self._open.pop(next(iter(self._open)))
+        self._open[path] = hit
+        return hit
+
+    def read(self, location: str, spec: BaseSpec, name: str | None = None) -> AdapterWeights:
+        """The member at `<pack>#<i>`, validated against the base and verified against its recorded digest."""
+        path, _, index_text = location.rpartition("#")
+        label = name or location
+        try:
+            f, meta = self._handle(path)
+        except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+            raise AdapterError(label, location, [f"pack file unreadable: {e}"]) from e
+        i = int(index_text)
+        digests = meta["digests"]
+        if not 0 <= i < len(digests):
+            raise AdapterError(label, location, [f"index {i} is outside the pack (it holds {len(digests)})"])
+        tensors = {}
+        for key in f.keys():  # type: ignore[attr-defined]  # noqa: SIM118 (a safetensors handle, not a dict)
+            if key.startswith("A."):
+                site = key[2:]
+                tensors[site] = (f.get_slice(key)[i], f.get_slice(f"B.{site}")[i])  # type: ignore[attr-defined]
+        member = AdapterWeights(
+            meta["rank"],
+            meta["alpha"],
+            tensors,
+            meta["base_fingerprint"],
+            meta["base_name"],
+            meta["use_rslora"],
+        )
+        config_bytes, weights_bytes = adapter_bytes(member, self.sites)
+        weights = validate_bytes(config_bytes, weights_bytes, spec, label, location)
+        if weights.digest != digests[i]:
+            raise AdapterError(
+                label,
+                location,
+                [
+                    f"digest mismatch: the pack records sha256:{digests[i]}, its bytes hash to sha256:{weights.digest}"
+                ],
+            )
+        return weights

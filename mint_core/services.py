@@ -1,0 +1,581 @@
+"""mint's local services as background processes: the MLflow tracking server and model registry, a Prefect
+server, and the embedded serving engine (`mint serve`).
+
+Each service gets a log file, a pid file and a small JSON record (URL, start time) in one state directory, so
+`start` is idempotent across invocations (a healthy service already recorded there is reused), `status` can be
+asked from any shell, and `stop` finds what an earlier `mint up` started. A service is started in a session of
+its own, so stopping it signals its whole process group (MLflow runs uvicorn under its CLI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from mint_core.errors import MintError
+
+logger = logging.getLogger(__name__)
+
+ServiceName = Literal["mlflow", "prefect", "serve"]
+SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve")
+ENV_PREFIX = "MINT_SERVICES_"
+HEALTH_PATH: dict[ServiceName, str] = {"mlflow": "/health", "prefect": "/api/health", "serve": "/health"}
+LOG_TAIL_LINES = 40
+# The directory `dvc repro` builds the built-in base into (relative to the working directory).
+BUILTIN_BASE = Path("data/base")
+
+State = Literal["running", "unhealthy", "stopped"]
+
+
+class ServiceError(MintError):
+    """A service did not start, stop or answer; names the service, and ends with the tail of its log."""
+
+
+class ServicesConfig(BaseModel):
+    """Where mint's local services run, what they store where, and how long to wait for them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state_dir: Path = Path(".mint/run")
+    """Pid files, logs, the local databases (MLflow, Prefect) and generated secrets."""
+    host: str = "127.0.0.1"
+    """Address every service binds to and is reached at (0.0.0.0 also exposes them to the network)."""
+    mlflow_port: int = Field(5000, ge=1, le=65535)
+    """Port of the MLflow tracking server, its registry and its UI."""
+    mlflow_backend_url: str | None = None
+    """SQLAlchemy URL of MLflow's tracking and registry store. Default: sqlite:///<state_dir>/mlflow.db.
+    PostgreSQL: postgresql+psycopg://user[:password]@host:5432/mlflow (a URL without a driver gets psycopg, the
+    PostgreSQL driver mint installs); the database is created if it does not exist."""
+    mlflow_artifacts: str | None = None
+    """Where the server keeps run artifacts (--artifacts-destination, served through the server's proxy): a
+    directory or an fsspec/cloud URL such as s3://bucket/mlflow. Default: <state_dir>/mlflow-artifacts."""
+    mlflow_workers: int = Field(1, ge=1)
+    """uvicorn worker processes of the MLflow server (MLflow's own default is 4)."""
+    mlflow_allowed_hosts: str | None = None
+    """Comma-separated Host headers MLflow accepts (--allowed-hosts); MLflow's default is localhost and private
+    addresses. Set it when the UI is opened through a DNS name."""
+    mlflow_jobs: bool = False
+    """Run MLflow's server-side job executor (a Huey consumer per job kind, for MLflow's GenAI features);
+    off by default: mint does not use it and it costs several processes."""
+    prefect_port: int = Field(4200, ge=1, le=65535)
+    """Port of the Prefect server: its API (under /api) and dashboard."""
+    prefect_database_url: str | None = None
+    """Prefect's database. Default: SQLite in <state_dir>/prefect. PostgreSQL:
+    postgresql+asyncpg://user[:password]@host:5432/prefect (Prefect needs the asyncpg driver; a URL without a
+    driver gets it); the database is created if it does not exist."""
+    serve_port: int = Field(8000, ge=1, le=65535)
+    """Port of the embedded serving engine (the OpenAI/vLLM-compatible API under /v1)."""
+    serve_base: str | None = None
+    """Base of `mint serve`: a model directory or a built-in name (tiny-dense, ...). Default: data/base when
+    `dvc repro` has built it, else a tiny dense base written once into <state_dir>/tiny-dense."""
+    serve_config: Path | None = None
+    """A ServingConfig file (YAML/JSON) for `mint serve`; host, port and base above take precedence over it."""
+    serve_adapter_root: Path | None = None
+    """Adapter store of `mint serve` (load requests may only name paths inside it). Default: the serving
+    config's adapter_root (.mint/store)."""
+    startup_timeout: float = Field(180.0, gt=0)
+    """Seconds a service may take to answer its health check after it is launched."""
+    stop_timeout: float = Field(30.0, gt=0)
+    """Seconds between SIGTERM and SIGKILL when stopping (mint serve finishes requests in flight first)."""
+
+    @classmethod
+    def load(cls, path: Path | None = None, **overrides: Any) -> ServicesConfig:
+        """File values, then MINT_SERVICES_<FIELD> environment variables, then explicit (non-None) overrides."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text()
+            loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path}: expected a mapping of settings")
+            values.update(loaded)
+        for name in cls.model_fields:
+            env = os.environ.get(ENV_PREFIX + name.upper())
+            if env is not None:
+                values[name] = env
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(values)
+
+    def port(self, name: ServiceName) -> int:
+        return {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}[name]
+
+    def url(self, name: ServiceName) -> str:
+        """The service's base URL (for Prefect the API is under /api)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port(name)}"
+
+    def mlflow_backend(self) -> str:
+        if self.mlflow_backend_url is None:
+            return f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
+        return with_driver(self.mlflow_backend_url, "psycopg")
+
+    def prefect_database(self) -> str | None:
+        return (
+            None if self.prefect_database_url is None else with_driver(self.prefect_database_url, "asyncpg")
+        )
+
+
+@dataclass
+class Service:
+    """One service as found (or left) by start/stop/status."""
+
+    name: ServiceName
+    state: State
+    url: str
+    pid: int | None
+    log: Path
+    reused: bool = False
+    """start found it already running."""
+    startup_s: float | None = None
+    """Seconds from launch to a healthy answer (None when reused or not started here)."""
+
+    @property
+    def open_url(self) -> str:
+        """The page a person opens: the MLflow UI, the Prefect dashboard, or the served models."""
+        return self.url + "/v1/models" if self.name == "serve" else self.url
+
+    @property
+    def api_url(self) -> str:
+        """What clients are configured with: MLFLOW_TRACKING_URI, PREFECT_API_URL, the serving base URL."""
+        return self.url + "/api" if self.name == "prefect" else self.url
+
+
+# Processes started by this Python process; polling them reaps them, so an exited one is not left a zombie.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def parse_names(only: str | None) -> list[ServiceName]:
+    """`mlflow,serve` -> ["mlflow", "serve"] in start order; None or "" -> all services."""
+    if not only:
+        return list(SERVICES)
+    wanted = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(wanted - set(SERVICES))
+    if unknown:
+        raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from {', '.join(SERVICES)}")
+    return [n for n in SERVICES if n in wanted]
+
+
+def with_driver(url: str, driver: str) -> str:
+    """A PostgreSQL URL without a driver (postgresql://, postgres://) gets `driver`; others are unchanged."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return f"postgresql+{driver}://" + url[len(scheme) :]
+    return url
+
+
+def ensure_postgres_database(url: str, timeout: float = 5.0) -> bool:
+    """Create the database a PostgreSQL URL names if it does not exist; True if it was created.
+
+    Connects to the server's `postgres` maintenance database with the URL's credentials.
+    """
+    import sqlalchemy as sa
+
+    target = sa.make_url(with_driver(url, "psycopg"))
+    name = target.database
+    if not name:
+        raise ServiceError(f"{target.render_as_string()}: the URL names no database")
+    admin_url = target.set(drivername="postgresql+psycopg", database="postgres")
+    engine = sa.create_engine(
+        admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": timeout}
+    )
+    try:
+        with engine.connect() as conn:
+            exists = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+            ).first()
+            if exists:
+                return False
+            quoted = conn.dialect.identifier_preparer.quote_identifier(name)
+            conn.exec_driver_sql(f"CREATE DATABASE {quoted}")
+            logger.info("created PostgreSQL database %s", name)
+            return True
+    except sa.exc.DBAPIError as e:
+        raise ServiceError(
+            f"could not create database {name!r} on PostgreSQL at {admin_url.render_as_string()}: "
+            f"{str(e.orig).strip()}"
+        ) from e
+    finally:
+        engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# state files
+
+
+def _paths(config: ServicesConfig, name: ServiceName) -> tuple[Path, Path, Path]:
+    d = config.state_dir
+    return d / f"{name}.pid", d / f"{name}.json", d / f"{name}.log"
+
+
+def _read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | None:
+    """The recorded pid, URL and process start time of a service, or None if there is no (readable) record."""
+    pid_file, info_file, _ = _paths(config, name)
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        info = json.loads(info_file.read_text())
+    except (OSError, ValueError):
+        info = {}
+    return {**info, "pid": pid}
+
+
+def _write_record(config: ServicesConfig, name: ServiceName, pid: int, url: str) -> None:
+    pid_file, info_file, log = _paths(config, name)
+    info = {"url": url, "started_at": time.time(), "proc_start": _proc_start(pid), "log": str(log)}
+    info_file.write_text(json.dumps(info, indent=1) + "\n")
+    pid_file.write_text(f"{pid}\n")
+
+
+def _remove_record(config: ServicesConfig, name: ServiceName) -> None:
+    pid_file, info_file, _ = _paths(config, name)
+    pid_file.unlink(missing_ok=True)
+    info_file.unlink(missing_ok=True)
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:]) or "(empty log)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# processes
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (state first), or None without /proc or process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def _proc_start(pid: int) -> str | None:
+    fields = _proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None  # field 22 of stat: start time in clock ticks
+
+
+def _alive(pid: int, proc_start: str | None = None) -> bool:
+    """The process exists, is not a zombie, and (when known) is the one recorded (its pid was not reused)."""
+    child = _CHILDREN.get(pid)
+    if child is not None and child.poll() is not None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    fields = _proc_stat(pid)
+    if fields is None:
+        return not Path("/proc/self/stat").exists()  # no /proc at all: os.kill's answer is all we have
+    if fields[0] == "Z":
+        return False
+    return proc_start is None or _proc_start(pid) == proc_start
+
+
+def _group_alive(pgid: int) -> bool:
+    """Some process of the group is still running (zombies, which only wait to be reaped, do not count)."""
+    for pid, child in list(_CHILDREN.items()):
+        if child.poll() is not None:
+            _CHILDREN.pop(pid, None)
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _proc_stat(int(entry.name))
+        if fields and fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _terminate(pid: int, timeout: float) -> bool:
+    """SIGTERM the service's process group, SIGKILL it after `timeout` s; True if it had to be killed."""
+    try:
+        group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            (os.killpg if group else os.kill)(pid, sig)
+
+    def gone() -> bool:
+        return not _group_alive(pid) if group else not _alive(pid)
+
+    send(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gone():
+            return False
+        time.sleep(0.1)
+    logger.warning("pid %d did not stop within %.0f s of SIGTERM: sending SIGKILL", pid, timeout)
+    send(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not gone():
+        time.sleep(0.1)
+    return True
+
+
+def _healthy(url: str, path: str, timeout: float = 2.0) -> bool:
+    try:
+        # trust_env=False: a proxy from the environment must not stand between us and a loopback service
+        return httpx.get(url + path, timeout=timeout, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR, as the servers themselves bind: a port left in TIME_WAIT by a stopped server is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _bin(tool: str) -> str:
+    """A console script of this environment (mlflow, prefect), next to the running interpreter."""
+    path = Path(sys.executable).parent / tool
+    if not path.exists():
+        raise ServiceError(f"{tool} is not installed next to {sys.executable}")
+    return str(path)
+
+
+def _serve_token(config: ServicesConfig) -> str:
+    """The admin token of `mint serve` under this state dir: generated once, kept readable by its owner only."""
+    path = config.state_dir / "serve.token"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+    return path.read_text().strip()
+
+
+def serve_base(config: ServicesConfig) -> str:
+    """The base `mint serve` loads; builds the tiny default into the state dir the first time it is needed."""
+    if config.serve_base is not None:
+        return config.serve_base
+    if (BUILTIN_BASE / "config.json").is_file():
+        return str(BUILTIN_BASE.resolve())
+    out = (config.state_dir / "tiny-dense").resolve()  # its directory name is the served model name
+    if not (out / "config.json").is_file():
+        from mint_core.engine.base import build_tiny_base
+        from mint_core.engine.tokenizer import byte_tokenizer
+
+        logger.info("data/base is not built (dvc repro): writing a tiny dense base to %s", out)
+        base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+        tmp = out.with_name(out.name + ".tmp")
+        base.model.save_pretrained(tmp)
+        assert base.tokenizer is not None
+        base.tokenizer.save_pretrained(tmp)
+        tmp.rename(out)
+    return str(out)
+
+
+def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start one service (secrets go in the environment)."""
+    host, port = config.host, str(config.port(name))
+    env = {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+    }
+    if name == "mlflow":
+        artifacts = config.mlflow_artifacts or str((config.state_dir / "mlflow-artifacts").resolve())
+        # the store URL may hold a password: passed in the environment, not on the command line `ps` shows
+        env["MLFLOW_BACKEND_STORE_URI"] = config.mlflow_backend()
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "true" if config.mlflow_jobs else "false"
+        cmd = [_bin("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
+        cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers)]
+        if config.mlflow_allowed_hosts:
+            cmd += ["--allowed-hosts", config.mlflow_allowed_hosts]
+        return cmd, env
+    if name == "prefect":
+        env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
+        database = config.prefect_database()
+        if database is not None:
+            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
+        return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
+    from mint_core.serving.config import ServingConfig
+
+    cmd = [sys.executable, "-m", "mint_core.cli", "serve", "--host", host, "--port", port]
+    cmd += ["--base", serve_base(config)]
+    if config.serve_config is not None:
+        cmd += ["--config", str(config.serve_config.resolve())]
+    if config.serve_adapter_root is not None:
+        cmd += ["--adapter-root", str(config.serve_adapter_root.resolve())]
+    # a token from the environment or the serving config wins; else one kept in the state dir, so the admin
+    # routes of a server started by `mint up` have a token that can be read back
+    if ServingConfig.load(config.serve_config).admin_token is None:
+        env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
+    return cmd, env
+
+
+def _prepare(name: ServiceName, config: ServicesConfig) -> None:
+    """Create what a service needs before its first start (PostgreSQL databases)."""
+    if name == "mlflow" and config.mlflow_backend_url and config.mlflow_backend().startswith("postgresql"):
+        ensure_postgres_database(config.mlflow_backend())
+    database = config.prefect_database()
+    if name == "prefect" and database and database.startswith("postgresql"):
+        ensure_postgres_database(database)
+
+
+def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes]:
+    cmd, extra_env = command(name, config)
+    _, _, log = _paths(config, name)
+    env = {**os.environ, **extra_env}
+    if name == "prefect":
+        env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    _CHILDREN[proc.pid] = proc
+    _write_record(config, name, proc.pid, config.url(name))
+    logger.info("started %s (pid %d), log %s", name, proc.pid, log)
+    return proc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the three operations
+
+
+def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
+    """What runs under the state dir; a record left by a process that is gone is removed."""
+    out = []
+    for name in names or SERVICES:
+        _, _, log = _paths(config, name)
+        record = _read_record(config, name)
+        if record is None or not _alive(record["pid"], record.get("proc_start")):
+            if record is not None:
+                _remove_record(config, name)
+            out.append(Service(name, "stopped", config.url(name), None, log))
+            continue
+        url = record.get("url") or config.url(name)
+        state: State = "running" if _healthy(url, HEALTH_PATH[name]) else "unhealthy"
+        out.append(Service(name, state, url, record["pid"], log))
+    return out
+
+
+def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
+    """Start the named services (all by default) and wait until each answers its health check.
+
+    A service already running under the state dir is reused (waited for if still starting). Services are
+    launched together and waited for together; if any fails, the others stay up and one ServiceError names
+    every failure with the tail of its log.
+    """
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    names = names or list(SERVICES)
+    found = {s.name: s for s in status(config, names)}
+    launched: dict[ServiceName, tuple[subprocess.Popen[bytes] | None, float]] = {}
+    errors: list[str] = []
+    for name in names:
+        s = found[name]
+        if s.state != "stopped":
+            assert s.pid is not None
+            launched[name] = (None, time.monotonic())  # wait for it like a fresh one, but never kill it
+            continue
+        port = config.port(name)
+        if not _port_free(config.host, port):
+            errors.append(
+                f"{name}: port {port} on {config.host} is already in use by a process not recorded in "
+                f"{config.state_dir} (stop it, or choose another port: --{name}-port)"
+            )
+            continue
+        try:
+            _prepare(name, config)
+            launched[name] = (_launch(name, config), time.monotonic())
+        except (ServiceError, OSError, ValueError) as e:  # ValueError: a bad serving config file
+            errors.append(f"{name}: {e}")
+    results: dict[ServiceName, Service] = {}
+    deadline = time.monotonic() + config.startup_timeout
+    while launched:
+        for name, (proc, t0) in list(launched.items()):
+            record = _read_record(config, name) or {}
+            url = record.get("url") or config.url(name)
+            pid = proc.pid if proc is not None else int(record.get("pid", 0))
+            _, _, log = _paths(config, name)
+            if (proc is not None and proc.poll() is not None) or (proc is None and not _alive(pid)):
+                del launched[name]
+                code = f" with status {proc.returncode}" if proc is not None else ""
+                errors.append(
+                    f"{name} exited{code} before answering {url}{HEALTH_PATH[name]}:\n{log_tail(log)}"
+                )
+                _remove_record(config, name)
+            elif _healthy(url, HEALTH_PATH[name]):
+                del launched[name]
+                ms = None if proc is None else time.monotonic() - t0
+                results[name] = Service(name, "running", url, pid, log, reused=proc is None, startup_s=ms)
+                if ms is not None:
+                    logger.info("%s healthy at %s after %.1f s", name, url, ms)
+        if launched and time.monotonic() > deadline:
+            for name, (proc, _) in launched.items():
+                _, _, log = _paths(config, name)
+                errors.append(
+                    f"{name} did not answer {config.url(name)}{HEALTH_PATH[name]} within "
+                    f"{config.startup_timeout:.0f} s:\n{log_tail(log)}"
+                )
+                if proc is not None:  # ours and broken: do not leave it half started
+                    _terminate(proc.pid, config.stop_timeout)
+                    _remove_record(config, name)
+            break
+        if launched:
+            time.sleep(0.25)
+    if errors:
+        raise ServiceError("\n\n".join(errors))
+    return [results[n] for n in names]
+
+
+def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
+    """Stop the named services (all by default; serve first, MLflow last): SIGTERM, then SIGKILL after
+    stop_timeout. Returns what was running before (an empty state for those that were not)."""
+    out = []
+    for name in reversed(names or SERVICES):
+        _, _, log = _paths(config, name)
+        record = _read_record(config, name)
+        if record is None or not _alive(record["pid"], record.get("proc_start")):
+            _remove_record(config, name)
+            out.append(Service(name, "stopped", config.url(name), None, log))
+            continue
+        pid = record["pid"]
+        killed = _terminate(pid, config.stop_timeout)
+        _CHILDREN.pop(pid, None)
+        _remove_record(config, name)
+        logger.info("stopped %s (pid %d)%s", name, pid, ", killed" if killed else "")
+        out.append(Service(name, "running", record.get("url") or config.url(name), pid, log))
+    return out[::-1]

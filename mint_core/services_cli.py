@@ -1,0 +1,140 @@
+"""`mint up`, `mint down`, `mint status`: the local MLflow, Prefect and serving processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mint_core.services import (
+    SERVICES,
+    Service,
+    ServiceError,
+    ServiceName,
+    ServicesConfig,
+    parse_names,
+    start,
+    status,
+    stop,
+)
+
+console = Console()
+
+StateDir = Annotated[
+    Path | None,
+    typer.Option(help="Pid files, logs and local databases (default .mint/run, or MINT_SERVICES_STATE_DIR)."),
+]
+Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(SERVICES)}.")]
+ConfigFile = Annotated[Path | None, typer.Option(help="YAML or JSON file of ServicesConfig fields.")]
+
+TITLES = {"mlflow": "MLflow tracking + registry", "prefect": "Prefect server", "serve": "mint serve"}
+OPEN = {"mlflow": "MLflow UI", "prefect": "Prefect dashboard", "serve": "served models"}
+STYLE = {"running": "green", "unhealthy": "yellow", "stopped": "dim"}
+
+
+def _names(only: str | None) -> list[ServiceName]:
+    try:
+        return parse_names(only)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--only") from None
+
+
+def _config(config: Path | None, **overrides: object) -> ServicesConfig:
+    try:
+        return ServicesConfig.load(config, **overrides)
+    except ValueError as e:  # pydantic's ValidationError included
+        raise typer.BadParameter(str(e)) from None
+
+
+def print_table(services: list[Service]) -> None:
+    table = Table("service", "state", "pid", "url", "open", "log")
+    for s in services:
+        table.add_row(
+            TITLES[s.name],
+            f"[{STYLE[s.state]}]{s.state}[/]",
+            str(s.pid or ""),
+            s.api_url,
+            f"{OPEN[s.name]}: {s.open_url}" if s.state != "stopped" else "",
+            str(s.log),
+        )
+    console.print(table)
+
+
+def up(
+    only: Only = None,
+    state_dir: StateDir = None,
+    config: ConfigFile = None,
+    host: Annotated[str | None, typer.Option(help="Address the services bind to.")] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help="MLflow port (default 5000).")] = None,
+    prefect_port: Annotated[int | None, typer.Option(help="Prefect port (default 4200).")] = None,
+    serve_port: Annotated[int | None, typer.Option(help="mint serve port (default 8000).")] = None,
+    mlflow_backend_url: Annotated[
+        str | None, typer.Option(help="MLflow store: SQLAlchemy URL (default SQLite in the state dir).")
+    ] = None,
+    prefect_database_url: Annotated[
+        str | None, typer.Option(help="Prefect database URL (default SQLite in the state dir).")
+    ] = None,
+    serve_base: Annotated[
+        str | None, typer.Option(help="Base of mint serve (default data/base, else a tiny dense base).")
+    ] = None,
+    serve_config: Annotated[Path | None, typer.Option(help="ServingConfig file for mint serve.")] = None,
+    serve_adapter_root: Annotated[Path | None, typer.Option(help="Adapter store of mint serve.")] = None,
+) -> None:
+    """Start the local services (MLflow, Prefect, mint serve) in the background; reuse those already up."""
+    names = _names(only)
+    cfg = _config(
+        config,
+        state_dir=state_dir,
+        host=host,
+        mlflow_port=mlflow_port,
+        prefect_port=prefect_port,
+        serve_port=serve_port,
+        mlflow_backend_url=mlflow_backend_url,
+        prefect_database_url=prefect_database_url,
+        serve_base=serve_base,
+        serve_config=serve_config,
+        serve_adapter_root=serve_adapter_root,
+    )
+    with console.status(f"starting {', '.join(names)} ..."):
+        try:
+            started = start(cfg, names)
+        except ServiceError as e:
+            console.print(f"[red]{e}[/]")
+            raise typer.Exit(1) from None
+    for s in started:
+        how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
+        console.print(f"{TITLES[s.name]}: {how} at {s.api_url} (pid {s.pid})")
+    print_table(status(cfg, names))
+    by_name = {s.name: s for s in started}
+    if "mlflow" in by_name:
+        console.print(f"export MLFLOW_TRACKING_URI={by_name['mlflow'].api_url}")
+    if "prefect" in by_name:
+        console.print(f"export PREFECT_API_URL={by_name['prefect'].api_url}")
+    if "serve" in by_name:
+        token = cfg.state_dir / "serve.token"
+        where = f"in {token}" if token.exists() else "as configured"
+        console.print(f"mint serve admin token (load/unload) {where}")
+
+
+def down(only: Only = None, state_dir: StateDir = None, config: ConfigFile = None) -> None:
+    """Stop the local services started by `mint up` (SIGTERM, then SIGKILL after a timeout)."""
+    names = _names(only)
+    cfg = _config(config, state_dir=state_dir)
+    for s in stop(cfg, names):
+        console.print(f"{TITLES[s.name]}: " + (f"stopped (pid {s.pid})" if s.pid else "was not running"))
+
+
+def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile = None) -> None:
+    """Show each local service: state, pid, URL, the page to open, and its log."""
+    cfg = _config(config, state_dir=state_dir)
+    print_table(status(cfg, _names(only)))
+
+
+def register(app: typer.Typer) -> None:
+    """Add up/down/status to the `mint` command line."""
+    app.command("up")(up)
+    app.command("down")(down)
+    app.command("status")(status_cmd)

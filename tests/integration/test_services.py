@@ -1,0 +1,211 @@
+"""The local services: `mint up` / `status` / `down` through the command line, and the session fixtures other
+integration tests use (MLflow on SQLite and on PostgreSQL, Prefect)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mint_core import services
+from mint_core.services import ServicesConfig, stop
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def mint(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    # wide enough that rich never wraps a URL of the status table
+    env = {**os.environ, "COLUMNS": "240", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return subprocess.run(
+        [sys.executable, "-m", "mint_core.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only a zombie waiting to be reaped by whoever adopted it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
+    state = tmp_path / "run"
+    ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}
+    flags = ["--state-dir", str(state), "--serve-adapter-root", str(tmp_path / "store")]
+    flags += [f"--{name}-port={port}" for name, port in ports.items()]
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    try:
+        up = mint("up", *flags)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert up.stdout.count("started in") == 3, up.stdout
+        pids = {name: int((state / f"{name}.pid").read_text()) for name in ports}
+
+        assert httpx.get(urls["mlflow"] + "/health", trust_env=False).status_code == 200
+        assert httpx.get(urls["prefect"] + "/api/health", trust_env=False).json() is True
+        models = httpx.get(urls["serve"] + "/v1/models", trust_env=False).json()
+        # data/base when `dvc repro` has built it, else the tiny dense base `mint up` wrote into the state dir
+        built = (services.BUILTIN_BASE / "config.json").is_file()
+        assert [m["id"] for m in models["data"]] == ["base" if built else "tiny-dense"]
+        token = (state / "serve.token").read_text().strip()
+        unload = httpx.post(
+            urls["serve"] + "/v1/unload_lora_adapter",
+            json={"lora_name": "none"},
+            headers={"Authorization": f"Bearer {token}"},
+            trust_env=False,
+        )
+        assert unload.status_code == 404  # the admin token in the state dir is the server's
+
+        status = mint("status", "--state-dir", str(state))
+        assert status.returncode == 0, status.stderr
+        rows = [line for line in status.stdout.splitlines() if "running" in line]
+        assert len(rows) == 3, status.stdout
+        for name, url in urls.items():
+            assert str(pids[name]) in status.stdout
+            assert url in status.stdout
+        assert f"{urls['serve']}/v1/models" in status.stdout
+        assert f"{urls['prefect']}/api" in status.stdout
+
+        again = mint("up", *flags)  # idempotent: reuses all three
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert again.stdout.count("already running") == 3, again.stdout
+        assert {name: int((state / f"{name}.pid").read_text()) for name in ports} == pids
+
+        down = mint("down", "--state-dir", str(state))
+        assert down.returncode == 0, down.stderr
+        assert not list(state.glob("*.pid"))
+        assert all(gone(pid) for pid in pids.values())
+        after = mint("status", "--state-dir", str(state))
+        assert after.stdout.count("stopped") == 3, after.stdout
+    finally:
+        stop(ServicesConfig(state_dir=state))  # whatever an assertion left running
+
+
+def test_start_reports_a_service_that_dies_with_the_tail_of_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def dies(name: str, config: ServicesConfig) -> tuple[list[str], dict[str, str]]:
+        return [sys.executable, "-c", "import sys; print('no base at /nowhere'); sys.exit(3)"], {}
+
+    monkeypatch.setattr(services, "command", dies)
+    config = ServicesConfig(state_dir=tmp_path / "run", serve_port=free_port())
+    with pytest.raises(services.ServiceError, match=r"(?s)serve exited with status 3 .*no base at /nowhere"):
+        services.start(config, ["serve"])
+    assert not (tmp_path / "run" / "serve.pid").exists()
+    assert [s.state for s in services.status(config)] == ["stopped"] * 3
+
+    # a pid file left by a process that is gone is stale: reported stopped, and removed
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    (tmp_path / "run" / "serve.pid").write_text(f"{exited.pid}\n")
+    assert services.status(config, ["serve"])[0].state == "stopped"
+    assert not (tmp_path / "run" / "serve.pid").exists()
+
+
+def test_stop_kills_a_service_that_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_port()
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")
+    code = (
+        "import functools, http.server as h, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"h.ThreadingHTTPServer(('127.0.0.1', {port}), "
+        f"functools.partial(h.SimpleHTTPRequestHandler, directory={str(tmp_path / 'www')!r})).serve_forever()"
+    )
+    monkeypatch.setattr(services, "command", lambda name, config: ([sys.executable, "-c", code], {}))
+    config = ServicesConfig(state_dir=tmp_path / "run", serve_port=port, stop_timeout=1)
+    [up] = services.start(config, ["serve"])
+    assert (up.state, up.reused, up.url) == ("running", False, f"http://127.0.0.1:{port}")
+    [again] = services.start(config, ["serve"])
+    assert (again.pid, again.reused) == (up.pid, True)
+    [was] = services.stop(config, ["serve"])
+    assert (was.state, was.pid) == ("running", up.pid)
+    assert up.pid is not None and gone(up.pid)  # SIGKILL after stop_timeout
+    assert not (tmp_path / "run" / "serve.pid").exists()
+    assert not (tmp_path / "run" / "serve.json").exists()
+
+
+def _registry_round_trip(url: str, tmp: Path) -> str:
+    """Create a policy with a version and a champion alias, and a run with an artifact; returns the policy."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=url, registry_uri=url)
+    name = f"policy-{uuid.uuid4().hex[:8]}"
+    client.create_registered_model(name, tags={"mint.base": "tiny-dense"})
+    # A tracking server refuses a local path (file://..., /...) as a version's source unless it lies inside the
+    # run's artifacts, and any source whose URI path is not absolute (so not `sha256:<hex>` either).
+    digest = "ab" * 32
+    source = f"mint-store:///sha256/{digest}"
+    version = client.create_model_version(name, source=source, tags={"mint.digest": digest})
+    client.set_registered_model_alias(name, "champion", version.version)
+    got = client.get_model_version_by_alias(name, "champion")
+    assert (got.version, got.source, got.tags["mint.digest"]) == (version.version, source, digest)
+    assert client.get_registered_model(name).tags == {"mint.base": "tiny-dense"}
+    # a run with a metric and an artifact, through the server's artifact proxy
+    run = client.create_run(client.create_experiment(f"exp-{name}"))
+    client.log_metric(run.info.run_id, "reward", 0.5)
+    client.log_text(run.info.run_id, "hello", "note.txt")
+    client.set_terminated(run.info.run_id)
+    assert client.get_run(run.info.run_id).data.metrics == {"reward": 0.5}
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # stored by the server, not by this process
+    local = client.download_artifacts(run.info.run_id, "note.txt", dst_path=str(tmp))
+    assert Path(local).read_text() == "hello"
+    return name
+
+
+def test_mlflow_server_sqlite(mlflow_server: str, tmp_path: Path) -> None:
+    _registry_round_trip(mlflow_server, tmp_path)
+
+
+def test_mlflow_server_on_postgres(mlflow_server_pg: str, tmp_path: Path) -> None:
+    import sqlalchemy as sa
+
+    from tests.integration.conftest import PG_ADMIN_URL
+
+    policy = _registry_round_trip(mlflow_server_pg, tmp_path)
+    # the registry really lives in PostgreSQL: the policy is a row of one of the fixture's databases
+    admin = sa.create_engine(PG_ADMIN_URL)
+    with admin.connect() as conn:
+        sql = sa.text("SELECT datname FROM pg_database WHERE datname LIKE :p")
+        databases = [r[0] for r in conn.execute(sql, {"p": "mint_mlflow_%"})]
+    admin.dispose()
+    holders = []
+    for db in databases:
+        engine = sa.create_engine(admin.url.set(database=db))
+        try:
+            with engine.connect() as conn:
+                sql = sa.text("SELECT 1 FROM registered_models WHERE name = :n")
+                if conn.execute(sql, {"n": policy}).first():
+                    holders.append(db)
+        except sa.exc.DBAPIError:
+            pass  # another session's database, being created or dropped
+        finally:
+            engine.dispose()
+    assert len(holders) == 1
+
+
+def test_flow_run_reports_to_prefect_server(prefect_server: str) -> None:
+    from prefect import flow
+
+    @flow(name="mint-services-smoke")
+    def add_one(x: int) -> int:
+        return x + 1
+
+    assert os.environ["PREFECT_API_URL"] == prefect_server
+    state = add_one(41, return_state=True)
+    assert state.result() == 42
+    run_id = state.state_details.flow_run_id
+    run = httpx.get(f"{prefect_server}/flow_runs/{run_id}", trust_env=False).json()
+    assert run["state"]["type"] == "COMPLETED"
+    flows = httpx.post(f"{prefect_server}/flows/filter", json={}, trust_env=False).json()
+    assert "mint-services-smoke" in [f["name"] for f in flows]

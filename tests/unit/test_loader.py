@@ -1,0 +1,179 @@
+"""The engine behind the catalog: on-demand loads of catalog addresses, packs, prefetch, bounded memory."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from mint_core.engine.engine import Engine
+from mint_core.engine.loader import AdapterLoader
+from mint_core.errors import AdapterError
+from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, Registration, UnknownAddress
+from mint_core.registry.packs import write_pack
+from mint_core.registry.store import AdapterStore
+
+TARGETS = ["q_proj", "v_proj"]
+
+
+@pytest.fixture
+def setup(make_engine, tmp_path: Path):  # type: ignore[no-untyped-def]
+    engine: Engine = make_engine("dense", max_loras=2, max_cpu_loras=3)
+    store = AdapterStore(tmp_path / "store")
+    catalog = Catalog(CatalogConfig(url=f"sqlite:///{tmp_path}/catalog.db"))
+    loader = AdapterLoader(engine, catalog, store, workers=2, alias_ttl_s=0.0)
+    yield engine, store, catalog, loader, tmp_path
+    loader.close()
+    catalog.close()
+
+
+def _stored(engine: Engine, store: AdapterStore, tmp: Path, seed: int, rank: int = 2) -> str:
+    a = random_adapter(engine.sites, TARGETS, rank=rank, seed=seed, base_fingerprint=engine.base.fingerprint)
+    save_adapter(a, tmp / f"src{seed}", engine.sites)
+    return store.put_dir(tmp / f"src{seed}")
+
+
+def _register(catalog: Catalog, store: AdapterStore, engine: Engine, digest: str, policy: str | None) -> None:
+    catalog.register(digest, engine.base.fingerprint, 2, store.path(digest), policy=policy)
+
+
+def _logits(engine: Engine, name: str | None) -> torch.Tensor:
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    return engine.logits(ids, [name])
+
+
+def test_cold_load_then_hit(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, store, catalog, loader, tmp = setup
+    d = _stored(engine, store, tmp, 1)
+    _register(catalog, store, engine, d, "p")
+    assert loader.load("p/v1") == "p/v1"
+    assert engine.working_set.digest_of("p/v1") == d
+    # the same adapter loaded by path gives the same logits
+    engine.load_adapter("direct", store.path(d))
+    assert torch.equal(_logits(engine, "p/v1"), _logits(engine, "direct"))
+    assert not torch.equal(_logits(engine, "p/v1"), _logits(engine, None))
+    loader.load("p/v1")
+    assert (loader.stats.cold_loads, loader.stats.hits) == (1, 1)
+
+
+def test_concurrent_asks_share_one_load(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, store, catalog, loader, tmp = setup
+    d = _stored(engine, store, tmp, 1)
+    _register(catalog, store, engine, d, None)
+    futures = []
+    threads = [
+        threading.Thread(target=lambda: futures.append(loader.ensure(f"sha256:{d}"))) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {f.result(10) for f in futures} == {f"sha256:{d}"}
+    assert loader.stats.cold_loads == 1
+
+
+def test_moved_alias_is_followed(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, store, catalog, loader, tmp = setup
+    d1, d2 = _stored(engine, store, tmp, 1), _stored(engine, store, tmp, 2)
+    _register(catalog, store, engine, d1, "p")
+    _register(catalog, store, engine, d2, "p")
+    catalog.set_alias("p", "champion", 1)
+    loader.load("p")
+    assert engine.working_set.digest_of("p") == d1
+    catalog.set_alias("p", "champion", 2)
+    loader.load("p")  # alias_ttl_s=0: re-resolved, loaded in place
+    assert engine.working_set.digest_of("p") == d2
+
+
+def test_bad_addresses(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _store, _catalog, loader, _tmp = setup
+    with pytest.raises(AddressError):
+        loader.ensure("no spaces allowed")
+    with pytest.raises(UnknownAddress, match="unknown policy"):
+        loader.load("nobody/v1")
+    assert engine.working_set.names() == {}
+    assert loader.stats.failures == 1
+
+
+def test_packed_members_load_and_verify(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _store, catalog, loader, tmp = setup
+    members = [
+        random_adapter(engine.sites, TARGETS, rank=1, seed=s, base_fingerprint=engine.base.fingerprint)
+        for s in range(5)
+    ]
+    pack = tmp / "packs" / "0.safetensors"
+    digests = write_pack(pack, members, engine.sites)
+    catalog.register_many(
+        [Registration(d, engine.base.fingerprint, 1, f"{pack}#{i}") for i, d in enumerate(digests)]
+    )
+    # a member's digest is that of the PEFT files it exports to
+    assert save_adapter(members[3], tmp / "m3", engine.sites) == digests[3]
+    loader.load(f"sha256:{digests[3]}")
+    engine.load_adapter("m3", tmp / "m3")
+    assert torch.allclose(_logits(engine, f"sha256:{digests[3]}"), _logits(engine, "m3"), rtol=0, atol=0)
+
+    # a pack changed on disk is caught on read
+    raw = bytearray(pack.read_bytes())
+    raw[-8:] = b"\x00\x00\xc0\x7f" * 2  # the last value of the last tensor becomes NaN
+    pack.write_bytes(bytes(raw))
+    loader._packs = type(loader._packs)(engine.sites)  # forget the open handle
+    with pytest.raises(AdapterError, match=r"non-finite|digest mismatch"):
+        loader.load(f"sha256:{digests[4]}")
+
+
+def test_sweep_keeps_memory_bounded(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _store, catalog, loader, tmp = setup
+    members = [
+        random_adapter(engine.sites, TARGETS, rank=1, seed=s, base_fingerprint=engine.base.fingerprint)
+        for s in range(12)
+    ]
+    pack = tmp / "p.safetensors"
+    digests = write_pack(pack, members, engine.sites)
+    catalog.register_many(
+        [Registration(d, engine.base.fingerprint, 1, f"{pack}#{i}") for i, d in enumerate(digests)]
+    )
+    ws = engine.working_set
+    for d in digests:
+        name = loader.load(f"sha256:{d}")
+        ws.release(ws.acquire(name))  # served once
+        assert len(ws.names()) <= ws.max_cpu_loras + ws.lora.num_slots
+    assert ws.host_size() <= ws.max_cpu_loras
+    assert f"sha256:{digests[0]}" not in ws.names()  # forgotten; the catalog can name it again
+    loader.load(f"sha256:{digests[0]}")
+    assert ws.digest_of(f"sha256:{digests[0]}") == digests[0]
+    assert loader.stats.cold_loads == 13 and ws.stats.evictions >= 10
+
+
+def test_held_names_are_not_forgotten(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _store, catalog, loader, tmp = setup
+    members = [
+        random_adapter(engine.sites, TARGETS, rank=1, seed=s, base_fingerprint=engine.base.fingerprint)
+        for s in range(8)
+    ]
+    pack = tmp / "p.safetensors"
+    digests = write_pack(pack, members, engine.sites)
+    catalog.register_many(
+        [Registration(d, engine.base.fingerprint, 1, f"{pack}#{i}") for i, d in enumerate(digests)]
+    )
+    first = loader.ensure(f"sha256:{digests[0]}", hold=True).result(10)
+    for d in digests[1:]:
+        loader.load(f"sha256:{d}")
+    assert first in engine.working_set.names()  # held: survived seven later loads into a cache of three
+    engine.working_set.unhold(first)
+    loader.load(f"sha256:{digests[1]}")  # touches the cache again: now `first` may go
+    for d in digests[2:6]:
+        loader.load(f"sha256:{d}")
+    assert first not in engine.working_set.names()
+
+
+def test_prefetch(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, store, catalog, loader, tmp = setup
+    ds = [_stored(engine, store, tmp, s) for s in range(3)]
+    for d in ds:
+        _register(catalog, store, engine, d, "q")
+    futures = loader.prefetch(["q/v1", "q/v2", "q/v3"])
+    assert [f.result(10) for f in futures] == ["q/v1", "q/v2", "q/v3"]
+    assert loader.stats.prefetches == 3 and loader.stats.cold_loads == 3
