@@ -190,12 +190,14 @@ class Batcher:
         if s.cancelled:
             s.finish_reason = "abort"
             return
-        if token == self.engine.eos_id and not p.ignore_eos:
-            s.finish_reason = "stop"
-            return
         s.out_ids.append(token)
         if logprob is not None and p.logprobs:
             s.out_logprobs.append(logprob)
+        if token == self.engine.eos_id and not p.ignore_eos:
+            # kept in the tokens and logprobs, as vLLM does (its text is empty): lm-eval's scoring drops the
+            # one generated token at the end of an echoed prompt, so that token must be there
+            s.finish_reason = "stop"
+            return
         if p.stop:
             text = self.engine.decode(s.out_ids)
             hit = min((text.find(x) for x in p.stop if x in text), default=-1)

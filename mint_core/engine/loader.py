@@ -83,7 +83,7 @@ class AdapterLoader:
         with self._lock:
             self.stats.requests += 1
             fresh = not movable or time.monotonic() - self._resolved_at.get(address, -1e18) < self.alias_ttl_s
-            if fresh and (ws.hold(address) if hold else address in ws.names()):
+            if fresh and (ws.hold(address) if hold else ws.get(address) is not None):
                 self.stats.hits += 1
                 done: Future[str] = Future()
                 done.set_result(address)
@@ -96,7 +96,8 @@ class AdapterLoader:
                 return running
             fut = self._pool.submit(self._load, address, movable)
             self._inflight[address] = fut
-            fut.add_done_callback(lambda _f: self._done(address))
+        # outside the lock: a load that already finished runs the callback right here
+        fut.add_done_callback(lambda f: self._done(address, f))
         return _then_hold(fut, ws, address) if hold else fut
 
     def load(self, address: str, timeout: float | None = None) -> str:
@@ -111,9 +112,10 @@ class AdapterLoader:
             out.append(self.ensure(a))
         return out
 
-    def _done(self, address: str) -> None:
+    def _done(self, address: str, fut: Future[str]) -> None:
         with self._lock:
-            self._inflight.pop(address, None)
+            if self._inflight.get(address) is fut:
+                del self._inflight[address]
 
     # ---- loading ----
 
@@ -122,8 +124,7 @@ class AdapterLoader:
         try:
             resolved = self.catalog.resolve(address)
             ws = self.engine.working_set
-            names = ws.names()
-            if names.get(address) != resolved.digest:
+            if ws.get(address) != resolved.digest:
                 weights = self._read(address, resolved.location)
                 if weights.digest != resolved.digest:
                     raise MintError(

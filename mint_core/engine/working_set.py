@@ -143,6 +143,15 @@ class WorkingSet:
         with self._lock:
             return dict(self._names)
 
+    def get(self, name: str) -> str | None:
+        """The digest `name` serves now, or None (cheaper than `names()` when there are many)."""
+        with self._lock:
+            return self._names.get(name)
+
+    def is_ephemeral(self, name: str) -> bool:
+        with self._lock:
+            return name in self._ephemeral
+
     def ephemeral_names(self) -> set[str]:
         """Names loaded on demand (forgotten when they leave the host cache)."""
         with self._lock:
@@ -229,19 +238,20 @@ class WorkingSet:
             if self._refs[slot] == 0 and not (self._revs[owner].names & self._pinned):
                 logger.debug("evicting %s from slot %d for %s", owner[:12], slot, for_name)
                 self.stats.evictions += 1
-                self._free(slot)
+                self._free(slot, clear=False)  # the caller writes every bank of it next
                 self._shrink_host()  # an on-demand revision kept only for its slot may go now
                 return slot
         raise WorkingSetFull(
             f"cannot place {for_name!r}: all {self.lora.num_slots} device slots are pinned or in use by running requests"
         )
 
-    def _free(self, slot: int) -> None:
+    def _free(self, slot: int, clear: bool = True) -> None:
         owner = self._owner[slot]
         if owner is not None:
             self._slot_of.pop(owner, None)
         self._owner[slot] = None
-        self.lora.clear_slot(slot)
+        if clear:
+            self.lora.clear_slot(slot)
 
     # ---- host cache ---------------------------------------------------------------------------------------
 
@@ -270,26 +280,31 @@ class WorkingSet:
     def _shrink_host(self) -> None:
         # Only revisions that can be reloaded from a source leave host memory; the rest stay (trainer handoffs).
         excess = len(self._host) - self.max_cpu_loras
-        for digest in list(self._host):
-            if excess <= 0:
+        if excess <= 0:
+            return
+        victims: list[tuple[str, bool]] = []  # (digest, forget it entirely)
+        for digest in self._host:  # LRU first; stops as soon as enough are found
+            if len(victims) == excess:
                 break
             rev = self._revs[digest]
             if rev.names & self._pinned or any(self._held[n] for n in rev.names):
                 continue
             if rev.names and rev.names <= self._ephemeral:
-                if digest in self._slot_of:
-                    continue  # still in a device slot: forgotten when the slot is evicted
+                if digest not in self._slot_of:  # in a device slot: forgotten when the slot is evicted
+                    victims.append((digest, True))
+            elif rev.source is not None:
+                victims.append((digest, False))
+        for digest, forget in victims:
+            rev = self._revs[digest]
+            if forget:
                 for n in rev.names:
                     self._names.pop(n, None)
                     self._ephemeral.discard(n)
                 self._revs.pop(digest)
-            elif rev.source is None:
-                continue
             else:
                 rev.weights = None
             del self._host[digest]
             self.stats.host_evictions += 1
-            excess -= 1
 
     # ---- introspection ------------------------------------------------------------------------------------
 

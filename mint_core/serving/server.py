@@ -166,9 +166,10 @@ class Server:
         request waits, the batch does not); 404 for anything unknown."""
         if model == self.base_name:
             return None
-        names = self.engine.working_set.names()
-        if self.loader is None or (model in names and model not in self.engine.working_set.ephemeral_names()):
-            if model in names:
+        ws = self.engine.working_set
+        loaded = ws.get(model) is not None
+        if self.loader is None or (loaded and not ws.is_ephemeral(model)):
+            if loaded:
                 return model
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return await self._ensure(model, hold=False)
@@ -313,7 +314,7 @@ class Server:
                 aloop.call_soon_threadsafe(wake.put_nowait, None)
 
         ws = self.engine.working_set
-        if adapter is not None and adapter in ws.ephemeral_names():
+        if adapter is not None and ws.is_ephemeral(adapter):
             # hold the on-demand name until admission, so a burst of other loads cannot evict it in between
             held: str | None = adapter
             if not ws.hold(adapter):

@@ -195,12 +195,14 @@ def test_max_tokens_and_eos(engine):
     out = engine.generate([Request("Hello", "r4", SamplingParams(max_tokens=5, ignore_eos=True))])[0]
     assert (len(out.token_ids), out.finish_reason) == (5, "length")
 
-    # make a token the greedy path produces count as EOS: generation stops before it, without it
+    # make a token the greedy path produces count as EOS: generation stops at it, keeping it in the tokens (as
+    # vLLM does, so echo + logprobs scoring sees every generated token) but not in the text
     eos_at = 2
     engine.eos_id = out.token_ids[eos_at]
     first = out.token_ids.index(engine.eos_id)
-    stopped = engine.generate([Request("Hello", "r4", SamplingParams(max_tokens=5))])[0]
-    assert (stopped.token_ids, stopped.finish_reason) == (out.token_ids[:first], "stop")
+    stopped = engine.generate([Request("Hello", "r4", SamplingParams(max_tokens=5, logprobs=True))])[0]
+    assert (stopped.token_ids, stopped.finish_reason) == (out.token_ids[: first + 1], "stop")
+    assert len(stopped.logprobs or []) == first + 1
     ignoring = engine.generate([Request("Hello", "r4", SamplingParams(max_tokens=5, ignore_eos=True))])[0]
     assert (ignoring.token_ids, ignoring.finish_reason) == (out.token_ids, "length")
 

@@ -1,0 +1,272 @@
+"""A million addressable adapters behind a small working set: register, resolve, sweep, Zipf stream.
+
+Setup: the built-in base (`data/base`, after `dvc repro`; a random base of the same shape otherwise, said in
+`notes`). N rank-1 revisions of it (LoRA on q_proj and v_proj of every layer, bfloat16) are written into packs of
+4,096 (`mint_core.registry.packs`: one safetensors file per pack, each member still its own revision with its
+own digest) and registered in a fresh SQLite catalog as `t<i>/v1` (one tenant policy each) in one bulk call.
+
+Phases, each timed:
+  resolve   `--resolves` random addresses, half `t<i>/v1`, half `sha256:<hex>`, each `Catalog.resolve` timed alone
+  sweep     ONE engine (1,024 device slots, host cache 4,096) made every one of the N servable once: the loader
+            resolves the address, reads the member from its pack, validates it, verifies its digest and adds it;
+            then a device slot is taken and released. Loads run on the loader's threads `--window` ahead.
+  zipf      after `--warmup` untimed ones, `--requests` generation requests (8-token prompt, 4 new tokens, greedy, `--batch` at a time) whose
+            adapters follow Zipf(1.0) over all N, with the next batch's cold loads prefetched while the current
+            batch generates; against the same stream shape over 100 adapters that all stay resident (pinned),
+            in the same engine configuration. zipf_vs_resident = requests/s ratio.
+
+Figures: adapters, register_s, resolve_p50_ms, resolve_p99_ms, sweep_covered (must equal N), sweep_s,
+cold_load_p50_ms, cold_load_p99_ms (one address: resolve + read + validate + verify + add), zipf_rps,
+resident_rps, zipf_vs_resident, zipf_hit_rate, disk_bytes (packs + catalog), peak_rss_bytes.
+
+    python benchmarks/catalog_scale.py --adapters 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import peak_rss_bytes, report
+
+from mint_core.engine.base import build_tiny_base, load_base
+from mint_core.engine.engine import Engine, EngineConfig
+from mint_core.engine.loader import AdapterLoader
+from mint_core.engine.sampling import SamplingParams
+from mint_core.engine.sequence import Request
+from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.lora.adapter import AdapterWeights
+from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
+from mint_core.registry.packs import write_pack
+from mint_core.registry.store import AdapterStore
+
+PACK = 4096
+TARGETS = ("q_proj", "v_proj")
+
+
+def percentile_ms(xs: list[float], q: float) -> float:
+    return round(float(np.percentile(np.asarray(xs), q)) * 1e3, 3)
+
+
+def zipf_indices(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """Zipf(1.0) over 0..n-1 (rank 0 the most popular), by inverse CDF."""
+    weights = 1.0 / np.arange(1, n + 1)
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    return np.searchsorted(cdf, rng.random(size))
+
+
+def load_builtin(notes: list[str]):  # type: ignore[no-untyped-def]
+    path = Path("data/base")
+    if (path / "config.json").is_file():
+        return load_base(path)
+    notes.append("data/base not built (run `dvc repro`): a random base of the built-in base's shape")
+    return build_tiny_base(
+        "dense",
+        tokenizer=byte_tokenizer(),
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=384,
+        max_position_embeddings=128,
+    )
+
+
+def build(n: int, engine: Engine, out: Path, catalog: Catalog) -> float:
+    """Write N members into packs and register them; returns the registration wall time."""
+    sites = {k: s for k, s in engine.sites.items() if s.short in TARGETS}
+    g = torch.Generator().manual_seed(0)
+    rows: list[Registration] = []
+    fp = engine.base.fingerprint
+    for start in tqdm(range(0, n, PACK), desc="packs", unit="pack", file=sys.stderr):
+        m = min(PACK, n - start)
+        stacked = {
+            name: (
+                (torch.randn(m, 1, s.in_features, generator=g) * 0.05).to(torch.bfloat16),
+                (torch.randn(m, s.out_features, 1, generator=g) * 0.05).to(torch.bfloat16),
+            )
+            for name, s in sites.items()
+        }
+        members = [
+            AdapterWeights(1, 2.0, {name: (A[j], B[j]) for name, (A, B) in stacked.items()}, fp)
+            for j in range(m)
+        ]
+        path = out / "packs" / f"{start // PACK:06d}.safetensors"
+        digests = write_pack(path, members, engine.sites)
+        rows.extend(
+            Registration(d, fp, 1, f"{path}#{j}", policy=f"t{start + j}") for j, d in enumerate(digests)
+        )
+    t0 = time.perf_counter()
+    catalog.register_many(rows)
+    return time.perf_counter() - t0
+
+
+def resolve_latencies(catalog: Catalog, n: int, k: int, rng: random.Random) -> list[float]:
+    digests = {e.policy: e.digest for e in catalog.list(limit=min(n, 2000))}
+    sample = list(digests.values())
+    out = []
+    for i in range(k):
+        addr = f"t{rng.randrange(n)}/v1" if i % 2 == 0 or not sample else f"sha256:{rng.choice(sample)}"
+        t0 = time.perf_counter()
+        catalog.resolve(addr)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def sweep(loader: AdapterLoader, n: int, window: int) -> int:
+    ws = loader.engine.working_set
+    pending: deque = deque()
+    covered = 0
+    bar = tqdm(total=n, desc="sweep", unit="adapter", file=sys.stderr, mininterval=2.0)
+    for i in range(n + window):
+        if i < n:
+            pending.append(loader.ensure(f"t{i}/v1", hold=True))
+        if len(pending) > window or (i >= n and pending):
+            name = pending.popleft().result()
+            try:
+                ws.release(ws.acquire(name))  # into a device slot: servable
+            finally:
+                ws.unhold(name)
+            covered += 1
+            bar.update(1)
+    bar.close()
+    return covered
+
+
+def stream(
+    engine: Engine, loader: AdapterLoader | None, addresses: list[str], batch: int, prompt: list[int]
+) -> float:
+    """Requests/s of generating for `addresses` in batches; with a loader, the next batch is prefetched."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    batches = [addresses[i : i + batch] for i in range(0, len(addresses), batch)]
+    ws = engine.working_set
+
+    def hold(b: list[str]):  # type: ignore[no-untyped-def]
+        return [loader.ensure(a, hold=True) for a in b] if loader is not None else []
+
+    t0 = time.perf_counter()
+    ahead = hold(batches[0])
+    for k, b in enumerate(batches):
+        names = [f.result() for f in ahead]
+        ahead = hold(batches[k + 1]) if k + 1 < len(batches) else []
+        try:
+            engine.generate([Request(prompt, a, params) for a in b])
+        finally:
+            for name in names:
+                ws.unhold(name)
+    return len(addresses) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--adapters", type=int, default=10_000)
+    ap.add_argument("--resolves", type=int, default=10_000)
+    ap.add_argument("--requests", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=4096, help="untimed requests of the Zipf stream first")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=1024)
+    ap.add_argument("--host-cache", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=64, help="loads in flight during the sweep")
+    ap.add_argument("--workers", type=int, default=2, help="loader threads")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps shared cores steady)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="where packs and the catalog go (default: a temp dir)"
+    )
+    ap.add_argument("--keep", action="store_true", help="keep --out afterwards")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    notes: list[str] = []
+    out = args.out or Path(tempfile.mkdtemp(prefix="mint-catalog-scale-"))
+    out.mkdir(parents=True, exist_ok=True)
+    n = args.adapters
+    try:
+        base = load_builtin(notes)
+        config = EngineConfig(
+            max_loras=args.slots, max_cpu_loras=args.host_cache, max_lora_rank=8, target_modules=list(TARGETS)
+        )
+        engine = Engine(base, config)
+        catalog = Catalog(CatalogConfig(url=f"sqlite:///{out}/catalog.db"))
+        t0 = time.perf_counter()
+        register_s = build(n, engine, out, catalog)
+        build_s = time.perf_counter() - t0
+        print(f"built and registered {n} revisions in {build_s:.1f} s", file=sys.stderr)
+
+        lat = resolve_latencies(catalog, n, args.resolves, random.Random(0))
+
+        loader = AdapterLoader(engine, catalog, AdapterStore(out / "store"), workers=args.workers)
+        t0 = time.perf_counter()
+        covered = sweep(loader, n, args.window)
+        sweep_s = time.perf_counter() - t0
+        cold = list(loader.stats.cold_load_s)
+
+        rng = np.random.default_rng(0)
+        prompt = engine.tokenizer("add: 12+34 =")["input_ids"][:8]
+        # warm the working set with a first stretch of the same stream (untimed): the steady state is measured
+        stream(engine, loader, [f"t{i}/v1" for i in zipf_indices(n, args.warmup, rng)], args.batch, prompt)
+        zipf_addrs = [f"t{i}/v1" for i in zipf_indices(n, args.requests, rng)]
+        hits0, loads0 = loader.stats.hits, loader.stats.cold_loads
+        zipf_rps = stream(engine, loader, zipf_addrs, args.batch, prompt)
+        asked = loader.stats.hits - hits0 + loader.stats.cold_loads - loads0
+        zipf_hit_rate = (loader.stats.hits - hits0) / max(asked, 1)
+
+        # the resident baseline: 100 adapters loaded once and pinned, the same stream shape over them
+        for name in list(engine.working_set.names()):
+            engine.working_set.remove(name)
+        resident = [f"t{i}/v1" for i in range(100)]
+        for a in resident:
+            loader.load(a)
+            engine.working_set.pin(a)
+        stream(
+            engine, None, [resident[i] for i in zipf_indices(100, args.batch * 4, rng)], args.batch, prompt
+        )
+        resident_addrs = [resident[i] for i in zipf_indices(100, args.requests, rng)]
+        resident_rps = stream(engine, None, resident_addrs, args.batch, prompt)
+        loader.close()
+
+        disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        report(
+            {
+                "adapters": n,
+                "register_s": round(register_s, 2),
+                "build_s": round(build_s, 1),
+                "resolve_p50_ms": percentile_ms(lat, 50),
+                "resolve_p99_ms": percentile_ms(lat, 99),
+                "sweep_covered": covered,
+                "sweep_s": round(sweep_s, 1),
+                "cold_load_p50_ms": percentile_ms(cold, 50),
+                "cold_load_p99_ms": percentile_ms(cold, 99),
+                "zipf_rps": round(zipf_rps, 1),
+                "resident_rps": round(resident_rps, 1),
+                "zipf_vs_resident": round(zipf_rps / resident_rps, 3),
+                "zipf_hit_rate": round(zipf_hit_rate, 3),
+                "slots": args.slots,
+                "host_cache": args.host_cache,
+                "disk_bytes": disk,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "threads": args.threads,
+                "cpus": os.cpu_count(),
+                "notes": notes,
+            }
+        )
+    finally:
+        if args.out is None and not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""The lifecycle of policies, as one recipe:
+
+    validate data -> k x (rollout -> validate rollouts -> GRPO update) -> export (store + MLflow version,
+    alias candidate) -> evaluate candidate vs champion (lm-eval on the served API) -> gate
+    -> [transaction] promote + refresh serving + served smoke check; any failure rolls alias and serving back
+
+`wave` runs N policies through it at once over one shared base: one batched rollout and one batched update per
+step for all of them, then export, evaluation, gate and promotion per policy. `lifecycle` is a wave of one.
+
+A run is identified by its idempotency key (policy spec, data revision, GRPO config, schedule, seed, base, round):
+a rerun finds the version the key made and trains nothing twice, a run killed mid-training resumes from its last
+checkpoint, and a run killed mid-promotion finishes the promotion it had started.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.utilities.annotations import quote
+from pydantic import BaseModel, ConfigDict, Field
+
+from flows.promotion import promote_and_refresh
+from mint_core.data.checks import CheckParams
+from mint_core.eval.gate import GatePolicy
+from mint_core.eval.lm_eval_runner import EvalConfig
+from mint_core.lifecycle import Workspace, data_revision, idempotency_key
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.trainer import PolicySpec
+from tasks.common import RevisionRef, cached_in
+from tasks.evaluation import evaluate
+from tasks.registry import current_champion, export, find_revision, gate
+from tasks.training import (
+    PromptSet,
+    grpo_update,
+    rollout,
+    start_training,
+    validate_data,
+    validate_rollouts,
+)
+
+R = TypeVar("R")
+
+
+# ---- parameters (the dashboard's form) ---------------------------------------------------------------------
+
+
+class PolicyRun(BaseModel):
+    """One policy of a run: what it trains on, how it is gated, the name it is served under."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec: PolicySpec
+    """Name (the MLflow registered model), task, reward, rank, alpha, learning rate, targets."""
+    gate: GatePolicy | None = None
+    """When its candidate may replace its champion; default: at least as good on its own task's suite, no
+    worse than 0.02 on the guard suite. The suites evaluated are the ones the gate reads."""
+    served_name: str | None = None
+    """Adapter name the champion is served under (default: the policy's name)."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def served(self) -> str:
+        return self.served_name or self.spec.name
+
+    def gate_policy(self) -> GatePolicy:
+        return self.gate or GatePolicy(suite=self.spec.task, guard_suites=["guard"])
+
+
+class Training(BaseModel):
+    """The GRPO run of a lifecycle."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(8, ge=1)
+    """GRPO steps (k): rollout -> check -> update, for every policy at once."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per policy per step (each sampled `grpo.group_size` times)."""
+    grpo: GRPOConfig = GRPOConfig(learning_rate=1e-3)
+    """Sampling, loss and optimiser settings."""
+    seed: int = 0
+    """Seeds the prompts (when generated), the adapters' initialisation and the rollouts."""
+    data_dir: Path | None = Path("data/tasks")
+    """The DVC `task_data` output (train/<task>.jsonl); None generates the prompts from `seed`."""
+    round: str | None = None
+    """Names this training round: runs with the same parameters and round are one run, so a rerun makes no
+    second version. Default: today's UTC date, so a daily schedule trains once a day."""
+    checkpoint_every: int = Field(1, ge=0)
+    """Save the trainer every this many steps (a killed run resumes there); 0: never."""
+
+    def round_name(self) -> str:
+        return self.round or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+
+
+class StepTiming(BaseModel):
+    step: str
+    wall_s: float
+    """Around the task call, in the flow."""
+    work_s: float | None
+    """The mint_core work inside the task; wall - work is Prefect's overhead."""
+
+
+Status = Literal["promoted", "rejected", "unchanged", "failed"]
+
+
+class PolicyOutcome(BaseModel):
+    policy: str
+    status: Status
+    candidate: str | None
+    champion_before: str | None
+    champion_after: str | None
+    reused: bool = False
+    """The candidate came from an earlier run with the same idempotency key (nothing was trained)."""
+    reasons: list[str] = Field(default_factory=list)
+
+
+class WaveReport(BaseModel):
+    outcomes: list[PolicyOutcome]
+    curve: list[dict[str, Any]]
+    """Per step and policy: mean reward, loss, groups kept."""
+    timings: list[StepTiming]
+    resumed_from: int = 0
+    """Steps restored from a checkpoint of an earlier attempt."""
+
+
+class WaveFailed(RuntimeError):
+    """Some policies of a wave failed; the others finished."""
+
+
+# ---- the recipe ------------------------------------------------------------------------------------------
+
+
+@flow(name="lifecycle", log_prints=True)
+def lifecycle(
+    policy: PolicyRun,
+    training: Training = Training(),
+    evaluation: EvalConfig = EvalConfig(limit=50),
+    checks: CheckParams = CheckParams(),
+    workspace: Workspace = Workspace(),
+) -> WaveReport:
+    """Train one policy with GRPO, evaluate, gate and promote it, serving refreshed in place."""
+    return run_wave([policy], training, evaluation, checks, workspace)
+
+
+@flow(name="wave", log_prints=True)
+def wave(
+    policies: list[PolicyRun],
+    training: Training = Training(),
+    evaluation: EvalConfig = EvalConfig(limit=50),
+    checks: CheckParams = CheckParams(),
+    workspace: Workspace = Workspace(),
+) -> WaveReport:
+    """Train N policies at once over one base (one batched rollout and update per step), then evaluate, gate
+    and promote each."""
+    return run_wave(policies, training, evaluation, checks, workspace)
+
+
+def run_wave(
+    policies: list[PolicyRun],
+    training: Training,
+    evaluation: EvalConfig,
+    checks: CheckParams,
+    ws: Workspace,
+) -> WaveReport:
+    """The recipe behind both flows; raises `WaveFailed` naming the policies that failed (after finishing the
+    others)."""
+    log = get_run_logger()
+    clock = Clock()
+    n = training.steps * training.prompts_per_step
+    progress = cast(UUID, create_progress_artifact(0.0, key="wave-progress", description="wave: starting"))
+    names = [p.name for p in policies]
+
+    # what each policy starts from, its prompts, and the identity of this run
+    champions = {p.name: clock(current_champion, ws, p.name) for p in policies}
+    prompts = {
+        p.name: clock(validate_data, p.spec, n, training.seed, training.data_dir, checks.prompts)
+        for p in policies
+    }
+    data_rev = data_revision(training.data_dir, [ps.source for ps in prompts.values()])
+    keys = {
+        p.name: idempotency_key(
+            p.spec,
+            data_rev,
+            training.grpo,
+            training.steps,
+            training.prompts_per_step,
+            training.seed,
+            str(Path(ws.base).resolve()),
+            training.round_name(),
+        )
+        for p in policies
+    }
+    candidates: dict[str, RevisionRef | None] = {p: clock(find_revision, ws, p, keys[p]) for p in names}
+    to_train = [p for p in policies if candidates[p.name] is None]
+    log.info(
+        "data %s; reused: %s; to train: %s",
+        data_rev,
+        [p for p in names if candidates[p]],
+        [p.name for p in to_train],
+    )
+
+    # training: every step is one batched rollout, its check, one batched update, for all policies at once
+    curve: list[dict[str, Any]] = []
+    resumed = 0
+    if to_train:
+        trained, curve, resumed = train(
+            to_train, prompts, champions, keys, data_rev, training, checks, ws, clock, progress
+        )
+        candidates.update(trained)
+
+    # per policy: evaluate the candidate against the champion, gate, promote
+    outcomes = []
+    for i, p in enumerate(policies):
+        cand = candidates[p.name]
+        assert cand is not None
+        try:
+            outcome = _evaluate_gate_promote(
+                p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock
+            )
+        except Exception as e:
+            log.error("%s: %s: %s", p.name, type(e).__name__, e)
+            champ = champions[p.name]
+            outcome = PolicyOutcome(
+                policy=p.name,
+                status="failed",
+                candidate=cand.address,
+                champion_before=champ.address if champ else None,
+                champion_after=champ.address if champ else None,
+                reasons=[f"{type(e).__name__}: {e}"],
+            )
+        outcome.reused = p.name not in {q.name for q in to_train}
+        outcomes.append(outcome)
+        update_progress_artifact(
+            progress, 80.0 + 20.0 * (i + 1) / len(policies), description=f"{p.name}: {outcome.status}"
+        )
+
+    create_table_artifact(
+        [o.model_dump(mode="json") | {"reasons": "; ".join(o.reasons)} for o in outcomes],
+        key="wave-outcomes",
+        description="per policy: candidate, gate, champion before and after",
+    )
+    create_table_artifact(
+        [t.model_dump() | {"overhead_ms": _overhead_ms(t)} for t in clock.timings],
+        key="wave-timings",
+        description="each task call: wall time in the flow, mint_core work inside, Prefect overhead",
+    )
+    report = WaveReport(outcomes=outcomes, curve=curve, timings=clock.timings, resumed_from=resumed)
+    failed = [o for o in outcomes if o.status == "failed"]
+    if failed:
+        raise WaveFailed("; ".join(f"{o.policy}: {' '.join(o.reasons)}" for o in failed))
+    return report
+
+
+def train(
+    to_train: list[PolicyRun],
+    prompts: dict[str, PromptSet],
+    champions: dict[str, RevisionRef | None],
+    keys: dict[str, str],
+    data_rev: str,
+    training: Training,
+    checks: CheckParams,
+    ws: Workspace,
+    clock: Clock,
+    progress: UUID,
+) -> tuple[dict[str, RevisionRef | None], list[dict[str, Any]], int]:
+    """k x (one batched rollout -> its check -> one batched GRPO update) for all policies at once, then export
+    each: its candidate revisions, the reward curve, and the steps restored from a checkpoint."""
+    log = get_run_logger()
+    names = [p.name for p in to_train]
+    curve: list[dict[str, Any]] = []
+    candidates: dict[str, RevisionRef | None] = {}
+    parents = {p.name: _digest(champions[p.name]) for p in to_train}
+    run_dir = ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
+    session = clock(
+        start_training,
+        ws,
+        [p.spec for p in to_train],
+        parents,
+        training.grpo,
+        training.seed,
+        run_dir / _parents_tag(parents),
+    )
+    resumed = session.resumed_from
+    bounds = checks.rollouts.model_copy(
+        update={
+            "group_size": training.grpo.group_size,
+            "max_completion_len": training.grpo.max_new_tokens + 1,
+        }
+    )
+    k = training.prompts_per_step
+    for step in range(resumed, training.steps):
+        batch = {p.name: prompts[p.name].examples[step * k : (step + 1) * k] for p in to_train}
+        rows = clock(rollout, session, quote(batch))
+        # quote: hundreds of rows need no walk for upstream futures (tens of ms per task otherwise)
+        clock(validate_rollouts, quote(rows), bounds)
+        stats = clock(grpo_update, session, quote(rows), training.checkpoint_every)
+        for name, reward in stats.reward.items():
+            curve.append(
+                {
+                    "step": stats.step,
+                    "policy": name,
+                    "reward": round(reward, 4),
+                    "loss": round(stats.loss.get(name, 0.0), 5),
+                    "kept_groups": stats.kept_groups.get(name, 0),
+                }
+            )
+        log.info("step %d/%d: reward %s", stats.step, training.steps, _fmt(stats.reward))
+        update_progress_artifact(
+            progress,
+            80.0 * stats.step / training.steps,
+            description=f"GRPO step {stats.step}/{training.steps}",
+        )
+    for p in to_train:
+        own = [{"reward": c["reward"], "loss": c["loss"]} for c in curve if c["policy"] == p.name]
+        params = {
+            "policy": p.spec.model_dump_json(),
+            "grpo": training.grpo.model_dump_json(),
+            "steps": str(training.steps),
+            "prompts_per_step": str(training.prompts_per_step),
+            "seed": str(training.seed),
+            "round": training.round_name(),
+            "data_rev": data_rev,
+            "resumed_from_step": str(resumed),
+        }
+        candidates[p.name] = clock(
+            cached_in(export, ws),
+            ws,
+            session,
+            p.name,
+            p.spec.rank,
+            champions[p.name],
+            data_rev,
+            keys[p.name],
+            own,
+            params,
+        )
+    shutil.rmtree(run_dir, ignore_errors=True)  # exported: the checkpoints have done their job
+    if curve:
+        create_table_artifact(
+            curve, key="reward-curve", description=f"GRPO reward per step ({', '.join(names)})"
+        )
+    return candidates, curve, resumed
+
+
+def _evaluate_gate_promote(
+    p: PolicyRun,
+    cand: RevisionRef,
+    champ: RevisionRef | None,
+    key: str,
+    evaluation: EvalConfig,
+    checks: CheckParams,
+    ws: Workspace,
+    clock: Clock,
+) -> PolicyOutcome:
+    log = get_run_logger()
+    before = champ.address if champ else None
+
+    def outcome(status: Status, after: str | None, reasons: list[str]) -> PolicyOutcome:
+        return PolicyOutcome(
+            policy=p.name,
+            status=status,
+            candidate=cand.address,
+            champion_before=before,
+            champion_after=after,
+            reasons=reasons,
+        )
+
+    if champ is not None and champ.version == cand.version:
+        if cand.idempotency_key != key or not cand.gate_passed:
+            return outcome("unchanged", before, ["training left the champion's bytes unchanged"])
+        # an earlier attempt of this run gated and promoted it, and may have died before serving it
+        restore = int(cand.parent.rsplit("/v", 1)[1]) if cand.parent else None
+        log.info("%s is already champion (an earlier attempt promoted it): refreshing serving", cand.address)
+        clock(promote_and_refresh, ws, p.name, p.served, cand.version, cand.digest, cand.version, restore)
+        return outcome(
+            "promoted", cand.address, ["promoted by an earlier attempt of this run; serving refreshed"]
+        )
+
+    gate_policy = p.gate_policy()
+    config = evaluation.model_copy(update={"suites": gate_policy.suites()})
+    scored = cached_in(evaluate, ws)
+    cand_scores = clock(scored, ws, cand, "candidate", config, checks.eval)
+    champ_scores = clock(scored, ws, champ, "champion", config, checks.eval) if champ else None
+    decision = clock(
+        gate, ws, cand, gate_policy, cand_scores.scores, champ_scores.scores if champ_scores else None
+    )
+    if not decision.passed:
+        log.info("%s rejected: %s", cand.address, "; ".join(decision.reasons))
+        return outcome("rejected", before, decision.reasons)
+    expect = champ.version if champ else None
+    clock(promote_and_refresh, ws, p.name, p.served, cand.version, cand.digest, expect, expect)
+    log.info("%s promoted (champion was %s), served as %s", cand.address, before, p.served)
+    return outcome("promoted", cand.address, decision.reasons)
+
+
+# ---- small helpers ------------------------------------------------------------------------------------------
+
+
+class Clock:
+    """Calls a task (or a function) and records its wall time beside the work time the result reports."""
+
+    def __init__(self) -> None:
+        self.timings: list[StepTiming] = []
+
+    def __call__(self, fn: Callable[..., R], *args: Any) -> R:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        wall = time.perf_counter() - t0
+        work = getattr(out, "work_s", None)
+        name = getattr(fn, "name", None) or getattr(fn, "__name__", "step")
+        self.timings.append(
+            StepTiming(step=name, wall_s=round(wall, 4), work_s=None if work is None else round(work, 4))
+        )
+        return out
+
+
+def _overhead_ms(t: StepTiming) -> float | None:
+    """None where unknown, or where the result came from Prefect's cache (wall < the cached work)."""
+    if t.work_s is None or t.wall_s < t.work_s:
+        return None
+    return round(1000 * (t.wall_s - t.work_s), 1)
+
+
+def _parents_tag(parents: dict[str, str | None]) -> str:
+    """Checkpoints are only good for the parents they started from."""
+    import hashlib
+
+    return hashlib.sha256(repr(sorted(parents.items())).encode()).hexdigest()[:12]
+
+
+def _digest(rev: RevisionRef | None) -> str | None:
+    return None if rev is None else rev.digest
+
+
+def _fmt(values: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in values.items())

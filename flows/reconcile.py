@@ -1,0 +1,66 @@
+"""Serving follows the registry's `champion` aliases.
+
+A person may move an alias anywhere MLflow lets them (the UI, `MlflowClient`): that is a rollback or a
+promotion by hand. `reconcile` brings the catalog's alias and the served revision in line with MLflow's alias,
+policy by policy, under the same per-policy lock as promotions (so it never interleaves with one). Deployed on an
+interval of N seconds (infra/prefect.yaml: 30), an alias moved in MLflow is served within N s plus one
+reconcile pass (an in-place load and a smoke check: well under a second per policy on the tiny base).
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.transactions import IsolationLevel, transaction
+
+from mint_core.lifecycle import Workspace
+from tasks.common import RETRY_DELAYS, lock_store, transient
+from tasks.serving import Reconciled, reconcile_policy
+
+
+class ReconcileFailed(RuntimeError):
+    """Some policies could not be brought in line; the others were."""
+
+
+@task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
+def list_policies(ws: Workspace) -> list[str]:
+    """Every policy the registry holds."""
+    return ws.registry().policies()
+
+
+@flow(name="reconcile", log_prints=True)
+def reconcile(
+    policies: list[str] | None = None,
+    served_names: dict[str, str] | None = None,
+    workspace: Workspace = Workspace(),
+) -> list[Reconciled]:
+    """Make each policy's served revision its MLflow `champion` (all policies unless named); `served_names`
+    maps a policy to the adapter name it is served under when that is not its own name."""
+    log = get_run_logger()
+    names = policies or list_policies(workspace)
+    served = served_names or {}
+    done: list[Reconciled] = []
+    failed: list[str] = []
+    for policy in names:
+        try:
+            with transaction(
+                key=f"promote-{policy}",
+                isolation_level=IsolationLevel.SERIALIZABLE,
+                store=lock_store(workspace),
+                overwrite=True,
+                write_on_commit=False,
+            ):
+                r = reconcile_policy(workspace, policy, served.get(policy, policy))
+        except Exception as e:
+            log.error("%s: %s: %s", policy, type(e).__name__, e)
+            failed.append(f"{policy}: {e}")
+            continue
+        done.append(r)
+        if r.reloaded:
+            log.info(
+                "%s: serving %s -> %s (champion v%s)", policy, r.served_before, r.served_after, r.champion
+            )
+    log.info("%d policies checked, %d reloaded", len(done), sum(r.reloaded for r in done))
+    if failed:
+        raise ReconcileFailed("; ".join(failed))
+    return done

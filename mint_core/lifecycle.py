@@ -1,0 +1,418 @@
+"""What the lifecycle flows need from the library beyond single component calls: where everything is (the
+workspace), the training run's identity (its idempotency key), a trainer that starts from the policy's champion
+and resumes from its last checkpoint, the revision a server holds under a name, and a served smoke check.
+
+Nothing here knows about Prefect: `tasks/` wraps these calls one step each, `flows/` strings them together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mint_core.data.tasks import Example, read_jsonl, split
+from mint_core.engine.base import load_base
+from mint_core.engine.engine import Engine, EngineConfig
+from mint_core.errors import MintError
+from mint_core.lora.validate import read_adapter
+from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
+from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revision, UnknownRevision
+from mint_core.registry.store import AdapterStore
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.rollout import RolloutRow, rollout
+from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.serving.client import ServingClient, ServingError
+
+logger = logging.getLogger(__name__)
+
+IDEMPOTENCY_TAG = "mint.idempotency_key"
+"""Model-version tag: the training run that made the version (see `idempotency_key`)."""
+FAULT_ENV = "MINT_LIFECYCLE_FAULT"
+"""Comma-separated fault points (`point`, `point:N` for the N-th time it is reached, `...:kill` to SIGKILL the
+process there instead of raising); for fault-injection tests only."""
+
+
+class LifecycleError(MintError):
+    """A lifecycle step could not finish; names the policy and what was found."""
+
+
+class SmokeCheckFailed(LifecycleError):
+    """The server does not answer with the revision it was just given under the policy's name."""
+
+
+class InjectedFault(LifecycleError):
+    """Raised at a fault point named in MINT_LIFECYCLE_FAULT (tests)."""
+
+
+class Workspace(BaseModel):
+    """Where the lifecycle reads and writes: the registry, the adapter store and catalog, the serving endpoint,
+    the base, and local state (checkpoints, cached task results). No secrets: the admin token of the serving
+    endpoint comes from MINT_SERVE_ADMIN_TOKEN or `admin_token_file`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracking_uri: str = Field(
+        default_factory=lambda: os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    )
+    """The MLflow tracking server and registry (default $MLFLOW_TRACKING_URI)."""
+    store: str = ".mint/store"
+    """Adapter store root (a directory or an fsspec URL); the serving endpoint must read the same store."""
+    catalog_url: str = "sqlite:///.mint/catalog.db"
+    """SQLAlchemy URL of the catalog index."""
+    base: Path = Field(default_factory=lambda: _default_base())
+    """The base model directory (with its tokenizer) that the served base was loaded from. Default: what
+    `mint up` serves, data/base when `dvc repro` has built it, else .mint/run/tiny-dense."""
+    serving_url: str = "http://127.0.0.1:8000"
+    """Root of the serving endpoint (`mint serve` or vLLM)."""
+    admin_token_file: Path | None = Path(".mint/run/serve.token")
+    """File holding the admin token of the serving endpoint (what `mint up` writes); MINT_SERVE_ADMIN_TOKEN wins."""
+    serving_path: Literal["digest", "path"] = "digest"
+    """How a revision is named to the server: "digest" (`sha256:<hex>`, resolved in the server's own store, as
+    `mint serve` does) or "path" (the store's local directory of the revision, for a vLLM sharing the disk)."""
+    work_dir: Path = Path(".mint/lifecycle")
+    """Training checkpoints (a killed run resumes from them) and Prefect's persisted task results (the cache of
+    exports and evaluations)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis that serialises promotions of one policy across processes and machines."""
+    lock_hold_s: float = Field(300.0, gt=0)
+    """Longest a promotion may hold its policy's lock; a holder that died frees it after this long."""
+
+    def registry(self) -> Registry:
+        """The registry (MLflow + catalog + store) of this workspace; one per process and workspace."""
+        key = self.model_dump_json()
+        reg = _REGISTRIES.get(key)
+        if reg is None:
+            store = AdapterStore(self.store)
+            reg = Registry(
+                store,
+                Catalog(CatalogConfig(url=self.catalog_url)),
+                RegistryConfig(tracking_uri=self.tracking_uri),
+            )
+            _REGISTRIES[key] = reg
+        return reg
+
+    def admin_token(self) -> str | None:
+        token = os.environ.get("MINT_SERVE_ADMIN_TOKEN")
+        if token:
+            return token
+        if self.admin_token_file is not None and self.admin_token_file.is_file():
+            return self.admin_token_file.read_text().strip() or None
+        return None
+
+    def client(self, timeout: float = 120.0) -> ServingClient:
+        return ServingClient(
+            self.serving_url,
+            api_key=os.environ.get("MINT_SERVE_API_KEY"),
+            admin_token=self.admin_token(),
+            timeout=timeout,
+        )
+
+    def lora_path(self, digest: str) -> str:
+        """How the serving endpoint is told where revision `digest` is."""
+        if self.serving_path == "digest":
+            return f"sha256:{digest}"
+        return str(self.registry().store.local_dir(digest))
+
+
+_REGISTRIES: dict[str, Registry] = {}
+
+
+def _default_base() -> Path:
+    builtin = Path("data/base")
+    return builtin if (builtin / "config.json").is_file() else Path(".mint/run/tiny-dense")
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+
+
+def load_prompts(task: str, n: int, seed: int, data_dir: Path | None) -> tuple[list[Example], str]:
+    """The first `n` training examples of a task and where they came from: `data_dir/train/<task>.jsonl` (the
+    DVC `task_data` output) when given, else generated from `seed`."""
+    if data_dir is not None:
+        path = Path(data_dir) / "train" / f"{task}.jsonl"
+        if not path.is_file():
+            raise LifecycleError(f"no training data for task {task!r} at {path} (run `dvc repro task_data`)")
+        rows = read_jsonl(path)
+        if len(rows) < n:
+            raise LifecycleError(f"{path} has {len(rows)} examples; the run needs {n}")
+        return rows[:n], str(path)
+    return split(task, n, 0, seed)[0], f"generated:{task}:seed={seed}"
+
+
+def data_revision(data_dir: Path | None, sources: list[str], repo_root: Path = Path(".")) -> str:
+    """`mint.data_rev` of a run: the DVC data revision when the prompts come from the DVC outputs (and
+    dvc.lock is there), else a hash of the generated sources."""
+    if data_dir is not None and (repo_root / "dvc.lock").is_file():
+        from mint_core.data.revision import data_rev
+
+        return data_rev(repo_root)
+    return "gen-" + hashlib.sha256("\n".join(sorted(sources)).encode()).hexdigest()[:12]
+
+
+# ---- identity of a training run ------------------------------------------------------------------------
+
+
+def idempotency_key(
+    spec: PolicySpec,
+    data_rev: str,
+    grpo: GRPOConfig,
+    steps: int,
+    prompts_per_step: int,
+    seed: int,
+    base: str,
+    round: str,
+) -> str:
+    """What makes two training runs one run: the policy, the data, the config, the schedule, the base and the
+    round (a name the caller gives each round of retraining). Not the parent: a rerun after the run's own
+    promotion must still find the version it made. Rerunning finds that version instead of training again."""
+    doc = {
+        "spec": spec.model_dump(mode="json"),
+        "round": round,
+        "data_rev": data_rev,
+        "grpo": grpo.model_dump(mode="json"),
+        "steps": steps,
+        "prompts_per_step": prompts_per_step,
+        "seed": seed,
+        "base": base,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def find_by_key(registry: Registry, policy: str, key: str) -> Revision | None:
+    """The version of `policy` a run with this idempotency key already made, if any."""
+    try:
+        revs = registry.revisions(policy)
+    except UnknownRevision:
+        return None  # no such policy yet
+    found = [r for r in revs if r.tags.get(IDEMPOTENCY_TAG) == key]
+    return found[0] if found else None
+
+
+def champion(registry: Registry, policy: str) -> Revision | None:
+    """The policy's champion, or None (no policy yet, or no champion)."""
+    version = registry.alias_version(policy, CHAMPION)
+    return None if version is None else registry.revision(policy, version)
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerSession:
+    """A multi-policy trainer over one engine, and where its checkpoints go."""
+
+    trainer: MultiPolicyTrainer
+    checkpoint_dir: Path
+    resumed_from: int  # steps already done when the session started (0: a fresh run)
+
+    def checkpoint(self) -> Path:
+        path = self.checkpoint_dir / f"step-{self.trainer.steps:05d}"
+        tmp = path.with_name(path.name + ".tmp")
+        self.trainer.save_state(tmp)
+        tmp.rename(path)  # whole or absent: a kill mid-write leaves only a .tmp
+        return path
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
+    done = sorted(p for p in checkpoint_dir.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+def start_trainer(
+    base_dir: Path,
+    specs: list[PolicySpec],
+    parents: dict[str, Path | None],
+    grpo: GRPOConfig,
+    seed: int,
+    checkpoint_dir: Path,
+) -> TrainerSession:
+    """Load the base once, put each policy's parent revision (its champion) in its slot so training continues
+    from it (a fresh adapter when there is none, or when the parent's rank/alpha differ from the spec), and
+    resume from the newest checkpoint of this run if a killed attempt left one."""
+    base = load_base(base_dir)
+    engine = Engine(
+        base,
+        EngineConfig(max_loras=len(specs), max_lora_rank=max(s.rank for s in specs), max_model_len=128),
+    )
+    for spec in specs:
+        parent = parents.get(spec.name)
+        if parent is None:
+            continue
+        weights = read_adapter(parent, engine.spec, name=spec.name)
+        if (weights.rank, weights.alpha) != (spec.rank, spec.alpha):
+            logger.warning(
+                "%s: parent at %s has rank %d alpha %g, the spec %d/%g: starting from a fresh adapter",
+                spec.name,
+                parent,
+                weights.rank,
+                weights.alpha,
+                spec.rank,
+                spec.alpha,
+            )
+            continue
+        engine.add_adapter(spec.name, weights)
+    trainer = MultiPolicyTrainer(engine, grpo, specs, seed=seed)
+    resumed = 0
+    ckpt = latest_checkpoint(checkpoint_dir)
+    if ckpt is not None:
+        trainer.load_state(ckpt)
+        resumed = trainer.steps
+        logger.info("resumed from %s (step %d)", ckpt, resumed)
+    return TrainerSession(trainer, checkpoint_dir, resumed)
+
+
+def rollout_rows(trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]]) -> list[RolloutRow]:
+    """One batched rollout of every policy's prompts, seeded as `MultiPolicyTrainer.step` seeds it."""
+    cfg = trainer.config
+    return rollout(
+        trainer.engine,
+        prompts,
+        {p: trainer.policies[p].spec.reward for p in prompts},
+        cfg.group_size,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        seed=trainer.seed * 1_000_003 + trainer.steps,
+    )
+
+
+def log_training_run(
+    registry: Registry,
+    experiment: str,
+    policy: str,
+    key: str,
+    params: dict[str, Any],
+    curve: list[dict[str, float]],
+) -> str:
+    """The MLflow run of one policy's training: params, the reward curve as metrics and a plot. A rerun with
+    the same idempotency key finds the run it made before instead of making another."""
+    from mlflow.entities import Metric, Param
+
+    client = registry.client
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    found = client.search_runs([exp_id], filter_string=f"tags.`{IDEMPOTENCY_TAG}` = '{key}'", max_results=1)
+    if found:
+        return str(found[0].info.run_id)
+    run = client.create_run(
+        exp_id, run_name=f"{policy}-{key[:8]}", tags={IDEMPOTENCY_TAG: key, "mint.policy": policy}
+    )
+    run_id = str(run.info.run_id)
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(f"train/{name}", float(value), now, i)
+        for i, point in enumerate(curve)
+        for name, value in point.items()
+    ]
+    flat = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for start in range(0, max(len(metrics), 1), 900):
+        client.log_batch(run_id, metrics=metrics[start : start + 900], params=flat if start == 0 else [])
+    if curve:
+        client.log_figure(run_id, _curve_figure(policy, curve), "reward_curve.png")
+    client.set_terminated(run_id)
+    return run_id
+
+
+def _curve_figure(policy: str, curve: list[dict[str, float]]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(range(1, len(curve) + 1), [p.get("reward", float("nan")) for p in curve], marker="o")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean rollout reward")
+    ax.set_title(policy)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+# ---- serving ----------------------------------------------------------------------------------------------
+
+
+def served_revision(client: ServingClient, name: str) -> str | None:
+    """The revision (`sha256:<hex>`) the server holds under `name`, or None when it holds none."""
+    card = next((m for m in client.models() if m.get("id") == name), None)
+    return None if card is None else card.get("revision")
+
+
+def smoke_check(client: ServingClient, name: str, digest: str, prompt: str = "add: 1+1 =") -> float:
+    """One completion under `name`; it must be answered by revision `digest`. Returns its latency in s."""
+    want = f"sha256:{digest}"
+    listed = served_revision(client, name)
+    if listed != want:
+        raise SmokeCheckFailed(f"{client.base_url} lists {name!r} as {listed}, expected {want}")
+    t0 = time.perf_counter()
+    try:
+        out = client.complete(name, prompt, max_tokens=4, temperature=0.0)
+    except ServingError as e:
+        raise SmokeCheckFailed(f"{client.base_url}: a completion under {name!r} failed: {e}") from e
+    got = str(out.get("system_fingerprint"))
+    if got.removeprefix("sha256:") != digest:  # mint serve names the revision by its bare hex digest
+        raise SmokeCheckFailed(f"{client.base_url} answered {name!r} with revision {got}, expected {want}")
+    return time.perf_counter() - t0
+
+
+def prefetch_route(client: ServingClient) -> bool:
+    """Whether the server has mint's `POST /v1/mint/prefetch` (and a catalog behind it)."""
+    import httpx
+
+    try:
+        r = httpx.get(client.base_url + "/openapi.json", timeout=5)
+        return r.status_code == 200 and "/v1/mint/prefetch" in r.json().get("paths", {})
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def prefetch(client: ServingClient, addresses: list[str], wait: bool = True) -> dict[str, Any]:
+    """Ask the server to cold-load catalog addresses ahead of need (mint's extension route)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {client.admin_token}"} if client.admin_token else {}
+    r = httpx.post(
+        client.base_url + "/v1/mint/prefetch",
+        json={"addresses": addresses, "wait": wait},
+        headers=headers,
+        timeout=300,
+    )
+    if r.status_code >= 400:
+        raise ServingError(
+            r.status_code, "PrefetchError", r.text[:500], client.base_url + "/v1/mint/prefetch"
+        )
+    return dict(r.json())
+
+
+# ---- fault injection (tests) -----------------------------------------------------------------------------
+
+_FAULT_HITS: dict[str, int] = {}
+
+
+def fault(point: str) -> None:
+    """Fail here if MINT_LIFECYCLE_FAULT names this point: raise `InjectedFault`, or with `:kill` end the
+    process with SIGKILL (no cleanup, no rollback: a crash). `point:N` fires on the N-th time only."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    _FAULT_HITS[point] = _FAULT_HITS.get(point, 0) + 1
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if not parts or parts[0] != point:
+            continue
+        kill = "kill" in parts[1:]
+        counts = [int(p) for p in parts[1:] if p.isdigit()]
+        if counts and counts[0] != _FAULT_HITS[point]:
+            continue
+        logger.warning("injected fault at %s (%s)", point, "kill" if kill else "raise")
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFault(f"injected fault at {point}")

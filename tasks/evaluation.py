@@ -1,0 +1,84 @@
+"""Evaluation step: score a revision through the serving API (lm-eval local-completions), the revision loaded
+under its own name beside what is served, then check the results before the gate reads them."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from pydantic import SecretStr
+
+from mint_core.data.checks import CheckParams, EvalBounds, check, eval_frame
+from mint_core.eval.gate import SuiteScore
+from mint_core.eval.lm_eval_runner import EvalConfig, ServedModel, evaluate_served, log_to_mlflow
+from mint_core.lifecycle import Workspace, fault
+from tasks.common import RETRY_DELAYS, RevisionRef, Timed, artifact_key, transient
+
+Role = Literal["candidate", "champion"]
+
+
+class Scores(Timed):
+    """One revision's evaluation: a gate score per suite."""
+
+    digest: str
+    scores: dict[str, SuiteScore]
+    eval_s: float
+    """lm-eval's own wall time (loading the revision on the server included)."""
+
+
+def _eval_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """A revision's scores depend only on its bytes, the base, the suites (and their data) and the limit."""
+    ws: Workspace = parameters["ws"]
+    config: EvalConfig = parameters["config"]
+    rev: RevisionRef = parameters["revision"]
+    manifest = Path(config.suites_dir) / "data" / "manifest.json"
+    data = manifest.read_bytes() if manifest.is_file() else b""
+    doc = f"{config.model_dump_json()}|{ws.base.resolve()}|{ws.serving_url}".encode() + data
+    return f"eval-{rev.digest[:32]}-{hashlib.sha256(doc).hexdigest()[:16]}"
+
+
+@task(
+    cache_key_fn=_eval_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=transient,
+)
+def evaluate(
+    ws: Workspace, revision: RevisionRef, role: Role, config: EvalConfig, bounds: EvalBounds
+) -> Scores:
+    """Score a revision on the served API under `<policy>-<role>`, then check the scores (Great Expectations)."""
+    t0 = time.perf_counter()
+    fault("evaluate")
+    token = ws.admin_token()
+    target = ServedModel(
+        url=ws.serving_url,
+        tokenizer=ws.base,
+        adapter=ws.lora_path(revision.digest),
+        name=f"{revision.policy}-{role}",
+        admin_token=SecretStr(token) if token else None,
+        unload_after=True,
+    )
+    result = evaluate_served(target, config)
+    if result.revision not in (None, f"sha256:{revision.digest}"):
+        raise RuntimeError(f"the server scored {result.revision}, not {revision.address}")
+    check(eval_frame(result.suites), "eval", CheckParams(eval=bounds), source=f"{revision.address} ({role})")
+    if role == "candidate" and revision.run_id:
+        log_to_mlflow(result, ws.tracking_uri, revision.run_id)
+    scores = result.gate_scores()
+    rows = "\n".join(f"| {s.name} | {s.score:.3f} | {s.n} |" for s in scores.values())
+    create_markdown_artifact(
+        f"### {revision.address} ({role})\n\n| suite | score | n |\n| --- | --- | --- |\n{rows}\n",
+        key=artifact_key("eval", revision.policy, role),
+        description=f"evaluation of {revision.address} as {role}",
+    )
+    return Scores(
+        digest=revision.digest,
+        scores=scores,
+        eval_s=result.wall_s,
+        work_s=time.perf_counter() - t0,
+    )

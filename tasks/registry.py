@@ -1,0 +1,184 @@
+"""Registry steps: find what a run already made, export a revision (store + MLflow version + training run),
+gate it, and move `champion` (promote, rollback) with an undo for the transaction around them."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.transactions import Transaction, get_transaction
+
+from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore, decide, record_gate
+from mint_core.lifecycle import (
+    IDEMPOTENCY_TAG,
+    TrainerSession,
+    Workspace,
+    champion,
+    fault,
+    find_by_key,
+    log_training_run,
+)
+from mint_core.registry.catalog import CHAMPION
+from tasks.common import RETRY_DELAYS, AliasMoved, RevisionRef, artifact_key, transient
+
+EXPERIMENT = "mint-lifecycle"
+"""MLflow experiment of the training runs."""
+
+_RETRY: dict[str, Any] = dict(retries=3, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
+
+
+@task(cache_policy=NO_CACHE, **_RETRY)
+def current_champion(ws: Workspace, policy: str) -> RevisionRef | None:
+    """The policy's champion now (None before its first promotion)."""
+    rev = champion(ws.registry(), policy)
+    return None if rev is None else RevisionRef.of(rev)
+
+
+@task(cache_policy=NO_CACHE, **_RETRY)
+def find_revision(ws: Workspace, policy: str, key: str) -> RevisionRef | None:
+    """The version an earlier run with this idempotency key made, so a rerun trains nothing twice."""
+    rev = find_by_key(ws.registry(), policy, key)
+    return None if rev is None else RevisionRef.of(rev)
+
+
+def _export_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    ws: Workspace = parameters["ws"]
+    where = hashlib.sha256(f"{ws.tracking_uri}|{ws.store}".encode()).hexdigest()[:8]
+    return f"export-{parameters['policy']}-{parameters['key']}-{where}"
+
+
+@task(cache_key_fn=_export_cache_key, persist_result=True, **_RETRY)
+def export(
+    ws: Workspace,
+    session: TrainerSession,
+    policy: str,
+    rank: int,
+    parent: RevisionRef | None,
+    data_rev: str,
+    key: str,
+    curve: list[dict[str, float]],
+    params: dict[str, str],
+) -> RevisionRef:
+    """Store the policy's revision, log its training run, and register it as the next version (alias candidate)."""
+    t0 = time.perf_counter()
+    reg = ws.registry()
+    trainer = session.trainer
+    digest = reg.store.put_weights(trainer.weights(policy), trainer.engine.sites)
+    run_id = log_training_run(reg, EXPERIMENT, policy, key, params, curve)
+    rev = reg.create_revision(
+        policy,
+        digest,
+        base=trainer.engine.base.fingerprint,
+        rank=rank,
+        parent=parent.address if parent else None,
+        data_rev=data_rev,
+        run_id=run_id,
+        tags={IDEMPOTENCY_TAG: key},
+        reason=f"trained: {len(curve)} GRPO steps (run {key[:8]})",
+    )
+    fault("export")
+    create_link_artifact(
+        f"{ws.tracking_uri.rstrip('/')}/#/models/{policy}/versions/{rev.version}",
+        link_text=f"{rev.address} in MLflow",
+        key=artifact_key("mlflow", policy),
+        description=f"{rev.address}: sha256:{digest[:16]}, parent {parent.address if parent else 'none'}",
+    )
+    ref = RevisionRef.of(rev)
+    ref.work_s = time.perf_counter() - t0
+    return ref
+
+
+@task(cache_policy=NO_CACHE, **_RETRY)
+def gate(
+    ws: Workspace,
+    candidate: RevisionRef,
+    policy: GatePolicy,
+    candidate_scores: dict[str, SuiteScore],
+    champion_scores: dict[str, SuiteScore] | None,
+) -> GateDecision:
+    """Decide whether the candidate may replace the champion, and record the decision on its version."""
+    decision = decide(
+        policy, candidate_scores.values(), None if champion_scores is None else champion_scores.values()
+    )
+    record_gate(ws.registry().client, candidate.policy, candidate.version, decision)
+    create_markdown_artifact(
+        f"### {candidate.address}\n\n" + decision.markdown(),
+        key=artifact_key("gate", candidate.policy),
+        description=f"gate of {candidate.address}: {'passed' if decision.passed else 'failed'}",
+    )
+    return decision
+
+
+@task(cache_policy=NO_CACHE, **_RETRY)
+def promote(
+    ws: Workspace, policy: str, version: int, digest: str, expect: int | None, restore: int | None
+) -> AliasMoved:
+    """`champion` := version, only if it still points where the gate saw it (`expect`); the undo restores `restore`."""
+    t0 = time.perf_counter()
+    reg = ws.registry()
+    current = reg.alias_version(policy, CHAMPION)
+    moved = current != version  # equal: an earlier attempt (or a retry) already moved it
+    if moved:
+        reg.promote(policy, version, f"promoted v{version} (gate passed)", expect=expect)
+    out = AliasMoved(policy=policy, from_version=restore, to_version=version, to_digest=digest, moved=moved)
+    _remember(ws, out)
+    fault("promote")
+    out.work_s = time.perf_counter() - t0
+    return out
+
+
+@task(cache_policy=NO_CACHE, **_RETRY)
+def rollback(ws: Workspace, policy: str, to_version: int | None, reason: str) -> AliasMoved:
+    """`champion` := a named version, or the champion before the current one."""
+    t0 = time.perf_counter()
+    reg = ws.registry()
+    move = reg.rollback(policy, to_version, reason)
+    assert move.to_version is not None
+    digest = reg.revision(policy, move.to_version).digest
+    out = AliasMoved(
+        policy=policy,
+        from_version=move.from_version,
+        to_version=move.to_version,
+        to_digest=digest,
+        moved=True,
+    )
+    _remember(ws, out)
+    out.work_s = time.perf_counter() - t0
+    return out
+
+
+def _remember(ws: Workspace, moved: AliasMoved) -> None:
+    txn = get_transaction()
+    if txn is not None:
+        txn.set("workspace", ws)
+        txn.set("alias_moved", moved)
+
+
+def _undo_alias(txn: Transaction) -> None:
+    """Rollback hook: point `champion` back where it was (or unset it), only from where this move left it."""
+    ws: Workspace = txn.get("workspace")
+    m: AliasMoved = txn.get("alias_moved")
+    reg = ws.registry()
+    if m.from_version == m.to_version:
+        return
+    if m.from_version is None:
+        reg.client.delete_registered_model_alias(m.policy, CHAMPION)
+        reg.sync_alias(m.policy)
+        return
+    if reg.alias_version(m.policy, CHAMPION) == m.from_version:
+        return
+    reg.set_alias(
+        m.policy,
+        CHAMPION,
+        m.from_version,
+        f"undo: the promotion to v{m.to_version} failed",
+        expect=m.to_version,
+    )
+
+
+promote.on_rollback(_undo_alias)
+rollback.on_rollback(_undo_alias)

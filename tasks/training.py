@@ -1,0 +1,137 @@
+"""Training steps: check the prompts, start the trainer from the champions, then per step one batched rollout,
+its check, and one batched GRPO update."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import ConfigDict
+
+from mint_core.data.checks import (
+    CheckParams,
+    PromptBounds,
+    RolloutBounds,
+    check,
+    prompts_frame,
+    rollout_frame,
+)
+from mint_core.data.tasks import Example
+from mint_core.lifecycle import TrainerSession, Workspace, fault, load_prompts, rollout_rows, start_trainer
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.rollout import RolloutRow
+from mint_core.rl.trainer import PolicySpec
+from tasks.common import Timed
+
+
+class PromptSet(Timed):
+    """A policy's training prompts, checked."""
+
+    policy: str
+    examples: list[Example]
+    source: str
+    """The file they were read from, or how they were generated."""
+    expectations: int
+    """Great Expectations checks they passed."""
+
+
+class RolloutBatch(Timed):
+    """One batched rollout of every policy in training."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    step: int
+    rows: list[RolloutRow]
+
+
+class RolloutCheck(Timed):
+    rows: int
+    expectations: int
+
+
+class StepResult(Timed):
+    """One GRPO update of every policy."""
+
+    step: int
+    """Steps done after this update (1-based)."""
+    reward: dict[str, float]
+    """Mean rollout reward per policy (every policy in the batch, updated or not)."""
+    loss: dict[str, float]
+    """Per policy that was updated (a policy whose groups all had equal rewards gets no step)."""
+    kept_groups: dict[str, int]
+    """Groups with reward variance (the ones that teach anything) per policy."""
+    checkpoint: str | None = None
+
+
+@task(cache_policy=NO_CACHE)
+def validate_data(
+    spec: PolicySpec, n: int, seed: int, data_dir: Path | None, bounds: PromptBounds
+) -> PromptSet:
+    """Load a policy's training prompts and check them with the prompts suite (Great Expectations)."""
+    t0 = time.perf_counter()
+    examples, source = load_prompts(spec.task, n, seed, data_dir)
+    report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
+    return PromptSet(
+        policy=spec.name,
+        examples=examples,
+        source=source,
+        expectations=report.evaluated,
+        work_s=time.perf_counter() - t0,
+    )
+
+
+@task(cache_policy=NO_CACHE)
+def start_training(
+    ws: Workspace,
+    specs: list[PolicySpec],
+    parents: dict[str, str | None],
+    grpo: GRPOConfig,
+    seed: int,
+    checkpoint_dir: Path,
+) -> TrainerSession:
+    """Load the base, put every policy's parent (digest; None: fresh) in its slot, resume from a checkpoint."""
+    store = ws.registry().store
+    dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
+    return start_trainer(ws.base, specs, dirs, grpo, seed, checkpoint_dir)
+
+
+@task(cache_policy=NO_CACHE)
+def rollout(session: TrainerSession, prompts: dict[str, list[Example]]) -> RolloutBatch:
+    """One batched rollout: G samples of every prompt of every policy, rewards attached."""
+    t0 = time.perf_counter()
+    rows = rollout_rows(session.trainer, prompts)
+    return RolloutBatch(step=session.trainer.steps + 1, rows=rows, work_s=time.perf_counter() - t0)
+
+
+@task(cache_policy=NO_CACHE)
+def validate_rollouts(batch: RolloutBatch, bounds: RolloutBounds) -> RolloutCheck:
+    """Check a rollout batch with the rollouts suite before an update reads it."""
+    t0 = time.perf_counter()
+    report = check(
+        rollout_frame(batch.rows), "rollouts", CheckParams(rollouts=bounds), source=f"step {batch.step}"
+    )
+    return RolloutCheck(rows=report.rows, expectations=report.evaluated, work_s=time.perf_counter() - t0)
+
+
+@task(cache_policy=NO_CACHE)
+def grpo_update(session: TrainerSession, batch: RolloutBatch, checkpoint_every: int) -> StepResult:
+    """One batched GRPO update of every policy (each in its own slot), then a checkpoint."""
+    t0 = time.perf_counter()
+    fault("grpo_update")
+    stats = session.trainer.update(batch.rows)
+    rewards: dict[str, list[float]] = {}
+    for r in batch.rows:
+        rewards.setdefault(r.policy, []).append(r.reward)
+    ckpt = None
+    if checkpoint_every and session.trainer.steps % checkpoint_every == 0:
+        ckpt = str(session.checkpoint())
+    return StepResult(
+        step=session.trainer.steps,
+        reward={p: sum(v) / len(v) for p, v in rewards.items()},
+        loss=stats.loss,
+        kept_groups=stats.kept_groups,
+        checkpoint=ckpt,
+        work_s=time.perf_counter() - t0,
+    )

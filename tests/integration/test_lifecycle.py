@@ -1,0 +1,408 @@
+"""The Prefect lifecycle end to end against real servers: a Prefect server, an MLflow registry, Redis (the
+promotion lock) and a `mint serve` subprocess on a tiny base, with a few GRPO steps and a tiny evaluation.
+
+Faults: a run killed (SIGKILL) during the update or during the promotion and then rerun, a serving refresh that
+fails, a smoke check that fails, a gate that says no, two promotions of one policy racing, and an alias moved in
+MLflow directly that reconcile must bring to serving.
+
+On a random tiny base no rollout earns any reward, so GRPO here learns nothing; weight decay with
+`drop_zero_variance=False` still moves the adapter a little every step, so each run makes a revision of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flows.lifecycle import PolicyRun, Training, WaveFailed, lifecycle, wave
+from flows.prefetch import prefetch
+from flows.promotion import promote_flow, rollback_flow
+from flows.reconcile import reconcile
+from mint_core.engine.base import build_tiny_base, load_base
+from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.errors import DataCheckError
+from mint_core.eval.gate import GatePolicy
+from mint_core.eval.lm_eval_runner import EvalConfig
+from mint_core.eval.suites import standalone_suites
+from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revision
+from mint_core.lora.adapter import random_adapter
+from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.trainer import PolicySpec
+from mint_core.serving.client import ServingError
+from tasks.common import is_transient
+from tests.integration.conftest import start_server, stop_server
+
+pytestmark = pytest.mark.integration
+
+ADMIN = "admin-secret"  # what start_server gives `mint serve`
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GRPO = GRPOConfig(
+    group_size=4, max_new_tokens=8, learning_rate=1e-2, weight_decay=0.5, drop_zero_variance=False
+)
+
+
+@dataclass
+class Stack:
+    ws: Workspace
+    base_dir: Path
+    suites: Path
+    root: Path
+
+    def registry(self) -> Registry:
+        return self.ws.registry()
+
+    def served(self, name: str) -> str | None:
+        with self.ws.client() as c:
+            return served_revision(c, name)
+
+    def answered_by(self, name: str) -> str:
+        with self.ws.client() as c:
+            return str(c.complete(name, "add: 1+2 =", max_tokens=2, temperature=0.0)["system_fingerprint"])
+
+    def evaluation(self) -> EvalConfig:
+        return EvalConfig(limit=4, batch_size=16, suites_dir=self.suites)
+
+    def aliases(self, policy: str) -> dict[str, int]:
+        rm = self.registry().client.get_registered_model(policy)
+        return {k: int(v) for k, v in (rm.aliases or {}).items()}
+
+
+def _redis_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def stack(
+    mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    if not _redis_up():
+        pytest.skip("Redis is not running at 127.0.0.1:6379 (the promotion lock)")
+    root = tmp_path_factory.mktemp("lifecycle")
+    base_dir = root / "base"
+    tiny = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+    tiny.model.save_pretrained(base_dir)
+    assert tiny.tokenizer is not None
+    tiny.tokenizer.save_pretrained(base_dir)
+    store = root / "store"
+    store.mkdir()
+    suites = standalone_suites(root, limit=20)
+    proc, url = start_server(store, "--base", str(base_dir), env={"MINT_SERVE_TORCH_THREADS": "1"})
+    ws = Workspace(
+        tracking_uri=mlflow_server,
+        store=str(store),
+        catalog_url=f"sqlite:///{root / 'catalog.db'}",
+        base=base_dir,
+        serving_url=url,
+        admin_token_file=None,
+        work_dir=root / "work",
+        lock_hold_s=60,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
+        mp.delenv(FAULT_ENV, raising=False)
+        try:
+            yield Stack(ws, base_dir, suites, root)
+        finally:
+            stop_server(proc)
+
+
+def policy(name: str, gate: GatePolicy | None = None) -> PolicyRun:
+    return PolicyRun(
+        spec=PolicySpec(name=name, task="add", rank=4, alpha=8), gate=gate or GatePolicy(suite="add")
+    )
+
+
+def training(round: str, steps: int = 2, seed: int = 0) -> Training:
+    return Training(steps=steps, prompts_per_step=4, grpo=GRPO, seed=seed, data_dir=None, round=round)
+
+
+def seed_champion(stack: Stack, name: str, seed: int) -> tuple[int, str]:
+    """A random revision made the champion of `name` and served under it; returns (version, digest)."""
+    reg = stack.registry()
+    base = load_base(stack.base_dir)
+    weights = random_adapter(
+        base.sites, TARGETS, 4, alpha=8, seed=seed, std=0.05, base_fingerprint=base.fingerprint
+    )
+    digest = reg.store.put_weights(weights, base.sites)
+    rev = reg.create_revision(name, digest, base=base.fingerprint, rank=4, alias=None)
+    reg.promote(name, rev.version, "seeded by the test")
+    with stack.ws.client() as c:
+        c.load_adapter(name, f"sha256:{digest}", inplace=True)
+    return rev.version, digest
+
+
+def run_subprocess(
+    stack: Stack, ws: Workspace, run: PolicyRun, train: Training, fault: str
+) -> subprocess.CompletedProcess[str]:
+    """`mint lifecycle --params FILE` in another process, with a fault injected."""
+    params = stack.root / f"{run.name}-{fault.replace(':', '_')}.json"
+    doc = {
+        "policy": run.model_dump(mode="json"),
+        "training": train.model_dump(mode="json"),
+        "evaluation": stack.evaluation().model_dump(mode="json"),
+        "workspace": ws.model_dump(mode="json"),
+    }
+    params.write_text(json.dumps(doc))
+    env = {**os.environ, FAULT_ENV: fault, "MINT_SERVE_ADMIN_TOKEN": ADMIN}
+    return subprocess.run(
+        [sys.executable, "-m", "mint_core.cli", "lifecycle", "--params", str(params)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+# ---- retries ---------------------------------------------------------------------------------------------
+
+
+def _caused(outer: Exception, cause: BaseException) -> Exception:
+    outer.__cause__ = cause
+    return outer
+
+
+@pytest.mark.parametrize(
+    ("case", "exc", "retry"),
+    [
+        ("connection refused", ConnectionRefusedError("refused"), True),
+        ("httpx timeout", httpx.ReadTimeout("slow"), True),
+        ("server unreachable", ServingError(0, "ConnectionError", "refused", "http://x"), True),
+        ("server overloaded", ServingError(503, "Unavailable", "busy", "http://x"), True),
+        ("registry down", RegistryUnavailable("unreachable"), True),
+        ("wrapped connection error", _caused(RuntimeError("eval failed"), ConnectionResetError()), True),
+        ("bad adapter", ServingError(400, "BadRequestError", "rank too large", "http://x"), False),
+        ("lost alias race", AliasConflict("moved"), False),
+        ("failed data check", DataCheckError("rollouts", None, ["reward out of range"]), False),
+        ("injected fault", InjectedFault("boom"), False),
+    ],
+)
+def test_only_transient_errors_are_retried(case: str, exc: BaseException, retry: bool) -> None:
+    assert is_transient(exc) is retry, case
+
+
+# ---- the lifecycle end to end ----------------------------------------------------------------------------
+
+
+def test_lifecycle_end_to_end_then_rerun_then_next_round(stack: Stack) -> None:
+    name = "lc-e2e"
+    t0 = time.perf_counter()
+    report = lifecycle(policy(name), training("r1"), stack.evaluation(), workspace=stack.ws)
+    first_s = time.perf_counter() - t0
+    (out,) = report.outcomes
+    assert out.status == "promoted", out
+    reg = stack.registry()
+    v1 = reg.resolve(name)
+    assert v1.version == 1 and out.champion_after == f"{name}/v1"
+    assert v1.data_rev and v1.tags["mint.idempotency_key"] and v1.parent is None
+    assert v1.gate is not None and v1.gate["passed"]
+    run = reg.client.get_run(v1.run_id)
+    assert "train/reward" in run.data.metrics and run.data.params["steps"] == "2"
+    assert stack.served(name) == f"sha256:{v1.digest}"
+    assert stack.answered_by(name) == v1.digest
+    assert [t.step for t in report.timings].count("rollout") == 2
+
+    # rerunning the finished run makes no second version
+    again = lifecycle(policy(name), training("r1"), stack.evaluation(), workspace=stack.ws)
+    assert again.outcomes[0].reused and again.outcomes[0].status == "promoted"
+    assert [r.version for r in reg.revisions(name)] == [1]
+    assert "rollout" not in [t.step for t in again.timings]
+
+    # the next round trains from the champion and replaces it
+    nxt = lifecycle(policy(name), training("r2"), stack.evaluation(), workspace=stack.ws)
+    assert nxt.outcomes[0].status == "promoted", nxt.outcomes[0]
+    v2 = reg.resolve(name)
+    assert v2.version == 2 and v2.parent == f"{name}/v1" and v2.digest != v1.digest
+    assert stack.answered_by(name) == v2.digest
+    print(
+        f"\nlifecycle: first run {first_s:.1f} s; steps: "
+        + ", ".join(f"{t.step} {t.wall_s:.2f}" for t in report.timings)
+    )
+
+
+def test_wave_trains_policies_together(stack: Stack) -> None:
+    runs = [
+        policy("wv-add"),
+        PolicyRun(
+            spec=PolicySpec(name="wv-rev", task="reverse", rank=4, alpha=8), gate=GatePolicy(suite="reverse")
+        ),
+    ]
+    report = wave(runs, training("w1", steps=2), stack.evaluation(), workspace=stack.ws)
+    assert [o.status for o in report.outcomes] == ["promoted", "promoted"]
+    steps = [t.step for t in report.timings]
+    assert steps.count("rollout") == 2 and steps.count("grpo_update") == 2  # one batched step for both
+    assert {c["policy"] for c in report.curve} == {"wv-add", "wv-rev"}
+    for r in runs:
+        assert stack.served(r.name) == f"sha256:{stack.registry().resolve(r.name).digest}"
+
+
+# ---- faults --------------------------------------------------------------------------------------------------
+
+
+def test_killed_during_update_then_rerun(stack: Stack) -> None:
+    name = "lc-kill-update"
+    proc = run_subprocess(stack, stack.ws, policy(name), training("k1", steps=3), "grpo_update:2:kill")
+    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert stack.registry().policies().count(name) == 0  # nothing was exported
+
+    report = lifecycle(policy(name), training("k1", steps=3), stack.evaluation(), workspace=stack.ws)
+    assert report.resumed_from == 1  # the checkpoint of step 1 survived the kill
+    assert report.outcomes[0].status == "promoted"
+    reg = stack.registry()
+    assert [r.version for r in reg.revisions(name)] == [1]
+    assert stack.aliases(name) == {"champion": 1, "candidate": 1}
+    assert stack.served(name) == f"sha256:{reg.resolve(name).digest}"
+
+
+def test_killed_during_promotion_then_rerun(stack: Stack) -> None:
+    name = "lc-kill-promote"
+    old_version, old_digest = seed_champion(stack, name, seed=11)
+    ws = stack.ws.model_copy(update={"lock_hold_s": 8.0})
+    proc = run_subprocess(stack, ws, policy(name), training("k2"), "promote:kill")
+    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reg = stack.registry()
+    assert stack.aliases(name)["champion"] == 2  # moved, then the process died before serving it
+    assert stack.served(name) == f"sha256:{old_digest}"
+
+    t0 = time.perf_counter()
+    report = lifecycle(policy(name), training("k2"), stack.evaluation(), workspace=ws)
+    rerun_s = time.perf_counter() - t0
+    assert report.outcomes[0].status == "promoted" and report.outcomes[0].reused
+    assert [r.version for r in reg.revisions(name)] == [old_version, 2]
+    assert stack.aliases(name) == {"champion": 2, "candidate": 2}
+    assert stack.answered_by(name) == reg.resolve(name).digest
+    print(f"\nrerun after a kill inside the promotion: {rerun_s:.1f} s (waited out the dead holder's lock)")
+
+
+@pytest.mark.parametrize("point", ["refresh_serving", "smoke_check"])
+def test_failed_refresh_leaves_alias_and_old_revision(
+    stack: Stack, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"lc-fail-{point.replace('_', '-')}"
+    old_version, old_digest = seed_champion(stack, name, seed=21)
+    monkeypatch.setenv(FAULT_ENV, point)
+    with pytest.raises(WaveFailed, match="injected fault"):
+        lifecycle(policy(name), training("f1"), stack.evaluation(), workspace=stack.ws)
+    reg = stack.registry()
+    assert stack.aliases(name) == {"champion": old_version, "candidate": 2}
+    assert reg.revision(name, 2).gate["passed"]  # type: ignore[index]
+    assert stack.served(name) == f"sha256:{old_digest}"
+    assert stack.answered_by(name) == old_digest
+
+
+def test_failed_gate_leaves_the_champion(stack: Stack) -> None:
+    name = "lc-gate-no"
+    old_version, old_digest = seed_champion(stack, name, seed=31)
+    strict = GatePolicy(suite="add", floors={"add": 1.0})
+    report = lifecycle(policy(name, strict), training("g1"), stack.evaluation(), workspace=stack.ws)
+    out = report.outcomes[0]
+    assert out.status == "rejected" and any("floor:add" in r for r in out.reasons)
+    reg = stack.registry()
+    assert stack.aliases(name) == {"champion": old_version, "candidate": 2}
+    assert reg.revision(name, 2).gate == {**reg.revision(name, 2).gate, "passed": False}  # type: ignore[dict-item]
+    assert stack.served(name) == f"sha256:{old_digest}"
+
+
+def test_racing_promotions_end_with_one_winner(stack: Stack) -> None:
+    name = "lc-race"
+    seed_champion(stack, name, seed=41)
+    reg = stack.registry()
+    base = load_base(stack.base_dir)
+    versions = []
+    for seed in (42, 43):
+        w = random_adapter(base.sites, TARGETS, 4, alpha=8, seed=seed, base_fingerprint=base.fingerprint)
+        versions.append(
+            reg.create_revision(
+                name, reg.store.put_weights(w, base.sites), base=base.fingerprint, rank=4
+            ).version
+        )
+    code = (
+        "import sys, json; from flows.promotion import promote_flow; from mint_core.lifecycle import Workspace; "
+        "promote_flow(sys.argv[1], int(sys.argv[2]), expect=1, workspace=Workspace.model_validate_json(sys.argv[3]))"
+    )
+    env = {**os.environ, "MINT_SERVE_ADMIN_TOKEN": ADMIN}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, name, str(v), stack.ws.model_dump_json()],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for v in versions
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) == [0, 1], outputs
+    winner = versions[codes.index(0)]
+    assert "AliasConflict" in outputs[codes.index(1)]
+    assert stack.aliases(name)["champion"] == winner
+    assert stack.answered_by(name) == reg.revision(name, winner).digest
+
+
+# ---- serving follows the registry -----------------------------------------------------------------------
+
+
+def test_reconcile_serves_an_alias_moved_in_mlflow(stack: Stack) -> None:
+    from mlflow import MlflowClient
+
+    name = "lc-reconcile"
+    seed_champion(stack, name, seed=51)
+    reg = stack.registry()
+    base = load_base(stack.base_dir)
+    w = random_adapter(base.sites, TARGETS, 4, alpha=8, seed=52, base_fingerprint=base.fingerprint)
+    v2 = reg.create_revision(
+        name, reg.store.put_weights(w, base.sites), base=base.fingerprint, rank=4, alias=None
+    )
+
+    t0 = time.perf_counter()
+    MlflowClient(stack.ws.tracking_uri).set_registered_model_alias(name, "champion", str(v2.version))
+    done = reconcile([name], workspace=stack.ws)
+    while stack.answered_by(name) != v2.digest:  # reconcile returned after its smoke check: no wait expected
+        assert time.perf_counter() - t0 < 30
+        time.sleep(0.05)
+    elapsed = time.perf_counter() - t0
+    assert done[0].reloaded and done[0].alias_synced
+    assert reg.catalog.alias_version(name, "champion") == v2.version
+    again = reconcile([name], workspace=stack.ws)
+    assert not again[0].reloaded
+    print(
+        f"\nalias moved in MLflow -> served after {elapsed:.2f} s: one reconcile flow run, of which "
+        f"{done[0].work_s:.2f} s sync + in-place load + smoke check"
+    )
+
+
+def test_rollback_flow_and_prefetch(stack: Stack) -> None:
+    name = "lc-rollback"
+    v1, d1 = seed_champion(stack, name, seed=61)
+    reg = stack.registry()
+    base = load_base(stack.base_dir)
+    w = random_adapter(base.sites, TARGETS, 4, alpha=8, seed=62, base_fingerprint=base.fingerprint)
+    v2 = reg.create_revision(name, reg.store.put_weights(w, base.sites), base=base.fingerprint, rank=4)
+    promote_flow(name, v2.version, workspace=stack.ws)
+    assert stack.answered_by(name) == v2.digest
+
+    out = rollback_flow(name, workspace=stack.ws)
+    assert (out.alias.from_version, out.alias.to_version) == (v2.version, v1)
+    assert stack.aliases(name)["champion"] == v1 and stack.answered_by(name) == d1
+
+    with stack.ws.client() as c:
+        c.unload_adapter(name)
+    warm = prefetch([name], workspace=stack.ws)
+    assert warm.route == "load" and warm.results == {f"{name}/v{v1}": "loaded"}  # no catalog on this server
+    assert stack.served(name) == f"sha256:{d1}"
