@@ -3,10 +3,14 @@ its check, and one batched GRPO update."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import ConfigDict
 
@@ -19,11 +23,31 @@ from mint_core.data.checks import (
     rollout_frame,
 )
 from mint_core.data.tasks import Example
+from mint_core.errors import DataCheckError
 from mint_core.lifecycle import TrainerSession, Workspace, fault, load_prompts, rollout_rows, start_trainer
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import PolicySpec
-from tasks.common import Timed
+from tasks.common import Timed, artifact_key
+
+
+@contextmanager
+def _stored_on_failure(what: str) -> Iterator[None]:
+    """A failing suite stops the work; its failing expectations and the full result are kept with the flow run
+    (a Prefect artifact) before the error goes up."""
+    try:
+        yield
+    except DataCheckError as e:
+        result = json.dumps(e.result_json, indent=1, default=str)
+        if len(result) > 50_000:
+            result = result[:50_000] + "\n... (truncated)"
+        body = "\n".join(f"- {f}" for f in e.failures)
+        create_markdown_artifact(
+            markdown=f"### {e.suite} check failed on {e.source or what}\n\n{body}\n\n```json\n{result}\n```",
+            key=artifact_key("check-failed", what),
+            description=f"Great Expectations: {len(e.failures)} failing expectation(s)",
+        )
+        raise
 
 
 class PromptSet(Timed):
@@ -72,7 +96,8 @@ def validate_data(
     """Load a policy's training prompts and check them with the prompts suite (Great Expectations)."""
     t0 = time.perf_counter()
     examples, source = load_prompts(spec.task, n, seed, data_dir)
-    report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
+    with _stored_on_failure(f"prompts {spec.name}"):
+        report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
     return PromptSet(
         policy=spec.name,
         examples=examples,
@@ -109,9 +134,10 @@ def rollout(session: TrainerSession, prompts: dict[str, list[Example]]) -> Rollo
 def validate_rollouts(batch: RolloutBatch, bounds: RolloutBounds) -> RolloutCheck:
     """Check a rollout batch with the rollouts suite before an update reads it."""
     t0 = time.perf_counter()
-    report = check(
-        rollout_frame(batch.rows), "rollouts", CheckParams(rollouts=bounds), source=f"step {batch.step}"
-    )
+    with _stored_on_failure(f"rollouts step {batch.step}"):
+        report = check(
+            rollout_frame(batch.rows), "rollouts", CheckParams(rollouts=bounds), source=f"step {batch.step}"
+        )
     return RolloutCheck(rows=report.rows, expectations=report.evaluated, work_s=time.perf_counter() - t0)
 
 

@@ -36,7 +36,7 @@ from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revision
 from mint_core.lora.adapter import random_adapter
-from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable
+from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable, UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
 from mint_core.serving.client import ServingError
@@ -233,6 +233,45 @@ def test_lifecycle_end_to_end_then_rerun_then_next_round(stack: Stack) -> None:
         f"\nlifecycle: first run {first_s:.1f} s; steps: "
         + ", ".join(f"{t.step} {t.wall_s:.2f}" for t in report.timings)
     )
+
+
+def test_bad_data_stops_the_run_before_training(stack: Stack, tmp_path: Path) -> None:
+    """A planted bad training file (a null answer, a malformed answer, a duplicate id) fails the prompts suite:
+    the flow stops before any rollout, names the failing expectations, keeps them with the flow run (a Prefect
+    artifact), and creates no version."""
+    name = "lc-bad-data"
+    train_dir = tmp_path / "data" / "train"
+    train_dir.mkdir(parents=True)
+    rows: list[dict[str, object]] = [
+        {"id": f"add-x-{i}", "task": "add", "prompt": f"add: {i}+1 =", "answer": str(i + 1)} for i in range(8)
+    ]
+    rows[2]["answer"] = None
+    rows[3]["answer"] = "twelve"
+    rows[5]["id"] = rows[4]["id"]
+    (train_dir / "add.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = training("bad").model_copy(update={"data_dir": tmp_path / "data"})
+    with pytest.raises(DataCheckError) as e:
+        lifecycle(policy(name), train, stack.evaluation(), workspace=stack.ws)
+    text = str(e.value)
+    assert "answer" in text and "id" in text and "twelve" in text
+    with pytest.raises(UnknownRevision):
+        stack.registry().revisions(name)  # nothing was registered
+
+    # the REST API directly: prefect 3.8.8's client sends nulls that its server (under fastapi 0.154) refuses
+    api = os.environ["PREFECT_API_URL"]
+    found = httpx.post(
+        f"{api}/artifacts/filter",
+        json={
+            "artifacts": {"key": {"like_": "check-failed"}},
+            "limit": 50,
+            "offset": 0,
+            "sort": "CREATED_DESC",
+        },
+        timeout=30,
+    )
+    assert found.status_code == 200, found.text
+    kept = {a["key"]: str(a["data"]) for a in found.json()}
+    assert any(name in key and "twelve" in body for key, body in kept.items()), kept
 
 
 def test_wave_trains_policies_together(stack: Stack) -> None:
