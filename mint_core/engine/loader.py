@@ -17,12 +17,13 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from mint_core.engine.engine import Engine
 from mint_core.errors import MintError
 from mint_core.lora.adapter import AdapterWeights
-from mint_core.registry.catalog import Catalog, parse_address
+from mint_core.registry.catalog import AddressError, Catalog, parse_address
 from mint_core.registry.packs import PackReader, is_pack_location
 from mint_core.registry.store import AdapterStore
 
@@ -104,13 +105,103 @@ class AdapterLoader:
         """`ensure` and wait."""
         return self.ensure(address).result(timeout)
 
-    def prefetch(self, addresses: Iterable[str]) -> list[Future[str]]:
-        """Schedule cold loads of `addresses` ahead of need (hits cost nothing)."""
-        out = []
-        for a in addresses:
-            self.stats.prefetches += 1
-            out.append(self.ensure(a))
-        return out
+    def prefetch(self, addresses: Iterable[str], hold: bool = False, chunk: int = 256) -> list[Future[str]]:
+        """Schedule cold loads of `addresses` ahead of need (hits cost nothing), in bulk: one catalog query and
+        one read per pack for each `chunk` of misses. A malformed address fails its own future only."""
+        ws = self.engine.working_set
+        out: list[Future[str]] = []
+        asked = list(addresses)
+        todo: list[tuple[str, bool, Future[str]]] = []
+        with self._lock:
+            for a in asked:
+                self.stats.prefetches += 1
+                self.stats.requests += 1
+                fut: Future[str] = Future()
+                try:
+                    addr = parse_address(a)
+                except AddressError as e:
+                    fut.set_exception(e)
+                    out.append(fut)
+                    continue
+                movable = addr.kind in ("policy", "alias")
+                fresh = not movable or time.monotonic() - self._resolved_at.get(a, -1e18) < self.alias_ttl_s
+                if fresh and ws.get(a) is not None:
+                    self.stats.hits += 1
+                    fut.set_result(a)
+                elif a in self._inflight:
+                    self.stats.inflight_joins += 1
+                    fut = self._inflight[a]
+                else:
+                    self._inflight[a] = fut
+                    todo.append((a, movable, fut))
+                out.append(fut)
+        for start in range(0, len(todo), chunk):
+            part = todo[start : start + chunk]
+            self._pool.submit(self._load_many, part)
+            for a, _, f in part:
+                f.add_done_callback(partial(self._done_cb, a))
+        return [_then_hold(f, ws, a) if hold else f for a, f in zip(asked, out, strict=True)]
+
+    def _load_many(self, part: list[tuple[str, bool, Future[str]]]) -> None:
+        t0 = time.perf_counter()
+        ws = self.engine.working_set
+        try:
+            resolved = self.catalog.resolve_many([a for a, _, _ in part])
+        except Exception as e:  # the catalog itself failed: every address in the chunk with it
+            for _, _, f in part:
+                f.set_exception(e)
+            self.stats.failures += len(part)
+            return
+        packs: dict[str, list[tuple[str, bool, Future[str], str]]] = {}
+        singles: list[tuple[str, bool, Future[str], str]] = []
+        for a, movable, f in part:
+            r = resolved[a]
+            if isinstance(r, Exception):
+                f.set_exception(r)
+                self.stats.failures += 1
+            elif ws.get(a) == r.digest:
+                f.set_result(a)
+            elif is_pack_location(r.location):
+                packs.setdefault(r.location.rpartition("#")[0], []).append((a, movable, f, r.digest))
+            else:
+                singles.append((a, movable, f, r.digest))
+        loaded: list[tuple[str, bool, Future[str], AdapterWeights | Exception, str]] = []
+        for path, members in packs.items():
+            with self._pack_lock:
+                got = self._packs.read_many(
+                    path, [(int(loc_index(a, resolved)), a) for a, _, _, _ in members], self.engine.spec
+                )
+            loaded += [(a, m, f, w, d) for (a, m, f, d), w in zip(members, got, strict=True)]
+        for a, m, f, d in singles:
+            try:
+                loaded.append((a, m, f, self._read(a, resolved[a].location), d))  # type: ignore[union-attr]
+            except Exception as e:
+                loaded.append((a, m, f, e, d))
+        n_ok = 0
+        for a, movable, f, w, digest in loaded:
+            if isinstance(w, Exception):
+                f.set_exception(w)
+                self.stats.failures += 1
+                continue
+            if w.digest != digest:
+                f.set_exception(
+                    MintError(f"{a}: the catalog names sha256:{digest}, the revision is sha256:{w.digest}")
+                )
+                self.stats.failures += 1
+                continue
+            ws.add(a, w, replace=True, ephemeral=True)
+            if movable:
+                with self._lock:
+                    self._resolved_at[a] = time.monotonic()
+            n_ok += 1
+            f.set_result(a)
+        if n_ok:
+            per = (time.perf_counter() - t0) / len(part)
+            self.stats.cold_loads += n_ok
+            self.stats.cold_load_s.extend([per] * n_ok)
+
+    def _done_cb(self, address: str, fut: Future[str]) -> None:
+        self._done(address, fut)
 
     def _done(self, address: str, fut: Future[str]) -> None:
         with self._lock:
@@ -157,6 +248,10 @@ class AdapterLoader:
                 return self._packs.read(location, self.engine.spec, name=address)
         path = Path(location) if "://" not in location else self.store.local_dir(Path(location).name)
         return self.engine._read(address, path)
+
+
+def loc_index(address: str, resolved: dict) -> int:
+    return int(resolved[address].location.rpartition("#")[2])
 
 
 def _then_hold(fut: Future[str], ws: object, address: str) -> Future[str]:

@@ -84,25 +84,37 @@ class _SlotBank(nn.Module):
             torch.zeros(num_slots + 1, *lead, max_rank, site.out_features, dtype=dtype, device=device),
             requires_grad=False,
         )
-        self.filled = 0  # how many slots hold a nonzero adapter here; 0 lets the forward skip the site
+        self.filled = 0  # how many slots hold an adapter here; 0 lets the forward skip the site
+        # per slot: None (all zero) or the rank written there, so a write touches only what it must: its own
+        # columns, plus the columns a previous, higher-rank occupant left (a full zeroing and an `any()` scan
+        # made a slot write several passes over max-rank memory)
+        self._rank: list[int | None] = [None] * (num_slots + 1)
 
     @torch.no_grad()
     def write(self, slot: int, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
         """A: [r, in] or [E, r, in]; B: [out, r] or [E, out, r] (PEFT orientation)."""
         r = A.shape[-2]
-        was_filled = bool(self.A[slot].any())
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        before = self._rank[slot]
+        if before is not None and before > r:
+            self.A[slot][..., r:before].zero_()
+            self.B[slot][..., r:before, :].zero_()
+        B_slot = self.B[slot][..., :r, :]
         self.A[slot][..., :r].copy_(A.transpose(-1, -2))
-        self.B[slot][..., :r, :].copy_((B * scale).transpose(-1, -2))
-        self.filled += 1 - int(was_filled)
+        B_slot.copy_(B.transpose(-1, -2))
+        if scale != 1.0:
+            B_slot.mul_(scale)
+        self._rank[slot] = r
+        self.filled += before is None
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        if bool(self.A[slot].any()):
-            self.filled -= 1
-        self.A[slot].zero_()
-        self.B[slot].zero_()
+        before = self._rank[slot]
+        if before is None:
+            return
+        self.A[slot][..., :before].zero_()
+        self.B[slot][..., :before, :].zero_()
+        self._rank[slot] = None
+        self.filled -= 1
 
     def read(self, slot: int, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of `write`: PEFT-oriented A, B of the first `rank` columns, with scaling taken out."""

@@ -713,6 +713,55 @@ class Catalog:
                 )
             return Resolved(digest, location, policy, version)
 
+    def resolve_many(self, addresses: Sequence[str]) -> dict[str, Resolved | CatalogError]:
+        """`resolve` for many addresses in a few queries (versions and digests in bulk; aliases one by one).
+        Each address maps to its answer or to the error `resolve` would raise for it."""
+        out: dict[str, Resolved | CatalogError] = {}
+        by_version: dict[tuple[str, int], str] = {}
+        by_digest: dict[str, str] = {}
+        for a in dict.fromkeys(addresses):
+            try:
+                addr = parse_address(a)
+            except AddressError as e:
+                out[a] = e
+                continue
+            if addr.kind == "version":
+                assert addr.policy is not None and addr.version is not None
+                by_version[(addr.policy, addr.version)] = a
+            elif addr.kind == "digest":
+                assert addr.digest is not None
+                by_digest[addr.digest] = a
+            else:
+                try:
+                    out[a] = self.resolve(addr)
+                except CatalogError as e:
+                    out[a] = e
+        with self.engine.connect() as conn:
+            pairs = list(by_version)
+            for start in range(0, len(pairs), 500):
+                part = pairs[start : start + 500]
+                rows = conn.execute(
+                    sa.select(versions.c.policy, versions.c.version, versions.c.digest, revisions.c.location)
+                    .join_from(versions, revisions, versions.c.digest == revisions.c.digest)
+                    .where(sa.tuple_(versions.c.policy, versions.c.version).in_(part))
+                )
+                for p, v, d, loc in rows:
+                    out[by_version[(p, v)]] = Resolved(d, loc, p, v)
+            digests = list(by_digest)
+            for start in range(0, len(digests), 500):
+                some = digests[start : start + 500]
+                for d, loc in conn.execute(
+                    sa.select(revisions.c.digest, revisions.c.location).where(revisions.c.digest.in_(some))
+                ):
+                    out[by_digest[d]] = Resolved(d, loc)
+        for a in list(by_version.values()) + list(by_digest.values()):
+            if a not in out:
+                try:
+                    out[a] = self.resolve(a)  # for its precise error
+                except CatalogError as e:
+                    out[a] = e
+        return out
+
     def _policy_versions_text(self, conn: Connection, policy: str) -> str:
         lo, hi, n = conn.execute(
             sa.select(

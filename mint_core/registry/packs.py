@@ -100,6 +100,36 @@ class PackReader:
         self._open[path] = hit
         return hit
 
+    def read_many(
+        self, path: str, members: list[tuple[int, str]], spec: BaseSpec
+    ) -> list[AdapterWeights | AdapterError]:
+        """Members (index, label) of one pack, each checked like `read`, reading each site's rows once."""
+        try:
+            f, meta = self._handle(path)
+        except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+            return [
+                AdapterError(label, f"{path}#{i}", [f"pack file unreadable: {e}"]) for i, label in members
+            ]
+        n = len(meta["digests"])
+        good = [i for i, _ in members if 0 <= i < n]
+        rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        lo = min(good) if good else 0
+        if good:
+            hi = max(good) + 1
+            for key in f.keys():  # type: ignore[attr-defined]  # noqa: SIM118 (a safetensors handle, not a dict)
+                if key.startswith("A."):
+                    site = key[2:]
+                    rows[site] = (f.get_slice(key)[lo:hi], f.get_slice(f"B.{site}")[lo:hi])  # type: ignore[attr-defined]
+        out: list[AdapterWeights | AdapterError] = []
+        for i, label in members:
+            location = f"{path}#{i}"
+            if not 0 <= i < n:
+                out.append(AdapterError(label, location, [f"index {i} is outside the pack (it holds {n})"]))
+                continue
+            tensors = {site: (A[i - lo].clone(), B[i - lo].clone()) for site, (A, B) in rows.items()}
+            out.append(self._member(tensors, meta, spec, i, label, location))
+        return out
+
     def read(self, location: str, spec: BaseSpec, name: str | None = None) -> AdapterWeights:
         """The member at `<pack>#<i>`, validated against the base and verified against its recorded digest."""
         path, _, index_text = location.rpartition("#")
@@ -117,11 +147,26 @@ class PackReader:
             if key.startswith("A."):
                 site = key[2:]
                 tensors[site] = (f.get_slice(key)[i], f.get_slice(f"B.{site}")[i])  # type: ignore[attr-defined]
+        member = self._member(tensors, meta, spec, i, label, location)
+        if isinstance(member, AdapterError):
+            raise member
+        return member
+
+    @staticmethod
+    def _member(
+        tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        meta: dict,
+        spec: BaseSpec,
+        i: int,
+        label: str,
+        location: str,
+    ) -> AdapterWeights | AdapterError:
         problems = _check_member(tensors, meta, spec)
         if _checksum(tensors) != meta["checksums"][i]:
             problems.append("checksum mismatch: the member's bytes changed since the pack was written")
         if problems:
-            raise AdapterError(label, location, problems)
+            return AdapterError(label, location, problems)
+        digests = meta["digests"]
         return AdapterWeights(
             meta["rank"],
             meta["alpha"],

@@ -177,3 +177,41 @@ def test_prefetch(setup) -> None:  # type: ignore[no-untyped-def]
     futures = loader.prefetch(["q/v1", "q/v2", "q/v3"])
     assert [f.result(10) for f in futures] == ["q/v1", "q/v2", "q/v3"]
     assert loader.stats.prefetches == 3 and loader.stats.cold_loads == 3
+
+
+def test_bulk_prefetch_reads_packs_once_per_chunk(setup) -> None:  # type: ignore[no-untyped-def]
+    engine, _store, catalog, loader, tmp = setup
+    members = [
+        random_adapter(engine.sites, TARGETS, rank=1, seed=s, base_fingerprint=engine.base.fingerprint)
+        for s in range(6)
+    ]
+    pack = tmp / "bulk.safetensors"
+    digests = write_pack(pack, members, engine.sites)
+    catalog.register_many(
+        [
+            Registration(d, engine.base.fingerprint, 1, f"{pack}#{i}", policy=f"u{i}")
+            for i, d in enumerate(digests)
+        ]
+    )
+    asked = ["u1/v1", "u4/v1", "u2/v1", "u9/v1", "bad address", "u1/v1"]
+    futures = loader.prefetch(asked, hold=True)
+    assert futures[0].result(10) == "u1/v1" and futures[1].result(10) == "u4/v1"
+    assert futures[2].result(10) == "u2/v1" and futures[5].result(10) == "u1/v1"
+    with pytest.raises(UnknownAddress, match="u9"):
+        futures[3].result(10)
+    with pytest.raises(AddressError):
+        futures[4].result(10)
+    ws = engine.working_set
+    assert ws.digest_of("u4/v1") == digests[4]
+    # bulk-loaded members answer like the same member loaded alone
+    lone = AdapterLoader(engine, catalog, _store)
+    try:
+        ws.release(ws.acquire("u4/v1"))
+        bulk = _logits(engine, "u4/v1")
+        ws.remove("u4/v1")
+        lone.load("u4/v1")
+        assert torch.equal(_logits(engine, "u4/v1"), bulk)
+    finally:
+        lone.close()
+    for name in ("u1/v1", "u4/v1", "u2/v1", "u1/v1"):
+        ws.unhold(name)

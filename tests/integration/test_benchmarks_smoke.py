@@ -1,0 +1,72 @@
+"""The load benchmarks run end to end at a tiny size and report every figure they promise.
+
+No timing assertions: speed is the benchmarks' business; this checks that the paths they measure work (the
+per-expert and packed MoE writes agree, store -> engine -> slot for each rank) and that the JSON line is whole.
+The scripts run in this process, as `__main__`: a subprocess would spend most of the test importing torch again.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run_benchmark(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., dict[str, Any]]:
+    """run_benchmark(script, *args): the JSON object the script printed last."""
+
+    def run(script: str, *args: str) -> dict[str, Any]:
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on it
+        runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert isinstance(result, dict)
+        return result
+
+    return run
+
+
+def test_moe_packed_load_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -> None:
+    result = run_benchmark(
+        "moe_packed_load.py",
+        *("--experts", "8", "--layers", "1", "--hidden", "64", "--moe-intermediate", "32"),
+        *("--rank", "4", "--rounds", "2", "--disk-rounds", "1"),
+    )
+    for key in (
+        "speedup",
+        "packed_ms",
+        "per_expert_ms",
+        "disk_speedup",
+        "disk_packed_ms",
+        "disk_unpacked_ms",
+    ):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    # packed: A and B of gate_up_proj and down_proj; per expert: the shared gate/up A, gate B, up B, down A, B
+    assert (result["packed_copies"], result["per_expert_copies"]) == (4, 8 * 5)
+
+
+def test_adapter_load_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -> None:
+    result = run_benchmark(
+        "adapter_load.py", "--ranks", "1,4", "--repeats", "2", "--slots", "2", "--vocab", "512"
+    )
+    for prefix in ("", "all_linear_"):
+        assert isinstance(result[f"{prefix}slot_bytes"], int)
+        for r in (1, 4):
+            for key in ("load_p50_ms", "load_p99_ms", "slot_write_p50_ms"):
+                assert result[f"{prefix}{key}_r{r}"] > 0, f"{prefix}{key}_r{r}"
+            assert isinstance(result[f"{prefix}host_bytes_r{r}"], int)
+            assert result[f"{prefix}disk_bytes_r{r}"] > result[f"{prefix}host_bytes_r{r}"]
+        # slots are sized for the largest rank, so one holds exactly a revision of that rank
+        assert result[f"{prefix}slot_bytes"] == result[f"{prefix}host_bytes_r4"]
