@@ -5,8 +5,10 @@ default), float32, LoRA slots on every expert projection (gate_up_proj and down_
 rank (8), on `--device` (CPU by default); one random rank-8 adapter on all of them, held in host memory.
 
 Main figure, from host memory (a revision as it sits in the host cache, into a device slot the engine can run):
-  packed      the layout mint keeps: one A [E, r, in] and one B [E, out, r] per layer and projection, written by
-              `LoRAModel.write_slot`, the call `WorkingSet.acquire` makes on a miss
+  packed      the layout mint keeps: one tensor per layer, projection and factor for all experts, held in the
+              host cache already in slot layout (`LoRAModel.prepare`: A [E, in, r], B [E, r, out] with the scale
+              folded in, done once when the revision is read, not timed), written by `LoRAModel.write_prepared`,
+              the call `WorkingSet.acquire` makes on a miss
   per_expert  the layout PEFT's per-expert files and vLLM keep: one lora_A / lora_B per expert and projection
               (gate_proj, up_proj, down_proj), already parsed out of the state dict into per-expert tensors
               (parsing is not timed); each copied into its place in the slot (`A[slot, e] = ...`), after zeroing
@@ -163,8 +165,10 @@ def main() -> None:
     host = per_expert_host(unpacked, lora)
     copies = sum(1 + len(Bs) for experts in host.values() for _, _, Bs in experts)
 
+    prepared = lora.prepare(weights.tensors, weights.scale)  # what the host cache holds (not timed)
+
     def packed() -> None:
-        lora.write_slot(0, weights.tensors, weights.scale)
+        lora.write_prepared(0, prepared)
         sync()
 
     def per_expert() -> None:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from mint_core.errors import UnknownAdapter, WorkingSetFull
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.lora.layers import LoRAModel
@@ -31,10 +33,15 @@ class WorkingSetStats:
     cold_loads: int = 0
 
 
+Prepared = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass
 class _Revision:
     digest: str
-    weights: AdapterWeights | None  # None once dropped from the host cache (reloadable from `source`)
+    # the revision in slot layout (LoRAModel.prepare): a slot write is then one plain copy per factor, which
+    # matters most for MoE experts; None once dropped from the host cache (reloadable from `source`)
+    weights: Prepared | None
     source: Path | None
     names: set[str] = field(default_factory=set)
 
@@ -104,9 +111,10 @@ class WorkingSet:
                 raise ValueError(f"adapter {name!r} is already loaded (revision {current[:12]}); use replace")
             rev = self._revs.get(weights.digest)
             if rev is None:
-                rev = self._revs[weights.digest] = _Revision(weights.digest, weights, source)
+                prepared = self.lora.prepare(weights.tensors, weights.scale)
+                rev = self._revs[weights.digest] = _Revision(weights.digest, prepared, source)
             elif rev.weights is None:
-                rev.weights = weights
+                rev.weights = self.lora.prepare(weights.tensors, weights.scale)
             rev.names.add(name)
             self._touch_host(weights.digest)
             self._names[name] = weights.digest
@@ -210,7 +218,7 @@ class WorkingSet:
                 self.stats.misses += 1
                 weights = self._host_weights(digest, name)
                 slot = self._take_slot(name)
-                self.lora.write_slot(slot, weights.tensors, weights.scale)
+                self.lora.write_prepared(slot, weights)
                 self._slot_of[digest] = slot
                 self._owner[slot] = digest
             self._refs[slot] += 1
@@ -259,19 +267,19 @@ class WorkingSet:
         self._host[digest] = None
         self._host.move_to_end(digest)
 
-    def _host_weights(self, digest: str, name: str) -> AdapterWeights:
+    def _host_weights(self, digest: str, name: str) -> Prepared:
         rev = self._revs[digest]
         weights = rev.weights
         if weights is None:
             if rev.source is None or self._reload is None:
                 raise UnknownAdapter(f"adapter {name!r} left the host cache and has no source to reload from")
             self.stats.cold_loads += 1
-            weights = self._reload(name, rev.source)
-            if weights.digest != digest:
+            read = self._reload(name, rev.source)
+            if read.digest != digest:
                 raise ValueError(
-                    f"adapter {name!r} at {rev.source} changed on disk: digest {weights.digest} != {digest}"
+                    f"adapter {name!r} at {rev.source} changed on disk: digest {read.digest} != {digest}"
                 )
-            rev.weights = weights
+            weights = rev.weights = self.lora.prepare(read.tensors, read.scale)
         self._touch_host(digest)
         # may drop this very revision again (when the rest of the cache cannot leave), so return the local
         self._shrink_host()

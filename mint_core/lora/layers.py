@@ -106,6 +106,27 @@ class _SlotBank(nn.Module):
         self._rank[slot] = r
         self.filled += before is None
 
+    def prepare(self, A: torch.Tensor, B: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A revision's factors in slot layout (A [.., in, r], B [.., r, out] with the scale folded in, the bank's
+        dtype, contiguous), so that putting it into a slot later is one plain copy per factor."""
+        A_IR = A.detach().transpose(-1, -2).to(self.A.dtype).contiguous()
+        B_RO = B.detach().transpose(-1, -2).to(self.B.dtype)
+        B_RO = (B_RO * scale if scale != 1.0 else B_RO).contiguous()
+        return A_IR, B_RO
+
+    @torch.no_grad()
+    def write_prepared(self, slot: int, A_IR: torch.Tensor, B_RO: torch.Tensor) -> None:
+        """`write` of factors already in slot layout (`prepare`)."""
+        r = A_IR.shape[-1]
+        before = self._rank[slot]
+        if before is not None and before > r:
+            self.A[slot][..., r:before].zero_()
+            self.B[slot][..., r:before, :].zero_()
+        self.A[slot][..., :r].copy_(A_IR)
+        self.B[slot][..., :r, :].copy_(B_RO)
+        self._rank[slot] = r
+        self.filled += before is None
+
     @torch.no_grad()
     def clear(self, slot: int) -> None:
         before = self._rank[slot]
@@ -235,6 +256,19 @@ class LoRAModel:
             if name in tensors:
                 A, B = tensors[name]
                 bank.write(slot, A.to(bank.A.dtype), B.to(bank.B.dtype), scale)
+            else:
+                bank.clear(slot)
+
+    def prepare(
+        self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """A revision in slot layout, site by site (what the host cache keeps: see `_SlotBank.prepare`)."""
+        return {name: self.banks[name].prepare(A, B, scale) for name, (A, B) in tensors.items()}
+
+    def write_prepared(self, slot: int, prepared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for name, bank in self.banks.items():
+            if name in prepared:
+                bank.write_prepared(slot, *prepared[name])
             else:
                 bank.clear(slot)
 
