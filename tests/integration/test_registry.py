@@ -231,7 +231,8 @@ def test_command_line(reg: Registry, tmp_path: Path) -> None:
 
     p = _policy()
     d1, d2 = _put(reg.store, tmp_path, 1), _put(reg.store, tmp_path, 2)
-    orphan = _put(reg.store, tmp_path, 3)  # in the store, referenced by nothing
+    # in the store, referenced by nothing (a seed no other test uses: the session shares one MLflow server)
+    orphan = _put(reg.store, tmp_path, 10_000 + uuid.uuid4().int % 1_000_000)
     reg.create_revision(p, d1, base=BASE, rank=2)
     reg.create_revision(p, d2, base=BASE, rank=2, parent=f"{p}/v1")
     env = {
