@@ -5,12 +5,18 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv run test test-unit test-slow check fmt bench up down
+.PHONY: venv run demo test test-unit test-slow check fmt bench up down
 
 venv:
 	@bash scripts/bootstrap.sh
 
+# the main job: build what is missing (DVC), start the servers, a wave of policies through training, evaluation,
+# gated promotion and serving, a completion from each, a rollback, where to look; the servers stay up (make down)
 run: venv
+	$(BIN)/mint run
+
+# the engine alone: one resident base, several adapters mixed in one batch (no servers)
+demo: venv
 	$(BIN)/mint demo
 
 check: venv

@@ -353,6 +353,73 @@ def demo(
     console.print(f"\n[bold]done in {time.perf_counter() - t0:.1f} s[/]")
 
 
+@app.command("run")
+def run_cmd(
+    policies: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated tasks, one policy per task \\[default: add,sort,reverse]."),
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="GRPO steps of the wave from the champions \\[default: 25].")
+    ] = None,
+    first_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="GRPO steps of the first wave, for policies with no champion \\[default: 15]."
+        ),
+    ] = None,
+    eval_limit: Annotated[
+        int | None, typer.Option(min=20, help="Items per lm-eval task the gate reads \\[default: 100].")
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where everything is kept: run/ (services), store/, catalog.db, lifecycle/ \\[default: .mint]."
+        ),
+    ] = None,
+    build: Annotated[bool, typer.Option(help="Build what is missing with DVC first.")] = True,
+    round: Annotated[
+        str | None, typer.Option(help="Training round name \\[default: a timestamp, so every run trains].")
+    ] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help="\\[default: 5000]")] = None,
+    prefect_port: Annotated[int | None, typer.Option(help="\\[default: 4200]")] = None,
+    serve_port: Annotated[int | None, typer.Option(help="\\[default: 8000]")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML/JSON of MainJobConfig fields (flags win over it).")
+    ] = None,
+) -> None:
+    """The main job: build what is missing (DVC), start the servers, train/evaluate/gate/promote/serve a wave
+    of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
+    (`mint down` stops them)."""
+    from pydantic import ValidationError
+
+    from mint_core.main_job import MainJobConfig, MainJobError, run_main_job
+
+    doc = _flow_params(config)
+    flags = {
+        "policies": None if policies is None else [t.strip() for t in policies.split(",") if t.strip()],
+        "steps": steps,
+        "first_steps": first_steps,
+        "eval_limit": eval_limit,
+        "state_dir": state_dir,
+        "round": round,
+        "mlflow_port": mlflow_port,
+        "prefect_port": prefect_port,
+        "serve_port": serve_port,
+    }
+    doc.update({k: v for k, v in flags.items() if v is not None})
+    doc["build"] = build and doc.get("build", True)
+    try:
+        cfg = MainJobConfig.model_validate(doc)
+    except ValidationError as e:
+        raise typer.BadParameter(str(e)) from None
+    try:
+        run_main_job(cfg, console)
+    except MainJobError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+
+
 def _flow_params(path: Path | None) -> dict[str, Any]:
     """A flow's parameters from a YAML or JSON file (the same fields as its Prefect form); {} without one."""
     import json

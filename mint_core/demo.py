@@ -1,8 +1,8 @@
-"""The main job's current form: one resident base, several adapters, one mixed batch.
+"""The engine demo (`mint demo`, `make demo`): one resident base, several adapters, one mixed batch.
 
-Later steps grow this into the whole lifecycle; for now it shows the engine contract end to end:
-a local HF model directory loaded and fingerprinted, adapters written in PEFT's format and validated,
-a bad adapter refused with every problem named, and one batch in which each row runs its own adapter.
+The engine contract end to end, with no servers: a local HF model directory loaded and fingerprinted, adapters
+written in PEFT's format and validated, a bad adapter refused with every problem named, and one batch in which
+each row runs its own adapter. The whole lifecycle is the main job (`mint run`, `mint_core/main_job.py`).
 """
 
 from __future__ import annotations

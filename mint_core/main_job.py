@@ -1,0 +1,769 @@
+"""The main job (`mint run`, `make run`): the whole lifecycle on the embedded default, every step timed.
+
+1. build what is missing with DVC: the task data, the built-in base, the eval suites' data, the data checks;
+2. start MLflow, Prefect and `mint serve` on the built-in base (reusing those already running);
+3. the `wave` flow: every policy without a champion gets its first revision (the gate has nothing to compare
+   with), then a second wave trains every policy from its champion and gates the candidate against it;
+4. a served completion from each policy's champion through the HTTP server, naming the revision that answered;
+5. the `rollback` flow on a policy the second wave promoted, and a completion from the revision it restored;
+6. where to look: the Prefect flow runs, the MLflow models, the server; the servers are left running.
+
+Everything it writes lives under one state directory (`.mint` by default, the same places `mint up` and the
+flows' default `Workspace` use), so `mint up/down/status`, `mint registry` and `mint catalog` see the same state.
+This module is command-line code: it reports on a rich console.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from mint_core.errors import MintError
+
+if TYPE_CHECKING:
+    from flows.lifecycle import WaveReport
+    from mint_core.lifecycle import Workspace
+    from mint_core.services import Service, ServiceName, ServicesConfig
+
+STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
+"""The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""
+
+
+class MainJobError(MintError):
+    """The main job could not go on; says which step and what to do."""
+
+
+class MainJobConfig(BaseModel):
+    """What `mint run` does and where."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policies: list[str] = Field(default_factory=lambda: ["add", "sort", "reverse"], min_length=1)
+    """Tasks (mint_core.data.tasks), one policy per task, named after it."""
+    steps: int = Field(25, ge=1)
+    """GRPO steps of the wave that trains every policy from its champion."""
+    first_steps: int = Field(15, ge=1)
+    """GRPO steps of the first wave, for the policies that have no champion yet."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts per policy per step, each sampled `group_size` times."""
+    group_size: int = Field(8, ge=2)
+    """GRPO group size G."""
+    learning_rate: float = Field(1e-3, gt=0)
+    """AdamW learning rate of every policy's adapter."""
+    rank: int = Field(8, ge=1)
+    """LoRA rank of the policies (alpha = 2 x rank)."""
+    eval_limit: int = Field(100, ge=20)
+    """Items per lm-eval task in the evaluation the gate reads (the suites hold 100; params.yaml checks.eval
+    wants >= 20)."""
+    seed: int = 0
+    """Seeds the adapters' initialisation and the rollouts."""
+    round: str | None = None
+    """Names this run's training rounds (idempotency keys); default: a UTC timestamp, so every run trains."""
+    state_dir: Path = Path(".mint")
+    """Everything the job writes: run/ (services: pids, logs, databases, admin token), store/ (adapter store),
+    catalog.db, lifecycle/ (checkpoints, cached task results)."""
+    base: Path = Path("data/base")
+    """The built-in base (the DVC builtin_base stage's output)."""
+    data_dir: Path = Path("data/tasks")
+    """The task data (the DVC task_data stage's output)."""
+    build: bool = True
+    """Run the DVC step (off: use data/ as it is)."""
+    host: str = "127.0.0.1"
+    """Address the services bind to and are reached at."""
+    mlflow_port: int = Field(5000, ge=1, le=65535)
+    """MLflow tracking server, registry and UI."""
+    prefect_port: int = Field(4200, ge=1, le=65535)
+    """Prefect API and dashboard."""
+    serve_port: int = Field(8000, ge=1, le=65535)
+    """`mint serve` (the OpenAI/vLLM-compatible API)."""
+    torch_threads: int | None = Field(1, ge=1)
+    """CPU threads of torch in this process (the trainer) and in a `mint serve` started here; None: torch's
+    choice. 1 because on a 2-core machine shared with other busy processes OpenMP's spinning threads stall each
+    other: a wave's GRPO step measured 1.2-2.2 s with 1 thread and 8-14 s with 2."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the per-policy promotion locks; started here (redis-server) when it is local and down."""
+
+
+class Timer:
+    """The job's steps and their seconds, printed as each ends and as a table at the end."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.rows: list[tuple[str, float, str]] = []
+        self.t0 = time.perf_counter()
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[list[str]]:
+        """Time a step; the yielded list collects a short note for the table."""
+        self.console.rule(f"[bold]{name}")
+        note: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            yield note
+        except BaseException:
+            self.console.print(f"[red]✗[/] {name} [dim]({time.perf_counter() - t0:.1f} s)[/]")
+            raise
+        s = time.perf_counter() - t0
+        self.rows.append((name, s, "; ".join(note)))
+        self.console.print(f"[green]✓[/] {name} [dim]({s:.1f} s)[/]")
+
+    def table(self) -> Table:
+        table = Table("step", "seconds", "what", title="main job: time per step")
+        for name, s, note in self.rows:
+            table.add_row(name, f"{s:.1f}", note)
+        table.add_row("[bold]total[/]", f"[bold]{time.perf_counter() - self.t0:.1f}[/]", "")
+        return table
+
+
+# ---- 1. DVC ------------------------------------------------------------------------------------------------
+
+
+def _tool(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        raise MainJobError(f"{name} is not installed (make run installs it into .venv)")
+    return found
+
+
+def _dvc_env() -> dict[str, str]:
+    """The stages' commands (`mint ...`) must find this environment's `mint` first. OpenMP threads that wait
+    passively: on two cores shared with other busy processes, spinning ones stall each other, and the builtin_base
+    stage's 2-thread pretraining ran 5x slower (40 steps: 78-94 s against 17 s passive; the same threads, so
+    the same numbers)."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def _dvc_status(stages: list[str]) -> dict[str, list[Any]]:
+    out = subprocess.run(
+        [_tool("dvc"), "status", "--json", *stages],
+        capture_output=True,
+        text=True,
+        env=_dvc_env(),
+    )
+    if out.returncode != 0:
+        raise MainJobError(f"dvc status failed:\n{out.stderr.strip() or out.stdout.strip()}")
+    doc = json.loads(out.stdout or "{}")
+    return {k: v for k, v in doc.items() if k in stages}
+
+
+def _built_not_cached(entries: list[Any]) -> bool:
+    """Outputs on disk that DVC's cache does not hold, deps and params unchanged: built here before but never
+    cached (DVC reports 'not in cache' for a missing output too, hence the look at the disk); no rebuild."""
+    changes = [e for e in entries if isinstance(e, dict)]
+    return bool(changes) and all(
+        set(e) == {"changed outs"}
+        and set(e["changed outs"].values()) == {"not in cache"}
+        and all(Path(out).exists() for out in e["changed outs"])
+        for e in changes
+    )
+
+
+def _missing_outs(entries: list[Any]) -> bool:
+    return any(
+        not Path(out).exists() for e in entries if isinstance(e, dict) for out in e.get("changed outs") or {}
+    )
+
+
+def _local_remote() -> Path | None:
+    """The default DVC remote when it is a local folder that exists (a `dvc push` filled it)."""
+    out = subprocess.run([_tool("dvc"), "remote", "list"], capture_output=True, text=True, env=_dvc_env())
+    default = subprocess.run(
+        [_tool("dvc"), "remote", "default"], capture_output=True, text=True, env=_dvc_env()
+    ).stdout.strip()
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == default and "://" not in parts[1]:
+            path = Path(parts[1])
+            path = path if path.is_absolute() else (Path(".dvc") / path).resolve()
+            return path if path.is_dir() and any(path.iterdir()) else None
+    return None
+
+
+def build(console: Console) -> list[str]:
+    """Bring the job's DVC stages up to date, pulling from a local remote before building; what was done."""
+    if not Path("dvc.yaml").is_file():
+        raise MainJobError("no dvc.yaml here: run the main job from the repository root")
+    done: list[str] = []
+    remote = _local_remote()
+    status = _dvc_status(list(STAGES))
+    for stage in STAGES:
+        entries = status.get(stage) or []
+        if not entries:
+            console.print(f"  {stage}: up to date")
+            continue
+        if _built_not_cached(entries):
+            console.print(f"  {stage}: built, matches dvc.lock's inputs, not in DVC's cache (kept as is)")
+            continue
+        if remote is not None and _missing_outs(entries):
+            t0 = time.perf_counter()
+            subprocess.run(
+                [_tool("dvc"), "pull", "--allow-missing", "-q", stage], env=_dvc_env(), check=False
+            )
+            if not _dvc_status([stage]).get(stage):
+                console.print(f"  {stage}: pulled from {remote} ({time.perf_counter() - t0:.1f} s)")
+                done.append(f"{stage} pulled")
+                continue
+        why = "; ".join(
+            f"{kind} {', '.join(f'{k} {v}' for k, v in what.items())}"
+            for e in entries
+            if isinstance(e, dict)
+            for kind, what in e.items()
+            if isinstance(what, dict)
+        )
+        console.print(f"  {stage}: building ({why or 'changed'}): dvc repro -s {stage}")
+        t0 = time.perf_counter()
+        run = subprocess.run([_tool("dvc"), "repro", "-s", stage], env=_dvc_env())
+        if run.returncode != 0:
+            raise MainJobError(f"dvc repro -s {stage} failed (exit {run.returncode}); see its output above")
+        s = time.perf_counter() - t0
+        console.print(f"  {stage}: built in {s:.1f} s")
+        done.append(f"{stage} built {s:.0f} s")
+        later = list(STAGES[STAGES.index(stage) + 1 :])
+        if later:  # an upstream rebuild can change what the later stages depend on
+            status = _dvc_status(later)
+    return done
+
+
+# ---- 2. services -------------------------------------------------------------------------------------------
+
+
+def services_config(cfg: MainJobConfig) -> ServicesConfig:
+    from mint_core.services import ServicesConfig
+
+    return ServicesConfig.load(
+        None,
+        state_dir=cfg.state_dir / "run",
+        host=cfg.host,
+        mlflow_port=cfg.mlflow_port,
+        prefect_port=cfg.prefect_port,
+        serve_port=cfg.serve_port,
+        serve_base=str(cfg.base.resolve()),
+        serve_adapter_root=cfg.state_dir / "store",
+    )
+
+
+def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Workspace:
+    """The flows' workspace, agreeing with the services: the store `mint serve` reads, its admin token."""
+    from mint_core.lifecycle import Workspace
+
+    state = cfg.state_dir.resolve()
+    return Workspace(
+        tracking_uri=services["mlflow"].api_url,
+        store=str(state / "store"),
+        catalog_url=f"sqlite:///{state / 'catalog.db'}",
+        base=cfg.base.resolve(),
+        serving_url=services["serve"].api_url,
+        admin_token_file=state / "run" / "serve.token",
+        work_dir=state / "lifecycle",
+        redis_url=cfg.redis_url,
+    )
+
+
+def _redis_up(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def ensure_redis(cfg: MainJobConfig) -> str:
+    """Redis for the promotion locks: the one running, else a redis-server started here (local URLs only)."""
+    url = urlparse(cfg.redis_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 6379
+    if _redis_up(host, port):
+        return f"Redis at {host}:{port}: running"
+    server = shutil.which("redis-server")
+    if host not in ("127.0.0.1", "localhost") or server is None:
+        raise MainJobError(
+            f"Redis (the per-policy promotion lock) does not answer at {cfg.redis_url}; start it "
+            "(`redis-server --daemonize yes`, or your system's service) and run again"
+        )
+    run_dir = (cfg.state_dir / "run").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            host if host != "localhost" else "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str(run_dir / "redis.pid"),
+            "--logfile",
+            str(run_dir / "redis.log"),
+        ],
+        check=True,
+    )
+    deadline = time.monotonic() + 10
+    while not _redis_up(host, port):
+        if time.monotonic() > deadline:
+            raise MainJobError(f"redis-server did not answer at {host}:{port}; see {run_dir / 'redis.log'}")
+        time.sleep(0.1)
+    return f"Redis at {host}:{port}: started (stop: redis-cli -p {port} shutdown)"
+
+
+# ---- 3. waves ----------------------------------------------------------------------------------------------
+
+
+def run_wave(
+    cfg: MainJobConfig, ws: Workspace, names: list[str], steps: int, round_name: str
+) -> tuple[WaveReport, str]:
+    """The wave flow over `names`; its report and flow run id."""
+    from flows.lifecycle import PolicyRun, Training, WaveFailed, wave
+    from mint_core.eval.lm_eval_runner import EvalConfig
+    from mint_core.rl.grpo import GRPOConfig
+    from mint_core.rl.trainer import PolicySpec
+
+    runs = [PolicyRun(spec=PolicySpec(name=t, task=t, rank=cfg.rank, alpha=2.0 * cfg.rank)) for t in names]
+    training = Training(
+        steps=steps,
+        prompts_per_step=cfg.prompts_per_step,
+        grpo=GRPOConfig(group_size=cfg.group_size, learning_rate=cfg.learning_rate),
+        seed=cfg.seed,
+        data_dir=cfg.data_dir.resolve(),
+        round=round_name,
+    )
+    state = wave(
+        policies=runs,
+        training=training,
+        evaluation=EvalConfig(limit=cfg.eval_limit),
+        workspace=ws,
+        return_state=True,
+    )
+    flow_run_id = str(state.state_details.flow_run_id)
+    try:
+        report = state.result()
+    except WaveFailed as e:
+        raise MainJobError(f"the wave failed: {e}") from None
+    assert report is not None
+    return report, flow_run_id
+
+
+def suite_scores(ws: Workspace, address: str | None) -> dict[str, float]:
+    """A revision's evaluation scores per suite, from its training run in MLflow (`eval/<suite>/score`, logged
+    when it was evaluated as a candidate); {} when unknown."""
+    if not address:
+        return {}
+    policy, version = address.rsplit("/v", 1)
+    reg = ws.registry()
+    run_id = reg.revision(policy, int(version)).run_id
+    if not run_id:
+        return {}
+    metrics = reg.client.get_run(run_id).data.metrics
+    return {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/score")}
+
+
+def _pair(champ: dict[str, float], cand: dict[str, float], suite: str) -> str:
+    def fmt(scores: dict[str, float]) -> str:
+        return f"{scores[suite]:.3g}" if suite in scores else "-"
+
+    return f"{fmt(champ)} -> {fmt(cand)}"
+
+
+def print_outcomes(report: WaveReport, ws: Workspace, title: str, console: Console) -> None:
+    """Each policy's outcome with the scores the gate compared, then the gate's reasons verbatim (`Text`: no
+    markup, no emoji codes such as `:guard:`)."""
+    table = Table(
+        "policy",
+        "candidate",
+        "own suite",
+        "guard suite",
+        "gate",
+        "champion",
+        title=title,
+        caption_justify="left",
+    )
+    style = {"promoted": "green", "rejected": "yellow", "failed": "red", "unchanged": "dim"}
+    for o in report.outcomes:
+        cand = suite_scores(ws, o.candidate)
+        champ = suite_scores(ws, o.champion_before)
+
+        task = o.policy  # the main job names each policy after its task
+        moved = o.champion_before or "-"
+        if o.champion_after != o.champion_before:
+            moved += f" -> {o.champion_after}"
+        table.add_row(
+            o.policy,
+            o.candidate or "",
+            _pair(champ, cand, task),
+            _pair(champ, cand, "guard"),
+            Text(o.status, style=style.get(o.status, "")),
+            moved,
+        )
+    table.caption = "scores: champion -> candidate (lm-eval through the server, greedy, exact match)"
+    console.print(table)
+    for o in report.outcomes:
+        console.print(Text(f"  gate {o.candidate}: " + "; ".join(o.reasons)))
+
+
+def rewards_line(report: WaveReport) -> str:
+    """First and last step's mean rollout reward per policy."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for c in report.curve:
+        first.setdefault(c["policy"], c["reward"])
+        last[c["policy"]] = c["reward"]
+    return ", ".join(f"{p} {first[p]:.2f} -> {last[p]:.2f}" for p in first)
+
+
+def timings_table(report: WaveReport, title: str) -> Table:
+    """The flow's task calls grouped by task: calls, seconds in the flow, mint_core work inside."""
+    rows: dict[str, list[float]] = {}
+    for t in report.timings:
+        r = rows.setdefault(t.step, [0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += t.wall_s
+        r[2] += t.work_s or 0.0
+    table = Table("task", "calls", "seconds", "work inside", title=title)
+    for step, (n, wall, work) in rows.items():
+        table.add_row(step, str(int(n)), f"{wall:.1f}", f"{work:.1f}" if work else "")
+    return table
+
+
+# ---- 4./5. served completions and a rollback ------------------------------------------------------------
+
+
+def heldout_prompt(cfg: MainJobConfig, task: str, index: int = 0) -> tuple[str, str]:
+    """A held-out prompt of a task (never trained on) and its expected answer."""
+    from mint_core.data.tasks import read_jsonl
+
+    rows = read_jsonl(cfg.data_dir / "heldout" / f"{task}.jsonl")
+    ex = rows[index % len(rows)]
+    return ex.prompt, ex.answer
+
+
+def served_answer(ws: Workspace, model: str, prompt: str) -> tuple[str, str | None]:
+    """Greedy completion from the server under `model`: its text and the revision that answered."""
+    with ws.client(timeout=60) as client:
+        out = client.complete(model, prompt, max_tokens=16, temperature=0.0)
+    fp = out.get("system_fingerprint")
+    return str(out["choices"][0]["text"]), (str(fp) if fp else None)
+
+
+def base_model_name(ws: Workspace) -> str:
+    with ws.client() as client:
+        models = client.models()
+    bare = [m["id"] for m in models if not m.get("parent")]
+    return str(bare[0]) if bare else Path(ws.base).name
+
+
+def completions_table(cfg: MainJobConfig, ws: Workspace) -> tuple[Table, int]:
+    """One held-out prompt per policy: the base's answer, the champion's (served under the policy's name)."""
+    reg = ws.registry()
+    base_name = base_model_name(ws)
+    table = Table(
+        "policy", "prompt", "expected", "base says", "policy says", "answered by", title="served completions"
+    )
+    n = 0
+    for task in cfg.policies:
+        version = reg.alias_version(task, "champion")
+        if version is None:
+            table.add_row(task, "", "", "", "[yellow]no champion[/]", "")
+            continue
+        rev = reg.revision(task, version)
+        prompt, expected = heldout_prompt(cfg, task)
+        base_text, _ = served_answer(ws, base_name, prompt)
+        text, fp = served_answer(ws, task, prompt)
+        ok = "[green]✓[/]" if text.strip() == expected.strip() else "[red]✗[/]"
+        who = _who(fp, rev.digest, f"{task}/v{version}")
+        table.add_row(
+            task,
+            Text(prompt),
+            Text(expected.strip()),
+            Text(base_text.strip()),
+            Text.from_markup(ok) + Text(f" {text.strip()}"),
+            who,
+        )
+        n += 1
+    return table, n
+
+
+def _who(fingerprint: str | None, digest: str, address: str) -> str:
+    """The revision that answered (the response's system_fingerprint), checked against the champion's digest."""
+    got = (fingerprint or "").removeprefix("sha256:")
+    if got == digest:
+        return f"{address} {digest[:8]}"
+    return f"[red]{got[:8]}, not {address}[/]"
+
+
+def pick_rollback(report: WaveReport) -> str | None:
+    """A policy the wave promoted over an earlier champion (so there is one to go back to)."""
+    for o in report.outcomes:
+        if o.status == "promoted" and o.champion_before:
+            return o.policy
+    return None
+
+
+def show_rollback(cfg: MainJobConfig, ws: Workspace, policy: str, console: Console) -> tuple[str, str]:
+    """The rollback flow on `policy`, with a completion before and after it; (summary, flow run id)."""
+    from flows.promotion import rollback_flow
+
+    reg = ws.registry()
+    prompt, expected = heldout_prompt(cfg, policy)  # the main job names each policy after its task
+    before = reg.alias_version(policy, "champion")
+    assert before is not None
+    text, fp = served_answer(ws, policy, prompt)
+    who = _who(fp, reg.revision(policy, before).digest, f"{policy}/v{before}")
+    console.print(
+        Text(f"before: {policy} answers {prompt!r} with {text.strip()!r}, answered by ") + _markup(who)
+    )
+    state = rollback_flow(
+        policy=policy, reason="the main job shows a rollback", workspace=ws, return_state=True
+    )
+    out = state.result()
+    assert out is not None
+    moved = out.alias
+    console.print(
+        f"rolled back {policy}@champion: v{moved.from_version} -> v{moved.to_version} "
+        f"(alias moved, served in place, smoke-checked; {out.seconds:.2f} s inside the lock)"
+    )
+    text, fp = served_answer(ws, policy, prompt)
+    who = _who(fp, moved.to_digest, f"{policy}/v{moved.to_version}")
+    console.print(
+        Text(f"after:  {policy} answers {prompt!r} with {text.strip()!r} (expected {expected.strip()!r}), ")
+        + Text("answered by ")
+        + _markup(who)
+    )
+    summary = f"{policy}: v{moved.from_version} -> v{moved.to_version}"
+    return summary, str(state.state_details.flow_run_id)
+
+
+def _markup(text: str) -> Text:
+    return Text.from_markup(text)
+
+
+# ---- the job --------------------------------------------------------------------------------------------
+
+
+class _ConsoleLines(logging.Formatter):
+    """Log lines during the job: seconds since it started, then the message (level and logger when not INFO)."""
+
+    def __init__(self, t0: float) -> None:
+        super().__init__()
+        self.t0 = t0
+
+    def format(self, record: logging.LogRecord) -> str:
+        where = "" if record.levelno == logging.INFO else f"{record.levelname} {record.name}: "
+        return f"  [{record.created - self.t0:6.1f} s] {where}{record.getMessage()}"
+
+
+def _no_task_run_chatter(record: logging.LogRecord) -> bool:
+    """Every task run logs 'Finished in state Completed()': the dashboard keeps those, the console need not."""
+    return not (record.name.startswith("prefect.task_runs") and record.levelno < logging.WARNING)
+
+
+@contextmanager
+def _job_console() -> Iterator[None]:
+    """The console the job's reader sees: flow logs (steps, rewards, gate decisions) stamped with the seconds
+    since the job started; no progress bars, no task-run chatter, no MLflow run links (printed once at the end),
+    no lm-eval batch-size warning."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    root = logging.getLogger()
+    handlers = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
+    if not handlers:  # called outside the CLI, which configures logging
+        handlers = [logging.StreamHandler()]
+        root.addHandler(handlers[0])
+    saved = [(h, h.formatter) for h in handlers]
+    import mlflow  # noqa: F401  (its import configures the mlflow logger: set its level after)
+
+    names = ("mlflow", "mlflow.store.model_registry.abstract_store", "lm_eval", "httpx")
+    quiet = {name: logging.getLogger(name) for name in names}
+    levels = {name: lg.level for name, lg in quiet.items()}
+    fmt = _ConsoleLines(time.time())
+    for h in handlers:
+        h.setFormatter(fmt)
+        h.addFilter(_no_task_run_chatter)
+    quiet["mlflow"].setLevel(logging.WARNING)
+    quiet["mlflow.store.model_registry.abstract_store"].setLevel(logging.WARNING)
+    quiet["lm_eval"].setLevel(logging.ERROR)
+    quiet["httpx"].setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for h, f in saved:
+            h.setFormatter(f)
+            h.removeFilter(_no_task_run_chatter)
+        for name, lg in quiet.items():
+            lg.setLevel(levels[name])
+
+
+@contextmanager
+def _prefect_api(url: str) -> Iterator[None]:
+    """Flow runs of this process go to the Prefect server the job started (its dashboard shows them)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield
+
+
+def run_main_job(cfg: MainJobConfig, console: Console) -> None:
+    """The whole lifecycle: build, serve, train+evaluate+gate+promote, serve completions, roll back."""
+    with _job_console():
+        _run(cfg, console)
+
+
+def _run(cfg: MainJobConfig, console: Console) -> None:
+    from mint_core.services import ServiceError, start
+
+    timer = Timer(console)
+    round_name = cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")
+
+    with timer.step("1. build what is missing (DVC)") as note:
+        if cfg.build:
+            built = build(console)
+            note.append(", ".join(built) if built else "all up to date")
+        else:
+            note.append("skipped (--no-build)")
+        for need in (cfg.base / "config.json", cfg.data_dir / "train"):
+            if not need.exists():
+                raise MainJobError(f"{need} is missing: run `dvc repro` (or drop --no-build)")
+
+    with timer.step("2. start the servers (MLflow, Prefect, mint serve)") as note:
+        if cfg.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(cfg.torch_threads)
+            os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
+        svc_cfg = services_config(cfg)
+        try:
+            started = {s.name: s for s in start(svc_cfg)}
+        except ServiceError as e:
+            raise MainJobError(f"a service did not start:\n{e}") from None
+        for s in started.values():
+            how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
+            console.print(f"  {s.name}: {how} at {s.api_url} (pid {s.pid}, log {s.log})")
+        redis = ensure_redis(cfg)
+        console.print(f"  {redis}")
+        reused = [n for n, s in started.items() if s.reused]
+        note.append(f"reused {', '.join(reused)}" if reused else "all started")
+        ws = workspace(cfg, started)
+
+    prefect_url = started["prefect"].url
+    runs: list[tuple[str, str]] = []
+    with _prefect_api(started["prefect"].api_url):
+        reg = ws.registry()
+        fresh = [t for t in cfg.policies if reg.alias_version(t, "champion") is None]
+        if fresh:
+            with timer.step(f"3a. wave: first revisions of {', '.join(fresh)}") as note:
+                console.print(
+                    f"  no champion yet for {', '.join(fresh)}: {cfg.first_steps} GRPO steps from the base, "
+                    "evaluate, gate (floors and sample counts only: nothing to compare with), promote, serve"
+                )
+                first, run_id = run_wave(cfg, ws, fresh, cfg.first_steps, round_name + "-first")
+                runs.append(("wave (first revisions)", run_id))
+                print_outcomes(first, ws, "first revisions", console)
+                console.print(f"  mean rollout reward, first -> last step: {rewards_line(first)}")
+                console.print(timings_table(first, "inside the wave"))
+                note.append(_count(first))
+
+        with timer.step(f"3b. wave: {', '.join(cfg.policies)} trained from their champions") as note:
+            console.print(
+                f"  {cfg.steps} GRPO steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per policy, "
+                "all policies in one batched rollout and update per step; then per policy: evaluate the "
+                "candidate and the champion (lm-eval through the server), gate (own suite >= champion, guard "
+                "suite within 0.02), promote + refresh serving + smoke check in one transaction"
+            )
+            main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
+            runs.append(("wave", run_id))
+            print_outcomes(main, ws, "the wave", console)
+            console.print(f"  mean rollout reward, first -> last step: {rewards_line(main)}")
+            console.print(timings_table(main, "inside the wave"))
+            note.append(_count(main))
+
+        with timer.step("4. a served completion from each policy's champion") as note:
+            table, n = completions_table(cfg, ws)
+            console.print(table)
+            note.append(f"{n} policies answered through {ws.serving_url}/v1/completions")
+
+        with timer.step("5. rollback") as note:
+            policy = pick_rollback(main)
+            if policy is None:
+                console.print(
+                    "[yellow]the wave promoted no policy over an earlier champion, so there is nothing to "
+                    "roll back to this time (the gate kept every champion)[/]"
+                )
+                note.append("nothing to roll back")
+            else:
+                summary, run_id = show_rollback(cfg, ws, policy, console)
+                runs.append(("rollback", run_id))
+                note.append(summary)
+
+    console.print(timer.table())
+    where(cfg, started, prefect_url, runs, console)
+
+
+def _count(report: WaveReport) -> str:
+    by: dict[str, int] = {}
+    for o in report.outcomes:
+        by[o.status] = by.get(o.status, 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in by.items())
+
+
+def where(
+    cfg: MainJobConfig,
+    services: Mapping[ServiceName, Service],
+    prefect_url: str,
+    runs: list[tuple[str, str]],
+    console: Console,
+) -> None:
+    """Where to look, and how to stop."""
+    mlflow = services["mlflow"].url
+    serve = services["serve"].url
+    console.rule("[bold]where to look")
+    say = functools.partial(console.print, soft_wrap=True)
+    say(f"Prefect dashboard   {prefect_url}")
+    for what, run_id in runs:
+        say(f"  {what:<24} {prefect_url}/runs/flow-run/{run_id}")
+    say(f"MLflow UI           {mlflow}/#/models  (one registered model per policy)")
+    for p in cfg.policies:
+        say(f"  {p:<24} {mlflow}/#/models/{p}")
+    say(f"  training runs            {mlflow}/#/experiments (experiment mint-lifecycle)")
+    say(f"mint serve          {serve}/v1/models  (metrics: {serve}/metrics)")
+    p0 = cfg.policies[0]
+    prompt, _ = heldout_prompt(cfg, p0)
+    body = json.dumps({"model": p0, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    say(f"  curl -s {serve}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+    run_dir = cfg.state_dir / "run"
+    flag = "" if run_dir == Path(".mint/run") else f" --state-dir {run_dir}"
+    say(f"from the shell      mint status{flag}")
+    if cfg.state_dir != Path(".mint") or mlflow != "http://127.0.0.1:5000":
+        catalog = f"sqlite:///{(cfg.state_dir / 'catalog.db').resolve()}"
+        say(f"                    export MLFLOW_TRACKING_URI={mlflow} MINT_CATALOG_URL={catalog}")
+    say(f"                    mint registry ls {p0}   (its revisions, aliases and gate decisions)")
+    say(f"                    mint registry history {p0}   (every champion move: who, when, why)")
+    say("                    mint catalog ls")
+    say(
+        f"\n[bold]The servers are still running[/] (logs in {run_dir}/); stop them with "
+        f"[bold]make down[/] (or `mint down{flag}`)."
+    )

@@ -1,0 +1,109 @@
+"""The main job (`mint run`, what `make run` runs) end to end, in a temporary state directory on free ports:
+servers started, two waves of three policies on the built-in base, a served completion from every champion, a
+rollback, where to look; then a second run that reuses the servers and the champions. Minutes: the `slow` tier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ["add", "sort", "reverse"]
+
+
+def _redis_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 6379), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def mint(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "COLUMNS": "200",  # no wrapped table rows or URLs
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    env.pop("MINT_SERVE_ADMIN_TOKEN", None)  # the job's server gets the token kept in its state dir
+    return subprocess.run(
+        [sys.executable, "-m", "mint_core.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_main_job_end_to_end(tmp_path: Path) -> None:
+    if not (ROOT / "data" / "base" / "config.json").is_file() or not (ROOT / "eval_suites" / "data").is_dir():
+        pytest.skip("the built-in base and eval suites are not built (dvc repro)")
+    if not _redis_up():
+        pytest.skip("Redis is not running at 127.0.0.1:6379 (the promotion lock)")
+    state = tmp_path / "mint"
+    ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}
+    # --no-build: the DVC step would rewrite the checkout's dvc.lock; the outputs are checked above
+    flags = ["--state-dir", str(state), "--no-build", *(f"--{n}-port={p}" for n, p in ports.items())]
+    serve = f"http://127.0.0.1:{ports['serve']}"
+    try:
+        first = mint("run", *flags)
+        out = first.stdout
+        assert first.returncode == 0, out[-6000:] + first.stderr[-4000:]
+
+        # the servers were started, the policies had no champion: a first wave, then the wave
+        assert out.count("started in") == 3, out[:3000]
+        assert "3a. wave: first revisions of add, sort, reverse" in out
+        for p in POLICIES:
+            assert re.search(rf"│ {p}\s+│ {p}/v1 .*│ promoted │ - -> {p}/v1", out), (p, out)
+            assert re.search(rf"│ {p}\s+│ {p}/v2 .*│ (promoted|rejected) │", out), (p, out)
+
+        # a served completion from each policy's champion, answered by that revision
+        served = out[out.index("served completions") :]
+        for p in POLICIES:
+            assert re.search(rf"│ {p}\s+│ {p}: .*│ {p}/v[12] [0-9a-f]{{8}}", served), (p, served)
+
+        # a rollback of a policy the wave promoted, and a completion from the revision it restored
+        m = re.search(r"rolled back (\w+)@champion: v(\d+) -> v(\d+)", out)
+        assert m, out[-4000:]
+        policy, from_v, to_v = m.group(1), int(m.group(2)), int(m.group(3))
+        assert policy in POLICIES and (from_v, to_v) == (2, 1)
+        assert re.search(rf"answered by {policy}/v1 [0-9a-f]{{8}}", out)
+
+        # timings and where to look
+        assert re.search(r"│ total\s+│ \d+\.\d", out)
+        assert f"http://127.0.0.1:{ports['prefect']}/runs/flow-run/" in out
+        assert f"http://127.0.0.1:{ports['mlflow']}/#/models/add" in out
+        assert f"{serve}/v1/models" in out and "The servers are still running" in out
+
+        # the servers are still up, serving each policy's champion
+        models = {m["id"]: m for m in httpx.get(serve + "/v1/models", trust_env=False).json()["data"]}
+        assert set(POLICIES) <= set(models)
+        catalog = f"sqlite:///{state / 'catalog.db'}"
+        history = mint("registry", "history", policy, "--catalog", catalog, timeout=120)
+        assert history.returncode == 0 and "main job shows a rollback" in history.stdout, history.stdout
+
+        # again: the servers and the champions are reused, so no first wave
+        again = mint("run", *flags, "--steps", "2")
+        assert again.returncode == 0, again.stdout[-6000:] + again.stderr[-4000:]
+        assert again.stdout.count("already running") == 3
+        assert "first revisions" not in again.stdout
+        assert "3b. wave: add, sort, reverse trained from their champions" in again.stdout
+    finally:
+        down = mint("down", "--state-dir", str(state / "run"), timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(serve + "/health", trust_env=False, timeout=2)
