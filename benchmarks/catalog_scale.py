@@ -34,6 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -87,30 +88,44 @@ def load_builtin(notes: list[str]):  # type: ignore[no-untyped-def]
     )
 
 
-def build(n: int, engine: Engine, out: Path, catalog: Catalog) -> float:
-    """Write N members into packs and register them; returns the registration wall time."""
-    sites = {k: s for k, s in engine.sites.items() if s.short in TARGETS}
-    g = torch.Generator().manual_seed(0)
-    rows: list[Registration] = []
-    fp = engine.base.fingerprint
-    for start in tqdm(range(0, n, PACK), desc="packs", unit="pack", file=sys.stderr):
-        m = min(PACK, n - start)
-        stacked = {
-            name: (
-                (torch.randn(m, 1, s.in_features, generator=g) * 0.05).to(torch.bfloat16),
-                (torch.randn(m, s.out_features, 1, generator=g) * 0.05).to(torch.bfloat16),
-            )
-            for name, s in sites.items()
-        }
-        members = [
-            AdapterWeights(1, 2.0, {name: (A[j], B[j]) for name, (A, B) in stacked.items()}, fp)
-            for j in range(m)
-        ]
-        path = out / "packs" / f"{start // PACK:06d}.safetensors"
-        digests = write_pack(path, members, engine.sites)
-        rows.extend(
-            Registration(d, fp, 1, f"{path}#{j}", policy=f"t{start + j}") for j, d in enumerate(digests)
+def _write_pack(job: tuple[int, int, str, dict, str, str]) -> list[str]:
+    """One pack of random rank-1 members (seeded by its index, so reruns write the same bytes)."""
+    start, m, path, site_shapes, fp, _ = job
+    from mint_core.engine.base import Site
+
+    sites = {name: Site(name, i, o) for name, (i, o) in site_shapes.items()}
+    g = torch.Generator().manual_seed(start)
+    stacked = {
+        name: (
+            (torch.randn(m, 1, i, generator=g) * 0.05).to(torch.bfloat16),
+            (torch.randn(m, o, 1, generator=g) * 0.05).to(torch.bfloat16),
         )
+        for name, (i, o) in site_shapes.items()
+    }
+    members = [
+        AdapterWeights(1, 2.0, {n: (A[j], B[j]) for n, (A, B) in stacked.items()}, fp) for j in range(m)
+    ]
+    return write_pack(path, members, sites)
+
+
+def build(n: int, engine: Engine, out: Path, catalog: Catalog, workers: int) -> float:
+    """Write N members into packs (`workers` processes) and register them; returns the registration time."""
+    shapes = {k: (s.in_features, s.out_features) for k, s in engine.sites.items() if s.short in TARGETS}
+    fp = engine.base.fingerprint
+    (out / "packs").mkdir(parents=True, exist_ok=True)
+    jobs = [
+        (start, min(PACK, n - start), str(out / "packs" / f"{start // PACK:06d}.safetensors"), shapes, fp, "")
+        for start in range(0, n, PACK)
+    ]
+    rows: list[Registration] = []
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        done = pool.map(_write_pack, jobs)
+        for (start, _, path, _, _, _), digests in tqdm(
+            zip(jobs, done, strict=True), total=len(jobs), desc="packs", unit="pack", file=sys.stderr
+        ):
+            rows.extend(
+                Registration(d, fp, 1, f"{path}#{j}", policy=f"t{start + j}") for j, d in enumerate(digests)
+            )
     t0 = time.perf_counter()
     catalog.register_many(rows)
     return time.perf_counter() - t0
@@ -191,6 +206,7 @@ def main() -> None:
     ap.add_argument("--host-cache", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512, help="addresses per bulk prefetch during the sweep")
     ap.add_argument("--workers", type=int, default=2, help="loader threads")
+    ap.add_argument("--build-workers", type=int, default=os.cpu_count() or 1, help="processes writing packs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps shared cores steady)")
     ap.add_argument(
         "--out", type=Path, default=None, help="where packs and the catalog go (default: a temp dir)"
@@ -211,7 +227,7 @@ def main() -> None:
         engine = Engine(base, config)
         catalog = Catalog(CatalogConfig(url=f"sqlite:///{out}/catalog.db"))
         t0 = time.perf_counter()
-        register_s = build(n, engine, out, catalog)
+        register_s = build(n, engine, out, catalog, args.build_workers)
         build_s = time.perf_counter() - t0
         print(f"built and registered {n} revisions in {build_s:.1f} s", file=sys.stderr)
 
