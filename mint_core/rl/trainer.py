@@ -3,8 +3,18 @@
 Every policy owns a slot of the engine's multi-LoRA banks. A step runs one batched rollout over the prompts of
 all policies, then one batched forward/backward over all their rows, each row routed to its policy's slot, so
 each policy's gradient lands only in its own slot. Each policy then takes its own AdamW step (its own state,
-step count, learning rate, rank) on its slot, in place. The base never changes and no second model is loaded:
+step count, learning rate, rank) on its slot, in place; the steps of all policies run as one set of `foreach`
+kernels rather than a Python loop per policy and site. The base never changes and no second model is loaded:
 the reference for the KL term is the same forward with slot -1.
+
+The G rows of a group share their prompt, so the update's forward runs each distinct (policy, prompt) once
+and the rows' completions after its cached keys and values (`_logprobs`): the prompt's forward and backward
+are paid once per group instead of G times, with the same logprobs and gradients.
+
+With `micro_batch_rows` set, the forward/backward runs over micro-batches of at most that many rows (rows
+ordered by policy) and gradients accumulate across them, so activation memory stays that of one micro-batch
+however many policies train. Each policy's loss keeps its normalisation over all of its rows, so the
+update is the same as in one batch (up to float summation order).
 
 The banks hold B with alpha/r folded in; B's learning rate is scaled by the same factor, so updates match
 PEFT's parameterisation (where the scale multiplies B in the forward).
@@ -12,16 +22,19 @@ PEFT's parameterisation (where the scale multiplies B in the forward).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
 
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
@@ -94,13 +107,41 @@ class _Batch:
     adv: torch.Tensor  # [B] group-relative advantages
     keep: torch.Tensor  # [B] bool, on the host: the row's group carries signal (or nothing is dropped)
     slots: list[int]  # each row's policy slot
+    prompt_lens: list[int] = field(default_factory=list)  # each row's prompt length (its completion follows)
+
+    def take(self, idx: Sequence[int]) -> _Batch:
+        """The rows `idx` as a batch of their own, right padding beyond its longest row cut off."""
+        at = torch.tensor(list(idx), dtype=torch.long)
+        at_dev = at.to(self.ids.device)
+        attn = self.attn.index_select(0, at_dev)
+        width = int(attn.sum(dim=1).max())
+        return _Batch(
+            self.ids.index_select(0, at_dev)[:, :width],
+            attn[:, :width],
+            self.comp.index_select(0, at_dev)[:, : width - 1],
+            self.adv.index_select(0, at_dev),
+            self.keep.index_select(0, at),
+            [self.slots[i] for i in idx],
+            [self.prompt_lens[i] for i in idx] if self.prompt_lens else [],
+        )
 
 
 class MultiPolicyTrainer:
-    def __init__(self, engine: Engine, config: GRPOConfig, policies: list[PolicySpec], seed: int = 0):
+    def __init__(
+        self,
+        engine: Engine,
+        config: GRPOConfig,
+        policies: list[PolicySpec],
+        seed: int = 0,
+        micro_batch_rows: int | None = None,
+    ):
+        """`micro_batch_rows`: most rows in one forward/backward of an update (gradients accumulate over
+        the micro-batches, each policy's loss still normalised over all its rows); None: all rows at once."""
         names = [p.name for p in policies]
         if len(set(names)) != len(names):
             raise ValueError(f"policy names must be unique: {names}")
+        if micro_batch_rows is not None and micro_batch_rows < 1:
+            raise ValueError(f"micro_batch_rows must be >= 1 or None, got {micro_batch_rows}")
         if len(policies) > engine.config.max_loras:
             raise ValueError(
                 f"{len(policies)} policies need {len(policies)} slots; the engine has {engine.config.max_loras}"
@@ -113,6 +154,7 @@ class MultiPolicyTrainer:
         self.engine = engine
         self.config = config
         self.seed = seed
+        self.micro_batch_rows = micro_batch_rows
         self.policies: dict[str, PolicyState] = {}
         g = torch.Generator().manual_seed(seed)
         for spec in policies:
@@ -175,33 +217,72 @@ class MultiPolicyTrainer:
         """One GRPO update of every policy that has rows."""
         eng = self.engine
         batch = self._batch(rows)
-        ref = self._reference(batch)
-        banks = [eng.lora.banks[s] for p in self.policies.values() for s in p.sites]
-        for b in set(banks):
+        parts = self._parts(batch)
+        # each policy's share of its loss normaliser in each micro-batch (exactly 1.0 without micro-batches)
+        weights = self._loss_weights(rows, batch, parts) if len(parts) > 1 else [None]
+        banks = {eng.lora.banks[s] for p in self.policies.values() for s in p.sites}
+        for b in banks:
             b.A.requires_grad_(True)
             b.B.requires_grad_(True)
         try:
-            with torch.enable_grad(), eng._forward_lock:
-                eng.lora.ctx.set_rows(batch.slots, batch.ids.device)
-                try:
-                    lp = _token_logprobs(
-                        eng.base.model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids
-                    )
-                finally:
-                    eng.lora.ctx.clear()
-                total, losses, extra = self._losses(rows, batch, lp, ref)
-                total.backward()
+            part_losses: list[dict[str, float]] = []
+            part_extra: list[dict[str, dict[str, float]]] = []
+            for idx, w in zip(parts, weights, strict=True):
+                part_rows = rows if idx is None else [rows[i] for i in idx]
+                part = batch if idx is None else batch.take(idx)
+                ref = self._reference(part)
+                with torch.enable_grad(), eng._forward_lock:
+                    lp = self._logprobs(part, part.slots)
+                    total, losses, extra = self._losses(part_rows, part, lp, ref, w)
+                    total.backward()
+                del lp, total
+                part_losses.append(losses)
+                part_extra.append(extra)
+            losses, extra = _merge_parts(part_losses, part_extra)
             with torch.no_grad():
-                for name in losses:
-                    self._adam_step(self.policies[name])
+                self._adam_steps([self.policies[name] for name in losses])
         finally:
-            for b in set(banks):
+            for b in banks:
                 b.A.grad = None
                 b.B.grad = None
                 b.A.requires_grad_(False)
                 b.B.requires_grad_(False)
         self.steps += 1
         return self._stats(rows, batch, losses, extra)
+
+    def _parts(self, batch: _Batch) -> list[list[int] | None]:
+        """The update's micro-batches as row indices, rows ordered by policy slot and split into as few
+        near-equal parts as `micro_batch_rows` allows; [None] when all rows go in one forward/backward."""
+        n = len(batch.slots)
+        cap = self.micro_batch_rows
+        if cap is None or n <= cap:
+            return [None]
+        order = sorted(range(n), key=lambda i: batch.slots[i])
+        k = -(-n // cap)
+        bounds = [round(j * n / k) for j in range(k + 1)]
+        return [order[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def _loss_weights(
+        self, rows: list[RolloutRow], batch: _Batch, parts: list[list[int] | None]
+    ) -> list[dict[str, float] | None]:
+        """For each micro-batch, each policy's count there over its count in the whole update, counting what
+        `loss_agg` divides by (kept tokens for "token_mean", rows with a kept token otherwise): scaled by it,
+        the per-part losses add up to the loss over all rows."""
+        per_token = self.config.loss_agg == "token_mean"
+        tokens_B = batch.comp.sum(dim=1).cpu()
+        count_B = tokens_B if per_token else (tokens_B > 0).float()
+        policy_B = [r.policy for r in rows]
+        totals: dict[str, float] = {}
+        for name, c in zip(policy_B, count_B.tolist(), strict=True):
+            totals[name] = totals.get(name, 0.0) + c
+        out: list[dict[str, float] | None] = []
+        for idx in parts:
+            assert idx is not None
+            here: dict[str, float] = {}
+            for i in idx:
+                here[policy_B[i]] = here.get(policy_B[i], 0.0) + float(count_B[i])
+            out.append({p: c / totals[p] for p, c in here.items() if totals[p] > 0})
+        return out
 
     def _batch(self, rows: list[RolloutRow]) -> _Batch:
         """Group advantages, and one right-padded batch of prompt + completion for every row."""
@@ -229,32 +310,123 @@ class MultiPolicyTrainer:
                 comp[i, len(r.prompt_ids) - 1 : len(s) - 1] = 1
         dev = eng.base.device
         slots = [self.policies[r.policy].slot for r in rows]
-        return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots)
+        prompt_lens = [len(r.prompt_ids) for r in rows]
+        return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots, prompt_lens)
 
     def _reference(self, batch: _Batch) -> torch.Tensor | None:
         """Token logprobs of the bare base (slot -1) for the KL term; None when kl_coef is 0."""
         if self.config.kl_coef <= 0:
             return None
+        with torch.no_grad(), self.engine._forward_lock:
+            return self._logprobs(batch, [-1] * len(batch.slots))
+
+    def _logprobs(self, batch: _Batch, slots: list[int]) -> torch.Tensor:
+        """Token logprobs [B, T-1] of `batch` with row i under slot slots[i], in `_token_logprobs`' layout,
+        exact at the completion tokens (the only ones the loss reads).
+
+        The G rows of a group repeat one prompt under one slot, so when rows share prompts each distinct
+        (slot, prompt) runs once and its KV cache is indexed out to its rows, which then run only their
+        completions: the prompt's forward (and backward) is paid once per group, not G times. Gradients flow
+        back through the shared prompt's keys and values as they would through each row's own copy.
+        Otherwise (or for a batch without prompt lengths) one forward over the full rows."""
         eng = self.engine
-        with torch.no_grad(), eng._forward_lock:
-            eng.lora.ctx.set_rows([-1] * len(batch.slots), batch.ids.device)
+        model = eng.base.model
+        ctx = eng.lora.ctx
+        dev = batch.ids.device
+        n = len(slots)
+        keys: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its index among the distinct
+        inv: list[int] = []  # each row's distinct prompt
+        comp_lens: list[int] = []
+        ids_host = batch.ids.cpu()
+        if batch.prompt_lens:
+            lens = batch.attn.sum(dim=1).cpu().tolist()
+            for i, (slot, p_len) in enumerate(zip(slots, batch.prompt_lens, strict=True)):
+                inv.append(keys.setdefault((slot, tuple(ids_host[i, :p_len].tolist())), len(keys)))
+                comp_lens.append(int(lens[i]) - p_len)
+        if len(keys) in (0, n) or max(comp_lens) == 0:
+            ctx.set_rows(slots, dev)
             try:
-                logits = eng.base.model(input_ids=batch.ids, attention_mask=batch.attn).logits
+                return _token_logprobs(
+                    model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids
+                )
             finally:
-                eng.lora.ctx.clear()
-            return _token_logprobs(logits, batch.ids)
+                ctx.clear()
+
+        # the distinct prompts, left-padded so each one's last token sits in the last column
+        prompts = list(keys)
+        width = max(len(p) for _, p in prompts)
+        p_ids = torch.full((len(prompts), width), eng.pad_id, dtype=torch.long)
+        p_mask = torch.zeros_like(p_ids)
+        for u, (_, p) in enumerate(prompts):
+            p_ids[u, width - len(p) :] = torch.tensor(p)
+            p_mask[u, width - len(p) :] = 1
+        p_ids, p_mask = p_ids.to(dev), p_mask.to(dev)
+        cache = DynamicCache(config=model.config)
+        ctx.set_rows([s for s, _ in prompts], dev)
+        try:
+            first_UV = model(
+                input_ids=p_ids,
+                attention_mask=p_mask,
+                position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+        finally:
+            ctx.clear()
+        # each row's completion: its tokens but the last as inputs, after its prompt's cached keys/values
+        at = torch.tensor(inv, device=dev)
+        c_len = max(comp_lens)
+        comp = torch.full((n, c_len), eng.pad_id, dtype=torch.long)
+        c_mask = torch.zeros_like(comp)
+        for i, m in enumerate(comp_lens):
+            start = batch.prompt_lens[i]
+            comp[i, :m] = ids_host[i, start : start + m]
+            c_mask[i, :m] = 1
+        comp, c_mask = comp.to(dev), c_mask.to(dev)
+        logits_BCV = first_UV.index_select(0, at)[:, None]
+        if c_len > 1:
+            cache.batch_select_indices(at)
+            lens_B = p_mask.sum(dim=1).index_select(0, at)
+            ctx.set_rows(slots, dev)
+            try:
+                rest = model(
+                    input_ids=comp[:, :-1],
+                    attention_mask=torch.cat([p_mask.index_select(0, at), c_mask[:, :-1]], dim=1),
+                    position_ids=lens_B[:, None] + torch.arange(c_len - 1, device=dev),
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits
+            finally:
+                ctx.clear()
+            logits_BCV = torch.cat([logits_BCV, rest], dim=1)
+        lp_BC = torch.log_softmax(logits_BCV.float(), dim=-1).gather(-1, comp[..., None]).squeeze(-1)
+        # into the full rows' layout: completion token j of row i is target prompt_len - 1 + j
+        width_T = batch.ids.shape[1] - 1
+        to = torch.tensor(batch.prompt_lens, device=dev)[:, None] - 1 + torch.arange(c_len, device=dev)
+        out = lp_BC.new_zeros(n, width_T + c_len).scatter(1, to, lp_BC)
+        return out[:, :width_T]
 
     def _losses(
-        self, rows: list[RolloutRow], batch: _Batch, lp: torch.Tensor, ref: torch.Tensor | None
+        self,
+        rows: list[RolloutRow],
+        batch: _Batch,
+        lp: torch.Tensor,
+        ref: torch.Tensor | None,
+        weights: dict[str, float] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float], dict[str, dict[str, float]]]:
         """Each policy's GRPO loss over its own rows, and their sum (what backward runs on). A policy with no
         kept token (no rows, or every group without variance) gets no loss and so no step at all, since Adam's
-        momentum would still move the weights on a zero gradient."""
+        momentum would still move the weights on a zero gradient. With `weights` (a micro-batch of a larger
+        update), each policy's loss here is scaled by its weight and the "loss" stat is the scaled one."""
         losses: dict[str, float] = {}
         extra: dict[str, dict[str, float]] = {}
         total = lp.sum() * 0.0
+        policy_B = [r.policy for r in rows]
         for name in self.policies:
-            sel = torch.tensor([r.policy == name for r in rows], device=lp.device)
+            if name not in policy_B:
+                continue
+            sel = torch.tensor([p == name for p in policy_B], device=lp.device)
             if not bool(batch.comp[sel].any()):
                 continue
             loss, st = grpo_loss(
@@ -265,6 +437,9 @@ class MultiPolicyTrainer:
                 self.config,
                 None if ref is None else ref[sel],
             )
+            if weights is not None:
+                loss = loss * weights[name]
+                st["loss"] = float(loss.detach())
             total = total + loss
             losses[name] = float(loss.detach())
             extra[name] = st
@@ -285,36 +460,59 @@ class MultiPolicyTrainer:
         return StepStats(self.steps, 0.0, reward, losses, kept, extra)
 
     def _adam_step(self, p: PolicyState) -> None:
-        """AdamW on this policy's slot only (decoupled weight decay, bias correction, global-norm clipping)."""
+        """AdamW on this policy's slot only (see `_adam_steps`)."""
+        self._adam_steps([p])
+
+    def _adam_steps(self, states: list[PolicyState]) -> None:
+        """AdamW on each policy's own slot (decoupled weight decay, bias correction, global-norm clipping per
+        policy), every policy and site at once: the same arithmetic as a loop over them, as `foreach` kernels
+        over the per-(policy, site, factor) tensors with per-tensor step sizes."""
         cfg = self.config
-        banks = [self.engine.lora.banks[s] for s in p.sites]
-        grads = [
-            (b.A.grad[p.slot], b.B.grad[p.slot])
-            for b in banks
-            if b.A.grad is not None and b.B.grad is not None
-        ]
-        if len(grads) != len(banks):
-            return
-        clip = 1.0
-        if cfg.max_grad_norm is not None:
-            norm = torch.sqrt(sum((gA.pow(2).sum() + gB.pow(2).sum() for gA, gB in grads), torch.tensor(0.0)))
-            clip = min(1.0, cfg.max_grad_norm / (float(norm) + 1e-6))
-        p.adam.step += 1
-        t = p.adam.step
         b1, b2 = cfg.adam_betas
-        lr = p.spec.learning_rate or cfg.learning_rate
-        for s, b, (gA, gB) in zip(p.sites, banks, grads, strict=True):
-            for j, (param, g) in enumerate(((b.A, gA), (b.B, gB))):
-                w = param.data[p.slot]
-                m, v = p.adam.m[s][j], p.adam.v[s][j]
-                g = g * clip
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                step_lr = lr * (p.scale if j == 1 else 1.0)
-                if cfg.weight_decay:
-                    w.mul_(1 - step_lr * cfg.weight_decay)
-                denom = (v / (1 - b2**t)).sqrt_().add_(cfg.adam_eps)
-                w.addcdiv_(m / (1 - b1**t), denom, value=-step_lr)
+        stepping: list[PolicyState] = []
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        ms: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        lrs: list[float] = []
+        owner: list[int] = []
+        for p in states:
+            banks = [self.engine.lora.banks[s] for s in p.sites]
+            if any(b.A.grad is None or b.B.grad is None for b in banks):
+                continue
+            lr = p.spec.learning_rate or cfg.learning_rate
+            for s, b in zip(p.sites, banks, strict=True):
+                for j, param in enumerate((b.A, b.B)):
+                    assert param.grad is not None
+                    params.append(param.data[p.slot])
+                    grads.append(param.grad[p.slot])
+                    ms.append(p.adam.m[s][j])
+                    vs.append(p.adam.v[s][j])
+                    lrs.append(lr * (p.scale if j == 1 else 1.0))
+                    owner.append(len(stepping))
+            stepping.append(p)
+        if not params:
+            return
+        if cfg.max_grad_norm is not None:
+            sq = torch.zeros(len(stepping), dtype=torch.float64)
+            sq.index_add_(0, torch.tensor(owner), torch.stack(torch._foreach_norm(grads)).double().cpu() ** 2)
+            clips = [min(1.0, cfg.max_grad_norm / (math.sqrt(q) + 1e-6)) for q in sq.tolist()]
+            if any(c < 1.0 for c in clips):
+                grads = list(torch._foreach_mul(grads, [clips[o] for o in owner]))
+        for p in stepping:
+            p.adam.step += 1
+        t = [stepping[o].adam.step for o in owner]
+        torch._foreach_mul_(ms, b1)
+        torch._foreach_add_(ms, grads, alpha=1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+        if cfg.weight_decay:
+            torch._foreach_mul_(params, [1 - lr * cfg.weight_decay for lr in lrs])
+        denom = torch._foreach_div(vs, [1 - b2**ti for ti in t])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, cfg.adam_eps)
+        m_hat = torch._foreach_div(ms, [1 - b1**ti for ti in t])
+        torch._foreach_addcdiv_(params, m_hat, denom, [-lr for lr in lrs])
 
     # ---- out ----------------------------------------------------------------------------------------
 
@@ -367,6 +565,30 @@ class MultiPolicyTrainer:
                         p.adam.m[s][j].copy_(tensors[f"{name}/{s}/m{ab}"])
                         p.adam.v[s][j].copy_(tensors[f"{name}/{s}/v{ab}"])
         self.steps = int(meta["steps"])
+
+
+def _merge_parts(
+    losses: list[dict[str, float]], extra: list[dict[str, dict[str, float]]]
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """One update's losses and stats from those of its micro-batches: losses (already weighted) add up,
+    n_tokens adds up, the other stats (means over tokens) average weighted by each part's tokens."""
+    if len(losses) == 1:
+        return losses[0], extra[0]
+    loss: dict[str, float] = {}
+    stats: dict[str, dict[str, float]] = {}
+    for part_loss, part_stats in zip(losses, extra, strict=True):
+        for name, value in part_loss.items():
+            loss[name] = loss.get(name, 0.0) + value
+            st = part_stats[name]
+            acc = stats.setdefault(name, {k: 0.0 for k in st})
+            n = st["n_tokens"]
+            for k, v in st.items():
+                acc[k] += v if k in ("loss", "n_tokens") else v * n
+    for st in stats.values():
+        for k in st:
+            if k not in ("loss", "n_tokens"):
+                st[k] /= max(st["n_tokens"], 1.0)
+    return loss, stats
 
 
 def _token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
