@@ -28,6 +28,8 @@ from mint_core.lora.adapter import AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.validate import BaseSpec
 
 PACK_KEY = "mint.pack"
+DIGESTS = "mint.digests"
+CHECKSUMS = "mint.checksums"
 MAX_PACK = 65536
 
 
@@ -70,9 +72,12 @@ def write_pack(path: str | Path, adapters: Sequence[AdapterWeights], sites: dict
         "use_rslora": first.use_rslora,
         "base_fingerprint": first.base_fingerprint,
         "base_name": first.base_name,
-        "digests": digests,
-        "checksums": checksums,
+        "n": len(adapters),
     }
+    # digests and checksums as [n, 32] byte tensors, not header JSON: opening a pack then parses a few hundred
+    # bytes of header instead of half a megabyte, which is what a cold load of a random member pays
+    tensors[DIGESTS] = torch.tensor([list(bytes.fromhex(d)) for d in digests], dtype=torch.uint8)
+    tensors[CHECKSUMS] = torch.tensor([list(bytes.fromhex(c)) for c in checksums], dtype=torch.uint8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -84,7 +89,7 @@ def write_pack(path: str | Path, adapters: Sequence[AdapterWeights], sites: dict
 class PackReader:
     """Reads members of pack files, keeping the last few files open (members of one pack are read together)."""
 
-    def __init__(self, sites: dict[str, Site], open_files: int = 8):
+    def __init__(self, sites: dict[str, Site], open_files: int = 64):
         self.sites = sites
         self.open_files = open_files
         self._open: dict[str, tuple[object, dict]] = {}
@@ -110,7 +115,7 @@ class PackReader:
             return [
                 AdapterError(label, f"{path}#{i}", [f"pack file unreadable: {e}"]) for i, label in members
             ]
-        n = len(meta["digests"])
+        n = int(meta["n"])
         good = [i for i, _ in members if 0 <= i < n]
         rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         lo = min(good) if good else 0
@@ -120,6 +125,8 @@ class PackReader:
                 if key.startswith("A."):
                     site = key[2:]
                     rows[site] = (f.get_slice(key)[lo:hi], f.get_slice(f"B.{site}")[lo:hi])  # type: ignore[attr-defined]
+            digests = f.get_slice(DIGESTS)[lo:hi]  # type: ignore[attr-defined]
+            checksums = f.get_slice(CHECKSUMS)[lo:hi]  # type: ignore[attr-defined]
         out: list[AdapterWeights | AdapterError] = []
         for i, label in members:
             location = f"{path}#{i}"
@@ -127,7 +134,11 @@ class PackReader:
                 out.append(AdapterError(label, location, [f"index {i} is outside the pack (it holds {n})"]))
                 continue
             tensors = {site: (A[i - lo].clone(), B[i - lo].clone()) for site, (A, B) in rows.items()}
-            out.append(self._member(tensors, meta, spec, i, label, location))
+            out.append(
+                self._member(
+                    tensors, meta, spec, _hex(digests[i - lo]), _hex(checksums[i - lo]), label, location
+                )
+            )
         return out
 
     def read(self, location: str, spec: BaseSpec, name: str | None = None) -> AdapterWeights:
@@ -139,15 +150,17 @@ class PackReader:
         except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
             raise AdapterError(label, location, [f"pack file unreadable: {e}"]) from e
         i = int(index_text)
-        digests = meta["digests"]
-        if not 0 <= i < len(digests):
-            raise AdapterError(label, location, [f"index {i} is outside the pack (it holds {len(digests)})"])
+        n = int(meta["n"])
+        if not 0 <= i < n:
+            raise AdapterError(label, location, [f"index {i} is outside the pack (it holds {n})"])
         tensors = {}
         for key in f.keys():  # type: ignore[attr-defined]  # noqa: SIM118 (a safetensors handle, not a dict)
             if key.startswith("A."):
                 site = key[2:]
                 tensors[site] = (f.get_slice(key)[i], f.get_slice(f"B.{site}")[i])  # type: ignore[attr-defined]
-        member = self._member(tensors, meta, spec, i, label, location)
+        digest = _hex(f.get_slice(DIGESTS)[i])  # type: ignore[attr-defined]
+        checksum = _hex(f.get_slice(CHECKSUMS)[i])  # type: ignore[attr-defined]
+        member = self._member(tensors, meta, spec, digest, checksum, label, location)
         if isinstance(member, AdapterError):
             raise member
         return member
@@ -157,16 +170,16 @@ class PackReader:
         tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
         meta: dict,
         spec: BaseSpec,
-        i: int,
+        digest: str,
+        checksum: str,
         label: str,
         location: str,
     ) -> AdapterWeights | AdapterError:
         problems = _check_member(tensors, meta, spec)
-        if _checksum(tensors) != meta["checksums"][i]:
+        if _checksum(tensors) != checksum:
             problems.append("checksum mismatch: the member's bytes changed since the pack was written")
         if problems:
             return AdapterError(label, location, problems)
-        digests = meta["digests"]
         return AdapterWeights(
             meta["rank"],
             meta["alpha"],
@@ -174,8 +187,12 @@ class PackReader:
             spec.fingerprint,
             meta["base_name"],
             meta["use_rslora"],
-            digest=digests[i],
+            digest=digest,
         )
+
+
+def _hex(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).hex()
 
 
 def _checksum(tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> str:

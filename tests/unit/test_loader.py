@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,7 +119,12 @@ def test_packed_members_load_and_verify(setup) -> None:  # type: ignore[no-untyp
 
     # a pack changed on disk is caught on read
     raw = bytearray(pack.read_bytes())
-    raw[-8:] = b"\x00\x00\xc0\x7f" * 2  # the last value of the last tensor becomes NaN
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    key = next(k for k in sorted(header) if k.startswith("A."))
+    start = 8 + n + header[key]["data_offsets"][0]
+    row = 4 * int(np.prod(header[key]["shape"][1:]))  # float32 bytes of one member
+    raw[start + 4 * row : start + 4 * row + 4] = b"\x00\x00\xc0\x7f"  # member 4's first value becomes NaN
     pack.write_bytes(bytes(raw))
     loader._packs = type(loader._packs)(engine.sites)  # forget the open handle
     with pytest.raises(AdapterError, match=r"non-finite values[\s\S]*checksum mismatch"):
