@@ -702,6 +702,14 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             note.append(_count(main))
 
         with timer.step("4. a served completion from each policy's champion") as note:
+            # a champion the wave did not replace may not be loaded yet (a server restarted since the last run):
+            # serving follows the registry first, as the reconcile deployment keeps it doing
+            from flows.reconcile import reconcile
+
+            reconciled = reconcile(policies=list(cfg.policies), workspace=ws)
+            reloaded = [r for r in reconciled if r.reloaded]
+            if reloaded:
+                console.print(f"  reconcile loaded {len(reloaded)} champion(s) the server did not hold yet")
             table, n = completions_table(cfg, ws)
             console.print(table)
             note.append(f"{n} policies answered through {ws.serving_url}/v1/completions")
