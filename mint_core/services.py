@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.errors import MintError
+from mint_core.settings import load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +96,7 @@ class ServicesConfig(BaseModel):
     @classmethod
     def load(cls, path: Path | None = None, **overrides: Any) -> ServicesConfig:
         """File values, then MINT_SERVICES_<FIELD> environment variables, then explicit (non-None) overrides."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            text = Path(path).read_text()
-            loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping of settings")
-            values.update(loaded)
-        for name in cls.model_fields:
-            env = os.environ.get(ENV_PREFIX + name.upper())
-            if env is not None:
-                values[name] = env
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(values)
+        return load_settings(cls, ENV_PREFIX, path, **overrides)
 
     def port(self, name: ServiceName) -> int:
         return {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}[name]

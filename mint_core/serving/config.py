@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from mint_core.settings import load_settings
 
 ENV_PREFIX = "MINT_SERVE_"
 
@@ -65,17 +64,5 @@ class ServingConfig(BaseModel):
 
     @classmethod
     def load(cls, path: Path | None = None, **overrides: Any) -> ServingConfig:
-        """File values, then MINT_SERVE_<FIELD> environment variables, then explicit overrides."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            text = Path(path).read_text()
-            loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path}: expected a mapping of settings")
-            values.update(loaded)
-        for name in cls.model_fields:
-            env = os.environ.get(ENV_PREFIX + name.upper())
-            if env is not None:
-                values[name] = env
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(values)
+        """File values, then MINT_SERVE_<FIELD> environment variables, then explicit (non-None) overrides."""
+        return load_settings(cls, ENV_PREFIX, path, **overrides)

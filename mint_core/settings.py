@@ -1,0 +1,31 @@
+"""Settings of a command from a YAML/JSON file, then environment variables, then explicit overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_settings(cls: type[M], env_prefix: str, path: Path | None = None, **overrides: Any) -> M:
+    """File values, then `<env_prefix><FIELD>` environment variables, then explicit (non-None) overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        text = path.read_text()
+        loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        values.update(loaded)
+    for name in cls.model_fields:
+        env = os.environ.get(env_prefix + name.upper())
+        if env is not None:
+            values[name] = env
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls.model_validate(values)
