@@ -64,11 +64,22 @@ class Batcher:
         """Prefill `seqs` (slots already acquired) and join them to the running batch."""
         if not seqs:
             return
-        width = max(len(s.prompt_ids) for s in seqs)
         n = len(seqs)
-        ids = torch.full((n, width), self.engine.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, s in enumerate(seqs):
+        # A prompt sent k times with one adapter (a GRPO group, n > 1 samples) is prefilled once: its row of
+        # keys, values and logits is then copied to the k sequences, which differ only from their first sample.
+        reps: list[Sequence] = []  # one sequence per distinct (adapter slot, prompt)
+        of: list[int] = []  # seqs[i] is reps[of[i]]'s prompt
+        index: dict[tuple[int, tuple[int, ...]], int] = {}
+        for s in seqs:
+            key = (s.slot, tuple(s.prompt_ids))
+            if key not in index:
+                index[key] = len(reps)
+                reps.append(s)
+            of.append(index[key])
+        width = max(len(s.prompt_ids) for s in reps)
+        ids = torch.full((len(reps), width), self.engine.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reps), width), dtype=torch.long)
+        for i, s in enumerate(reps):
             ids[i, width - len(s.prompt_ids) :] = torch.tensor(s.prompt_ids)
             mask[i, width - len(s.prompt_ids) :] = 1
         ids, mask = ids.to(self.dev), mask.to(self.dev)
@@ -78,13 +89,17 @@ class Batcher:
         cache = RaggedCache(self.engine.base.config, capacity=width + room)
         self.composition = next(_compositions)
         logits = self._forward(
-            [s.slot for s in seqs],
+            [s.slot for s in reps],
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,
             logits_to_keep=0 if echo else 1,
         )
+        if len(reps) < n:
+            expand = torch.tensor(of, device=self.dev)
+            cache.select(expand)
+            ids, mask, pos, logits = ids[expand], mask[expand], pos[expand], logits[expand]
         if echo:
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)

@@ -145,6 +145,42 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     assert engine.generate(crowd)[2].token_ids == first.token_ids
 
 
+def test_a_prompt_repeated_under_one_adapter_is_prefilled_once(engine):
+    """A GRPO group: k samples of one prompt with one adapter share a single prefill row, and each sample
+    still decodes (tokens, logprobs, echo) exactly as it does alone."""
+
+    def req(prompt: str, adapter: str | None, seed: int) -> Request:
+        params = SamplingParams(
+            max_tokens=6, temperature=1.0, seed=seed, logprobs=True, echo=True, ignore_eos=True
+        )
+        return Request(prompt, adapter, params)
+
+    reqs = [req("Once upon", "r4", seed) for seed in range(4)]
+    reqs += [req("Once upon", "r2", 0), req("Once upon", None, 0), req("abc", "r4", 0), req("abc", "r4", 1)]
+    rows: list[int] = []
+    model = engine.base.model
+    hook = model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        batch = engine.generate(reqs)
+    finally:
+        hook.remove()
+    assert rows[0] == 4  # (r4, "Once upon"), (r2, "Once upon"), (base, "Once upon"), (r4, "abc")
+    assert rows[1] == len(reqs)  # then every sample decodes in its own row
+    assert len({tuple(c.token_ids) for c in batch[:4]}) > 1  # the copies sample independently
+    for r, got in zip(reqs, batch, strict=True):
+        alone = engine.generate([r])[0]
+        assert got.token_ids == alone.token_ids
+        assert got.logprobs is not None and alone.logprobs is not None
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=ATOL, rtol=0)
+        assert got.prompt_logprobs is not None and alone.prompt_logprobs is not None
+        torch.testing.assert_close(
+            torch.tensor(got.prompt_logprobs[1:]), torch.tensor(alone.prompt_logprobs[1:]), atol=ATOL, rtol=0
+        )
+    assert refs(engine) == [0, 0, 0, 0]
+
+
 def test_tiny_top_p_is_greedy(engine):
     for adapter in (None, "r8"):
         greedy = engine.generate([Request("Hello", adapter, SamplingParams(max_tokens=12, ignore_eos=True))])[
