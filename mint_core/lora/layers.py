@@ -3,6 +3,10 @@
 Every wrapped layer of a model shares one `LoRAContext`, which holds the slot index of each row of the
 batch being run (`-1` = bare base). Slot tensors have one extra, all-zero slot at the end; rows with `-1`
 point at it, so a mixed batch needs no branch: gather each row's A and B, then two batched matmuls.
+When rows come in long runs of one slot (a training batch sorted by policy, the G samples of a rollout
+group) each run instead multiplies by its slot's factors in place, cut to the rank written there: no
+per-row copies of the factors (under autograd they were kept for the backward, [B, in, R] per site), no
+work for rows on the bare base.
 LoRA scaling (alpha / r) is folded into B when a slot is written.
 
 Shapes: S slots (+1 zero slot), R max rank, E experts; `A_SIR` is [S+1, in, R], `B_SRO` is [S+1, R, out]
@@ -34,6 +38,9 @@ class LoRAContext:
         # their slot until the batch changes, and a slot in use is never rewritten). Not used under autograd,
         # where the banks are being trained in place.
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (start, stop, slot) of each run of rows that share an adapter slot, bare-base runs left out; None
+        # when runs are short (a mixed decode batch) and the per-row gather is cheaper
+        self.runs: list[tuple[int, int, int]] | None = None
         self._key: object = None
 
     def set_rows(
@@ -51,6 +58,7 @@ class LoRAContext:
         self.rows = torch.where(t < 0, self.zero_slot, t)
         self._tokens = None
         self.gathered = {}
+        self.runs = _runs(t.tolist())
 
     def clear(self) -> None:
         self._key = None
@@ -58,6 +66,7 @@ class LoRAContext:
         self.any_lora = False
         self._tokens = None
         self.gathered = {}
+        self.runs = None
 
     def token_slots(self, n_tokens: int) -> torch.Tensor:
         """Slot of each token when a layer sees the batch flattened to [B*T, ...] (MoE experts do)."""
@@ -66,6 +75,24 @@ class LoRAContext:
             per_row = n_tokens // self.rows.numel()
             self._tokens = (n_tokens, self.rows.repeat_interleave(per_row))
         return self._tokens[1]
+
+
+# Rows per run at which a run's two plain matmuls beat gathering every row's factors for a batched matmul.
+MIN_RUN = 8
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]] | None:
+    """The runs of equal slots in `slots` as (start, stop, slot), without bare-base (-1) runs; None when the
+    runs average fewer than MIN_RUN rows."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[start]:
+            runs.append((start, i, slots[start]))
+            start = i
+    if not slots or len(slots) < MIN_RUN * len(runs):
+        return None
+    return [r for r in runs if r[2] >= 0]
 
 
 class _SlotBank(nn.Module):
@@ -167,6 +194,13 @@ class MultiLoRALinear(nn.Module):
         rows = ctx.rows
         assert rows is not None
         if x.dim() == 3 and x.shape[0] == rows.shape[0]:  # [B, T, in], the usual case
+            if ctx.runs is not None:
+                for start, stop, slot in ctx.runs:
+                    r = bank._rank[slot]
+                    if r is not None:  # an empty slot adds nothing
+                        h = x[start:stop] @ bank.A[slot, :, :r]
+                        out[start:stop] += h @ bank.B[slot, :r]
+                return out
             if torch.is_grad_enabled():
                 A_BIR, B_BRO = bank.A.index_select(0, rows), bank.B.index_select(0, rows)
             else:

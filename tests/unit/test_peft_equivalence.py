@@ -58,3 +58,48 @@ def test_base_weights_untouched_by_injection_and_loads(make_engine, make_base, a
     }
     for k, v in before.items():
         assert torch.equal(after[k], v), k
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_in_runs_of_one_adapter_match_the_per_row_gather(family, make_engine, adapter_dir, monkeypatch):
+    """Rows grouped in runs of one slot (a sorted training batch, rollout groups) take the per-run matmuls;
+    their logits and the gradients of every slot equal the per-row gather's, which the test above ties to
+    PEFT."""
+    from mint_core.lora import layers
+
+    engine = make_engine(family, seed=1)
+    for i, rank in enumerate([2, 8]):
+        a = random_adapter(engine.sites, TARGETS[family], rank, seed=i, base_fingerprint=engine.base.fingerprint)
+        save_adapter(a, adapter_dir / f"a{i}", engine.sites)
+        engine.load_adapter(f"a{i}", adapter_dir / f"a{i}")
+    slots = [engine.working_set.pin(n) for n in ("a0", "a1")]
+    rows = [slots[0]] * 8 + [-1] * 8 + [slots[1]] * 8
+    ids = torch.randint(0, 256, (len(rows), 6), generator=torch.Generator().manual_seed(0))
+    banks = list(engine.lora.banks.values())
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for b in banks:
+            b.A.requires_grad_(True)
+            b.B.requires_grad_(True)
+            b.A.grad = b.B.grad = None
+        engine.lora.ctx.set_rows(rows)
+        try:
+            logits = engine.base.model(input_ids=ids).logits
+            logits.square().mean().backward()
+            assert engine.lora.ctx.runs is not None or layers.MIN_RUN > len(rows)
+        finally:
+            engine.lora.ctx.clear()
+        grads = [g.clone() for b in banks for g in (b.A.grad, b.B.grad) if g is not None]
+        for b in banks:
+            b.A.requires_grad_(False)
+            b.B.requires_grad_(False)
+            b.A.grad = b.B.grad = None
+        return logits.detach(), grads
+
+    by_run, grads_run = run()
+    monkeypatch.setattr(layers, "MIN_RUN", 10**6)
+    by_row, grads_row = run()
+    torch.testing.assert_close(by_run, by_row, rtol=1e-5, atol=1e-6)
+    assert len(grads_run) == len(grads_row) > 0
+    for g_run, g_row in zip(grads_run, grads_row, strict=True):
+        torch.testing.assert_close(g_run, g_row, rtol=1e-4, atol=1e-7)
