@@ -173,7 +173,9 @@ def test_a_prompt_repeated_under_one_adapter_is_prefilled_once(engine):
         alone = engine.generate([r])[0]
         assert got.token_ids == alone.token_ids
         assert got.logprobs is not None and alone.logprobs is not None
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=ATOL, rtol=0
+        )
         assert got.prompt_logprobs is not None and alone.prompt_logprobs is not None
         torch.testing.assert_close(
             torch.tensor(got.prompt_logprobs[1:]), torch.tensor(alone.prompt_logprobs[1:]), atol=ATOL, rtol=0

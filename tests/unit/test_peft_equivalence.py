@@ -69,7 +69,9 @@ def test_rows_in_runs_of_one_adapter_match_the_per_row_gather(family, make_engin
 
     engine = make_engine(family, seed=1)
     for i, rank in enumerate([2, 8]):
-        a = random_adapter(engine.sites, TARGETS[family], rank, seed=i, base_fingerprint=engine.base.fingerprint)
+        a = random_adapter(
+            engine.sites, TARGETS[family], rank, seed=i, base_fingerprint=engine.base.fingerprint
+        )
         save_adapter(a, adapter_dir / f"a{i}", engine.sites)
         engine.load_adapter(f"a{i}", adapter_dir / f"a{i}")
     slots = [engine.working_set.pin(n) for n in ("a0", "a1")]
@@ -86,7 +88,7 @@ def test_rows_in_runs_of_one_adapter_match_the_per_row_gather(family, make_engin
         try:
             logits = engine.base.model(input_ids=ids).logits
             logits.square().mean().backward()
-            assert engine.lora.ctx.runs is not None or layers.MIN_RUN > len(rows)
+            assert engine.lora.ctx.runs is not None or len(rows) < layers.MIN_RUN
         finally:
             engine.lora.ctx.clear()
         grads = [g.clone() for b in banks for g in (b.A.grad, b.B.grad) if g is not None]
