@@ -53,6 +53,29 @@ class EngineConfig(BaseModel):
         return self
 
 
+def _contiguous_head_input(model: torch.nn.Module) -> None:
+    """Hand the output projection a contiguous input. A prefill keeps only the last position's logits
+    (`logits_to_keep`), a strided slice of the hidden states; on CPU a bfloat16 `linear` over such a slice
+    copies the whole transposed weight on every call (1.2 s a prefill for a 151,936 x 896 head, against 21 ms
+    for the same product over a contiguous copy of the one row)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, torch.nn.Module):
+        head.register_forward_pre_hook(lambda _m, args: tuple(_dense(a) for a in args))
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """x with row-major strides. `contiguous()` is not enough: a [B, 1, H] slice of [B, T, H] counts as
+    contiguous when B is 1 yet keeps the stride T * H, which sends `linear` down the copying path."""
+    want, step = [], 1
+    for n in reversed(x.shape):
+        want.append(step)
+        step *= n
+    if list(x.stride()) == want[::-1]:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 class Engine:
     """A base model held once, with multi-LoRA slots injected into its layers."""
 
@@ -72,6 +95,7 @@ class Engine:
             raise ValueError(f"target_modules {config.target_modules} match no layer of the base")
         self.sites = sites
         self.lora: LoRAModel = inject(base.model, sites.values(), config.max_loras, config.max_lora_rank)
+        _contiguous_head_input(base.model)
         self.spec = BaseSpec(
             base.fingerprint,
             sites,

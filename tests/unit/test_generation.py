@@ -183,6 +183,23 @@ def test_a_prompt_repeated_under_one_adapter_is_prefilled_once(engine):
     assert refs(engine) == [0, 0, 0, 0]
 
 
+def test_output_head_sees_row_major_input(engine):
+    """A prefill keeps the last position's logits through a strided slice of the hidden states; the engine
+    hands the head a row-major copy (a bf16 `linear` on CPU copies its whole weight for the strided one)."""
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    head = engine.base.model.get_output_embeddings()
+    hook = head.register_forward_pre_hook(
+        lambda _m, args: seen.append((tuple(args[0].shape), args[0].stride()))
+    )
+    try:
+        engine.generate([Request("Hello there", "r2", SamplingParams(max_tokens=2, ignore_eos=True))])
+    finally:
+        hook.remove()
+    (shape, stride), _ = seen  # the prefill, then one decode step
+    assert shape[:2] == (1, 1)
+    assert stride == (shape[1] * shape[2], shape[2], 1)
+
+
 def test_tiny_top_p_is_greedy(engine):
     for adapter in (None, "r8"):
         greedy = engine.generate([Request("Hello", adapter, SamplingParams(max_tokens=12, ignore_eos=True))])[
