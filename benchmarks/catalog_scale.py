@@ -11,17 +11,24 @@ Phases, each timed:
             resolves the addresses (in bulk), reads the members from their packs, checks each against the base
             and its recorded checksum, and adds them; then a device slot is taken and released for each. Loads
             run on the loader's threads one `--window` ahead.
-  zipf      after `--warmup` untimed ones, `--requests` generation requests (8-token prompt, 4 new tokens, greedy, `--batch` at a time) whose
-            adapters follow Zipf(1.0) over all N, with the next batch's cold loads prefetched (in bulk) while
-            the current batch generates; against the same stream shape over 100 adapters that all stay resident (pinned),
-            in the same engine configuration. zipf_vs_resident = requests/s ratio.
+  zipf      after `--warmup` untimed ones, `--requests` generation requests (4 new tokens, greedy, `--batch` at
+            a time) whose adapters follow Zipf(1.0) over all N, with the next batch's cold loads prefetched (in
+            bulk) while the current batch generates; against the same stream shape over 100 adapters that all
+            stay resident (pinned), in the same engine configuration. zipf_vs_resident = requests/s ratio.
+            Each request has its own prompt (the "add" task's, 8 to 12 tokens), the same list in both streams:
+            with one shared prompt the engine would prefill each (adapter, prompt) pair once per batch, which
+            favours the resident stream (100 adapters repeat far more within a batch than a million).
 
 Figures: adapters, register_s, resolve_p50_ms, resolve_p99_ms, sweep_covered (must equal N), sweep_s,
 cold_load_p50_ms, cold_load_p99_ms (`--cold` single cold loads of non-resident addresses, one at a time:
 resolve + read + check + add + into a device slot), zipf_rps,
 resident_rps, zipf_vs_resident, zipf_hit_rate, disk_bytes (packs + catalog), peak_rss_bytes.
 
-    python benchmarks/catalog_scale.py --adapters 1000000
+    python benchmarks/catalog_scale.py --adapters 1000000 [--out DIR]
+
+`--out DIR` keeps the packs and the catalog; a later run with `--reuse` over the same N starts from them (no
+build; `register_s` and `build_s` are then null), and `--no-sweep` leaves the sweep out (its keys null), for
+measuring the other phases again without the 20 minutes of a million-adapter build and sweep.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import peak_rss_bytes, report
 
+from mint_core.data.tasks import split
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.loader import AdapterLoader
@@ -171,9 +179,10 @@ def sweep(loader: AdapterLoader, n: int, window: int) -> int:
 
 
 def stream(
-    engine: Engine, loader: AdapterLoader | None, addresses: list[str], batch: int, prompt: list[int]
+    engine: Engine, loader: AdapterLoader | None, addresses: list[str], batch: int, prompts: list[list[int]]
 ) -> float:
-    """Requests/s of generating for `addresses` in batches; with a loader, the next batch is prefetched."""
+    """Requests/s of generating for `addresses` (request i with prompts[i % len(prompts)]) in batches; with a
+    loader, the next batch is prefetched."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     batches = [addresses[i : i + batch] for i in range(0, len(addresses), batch)]
     ws = engine.working_set
@@ -187,7 +196,10 @@ def stream(
         names = [f.result() for f in ahead]
         ahead = hold(batches[k + 1]) if k + 1 < len(batches) else []
         try:
-            engine.generate([Request(prompt, a, params) for a in b])
+            first = k * batch
+            engine.generate(
+                [Request(prompts[(first + j) % len(prompts)], a, params) for j, a in enumerate(b)]
+            )
         finally:
             for name in names:
                 ws.unhold(name)
@@ -212,6 +224,8 @@ def main() -> None:
         "--out", type=Path, default=None, help="where packs and the catalog go (default: a temp dir)"
     )
     ap.add_argument("--keep", action="store_true", help="keep --out afterwards")
+    ap.add_argument("--reuse", action="store_true", help="start from the packs and catalog in --out")
+    ap.add_argument("--no-sweep", action="store_true", help="leave the sweep out")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -226,17 +240,29 @@ def main() -> None:
         )
         engine = Engine(base, config)
         catalog = Catalog(CatalogConfig(url=f"sqlite:///{out}/catalog.db"))
-        t0 = time.perf_counter()
-        register_s = build(n, engine, out, catalog, args.build_workers)
-        build_s = time.perf_counter() - t0
-        print(f"built and registered {n} revisions in {build_s:.1f} s", file=sys.stderr)
+        register_s: float | None = None
+        build_s: float | None = None
+        if args.reuse:
+            if args.out is None:
+                ap.error("--reuse needs --out")
+            have = catalog.count()
+            if have != n:
+                ap.error(f"--reuse: {out} holds {have} revisions, not --adapters {n}")
+        else:
+            t0 = time.perf_counter()
+            register_s = build(n, engine, out, catalog, args.build_workers)
+            build_s = time.perf_counter() - t0
+            print(f"built and registered {n} revisions in {build_s:.1f} s", file=sys.stderr)
 
         lat = resolve_latencies(catalog, n, args.resolves, random.Random(0))
 
         loader = AdapterLoader(engine, catalog, AdapterStore(out / "store"), workers=args.workers)
-        t0 = time.perf_counter()
-        covered = sweep(loader, n, args.window)
-        sweep_s = time.perf_counter() - t0
+        covered: int | None = None
+        sweep_s: float | None = None
+        if not args.no_sweep:
+            t0 = time.perf_counter()
+            covered = sweep(loader, n, args.window)
+            sweep_s = time.perf_counter() - t0
         # single cold loads, one at a time, of addresses not resident: the latency a request for one sees
         cold: list[float] = []
         picks = random.Random(1)
@@ -250,12 +276,12 @@ def main() -> None:
             cold.append(time.perf_counter() - t)
 
         rng = np.random.default_rng(0)
-        prompt = engine.tokenizer("add: 12+34 =")["input_ids"][:8]
+        prompts = [engine.tokenizer(ex.prompt)["input_ids"] for ex in split("add", 4096, 1, 5)[0]]
         # warm the working set with a first stretch of the same stream (untimed): the steady state is measured
-        stream(engine, loader, [f"t{i}/v1" for i in zipf_indices(n, args.warmup, rng)], args.batch, prompt)
+        stream(engine, loader, [f"t{i}/v1" for i in zipf_indices(n, args.warmup, rng)], args.batch, prompts)
         zipf_addrs = [f"t{i}/v1" for i in zipf_indices(n, args.requests, rng)]
         hits0, loads0 = loader.stats.hits, loader.stats.cold_loads
-        zipf_rps = stream(engine, loader, zipf_addrs, args.batch, prompt)
+        zipf_rps = stream(engine, loader, zipf_addrs, args.batch, prompts)
         asked = loader.stats.hits - hits0 + loader.stats.cold_loads - loads0
         zipf_hit_rate = (loader.stats.hits - hits0) / max(asked, 1)
 
@@ -267,22 +293,22 @@ def main() -> None:
             loader.load(a)
             engine.working_set.pin(a)
         stream(
-            engine, None, [resident[i] for i in zipf_indices(100, args.batch * 4, rng)], args.batch, prompt
+            engine, None, [resident[i] for i in zipf_indices(100, args.batch * 4, rng)], args.batch, prompts
         )
         resident_addrs = [resident[i] for i in zipf_indices(100, args.requests, rng)]
-        resident_rps = stream(engine, None, resident_addrs, args.batch, prompt)
+        resident_rps = stream(engine, None, resident_addrs, args.batch, prompts)
         loader.close()
 
         disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         report(
             {
                 "adapters": n,
-                "register_s": round(register_s, 2),
-                "build_s": round(build_s, 1),
+                "register_s": None if register_s is None else round(register_s, 2),
+                "build_s": None if build_s is None else round(build_s, 1),
                 "resolve_p50_ms": percentile_ms(lat, 50),
                 "resolve_p99_ms": percentile_ms(lat, 99),
                 "sweep_covered": covered,
-                "sweep_s": round(sweep_s, 1),
+                "sweep_s": None if sweep_s is None else round(sweep_s, 1),
                 "cold_load_p50_ms": percentile_ms(cold, 50),
                 "cold_load_p99_ms": percentile_ms(cold, 99),
                 "zipf_rps": round(zipf_rps, 1),
