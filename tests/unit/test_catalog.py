@@ -287,6 +287,25 @@ def test_bulk_register_then_resolve(catalog: Catalog, monkeypatch: pytest.Monkey
     assert len(catalog.referenced_digests()) == n
 
 
+def test_resolve_many_answers_each_address_as_resolve_does(catalog: Catalog) -> None:
+    # versions asked across policies (a/v2 and b/v1) while a/v1 and b/v2 exist too: only the pairs asked come back
+    rows = [Registration(dg(i), "tiny", 1, f"/store/{i}", policy="ab"[i % 2]) for i in range(4)]
+    catalog.register_many(rows)  # a/v1 = 0, b/v1 = 1, a/v2 = 2, b/v2 = 3
+    catalog.set_alias("b", "champion", 2)
+    asked = ["a/v2", "b/v1", "b", f"sha256:{dg(0)}", "a/v9", "nope/v1", "bad address!", "a/v2"]
+    got = catalog.resolve_many(asked)
+    assert set(got) == set(asked)
+    for address in ("a/v2", "b/v1", "b", f"sha256:{dg(0)}"):
+        assert got[address] == catalog.resolve(address), address
+    assert (got["a/v2"].digest, got["b/v1"].digest, got["b"].digest) == (dg(2), dg(1), dg(3))
+    for address in ("a/v9", "nope/v1"):
+        assert isinstance(got[address], UnknownAddress), address
+        with pytest.raises(UnknownAddress) as e:
+            catalog.resolve(address)
+        assert str(got[address]) == str(e.value)
+    assert isinstance(got["bad address!"], AddressError)
+
+
 def test_default_config_and_reopen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     with Catalog() as cat:
