@@ -326,3 +326,26 @@ def test_choose_tokens_per_row_greedy_nucleus_and_temperature():
     assert seen[1] == {1, 3}  # both nucleus tokens come up in 200 draws (miss chance ~ 0.59 ** 200)
     assert seen[2] == {1}
     assert seen[3] == {0, 1, 2, 3}
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """Each row draws from softmax(logits / temperature), nucleus applied: frequencies over many draws."""
+    probs = torch.tensor([0.1, 0.5, 0.0, 0.05, 0.35])
+    logits = probs.log().repeat(3, 1)  # token 2 has no mass (-inf) and must never come up
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.8),  # nucleus {1, 4}: renormalised 0.5/0.85, 0.35/0.85
+        SamplingParams(temperature=2.0),  # p ** 0.5, renormalised
+    ]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    n = 4000
+    counts = torch.zeros(3, 5)
+    for _ in range(n):
+        t = choose_tokens(logits, params, gens)
+        counts[torch.arange(3), t] += 1
+    freq = counts / n
+    hot = probs.sqrt() / probs.sqrt().sum()
+    want = torch.stack([probs, torch.tensor([0, 0.5, 0, 0, 0.35]) / 0.85, hot])
+    assert counts[:, 2].sum() == 0
+    # 4 standard errors of a frequency over 4000 draws is at most 0.032
+    torch.testing.assert_close(freq, want, atol=0.032, rtol=0)
