@@ -7,9 +7,9 @@ step count, learning rate, rank) on its slot, in place; the steps of all policie
 kernels rather than a Python loop per policy and site. The base never changes and no second model is loaded:
 the reference for the KL term is the same forward with slot -1.
 
-The G rows of a group share their prompt, so the update's forward runs each distinct (policy, prompt) once
-and the rows' completions after its cached keys and values (`_logprobs`): the prompt's forward and backward
-are paid once per group instead of G times, with the same logprobs and gradients.
+The G rows of a group share their prompt, so the update's forward runs each distinct (policy, prompt) once,
+packed with its rows' completions behind a block mask (`_logprobs`): the prompt's forward and backward are
+paid once per group instead of G times, with the same logprobs and gradients.
 
 With `micro_batch_rows` set, the forward/backward runs over micro-batches of at most that many rows (rows
 ordered by policy) and gradients accumulate across them, so activation memory stays that of one micro-batch
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache
 
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
@@ -324,21 +323,24 @@ class MultiPolicyTrainer:
         """Token logprobs [B, T-1] of `batch` with row i under slot slots[i], in `_token_logprobs`' layout,
         exact at the completion tokens (the only ones the loss reads).
 
-        The G rows of a group repeat one prompt under one slot, so when rows share prompts each distinct
-        (slot, prompt) runs once and its KV cache is indexed out to its rows, which then run only their
-        completions: the prompt's forward (and backward) is paid once per group, not G times. Gradients flow
-        back through the shared prompt's keys and values as they would through each row's own copy.
-        Otherwise (or for a batch without prompt lengths) one forward over the full rows."""
+        The G rows of a group repeat one prompt under one slot, so when rows share prompts the batch is packed:
+        one sequence per distinct (slot, prompt), its prompt once and then the completions of its rows one
+        after another, each completion attending to the prompt and to its own earlier tokens only (a block
+        mask) at the positions it had in its own row. The prompt's forward and backward are paid once per
+        group, not G times, in one forward with no copies of its keys and values; the logprobs and gradients
+        are those of the full rows. Otherwise (no shared prompt, no prompt lengths, or an attention
+        implementation that takes no custom mask) one forward over the full rows."""
         eng = self.engine
         model = eng.base.model
         ctx = eng.lora.ctx
         dev = batch.ids.device
         n = len(slots)
-        keys: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its index among the distinct
-        inv: list[int] = []  # each row's distinct prompt
+        keys: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its packed sequence
+        inv: list[int] = []  # each row's packed sequence
         comp_lens: list[int] = []
         ids_host = batch.ids.cpu()
-        if batch.prompt_lens:
+        attn_impl = getattr(model.config, "_attn_implementation", None)
+        if batch.prompt_lens and attn_impl in ("sdpa", "eager"):
             lens = batch.attn.sum(dim=1).cpu().tolist()
             for i, (slot, p_len) in enumerate(zip(slots, batch.prompt_lens, strict=True)):
                 inv.append(keys.setdefault((slot, tuple(ids_host[i, :p_len].tolist())), len(keys)))
@@ -352,54 +354,53 @@ class MultiPolicyTrainer:
             finally:
                 ctx.clear()
 
-        # the distinct prompts, left-padded so each one's last token sits in the last column
-        prompts = list(keys)
-        width = max(len(p) for _, p in prompts)
-        p_ids = torch.full((len(prompts), width), eng.pad_id, dtype=torch.long)
-        p_mask = torch.zeros_like(p_ids)
-        for u, (_, p) in enumerate(prompts):
-            p_ids[u, width - len(p) :] = torch.tensor(p)
-            p_mask[u, width - len(p) :] = 1
-        p_ids, p_mask = p_ids.to(dev), p_mask.to(dev)
-        cache = DynamicCache(config=model.config)
-        ctx.set_rows([s for s, _ in prompts], dev)
+        # Pack. A row's completion of m tokens enters as its first m - 1 tokens (the last is only a target);
+        # the logits for its token 0 come from the prompt's last position, for token j from its input j - 1.
+        packed = list(keys)
+        seq_ids: list[list[int]] = [list(p) for _, p in packed]
+        seq_pos: list[list[int]] = [list(range(len(p))) for _, p in packed]
+        seg: list[list[int]] = [[-1] * len(p) for _, p in packed]  # -1 prompt, else the row it belongs to
+        reads: list[list[int]] = []  # per row, where in its sequence each completion token's logits are
+        for i, u in enumerate(inv):
+            p_len, m = batch.prompt_lens[i], comp_lens[i]
+            at = len(seq_ids[u])
+            seq_ids[u].extend(ids_host[i, p_len : p_len + m - 1].tolist())
+            seq_pos[u].extend(range(p_len, p_len + m - 1))
+            seg[u].extend([i] * (m - 1))
+            reads.append([p_len - 1, *range(at, at + m - 1)])
+        width = max(len(x) for x in seq_ids)
+        n_seq = len(packed)
+        ids = torch.full((n_seq, width), eng.pad_id, dtype=torch.long)
+        pos = torch.zeros((n_seq, width), dtype=torch.long)
+        seg_t = torch.full((n_seq, width), -2, dtype=torch.long)  # -2: padding
+        for u in range(n_seq):
+            k = len(seq_ids[u])
+            ids[u, :k] = torch.tensor(seq_ids[u])
+            pos[u, :k] = torch.tensor(seq_pos[u])
+            seg_t[u, :k] = torch.tensor(seg[u])
+        # a query sees earlier keys of the prompt and of its own completion; padding sees earlier padding
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = causal & ((seg_t[:, None, :] == -1) | (seg_t[:, None, :] == seg_t[:, :, None]))
+        mask = mask[:, None].to(dev)
+        if attn_impl == "eager":  # an additive mask
+            mask = torch.zeros(mask.shape, dtype=model.dtype, device=dev).masked_fill(
+                ~mask, torch.finfo(model.dtype).min
+            )
+        ctx.set_rows([s for s, _ in packed], dev)
         try:
-            first_UV = model(
-                input_ids=p_ids,
-                attention_mask=p_mask,
-                position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+            logits_UWV = model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev)).logits
         finally:
             ctx.clear()
-        # each row's completion: its tokens but the last as inputs, after its prompt's cached keys/values
-        at = torch.tensor(inv, device=dev)
+        # each row's completion logits and targets, right-padded to the longest completion
         c_len = max(comp_lens)
+        flat = torch.zeros((n, c_len), dtype=torch.long)
         comp = torch.full((n, c_len), eng.pad_id, dtype=torch.long)
-        c_mask = torch.zeros_like(comp)
-        for i, m in enumerate(comp_lens):
-            start = batch.prompt_lens[i]
+        for i, (u, where) in enumerate(zip(inv, reads, strict=True)):
+            m, start = comp_lens[i], batch.prompt_lens[i]
+            flat[i, :m] = torch.tensor(where) + u * width
             comp[i, :m] = ids_host[i, start : start + m]
-            c_mask[i, :m] = 1
-        comp, c_mask = comp.to(dev), c_mask.to(dev)
-        logits_BCV = first_UV.index_select(0, at)[:, None]
-        if c_len > 1:
-            cache.batch_select_indices(at)
-            lens_B = p_mask.sum(dim=1).index_select(0, at)
-            ctx.set_rows(slots, dev)
-            try:
-                rest = model(
-                    input_ids=comp[:, :-1],
-                    attention_mask=torch.cat([p_mask.index_select(0, at), c_mask[:, :-1]], dim=1),
-                    position_ids=lens_B[:, None] + torch.arange(c_len - 1, device=dev),
-                    past_key_values=cache,
-                    use_cache=True,
-                ).logits
-            finally:
-                ctx.clear()
-            logits_BCV = torch.cat([logits_BCV, rest], dim=1)
+        flat, comp = flat.to(dev), comp.to(dev)
+        logits_BCV = logits_UWV.reshape(n_seq * width, -1)[flat]
         lp_BC = torch.log_softmax(logits_BCV.float(), dim=-1).gather(-1, comp[..., None]).squeeze(-1)
         # into the full rows' layout: completion token j of row i is target prompt_len - 1 + j
         width_T = batch.ids.shape[1] - 1

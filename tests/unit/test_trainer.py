@@ -9,12 +9,13 @@ from mint_core.data.tasks import split
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, _token_logprobs
+from tests.conftest import FAMILIES
 
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
 
 
-def make_trainer(make_engine, **cfg):  # type: ignore[no-untyped-def]
-    engine = make_engine("dense", seed=0, max_loras=4, max_lora_rank=8)
+def make_trainer(make_engine, family="dense", **cfg):  # type: ignore[no-untyped-def]
+    engine = make_engine(family, seed=0, max_loras=4, max_lora_rank=8)
     specs = [
         PolicySpec(name="adder", task="add", rank=4, alpha=8),
         PolicySpec(name="rev", task="reverse", rank=8, alpha=8, learning_rate=5e-3),
@@ -120,8 +121,11 @@ def test_exported_revision_serves_like_the_slot(make_engine, tmp_path):
     )
 
 
-def test_shared_prompt_logprobs_and_gradients_match_full_rows(make_engine):
-    trainer = make_trainer(make_engine)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prompt_logprobs_and_gradients_match_full_rows(make_engine, family):
+    """The packed update (each group's prompt once, its rows' completions behind a block mask) gives the
+    logprobs and gradients of a plain forward over the full rows."""
+    trainer = make_trainer(make_engine, family)
     with torch.no_grad():  # nonzero B so the adapters matter
         for bank in trainer.engine.lora.banks.values():
             bank.B.normal_(0, 0.05)
