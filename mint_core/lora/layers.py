@@ -82,15 +82,15 @@ MIN_RUN = 8
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]] | None:
-    """The runs of equal slots in `slots` as (start, stop, slot), without bare-base (-1) runs; None when the
-    runs average fewer than MIN_RUN rows."""
+    """The runs of equal slots in `slots` as (start, stop, slot), without bare-base (-1) runs; None when there
+    are several runs and they average fewer than MIN_RUN rows."""
     runs: list[tuple[int, int, int]] = []
     start = 0
     for i in range(1, len(slots) + 1):
         if i == len(slots) or slots[i] != slots[start]:
             runs.append((start, i, slots[start]))
             start = i
-    if not slots or len(slots) < MIN_RUN * len(runs):
+    if not slots or (len(runs) > 1 and len(slots) < MIN_RUN * len(runs)):
         return None
     return [r for r in runs if r[2] >= 0]
 
