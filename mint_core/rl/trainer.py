@@ -43,6 +43,10 @@ from mint_core.rl.rollout import RolloutRow, rollout
 
 logger = logging.getLogger(__name__)
 
+# In the packed update, a sequence joins the current bucket (padded to the bucket's longest) while it is at
+# least this fraction of that length; shorter ones start a new bucket.
+PACK_FILL = 0.75
+
 
 class PolicySpec(BaseModel):
     """One policy of a multi-policy run."""
@@ -368,39 +372,56 @@ class MultiPolicyTrainer:
             seq_pos[u].extend(range(p_len, p_len + m - 1))
             seg[u].extend([i] * (m - 1))
             reads.append([p_len - 1, *range(at, at + m - 1)])
-        width = max(len(x) for x in seq_ids)
-        n_seq = len(packed)
-        ids = torch.full((n_seq, width), eng.pad_id, dtype=torch.long)
-        pos = torch.zeros((n_seq, width), dtype=torch.long)
-        seg_t = torch.full((n_seq, width), -2, dtype=torch.long)  # -2: padding
-        for u in range(n_seq):
-            k = len(seq_ids[u])
-            ids[u, :k] = torch.tensor(seq_ids[u])
-            pos[u, :k] = torch.tensor(seq_pos[u])
-            seg_t[u, :k] = torch.tensor(seg[u])
-        # a query sees earlier keys of the prompt and of its own completion; padding sees earlier padding
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = causal & ((seg_t[:, None, :] == -1) | (seg_t[:, None, :] == seg_t[:, :, None]))
-        mask = mask[:, None].to(dev)
-        if attn_impl == "eager":  # an additive mask
-            mask = torch.zeros(mask.shape, dtype=model.dtype, device=dev).masked_fill(
-                ~mask, torch.finfo(model.dtype).min
-            )
-        ctx.set_rows([s for s, _ in packed], dev)
-        try:
-            logits_UWV = model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev)).logits
-        finally:
-            ctx.clear()
+        # Sequences of one policy are about as long as each other, but policies on different tasks are not
+        # (8 short answers against 8 long ones), so one forward padded to the longest wastes much of its work:
+        # sequences run in buckets of similar width (one autograd graph, so one backward still covers all).
+        order = sorted(range(len(packed)), key=lambda u: -len(seq_ids[u]))
+        buckets: list[list[int]] = []
+        for u in order:
+            if buckets and len(seq_ids[u]) >= PACK_FILL * len(seq_ids[buckets[-1][0]]):
+                buckets[-1].append(u)
+            else:
+                buckets.append([u])
+        at_flat: dict[int, int] = {}  # packed sequence -> where its first position lands in the flat logits
+        pieces: list[torch.Tensor] = []
+        offset = 0
+        for bucket in buckets:
+            width = len(seq_ids[bucket[0]])
+            ids = torch.full((len(bucket), width), eng.pad_id, dtype=torch.long)
+            pos = torch.zeros((len(bucket), width), dtype=torch.long)
+            seg_t = torch.full((len(bucket), width), -2, dtype=torch.long)  # -2: padding
+            for j, u in enumerate(bucket):
+                k = len(seq_ids[u])
+                ids[j, :k] = torch.tensor(seq_ids[u])
+                pos[j, :k] = torch.tensor(seq_pos[u])
+                seg_t[j, :k] = torch.tensor(seg[u])
+                at_flat[u] = offset + j * width
+            offset += len(bucket) * width
+            # a query sees earlier keys of the prompt and of its own completion; padding sees earlier padding
+            causal = torch.ones(width, width, dtype=torch.bool).tril()
+            mask = causal & ((seg_t[:, None, :] == -1) | (seg_t[:, None, :] == seg_t[:, :, None]))
+            mask = mask[:, None].to(dev)
+            if attn_impl == "eager":  # an additive mask
+                mask = torch.zeros(mask.shape, dtype=model.dtype, device=dev).masked_fill(
+                    ~mask, torch.finfo(model.dtype).min
+                )
+            ctx.set_rows([packed[u][0] for u in bucket], dev)
+            try:
+                logits = model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev)).logits
+            finally:
+                ctx.clear()
+            pieces.append(logits.reshape(len(bucket) * width, -1))
+        logits_NV = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         # each row's completion logits and targets, right-padded to the longest completion
         c_len = max(comp_lens)
         flat = torch.zeros((n, c_len), dtype=torch.long)
         comp = torch.full((n, c_len), eng.pad_id, dtype=torch.long)
         for i, (u, where) in enumerate(zip(inv, reads, strict=True)):
             m, start = comp_lens[i], batch.prompt_lens[i]
-            flat[i, :m] = torch.tensor(where) + u * width
+            flat[i, :m] = torch.tensor(where) + at_flat[u]
             comp[i, :m] = ids_host[i, start : start + m]
         flat, comp = flat.to(dev), comp.to(dev)
-        logits_BCV = logits_UWV.reshape(n_seq * width, -1)[flat]
+        logits_BCV = logits_NV[flat]
         lp_BC = torch.log_softmax(logits_BCV.float(), dim=-1).gather(-1, comp[..., None]).squeeze(-1)
         # into the full rows' layout: completion token j of row i is target prompt_len - 1 + j
         width_T = batch.ids.shape[1] - 1

@@ -31,13 +31,13 @@ def snapshot(trainer: MultiPolicyTrainer, name: str) -> dict[str, torch.Tensor]:
     }
 
 
-def rows_for(trainer, policy: str, rewards: list[float], group: int) -> list[RolloutRow]:  # type: ignore[no-untyped-def]
-    """Hand-made rollout rows: one prompt, G completions with the given rewards."""
+def rows_for(trainer, policy: str, rewards: list[float], group: int, pad: int = 0) -> list[RolloutRow]:  # type: ignore[no-untyped-def]
+    """Hand-made rollout rows: one prompt, G completions with the given rewards (`pad` more tokens each)."""
     ex = split(trainer.policies[policy].spec.task, 1, 1, 0)[0][0]
     prompt = trainer.engine._encode(ex.prompt)
     out = []
     for g, r in enumerate(rewards):
-        comp = [ord(c) % 250 for c in f"{g}{r}x"]
+        comp = [ord(c) % 250 for c in f"{g}{r}x" + "yz" * pad]
         out.append(RolloutRow(policy, group, ex, prompt, comp, [0.0] * len(comp), "", r, "length"))
     return out
 
@@ -126,14 +126,23 @@ def test_shared_prompt_logprobs_and_gradients_match_full_rows(make_engine, famil
     """The packed update (each group's prompt once, its rows' completions behind a block mask) gives the
     logprobs and gradients of a plain forward over the full rows."""
     trainer = make_trainer(make_engine, family)
-    with torch.no_grad():  # nonzero B so the adapters matter
+    with (
+        torch.no_grad()
+    ):  # nonzero B so the adapters matter, within each policy's rank (beyond it stays zero)
         for bank in trainer.engine.lora.banks.values():
-            bank.B.normal_(0, 0.05)
-            bank.B[-1].zero_()
+            for p in trainer.policies.values():
+                rank = bank._rank[p.slot]
+                if rank:
+                    bank.B[p.slot, ..., :rank, :].normal_(0, 0.05)
+    # rev's completions are much longer than adder's, so the two packed sequences run as two buckets
     rows = rows_for(trainer, "adder", [1.0, 0.0, 0.0, 1.0], 0) + rows_for(
-        trainer, "rev", [1.0, 0.0, 1.0, 0.5], 1
+        trainer, "rev", [1.0, 0.0, 1.0, 0.5], 1, pad=4
     )
     batch = trainer._batch(rows)
+    forwards: list[int] = []
+    hook = trainer.engine.base.model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: forwards.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     weight = torch.randn(batch.comp.shape, generator=torch.Generator().manual_seed(0)) * batch.comp
     banks = list(trainer.engine.lora.banks.values())
     got = {}
@@ -153,6 +162,8 @@ def test_shared_prompt_logprobs_and_gradients_match_full_rows(make_engine, famil
             (lp * weight).sum().backward()
         grads = torch.cat([g.flatten() for b in banks for g in (b.A.grad, b.B.grad) if g is not None])
         got[path] = ((lp * batch.comp).detach(), grads)
+    hook.remove()
+    assert forwards == [8, 1, 1]  # the full rows, then one packed sequence per bucket
     assert torch.allclose(got["full"][0], got["shared"][0], atol=1e-5)
     assert torch.allclose(got["full"][1], got["shared"][1], atol=1e-5)
 
