@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
 import shutil
 import time
@@ -314,9 +316,21 @@ def train(
     data = {t: split(t, prompts * steps, 64, seed) for t in names}
     before = {t: heldout_scores(engine, t, data[t][1]) for t in names}
     curve = []
+    history: list[dict[str, object]] = []  # one row per step and policy: the learning curves
     for s in tqdm(range(steps), desc="GRPO steps", unit="step", disable=not lead):
         stats = trainer.step({t: data[t][0][s * prompts : (s + 1) * prompts] for t in names})
         curve.append(stats.reward)
+        for t in names:
+            history.append(
+                {
+                    "step": s + 1,
+                    "policy": t,
+                    "reward": stats.reward.get(t),
+                    "loss": stats.loss.get(t),
+                    "kept_groups": stats.kept_groups.get(t, 0),
+                    "seconds": round(stats.seconds, 4),
+                }
+            )
     after = {t: heldout_scores(engine, t, data[t][1]) for t in names}
     table = Table("policy", "held-out exact match before", "after", "train reward first step", "last step")
     for t in names:
@@ -331,6 +345,14 @@ def train(
     if not lead:
         return
     console.print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "curve.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", "policy", "reward", "loss", "kept_groups", "seconds"])
+        writer.writeheader()
+        writer.writerows(history)
+    summary = {t: {"heldout_before": before[t], "heldout_after": after[t]} for t in names}
+    (out / "summary.json").write_text(json.dumps({"steps": steps, "policies": summary}, indent=2) + "\n")
+    console.print(f"learning curves: {out / 'curve.csv'}; held-out before/after: {out / 'summary.json'}")
     for t in names:
         digest = trainer.export(t, out / "revisions" / f"{t}-step{steps}")
         console.print(f"exported {t}: sha256:{digest[:16]} -> {out / 'revisions' / f'{t}-step{steps}'}")

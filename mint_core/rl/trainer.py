@@ -474,7 +474,9 @@ class MultiPolicyTrainer:
         losses: dict[str, float],
         extra: dict[str, dict[str, float]],
     ) -> StepStats:
-        reward = {p: float(torch.tensor([r.reward for r in rows if r.policy == p]).mean()) for p in losses}
+        # every policy that rolled out, also one whose groups all lacked variance (it took no step)
+        rolled = dict.fromkeys(r.policy for r in rows)
+        reward = {p: float(torch.tensor([r.reward for r in rows if r.policy == p]).mean()) for p in rolled}
         kept = {
             p: len({r.group for r, k in zip(rows, batch.keep.tolist(), strict=True) if r.policy == p and k})
             for p in losses

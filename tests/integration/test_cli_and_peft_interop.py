@@ -3,6 +3,8 @@ adapters made by PEFT itself (as a user's training job would), inspected, conver
 
 from __future__ import annotations
 
+import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +114,28 @@ def test_demo_runs_and_every_mixed_row_matches_its_solo_run(tmp_path):
     assert "is refused before anything changes" in result.stdout
     assert result.stdout.count("✓") >= 5 + 4  # four steps + five rows
     assert "✗" not in result.stdout
+
+
+def test_mint_train_writes_curves_summary_and_revisions(tmp_path):
+    base = tmp_path / "base"
+    mint("base", "build-tiny", str(base), "--family", "dense", "--seed", "0")
+    out = tmp_path / "run"
+    mint(
+        "train", "--policies", "add,sort", "--base", str(base), "--steps", "2", "--prompts", "2",
+        "--group", "2", "--out", str(out),
+    )  # fmt: skip
+    rows = list(csv.DictReader((out / "curve.csv").open()))
+    assert [(r["step"], r["policy"]) for r in rows] == [
+        ("1", "add"),
+        ("1", "sort"),
+        ("2", "add"),
+        ("2", "sort"),
+    ]
+    assert all(0.0 <= float(r["reward"]) <= 1.0 and float(r["seconds"]) > 0 for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and set(summary["policies"]) == {"add", "sort"}
+    for name in ("add", "sort"):
+        scores = summary["policies"][name]
+        assert 0.0 <= scores["heldout_before"] <= 1.0 and 0.0 <= scores["heldout_after"] <= 1.0
+        assert (out / "revisions" / f"{name}-step2" / "adapter_model.safetensors").is_file()
+    assert (out / "state" / "state.json").is_file()
