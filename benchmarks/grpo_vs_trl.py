@@ -46,10 +46,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, TrainerCallback
+from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mixed_adapter_decode
 from _common import report
+from mixed_adapter_decode import TARGETS
 
 from mint_core.data.tasks import split
 from mint_core.engine.base import from_model
@@ -59,28 +61,19 @@ from mint_core.rl.grpo import GRPOConfig as MintGRPOConfig
 from mint_core.rl.rewards import reward
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TASK = "add"
 REWARD = "char_overlap"
 
 
 def build_model(seed: int, tokenizer: Any) -> LlamaForCausalLM:
     """mixed_adapter_decode.py's 6-layer 256-wide Llama, with the byte tokenizer's vocabulary and specials."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=256,
+    return mixed_adapter_decode.build_model(
+        seed,
+        len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import PeftModel
@@ -36,7 +37,8 @@ from mint_core.lora.adapter import random_adapter, save_adapter
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def build_model(seed: int, vocab: int, attn: str) -> LlamaForCausalLM:
+def build_model(seed: int, vocab: int, attn: str = "sdpa", **config: Any) -> LlamaForCausalLM:
+    """The benchmarks' 6-layer, 256-wide Llama with random weights (`config`: more LlamaConfig fields)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab,
@@ -46,6 +48,7 @@ def build_model(seed: int, vocab: int, attn: str) -> LlamaForCausalLM:
         num_attention_heads=8,
         num_key_value_heads=8,
         max_position_embeddings=256,
+        **config,
     )
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg).eval()

@@ -116,7 +116,6 @@ def data_check(
     ] = None,
 ) -> None:
     """Validate a dataset with its Great Expectations suite; exit 1 naming every failing expectation."""
-    import json
     from typing import cast
 
     from mint_core.data.checks import KINDS, CheckParams, Kind, check, read_table
@@ -407,33 +406,33 @@ def run_cmd(
     prefect_port: Annotated[int | None, typer.Option(help="\\[default: 4200]")] = None,
     serve_port: Annotated[int | None, typer.Option(help="\\[default: 8000]")] = None,
     config: Annotated[
-        Path | None, typer.Option(help="YAML/JSON of MainJobConfig fields (flags win over it).")
+        Path | None,
+        typer.Option(help="YAML/JSON of MainJobConfig fields; then MINT_RUN_<FIELD> variables, then flags."),
     ] = None,
 ) -> None:
     """The main job: build what is missing (DVC), start the servers, train/evaluate/gate/promote/serve a wave
     of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
     (`mint down` stops them)."""
-    from pydantic import ValidationError
+    from mint_core.main_job import ENV_PREFIX, MainJobConfig, MainJobError, run_main_job
+    from mint_core.settings import load_settings
 
-    from mint_core.main_job import MainJobConfig, MainJobError, run_main_job
-
-    doc = _flow_params(config)
-    flags = {
-        "policies": None if policies is None else [t.strip() for t in policies.split(",") if t.strip()],
-        "steps": steps,
-        "first_steps": first_steps,
-        "eval_limit": eval_limit,
-        "state_dir": state_dir,
-        "round": round,
-        "mlflow_port": mlflow_port,
-        "prefect_port": prefect_port,
-        "serve_port": serve_port,
-    }
-    doc.update({k: v for k, v in flags.items() if v is not None})
-    doc["build"] = build and doc.get("build", True)
     try:
-        cfg = MainJobConfig.model_validate(doc)
-    except ValidationError as e:
+        cfg = load_settings(
+            MainJobConfig,
+            ENV_PREFIX,
+            config,
+            policies=None if policies is None else [t.strip() for t in policies.split(",") if t.strip()],
+            steps=steps,
+            first_steps=first_steps,
+            eval_limit=eval_limit,
+            state_dir=state_dir,
+            round=round,
+            mlflow_port=mlflow_port,
+            prefect_port=prefect_port,
+            serve_port=serve_port,
+            build=None if build else False,  # --no-build wins; the default leaves the file's value
+        )
+    except ValueError as e:  # pydantic's ValidationError included
         raise typer.BadParameter(str(e)) from None
     try:
         run_main_job(cfg, console)
@@ -444,17 +443,14 @@ def run_cmd(
 
 def _flow_params(path: Path | None) -> dict[str, Any]:
     """A flow's parameters from a YAML or JSON file (the same fields as its Prefect form); {} without one."""
-    import json
-
-    import yaml
+    from mint_core.settings import read_mapping
 
     if path is None:
         return {}
-    text = path.read_text()
-    doc = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-    if not isinstance(doc, dict):
-        raise typer.BadParameter(f"{path}: expected a mapping of flow parameters")
-    return doc
+    try:
+        return read_mapping(path, "flow parameters")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def _run_wave(one: bool, doc: dict[str, Any]) -> None:

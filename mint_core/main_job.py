@@ -47,6 +47,10 @@ STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
 """The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""
 
 
+ENV_PREFIX = "MINT_RUN_"
+"""`mint run` reads MainJobConfig fields from MINT_RUN_<FIELD> environment variables (after its --config file)."""
+
+
 class MainJobError(MintError):
     """The main job could not go on; says which step and what to do."""
 
@@ -281,7 +285,8 @@ def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Wo
     )
 
 
-def _redis_up(host: str, port: int) -> bool:
+def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
+    """Whether a Redis answers PING there."""
     try:
         with socket.create_connection((host, port), timeout=1) as s:
             s.sendall(b"PING\r\n")
@@ -294,7 +299,7 @@ def ensure_redis(cfg: MainJobConfig) -> str:
     """Redis for the promotion locks: the one running, else a redis-server started here (local URLs only)."""
     url = urlparse(cfg.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
-    if _redis_up(host, port):
+    if redis_up(host, port):
         return f"Redis at {host}:{port}: running"
     server = shutil.which("redis-server")
     if host not in ("127.0.0.1", "localhost") or server is None:
@@ -325,7 +330,7 @@ def ensure_redis(cfg: MainJobConfig) -> str:
         check=True,
     )
     deadline = time.monotonic() + 10
-    while not _redis_up(host, port):
+    while not redis_up(host, port):
         if time.monotonic() > deadline:
             raise MainJobError(f"redis-server did not answer at {host}:{port}; see {run_dir / 'redis.log'}")
         time.sleep(0.1)
@@ -535,7 +540,8 @@ def show_rollback(cfg: MainJobConfig, ws: Workspace, policy: str, console: Conso
     text, fp = served_answer(ws, policy, prompt)
     who = _who(fp, reg.revision(policy, before).digest, f"{policy}/v{before}")
     console.print(
-        Text(f"before: {policy} answers {prompt!r} with {text.strip()!r}, answered by ") + _markup(who)
+        Text(f"before: {policy} answers {prompt!r} with {text.strip()!r}, answered by ")
+        + Text.from_markup(who)
     )
     state = rollback_flow(
         policy=policy, reason="the main job shows a rollback", workspace=ws, return_state=True
@@ -552,14 +558,10 @@ def show_rollback(cfg: MainJobConfig, ws: Workspace, policy: str, console: Conso
     console.print(
         Text(f"after:  {policy} answers {prompt!r} with {text.strip()!r} (expected {expected.strip()!r}), ")
         + Text("answered by ")
-        + _markup(who)
+        + Text.from_markup(who)
     )
     summary = f"{policy}: v{moved.from_version} -> v{moved.to_version}"
     return summary, str(state.state_details.flow_run_id)
-
-
-def _markup(text: str) -> Text:
-    return Text.from_markup(text)
 
 
 # ---- the job --------------------------------------------------------------------------------------------

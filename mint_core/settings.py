@@ -13,16 +13,19 @@ from pydantic import BaseModel
 M = TypeVar("M", bound=BaseModel)
 
 
+def read_mapping(path: Path, what: str = "settings") -> dict[str, Any]:
+    """A YAML (.yaml/.yml) or JSON file holding one mapping; ValueError naming the file otherwise."""
+    path = Path(path)
+    text = path.read_text()
+    loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of {what}")
+    return loaded
+
+
 def load_settings(cls: type[M], env_prefix: str, path: Path | None = None, **overrides: Any) -> M:
     """File values, then `<env_prefix><FIELD>` environment variables, then explicit (non-None) overrides."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        text = path.read_text()
-        loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a mapping of settings")
-        values.update(loaded)
+    values: dict[str, Any] = {} if path is None else read_mapping(path)
     for name in cls.model_fields:
         env = os.environ.get(env_prefix + name.upper())
         if env is not None:

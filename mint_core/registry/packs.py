@@ -144,23 +144,7 @@ class PackReader:
     def read(self, location: str, spec: BaseSpec, name: str | None = None) -> AdapterWeights:
         """The member at `<pack>#<i>`, validated against the base and verified against its recorded digest."""
         path, _, index_text = location.rpartition("#")
-        label = name or location
-        try:
-            f, meta = self._handle(path)
-        except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
-            raise AdapterError(label, location, [f"pack file unreadable: {e}"]) from e
-        i = int(index_text)
-        n = int(meta["n"])
-        if not 0 <= i < n:
-            raise AdapterError(label, location, [f"index {i} is outside the pack (it holds {n})"])
-        tensors = {}
-        for key in f.keys():  # type: ignore[attr-defined]  # noqa: SIM118 (a safetensors handle, not a dict)
-            if key.startswith("A."):
-                site = key[2:]
-                tensors[site] = (f.get_slice(key)[i], f.get_slice(f"B.{site}")[i])  # type: ignore[attr-defined]
-        digest = _hex(f.get_slice(DIGESTS)[i])  # type: ignore[attr-defined]
-        checksum = _hex(f.get_slice(CHECKSUMS)[i])  # type: ignore[attr-defined]
-        member = self._member(tensors, meta, spec, digest, checksum, label, location)
+        (member,) = self.read_many(path, [(int(index_text), name or location)], spec)
         if isinstance(member, AdapterError):
             raise member
         return member

@@ -331,8 +331,8 @@ class MultiPolicyTrainer:
         one sequence per distinct (slot, prompt), its prompt once and then the completions of its rows one
         after another, each completion attending to the prompt and to its own earlier tokens only (a block
         mask) at the positions it had in its own row. The prompt's forward and backward are paid once per
-        group, not G times, in one forward with no copies of its keys and values; the logprobs and gradients
-        are those of the full rows. Otherwise (no shared prompt, no prompt lengths, or an attention
+        group, not G times, with no copies of its keys and values; sequences of similar length share a forward
+        (`PACK_FILL`). The logprobs and gradients are those of the full rows. Otherwise (no shared prompt, no prompt lengths, or an attention
         implementation that takes no custom mask) one forward over the full rows."""
         eng = self.engine
         model = eng.base.model
@@ -371,7 +371,7 @@ class MultiPolicyTrainer:
             seq_ids[u].extend(ids_host[i, p_len : p_len + m - 1].tolist())
             seq_pos[u].extend(range(p_len, p_len + m - 1))
             seg[u].extend([i] * (m - 1))
-            reads.append([p_len - 1, *range(at, at + m - 1)])
+            reads.append([p_len - 1, *range(at, at + m - 1)][:m])  # none for an empty completion
         # Sequences of one policy are about as long as each other, but policies on different tasks are not
         # (8 short answers against 8 long ones), so one forward padded to the longest wastes much of its work:
         # sequences run in buckets of similar width (one autograd graph, so one backward still covers all).

@@ -30,6 +30,28 @@ from mint_core.services import Service, ServiceName, ServicesConfig, start, stop
 from mint_core.serving.client import ServingClient
 
 
+def mint_cli(
+    *args: str,
+    timeout: float = 300,
+    check: bool = False,
+    cwd: Path | None = None,
+    unset: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    """`mint <args>` in a subprocess of this interpreter: a wide terminal (rich wraps no table row or URL), no
+    telemetry, no hub; the variables named in `unset` left out of its environment."""
+    full = {k: v for k, v in os.environ.items() if k not in unset}
+    full.update({"COLUMNS": "240", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "mint_core.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=timeout,
+        check=check,
+    )
+
+
 @dataclass
 class Endpoint:
     url: str  # http://host:port

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,13 @@ from transformers import AutoModelForCausalLM
 
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
+from tests.integration.conftest import mint_cli
 
 pytestmark = pytest.mark.integration
 
-MINT = [sys.executable, "-m", "mint_core.cli"]
-
 
 def mint(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MINT, *args], capture_output=True, text=True, check=check, timeout=300)
+    return mint_cli(*args, check=check)
 
 
 def peft_adapter(base_dir: Path, out: Path, config: LoraConfig, seed: int) -> None:

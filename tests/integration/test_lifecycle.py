@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revision
 from mint_core.lora.adapter import random_adapter
+from mint_core.main_job import redis_up
 from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable, UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
@@ -78,20 +78,11 @@ class Stack:
         return {k: int(v) for k, v in (rm.aliases or {}).items()}
 
 
-def _redis_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def stack(
     mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    if not _redis_up():
+    if not redis_up():
         pytest.skip("Redis is not running at 127.0.0.1:6379 (the promotion lock)")
     root = tmp_path_factory.mktemp("lifecycle")
     base_dir = root / "base"

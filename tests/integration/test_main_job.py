@@ -5,54 +5,30 @@ rollback, where to look; then a second run that reuses the servers and the champ
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.conftest import free_port
+from mint_core.main_job import redis_up
+from tests.integration.conftest import free_port, mint_cli
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ["add", "sort", "reverse"]
 
 
-def _redis_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 6379), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 def mint(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "COLUMNS": "200",  # no wrapped table rows or URLs
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "HF_HUB_OFFLINE": "1",
-    }
-    env.pop("MINT_SERVE_ADMIN_TOKEN", None)  # the job's server gets the token kept in its state dir
-    return subprocess.run(
-        [sys.executable, "-m", "mint_core.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    # the job's server gets the admin token kept in its state dir, not one from the environment
+    return mint_cli(*args, timeout=timeout, cwd=ROOT, unset=("MINT_SERVE_ADMIN_TOKEN",))
 
 
 def test_main_job_end_to_end(tmp_path: Path) -> None:
     if not (ROOT / "data" / "base" / "config.json").is_file() or not (ROOT / "eval_suites" / "data").is_dir():
         pytest.skip("the built-in base and eval suites are not built (dvc repro)")
-    if not _redis_up():
+    if not redis_up():
         pytest.skip("Redis is not running at 127.0.0.1:6379 (the promotion lock)")
     state = tmp_path / "mint"
     ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}

@@ -14,21 +14,13 @@ import pytest
 
 from mint_core import services
 from mint_core.services import ServicesConfig, stop
-from tests.integration.conftest import free_port
+from tests.integration.conftest import free_port, mint_cli
 
 pytestmark = pytest.mark.integration
 
 
 def mint(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    # wide enough that rich never wraps a URL of the status table
-    env = {**os.environ, "COLUMNS": "240", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    return subprocess.run(
-        [sys.executable, "-m", "mint_core.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
+    return mint_cli(*args, timeout=timeout)
 
 
 def gone(pid: int) -> bool:

@@ -29,3 +29,33 @@ def test_bad_settings_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("MINT_SERVE_MAX_LORAS", "zero")
     with pytest.raises(ValueError, match="max_loras"):
         ServingConfig.load()
+
+
+def test_mint_run_takes_file_env_and_flags_and_refuses_bad_values_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from mint_core import main_job
+    from mint_core.cli import app
+
+    seen: list[main_job.MainJobConfig] = []
+    monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: seen.append(cfg))
+    f = tmp_path / "run.yaml"
+    f.write_text("steps: 3\nfirst_steps: 2\nrank: 4\nbuild: true\n")
+    monkeypatch.setenv("MINT_RUN_RANK", "6")
+    out = CliRunner().invoke(
+        app, ["run", "--config", str(f), "--steps", "7", "--no-build", "--policies", "add"]
+    )
+    assert out.exit_code == 0, out.output
+    (cfg,) = seen
+    assert (cfg.steps, cfg.first_steps, cfg.rank, cfg.build, cfg.policies) == (7, 2, 6, False, ["add"])
+
+    monkeypatch.setenv("MINT_RUN_RANK", "six")
+    out = CliRunner().invoke(app, ["run", "--config", str(f)])
+    assert out.exit_code == 2 and "rank" in out.output
+    f.write_text("- steps\n")
+    monkeypatch.delenv("MINT_RUN_RANK")
+    out = CliRunner().invoke(app, ["run", "--config", str(f)])
+    assert out.exit_code == 2 and "expected a mapping" in out.output
+    assert len(seen) == 1  # nothing ran for the bad ones

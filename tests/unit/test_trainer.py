@@ -188,3 +188,18 @@ def test_micro_batches_update_like_one_batch(make_engine, micro_batch_rows, loss
     for name in ("adder", "rev"):
         wa, wb = snapshot(one, name), snapshot(many, name)
         assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa), name
+
+
+def test_an_empty_completion_in_a_group_is_no_target_and_no_error(make_engine):
+    """A sample that generated nothing (e.g. aborted) contributes no token to the loss; its group still trains."""
+    trainer = make_trainer(make_engine)
+    rows = rows_for(trainer, "adder", [1.0, 0.0, 0.0, 1.0], 0)
+    rows[2].completion_ids, rows[2].sampling_logprobs = [], []
+    batch = trainer._batch(rows)
+    assert batch.comp[2].sum() == 0 and batch.comp[0].sum() > 0
+    lp = trainer._logprobs(batch, batch.slots)
+    assert torch.isfinite(lp).all()
+    before = snapshot(trainer, "adder")
+    stats = trainer.update(rows)
+    assert stats.kept_groups["adder"] == 1
+    assert any(not torch.equal(before[k], v) for k, v in snapshot(trainer, "adder").items())
