@@ -85,12 +85,12 @@ def write_per_expert(lora: LoRAModel, slot: int, host: dict[str, ExpertTensors],
     """One copy per expert tensor into the slot (the bank's `filled` bookkeeping is left out: no forward runs)."""
     for name, experts in host.items():
         bank = lora.banks[name]
-        A_EIR, B_ERO = bank.A[slot], bank.B[slot]
-        A_EIR.zero_()
+        A_ERI, B_ERO = bank.A[slot], bank.B[slot]
+        A_ERI.zero_()
         B_ERO.zero_()
         for e, A, Bs in experts:
             r = A.shape[0]
-            A_EIR[e, :, :r].copy_(A.T)
+            A_ERI[e, :r].copy_(A)
             for offset, B in Bs:
                 B_ERO[e, :r, offset : offset + B.shape[0]].copy_(B.T)
         B_ERO.mul_(scale)

@@ -236,9 +236,9 @@ class PolicyFactors(nn.Module):
             p = self._policies[name]
             for site, A, B in factors:
                 pad = lora.banks[site].max_rank - p.spec.rank
-                A_IR = F.pad(A.transpose(-1, -2), (0, pad))
+                A_RI = F.pad(A, (0, 0, 0, pad))
                 B_RO = F.pad((B * p.scale).transpose(-1, -2), (0, 0, 0, pad))
-                per_site.setdefault(site, {})[p.slot] = (A_IR, B_RO)
+                per_site.setdefault(site, {})[p.slot] = (A_RI, B_RO)
         banks = []
         tensors = {}
         for i, (site, by_slot) in enumerate(per_site.items()):
@@ -246,9 +246,9 @@ class PolicyFactors(nn.Module):
             zero_A = bank.A.new_zeros(bank.A.shape[1:])
             zero_B = bank.B.new_zeros(bank.B.shape[1:])
             slots = range(bank.A.shape[0])
-            A_SIR = torch.stack([by_slot[s][0] if s in by_slot else zero_A for s in slots])
+            A_SRI = torch.stack([by_slot[s][0] if s in by_slot else zero_A for s in slots])
             B_SRO = torch.stack([by_slot[s][1] if s in by_slot else zero_B for s in slots])
-            tensors[f"banks.{i}.A"] = A_SIR.to(bank.A.dtype)
+            tensors[f"banks.{i}.A"] = A_SRI.to(bank.A.dtype)
             tensors[f"banks.{i}.B"] = B_SRO.to(bank.B.dtype)
             banks.append(bank)
         return banks, tensors

@@ -85,7 +85,7 @@ def test_padded_rank_columns_stay_zero(make_engine):
     p = trainer.policies["adder"]  # rank 4 in rank-8 slots
     for s in p.sites:
         bank = trainer.engine.lora.banks[s]
-        assert not bank.A[p.slot][..., 4:].any() and not bank.B[p.slot][4:, :].any()
+        assert not bank.A[p.slot][..., 4:, :].any() and not bank.B[p.slot][4:, :].any()
 
 
 def test_state_resumes_where_it_stopped(make_engine, tmp_path):
