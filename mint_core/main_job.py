@@ -297,6 +297,8 @@ def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
 
 def ensure_redis(cfg: MainJobConfig) -> str:
     """Redis for the promotion locks: the one running, else a redis-server started here (local URLs only)."""
+    from mint_core.services import REDIS_PIDFILE
+
     url = urlparse(cfg.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     if redis_up(host, port):
@@ -323,7 +325,7 @@ def ensure_redis(cfg: MainJobConfig) -> str:
             "--daemonize",
             "yes",
             "--pidfile",
-            str(run_dir / "redis.pid"),
+            str(run_dir / REDIS_PIDFILE),
             "--logfile",
             str(run_dir / "redis.log"),
         ],
@@ -334,7 +336,7 @@ def ensure_redis(cfg: MainJobConfig) -> str:
         if time.monotonic() > deadline:
             raise MainJobError(f"redis-server did not answer at {host}:{port}; see {run_dir / 'redis.log'}")
         time.sleep(0.1)
-    return f"Redis at {host}:{port}: started (stop: redis-cli -p {port} shutdown)"
+    return f"Redis at {host}:{port}: started (`mint down` stops it)"
 
 
 # ---- 3. waves ----------------------------------------------------------------------------------------------

@@ -549,6 +549,30 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
     return [results[n] for n in names]
 
 
+# Pid file (in the state dir) of the redis-server that `mint run` starts when no Redis answers on a local URL.
+REDIS_PIDFILE = "redis.pid"
+
+
+def stop_started_redis(config: ServicesConfig) -> int | None:
+    """Stop the redis-server that `mint run` started (its pid file in the state dir); returns its pid, or None
+    when there was none. A Redis that mint did not start (a system service) has no pid file there and is left
+    alone, as is a pid now held by some other program."""
+    pidfile = config.state_dir / REDIS_PIDFILE
+    try:
+        pid = int(pidfile.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        pidfile.unlink(missing_ok=True)
+        return None
+    if b"redis-server" not in cmdline:
+        pidfile.unlink(missing_ok=True)
+        return None
+    _terminate(pid, config.stop_timeout)
+    pidfile.unlink(missing_ok=True)
+    logger.info("stopped redis-server (pid %d)", pid)
+    return pid
+
+
 def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
     """Stop the named services (all by default; serve first, MLflow last): SIGTERM, then SIGKILL after
     stop_timeout. Returns what was running before (an empty state for those that were not)."""

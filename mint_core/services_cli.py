@@ -19,6 +19,7 @@ from mint_core.services import (
     start,
     status,
     stop,
+    stop_started_redis,
 )
 
 console = Console()
@@ -120,11 +121,16 @@ def up(
 
 
 def down(only: Only = None, state_dir: StateDir = None, config: ConfigFile = None) -> None:
-    """Stop the local services started by `mint up` (SIGTERM, then SIGKILL after a timeout)."""
+    """Stop the local services started by `mint up` (SIGTERM, then SIGKILL after a timeout), and the redis-server
+    that `mint run` started if it started one (not with --only)."""
     names = _names(only)
     cfg = _config(config, state_dir=state_dir)
     for s in stop(cfg, names):
         console.print(f"{TITLES[s.name]}: " + (f"stopped (pid {s.pid})" if s.pid else "was not running"))
+    if only is None:
+        redis = stop_started_redis(cfg)
+        if redis is not None:
+            console.print(f"Redis (started by mint run): stopped (pid {redis})")
 
 
 def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile = None) -> None:

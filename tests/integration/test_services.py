@@ -201,3 +201,24 @@ def test_flow_run_reports_to_prefect_server(prefect_server: str) -> None:
     assert run["state"]["type"] == "COMPLETED"
     flows = httpx.post(f"{prefect_server}/flows/filter", json={}, trust_env=False).json()
     assert "mint-services-smoke" in [f["name"] for f in flows]
+
+
+def test_down_stops_the_redis_that_mint_run_started(tmp_path: Path) -> None:
+    from mint_core.main_job import MainJobConfig, ensure_redis, redis_up
+
+    port = free_port()
+    cfg = MainJobConfig(state_dir=tmp_path, redis_url=f"redis://127.0.0.1:{port}/0")
+    assert "started" in ensure_redis(cfg)  # nothing answered on that port: the job starts its own
+    pid = int((tmp_path / "run" / "redis.pid").read_text())
+    try:
+        assert redis_up("127.0.0.1", port)
+        assert "running" in ensure_redis(cfg)  # a second run reuses it
+        down = mint("down", "--state-dir", str(tmp_path / "run"))
+        assert down.returncode == 0, down.stderr
+        assert f"Redis (started by mint run): stopped (pid {pid})" in down.stdout, down.stdout
+        assert gone(pid) and not redis_up("127.0.0.1", port)
+        again = mint("down", "--state-dir", str(tmp_path / "run"))  # nothing left to stop: no Redis line
+        assert again.returncode == 0 and "Redis" not in again.stdout, again.stdout
+    finally:
+        if not gone(pid):
+            os.kill(pid, 9)
