@@ -222,3 +222,20 @@ def test_down_stops_the_redis_that_mint_run_started(tmp_path: Path) -> None:
     finally:
         if not gone(pid):
             os.kill(pid, 9)
+
+
+def test_down_leaves_a_process_that_is_not_redis_alone(tmp_path: Path) -> None:
+    """A pid file naming some other live process (the pid was reused) or a process that is gone is removed and
+    nothing is killed."""
+    from mint_core.services import REDIS_PIDFILE, stop_started_redis
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (other.pid, 2**22 + 1):
+            (tmp_path / REDIS_PIDFILE).write_text(f"{pid}\n")
+            assert stop_started_redis(ServicesConfig(state_dir=tmp_path)) is None
+            assert not (tmp_path / REDIS_PIDFILE).exists()
+        assert other.poll() is None  # still running
+    finally:
+        other.kill()
+        other.wait()
