@@ -6,7 +6,7 @@ rank (8), on `--device` (CPU by default); one random rank-8 adapter on all of th
 
 Main figure, from host memory (a revision as it sits in the host cache, into a device slot the engine can run):
   packed      the layout mint keeps: one tensor per layer, projection and factor for all experts, held in the
-              host cache already in slot layout (`LoRAModel.prepare`: A [E, in, r], B [E, r, out] with the scale
+              host cache already in slot layout (`LoRAModel.prepare`: A [E, r, in], B [E, r, out] with the scale
               folded in, done once when the revision is read, not timed), written by `LoRAModel.write_prepared`,
               the call `WorkingSet.acquire` makes on a miss
   per_expert  the layout PEFT's per-expert files and vLLM keep: one lora_A / lora_B per expert and projection

@@ -14,10 +14,18 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def read_mapping(path: Path, what: str = "settings") -> dict[str, Any]:
-    """A YAML (.yaml/.yml) or JSON file holding one mapping; ValueError naming the file otherwise."""
+    """A YAML (.yaml/.yml) or JSON file holding one mapping; ValueError naming the file otherwise (missing,
+    unreadable, not YAML/JSON, or not a mapping)."""
     path = Path(path)
-    text = path.read_text()
-    loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the {what} file: {e.strerror or e}") from None
+    try:
+        loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+        raise ValueError(f"{path}: not valid {kind}: {' '.join(str(e).split())}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a mapping of {what}")
     return loaded

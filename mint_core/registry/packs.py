@@ -144,6 +144,8 @@ class PackReader:
     def read(self, location: str, spec: BaseSpec, name: str | None = None) -> AdapterWeights:
         """The member at `<pack>#<i>`, validated against the base and verified against its recorded digest."""
         path, _, index_text = location.rpartition("#")
+        if not path or not index_text.isdigit():
+            raise AdapterError(name or location, location, ["a pack location is <pack file>#<member index>"])
         (member,) = self.read_many(path, [(int(index_text), name or location)], spec)
         if isinstance(member, AdapterError):
             raise member

@@ -332,8 +332,9 @@ class MultiPolicyTrainer:
         after another, each completion attending to the prompt and to its own earlier tokens only (a block
         mask) at the positions it had in its own row. The prompt's forward and backward are paid once per
         group, not G times, with no copies of its keys and values; sequences of similar length share a forward
-        (`PACK_FILL`). The logprobs and gradients are those of the full rows. Otherwise (no shared prompt, no prompt lengths, or an attention
-        implementation that takes no custom mask) one forward over the full rows."""
+        (`PACK_FILL`). The logprobs and gradients are those of the full rows. Otherwise (no shared prompt, no
+        prompt lengths, or an attention implementation that takes no custom mask) one forward over the full
+        rows."""
         eng = self.engine
         model = eng.base.model
         ctx = eng.lora.ctx

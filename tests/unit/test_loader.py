@@ -117,6 +117,15 @@ def test_packed_members_load_and_verify(setup) -> None:  # type: ignore[no-untyp
     engine.load_adapter("m3", tmp / "m3")
     assert torch.allclose(_logits(engine, f"sha256:{digests[3]}"), _logits(engine, "m3"), rtol=0, atol=0)
 
+    # a location that is not <pack>#<index>, or an index outside the pack, is named
+    for bad, why in (
+        (f"{pack}#x", "a pack location is"),
+        (str(pack), "a pack location is"),
+        (f"{pack}#9", "outside"),
+    ):
+        with pytest.raises(AdapterError, match=why):
+            loader._packs.read(bad, engine.spec)
+
     # a pack changed on disk is caught on read
     raw = bytearray(pack.read_bytes())
     n = int.from_bytes(raw[:8], "little")

@@ -8,6 +8,7 @@ import pytest
 
 from mint_core.services import ServicesConfig
 from mint_core.serving.config import ServingConfig
+from mint_core.settings import read_mapping
 
 
 def test_file_then_env_then_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,6 +30,26 @@ def test_bad_settings_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("MINT_SERVE_MAX_LORAS", "zero")
     with pytest.raises(ValueError, match="max_loras"):
         ServingConfig.load()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("missing.yaml", None, "cannot read the settings file"),
+        ("broken.yaml", "a: [1,\n", "not valid YAML"),
+        ("broken.json", "{bad json", "not valid JSON"),
+        ("list.yaml", "- 1\n", "expected a mapping of settings"),
+    ],
+)
+def test_a_settings_file_that_cannot_be_used_is_named(
+    tmp_path: Path, name: str, text: str | None, message: str
+) -> None:
+    f = tmp_path / name
+    if text is not None:
+        f.write_text(text)
+    with pytest.raises(ValueError, match=message) as e:
+        read_mapping(f)
+    assert str(f) in str(e.value)
 
 
 def test_mint_run_takes_file_env_and_flags_and_refuses_bad_values_before_any_work(
@@ -58,4 +79,6 @@ def test_mint_run_takes_file_env_and_flags_and_refuses_bad_values_before_any_wor
     monkeypatch.delenv("MINT_RUN_RANK")
     out = CliRunner().invoke(app, ["run", "--config", str(f)])
     assert out.exit_code == 2 and "expected a mapping" in out.output
+    out = CliRunner().invoke(app, ["run", "--config", str(tmp_path / "none.yaml")])
+    assert out.exit_code == 2 and "cannot read" in out.output, out.output
     assert len(seen) == 1  # nothing ran for the bad ones
