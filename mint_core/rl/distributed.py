@@ -43,6 +43,7 @@ from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.logprobs import token_logprobs
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import (
     MultiPolicyTrainer,
@@ -50,7 +51,6 @@ from mint_core.rl.trainer import (
     PolicyState,
     StepStats,
     _Adam,
-    _token_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         batch = self._batch(rows)
         ref = self._reference(batch)
         with torch.enable_grad(), self.engine._forward_lock:
-            lp = _token_logprobs(self.ds(batch.ids, batch.attn, batch.slots), batch.ids)
+            lp = token_logprobs(self.ds(batch.ids, batch.attn, batch.slots), batch.ids)
             total, losses, extra = self._losses(rows, batch, lp, ref)
             self.optimizer.active = self._agree(set(losses))
             self.ds.backward(total)

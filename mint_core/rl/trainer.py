@@ -22,6 +22,7 @@ PEFT's parameterisation (where the scale multiplies B in the forward).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import logging
@@ -30,18 +31,31 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
 from mint_core.lora.adapter import AdapterWeights, save_adapter
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss
+from mint_core.rl.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.rl.rollout import RolloutRow, rollout
 
 logger = logging.getLogger(__name__)
+
+# Model types whose causal LM ends in a plain linear projection to the vocabulary (no scaling or soft-capping of
+# the logits after it): the update fuses that projection with its log-softmax (see `_output_mode`).
+PLAIN_HEAD_FAMILIES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"}
+)
+
+# The update fuses the output projection with its log-softmax (`_output_mode` "hidden") only when the logits it
+# would otherwise hold, float32 at the predicted positions, reach this size: below it, making them once is faster.
+FUSED_HEAD_MIN_BYTES = 512 * 2**20
 
 # In the packed update, a sequence joins the current bucket (padded to the bucket's longest) while it is at
 # least this fraction of that length; shorter ones start a new bucket.
@@ -171,6 +185,10 @@ class MultiPolicyTrainer:
                 )
             self.policies[spec.name] = PolicyState(spec, slot, sites, self._zero_adam(sites))
         self.steps = 0
+        self._output: Literal["hidden", "logits", "full"] | None = None  # see _output_mode
+        self.last_output: str | None = (
+            None  # the way the last packed forward got its logprobs out (_output_mode)
+        )
 
     # ---- setup ----------------------------------------------------------------------------------------
 
@@ -324,7 +342,7 @@ class MultiPolicyTrainer:
             return self._logprobs(batch, [-1] * len(batch.slots))
 
     def _logprobs(self, batch: _Batch, slots: list[int]) -> torch.Tensor:
-        """Token logprobs [B, T-1] of `batch` with row i under slot slots[i], in `_token_logprobs`' layout,
+        """Token logprobs [B, T-1] of `batch` with row i under slot slots[i], in `token_logprobs`' layout,
         exact at the completion tokens (the only ones the loss reads).
 
         The G rows of a group repeat one prompt under one slot, so when rows share prompts the batch is packed:
@@ -353,9 +371,7 @@ class MultiPolicyTrainer:
         if len(keys) in (0, n) or max(comp_lens) == 0:
             ctx.set_rows(slots, dev)
             try:
-                return _token_logprobs(
-                    model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids
-                )
+                return token_logprobs(model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids)
             finally:
                 ctx.clear()
 
@@ -373,6 +389,15 @@ class MultiPolicyTrainer:
             seq_pos[u].extend(range(p_len, p_len + m - 1))
             seg[u].extend([i] * (m - 1))
             reads.append([p_len - 1, *range(at, at + m - 1)][:m])  # none for an empty completion
+        seq_reads: list[list[int]] = [[] for _ in packed]  # per packed sequence, the positions any row reads
+        for u, where in zip(inv, reads, strict=True):
+            seq_reads[u].extend(where)
+        # the fused projection saves memory at the price of making its logits twice: worth it once they are large
+        use = self._output_mode()
+        vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+        if use == "hidden" and sum(len(set(r)) for r in seq_reads) * vocab * 4 < FUSED_HEAD_MIN_BYTES:
+            use = "logits"
+        self.last_output = use
         # Sequences of one policy are about as long as each other, but policies on different tasks are not
         # (8 short answers against 8 long ones), so one forward padded to the longest wastes much of its work:
         # sequences run in buckets of similar width (one autograd graph, so one backward still covers all).
@@ -383,21 +408,29 @@ class MultiPolicyTrainer:
                 buckets[-1].append(u)
             else:
                 buckets.append([u])
-        at_flat: dict[int, int] = {}  # packed sequence -> where its first position lands in the flat logits
+        # Logits only where a completion token is predicted, not at the prompt's other positions: the output
+        # projection over a large vocabulary costs as much as a layer, and its output is the largest tensor.
+        where_in: dict[int, torch.Tensor] = {}  # packed sequence -> its positions' rows in the kept logits
         pieces: list[torch.Tensor] = []
-        offset = 0
+        kept = 0
         for bucket in buckets:
             width = len(seq_ids[bucket[0]])
             ids = torch.full((len(bucket), width), eng.pad_id, dtype=torch.long)
             pos = torch.zeros((len(bucket), width), dtype=torch.long)
             seg_t = torch.full((len(bucket), width), -2, dtype=torch.long)  # -2: padding
+            keep = torch.zeros((len(bucket), width), dtype=torch.bool)
             for j, u in enumerate(bucket):
                 k = len(seq_ids[u])
                 ids[j, :k] = torch.tensor(seq_ids[u])
                 pos[j, :k] = torch.tensor(seq_pos[u])
                 seg_t[j, :k] = torch.tensor(seg[u])
-                at_flat[u] = offset + j * width
-            offset += len(bucket) * width
+                keep[j, seq_reads[u]] = True
+            index = torch.full((len(bucket), width), -1, dtype=torch.long)
+            n_kept = int(keep.sum())
+            index[keep] = torch.arange(kept, kept + n_kept)
+            kept += n_kept
+            for j, u in enumerate(bucket):
+                where_in[u] = index[j]
             # a query sees earlier keys of the prompt and of its own completion; padding sees earlier padding
             causal = torch.ones(width, width, dtype=torch.bool).tril()
             mask = causal & ((seg_t[:, None, :] == -1) | (seg_t[:, None, :] == seg_t[:, :, None]))
@@ -408,27 +441,90 @@ class MultiPolicyTrainer:
                 )
             ctx.set_rows([packed[u][0] for u in bucket], dev)
             try:
-                logits = model(input_ids=ids.to(dev), attention_mask=mask, position_ids=pos.to(dev)).logits
+                pieces.append(
+                    self._kept_outputs(
+                        use,
+                        keep.to(dev),
+                        input_ids=ids.to(dev),
+                        attention_mask=mask,
+                        position_ids=pos.to(dev),
+                    )
+                )
             finally:
                 ctx.clear()
-            pieces.append(logits.reshape(len(bucket) * width, -1))
-        logits_NV = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        # each row's completion logits and targets, right-padded to the longest completion
-        c_len = max(comp_lens)
-        flat = torch.zeros((n, c_len), dtype=torch.long)
-        comp = torch.full((n, c_len), eng.pad_id, dtype=torch.long)
-        for i, (u, where) in enumerate(zip(inv, reads, strict=True)):
-            m, start = comp_lens[i], batch.prompt_lens[i]
-            flat[i, :m] = torch.tensor(where) + at_flat[u]
-            comp[i, :m] = ids_host[i, start : start + m]
-        flat, comp = flat.to(dev), comp.to(dev)
-        logits_BCV = logits_NV[flat]
-        lp_BC = torch.log_softmax(logits_BCV.float(), dim=-1).gather(-1, comp[..., None]).squeeze(-1)
-        # into the full rows' layout: completion token j of row i is target prompt_len - 1 + j
-        width_T = batch.ids.shape[1] - 1
-        to = torch.tensor(batch.prompt_lens, device=dev)[:, None] - 1 + torch.arange(c_len, device=dev)
-        out = lp_BC.new_zeros(n, width_T + c_len).scatter(1, to, lp_BC)
-        return out[:, :width_T]
+        out_NX = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # hidden states or logits
+        # every completion token of every row: the logits row that predicts it, and where it goes in the
+        # full rows' layout (completion token j of row i is target prompt_len - 1 + j)
+        rows_M = torch.cat([where_in[u][where] for u, where in zip(inv, reads, strict=True)])
+        targets_M = torch.cat(
+            [
+                ids_host[i, p : p + m]
+                for i, (p, m) in enumerate(zip(batch.prompt_lens, comp_lens, strict=True))
+            ]
+        )
+        row_of_M = torch.repeat_interleave(torch.arange(n), torch.tensor(comp_lens))
+        col_of_M = torch.cat(
+            [torch.arange(p - 1, p - 1 + m) for p, m in zip(batch.prompt_lens, comp_lens, strict=True)]
+        )
+        rows_M, targets_M = rows_M.to(dev), targets_M.to(dev)
+        if self._output == "full":  # found out during this forward
+            self.last_output = "full"
+        if use == "hidden" and self._output == "hidden":
+            head = model.get_output_embeddings()
+            lp_M = head_logprobs(out_NX, head.weight, head.bias, rows_M, targets_M)
+        else:
+            lp_M = selected_logprobs(out_NX, rows_M, targets_M)
+        out = lp_M.new_zeros(n, batch.ids.shape[1] - 1)
+        return out.index_put((row_of_M.to(dev), col_of_M.to(dev)), lp_M)
+
+    def _kept_outputs(
+        self, use: Literal["hidden", "logits", "full"], keep: torch.Tensor, **inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """What the output projection gets or gives at the K True positions of keep [B, T], in row-major order:
+        its input, the final hidden states [K, H], for `use` "hidden" (the projection then runs fused with the
+        log-softmax, `head_logprobs`); else the logits [K, V]. `use` is `_output_mode()` or a cheaper mode the
+        model also supports; a model found to ignore a boolean `logits_to_keep` is moved to "full" for good."""
+        model = self.engine.base.model
+        mode = "full" if self._output == "full" else use
+        if mode == "full":
+            return model(**inputs).logits[keep]  # type: ignore[no-any-return]
+        head = model.get_output_embeddings()
+        if mode == "hidden":
+            model.set_output_embeddings(nn.Identity())
+        try:
+            out = model(**inputs, logits_to_keep=keep).logits
+        finally:
+            if mode == "hidden":
+                model.set_output_embeddings(head)
+        if out.ndim == 2 and out.shape[0] == keep.sum():
+            return out  # type: ignore[no-any-return]
+        logger.info(
+            "%s ignores a boolean logits_to_keep; computing every position's logits", type(model).__name__
+        )
+        self._output = "full"
+        return model(**inputs).logits[keep]  # type: ignore[no-any-return]
+
+    def _output_mode(self) -> Literal["hidden", "logits", "full"]:
+        """How the update gets logprobs out of the model, decided once per trainer:
+        "hidden"  the model takes a boolean `logits_to_keep` and its output is a plain linear projection (a
+                  known family, no logit scaling or soft-capping after it): the projection is swapped out for
+                  the forward and fused with the log-softmax, so no [positions, vocab] tensor is ever made;
+        "logits"  it takes a boolean `logits_to_keep`: logits at the kept positions only;
+        "full"    neither: logits at every position, the kept ones selected.
+        An update uses "hidden" only when its kept logits would reach FUSED_HEAD_MIN_BYTES, "logits" below."""
+        if self._output is None:
+            model = self.engine.base.model
+            if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+                self._output = "full"
+            elif (
+                getattr(model.config, "model_type", None) in PLAIN_HEAD_FAMILIES
+                and type(model.get_output_embeddings()) is nn.Linear
+                and callable(getattr(model, "set_output_embeddings", None))
+            ):
+                self._output = "hidden"
+            else:
+                self._output = "logits"
+        return self._output
 
     def _losses(
         self,
@@ -614,8 +710,3 @@ def _merge_parts(
             if k not in ("loss", "n_tokens"):
                 st[k] /= max(st["n_tokens"], 1.0)
     return loss, stats
-
-
-def _token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
-    """log p(ids[:, t+1] | ids[:, :t+1]) for every position: [B, T-1]."""
-    return torch.log_softmax(logits_BTV[:, :-1].float(), dim=-1).gather(-1, ids_BT[:, 1:, None]).squeeze(-1)

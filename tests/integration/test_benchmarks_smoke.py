@@ -70,3 +70,17 @@ def test_adapter_load_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -
             assert result[f"{prefix}disk_bytes_r{r}"] > result[f"{prefix}host_bytes_r{r}"]
         # slots are sized for the largest rank, so one holds exactly a revision of that rank
         assert result[f"{prefix}slot_bytes"] == result[f"{prefix}host_bytes_r4"]
+
+
+def test_update_memory_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -> None:
+    """All three ways out of the model train the same adapter (the script checks and exits otherwise)."""
+    result = run_benchmark(
+        "update_memory.py",
+        *("--vocab", "5000", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--steps", "1"),
+        *("--fused-head-min-bytes", "0"),
+    )
+    assert result["mint_output"] == "hidden"
+    for key in ("mint_update_peak_bytes", "logits_update_peak_bytes", "plain_update_peak_bytes"):
+        assert isinstance(result[key], int) and result[key] >= 0, key
+    for key in ("mint_update_s", "logits_update_s", "plain_update_s", "peak_ratio", "speedup"):
+        assert isinstance(result[key], float) and result[key] > 0, key

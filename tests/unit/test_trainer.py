@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mint_core.rl.trainer as trainer_mod
 from mint_core.data.tasks import split
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, _token_logprobs
+from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 from tests.conftest import FAMILIES
 
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
@@ -143,6 +144,10 @@ def test_shared_prompt_logprobs_and_gradients_match_full_rows(make_engine, famil
     hook = trainer.engine.base.model.register_forward_pre_hook(
         lambda _m, _args, kwargs: forwards.append(kwargs["input_ids"].shape[0]), with_kwargs=True
     )
+    out_rows: list[int] = []  # positions the model's output covers, per forward
+    head = trainer.engine.base.model.register_forward_hook(
+        lambda _m, _args, out: out_rows.append(out.logits.shape[:-1].numel())
+    )
     weight = torch.randn(batch.comp.shape, generator=torch.Generator().manual_seed(0)) * batch.comp
     banks = list(trainer.engine.lora.banks.values())
     got = {}
@@ -156,16 +161,77 @@ def test_shared_prompt_logprobs_and_gradients_match_full_rows(make_engine, famil
                 trainer.engine.lora.ctx.set_rows(batch.slots)
                 logits = trainer.engine.base.model(input_ids=batch.ids, attention_mask=batch.attn).logits
                 trainer.engine.lora.ctx.clear()
-                lp = _token_logprobs(logits, batch.ids)
+                # the plain formulation, as the oracle for the packed path and its selective log-softmax
+                lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
             else:
                 lp = trainer._logprobs(batch, batch.slots)  # 2 distinct prompts for 8 rows: the shared path
             (lp * weight).sum().backward()
         grads = torch.cat([g.flatten() for b in banks for g in (b.A.grad, b.B.grad) if g is not None])
         got[path] = ((lp * batch.comp).detach(), grads)
     hook.remove()
+    head.remove()
     assert forwards == [8, 1, 1]  # the full rows, then one packed sequence per bucket
+    # the shared path's output covers only the positions that predict a completion token: each group's last
+    # prompt position once, then every completion input (not the rest of the prompt, nor padding)
+    lens = [len(r.completion_ids) for r in rows]
+    assert out_rows[0] == batch.ids.numel()
+    assert sum(out_rows[1:]) == 2 + sum(m - 1 for m in lens) < batch.ids.numel()
     assert torch.allclose(got["full"][0], got["shared"][0], atol=1e-5)
     assert torch.allclose(got["full"][1], got["shared"][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_way_out_of_the_model_gives_the_same_logprobs_and_gradients(make_engine, family, monkeypatch):
+    """The update's logprobs come out of the model one of three ways (`_output_mode`): the output projection
+    fused with the log-softmax ("hidden", what the test families get), logits at the predicted positions only
+    ("logits"), or every position's logits ("full", for a model whose forward has no logits_to_keep). All three
+    give the same logprobs and gradients; a model that ignores a boolean logits_to_keep is noticed and moved to
+    "full"."""
+    monkeypatch.setattr(trainer_mod, "FUSED_HEAD_MIN_BYTES", 0)  # fuse even these small logits
+    got = {}
+    for mode in ("hidden", "logits", "full", "ignored"):
+        trainer = make_trainer(make_engine, family)
+        assert trainer._output_mode() == "hidden"
+        with torch.no_grad():
+            for bank in trainer.engine.lora.banks.values():
+                bank.B[trainer.policies["adder"].slot].normal_(
+                    0, 0.05, generator=torch.Generator().manual_seed(1)
+                )
+        rows = rows_for(trainer, "adder", [1.0, 0.0, 0.0, 1.0], 0)
+        batch = trainer._batch(rows)
+        model = trainer.engine.base.model
+        if mode == "ignored":
+            forward = model.forward
+
+            def ignores_logits_to_keep(*a, logits_to_keep=0, _forward=forward, **k):  # type: ignore[no-untyped-def]
+                return _forward(*a, **k)
+
+            monkeypatch.setattr(model, "forward", ignores_logits_to_keep)
+            trainer._output = "logits"
+        elif mode != "hidden":
+            trainer._output = mode  # type: ignore[assignment]
+        banks = list(trainer.engine.lora.banks.values())
+        for b in banks:
+            b.A.requires_grad_(True)
+            b.B.requires_grad_(True)
+        head_calls: list[int] = []
+        hook = model.get_output_embeddings().register_forward_hook(
+            lambda *_, calls=head_calls: calls.append(1)
+        )
+        with torch.enable_grad():
+            lp = trainer._logprobs(batch, batch.slots)
+            (lp * batch.comp).sum().backward()
+        hook.remove()
+        assert (len(head_calls) == 0) == (mode == "hidden"), mode  # fused: the head module itself never runs
+        grads = torch.cat([g.flatten() for b in banks for g in (b.A.grad, b.B.grad) if g is not None])
+        got[mode] = ((lp * batch.comp).detach(), grads)
+        if mode == "ignored":
+            assert trainer._output == "full"
+            monkeypatch.setattr(model, "forward", forward)
+    for mode in ("logits", "full", "ignored"):
+        assert torch.allclose(got[mode][0], got["hidden"][0], atol=1e-5), mode
+        assert torch.allclose(got[mode][1], got["hidden"][1], atol=1e-5), mode
+    assert got["hidden"][1].abs().sum() > 0
 
 
 @pytest.mark.parametrize("micro_batch_rows", [1, 3, 5])
