@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mint_core.engine.kv_cache import RaggedCache
+from mint_core.engine.logprobs import log_normalizer
 from mint_core.engine.sampling import choose_tokens
 from mint_core.engine.sequence import Sequence
 
@@ -28,9 +29,12 @@ logger = logging.getLogger(__name__)
 _compositions = itertools.count(1)
 
 
-def _top(logp: torch.Tensor, k: int) -> list[dict[int, float]]:
-    """The k most likely tokens and their log-probabilities, per row of logp [n, V]."""
+def _top(logp: torch.Tensor, k: int, lse: torch.Tensor | None = None) -> list[dict[int, float]]:
+    """The k most likely tokens and their log-probabilities, per row of logp [n, V] (logits with their
+    log-normaliser lse [n] given)."""
     values, ids = logp.topk(k, dim=-1)
+    if lse is not None:
+        values = values.float() - lse[:, None]
     return [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
@@ -101,14 +105,17 @@ class Batcher:
             cache.select(expand)
             ids, mask, pos, logits = ids[expand], mask[expand], pos[expand], logits[expand]
         if echo:
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            # log_softmax by its normaliser: no float32 copy of the prompt's [rows, positions, vocab] logits
+            body = logits[:, :-1]
+            lse = log_normalizer(body)
+            lp = body.gather(-1, ids[:, 1:, None]).squeeze(-1).float() - lse
             for i, s in enumerate(seqs):
                 if s.params.echo:
                     start = width - len(s.prompt_ids)
                     s.prompt_logprobs = [None, *lp[i, start:].tolist()]
                     if s.params.top_logprobs:
-                        s.prompt_top = [None, *_top(logp[i, start:], s.params.top_logprobs)]
+                        top = _top(body[i, start:], s.params.top_logprobs, lse[i, start:])
+                        s.prompt_top = [None, *top]
         last = logits[:, -1].float()
         # Prompt-only requests (max_tokens=0, scoring) are done after the prefill.
         scored = [i for i, s in enumerate(seqs) if s.params.max_tokens == 0]

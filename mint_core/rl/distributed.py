@@ -41,9 +41,9 @@ from torch import nn
 
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
+from mint_core.engine.logprobs import token_logprobs
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.logprobs import token_logprobs
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import (
     MultiPolicyTrainer,

@@ -40,9 +40,9 @@ from torch import nn
 
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
+from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.lora.adapter import AdapterWeights, save_adapter
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss
-from mint_core.rl.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.rl.rollout import RolloutRow, rollout
 
 logger = logging.getLogger(__name__)

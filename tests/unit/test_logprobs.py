@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mint_core.rl import logprobs
-from mint_core.rl.logprobs import selected_logprobs, token_logprobs
+from mint_core.engine import logprobs
+from mint_core.engine.logprobs import selected_logprobs, token_logprobs
 
 
 def reference(logits_NV: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -114,3 +114,11 @@ def test_fused_head_leaves_a_frozen_head_without_gradient():
         logprobs.head_logprobs(
             torch.zeros(3, 4), torch.zeros(5, 3), None, torch.tensor([0]), torch.tensor([0])
         )
+
+
+def test_log_normalizer_is_logsumexp_over_the_vocabulary(monkeypatch):
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 40)  # chunks of 2 rows of 17
+    x = torch.randn(3, 5, 17, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = logprobs.log_normalizer(x)
+    assert got.shape == (3, 5) and got.dtype == torch.float32
+    assert torch.allclose(got, torch.logsumexp(x.float(), dim=-1), atol=1e-6)

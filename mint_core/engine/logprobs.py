@@ -30,6 +30,16 @@ def _chunks(n_rows: int, vocab: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n_rows)) for a in range(0, n_rows, step)]
 
 
+def log_normalizer(logits: Tensor) -> Tensor:
+    """float32 logsumexp over the last dimension, a chunk of rows at a time (no float32 copy of all the logits):
+    log_softmax(logits) = logits - log_normalizer(logits)[..., None]. No gradient."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for a, b in _chunks(flat.shape[0], flat.shape[1]):
+        out[a:b] = torch.logsumexp(flat[a:b].float(), dim=-1)
+    return out.view(logits.shape[:-1])
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits_NV: Tensor, rows_M: Tensor, targets_M: Tensor) -> Tensor:
