@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -275,13 +276,31 @@ def train(
             "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_core.cli train`."
         ),
     ] = None,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Save the trainer's state every N steps (0: only at the end and on Ctrl-C)."
+        ),
+    ] = 10,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue the run whose newest checkpoint is in OUT/checkpoints (same policies, prompts, "
+            "group, lr, rank, seed and base; --steps may be larger)."
+        ),
+    ] = False,
 ) -> None:
-    """Train several policies with GRPO at once on one base; print held-out reward before and after."""
+    """Train several policies with GRPO at once on one base; print held-out reward before and after.
+
+    The trainer's state (adapters, optimizer moments, step) is checkpointed to OUT/checkpoints every
+    --checkpoint-every steps, at the end, and on Ctrl-C; --resume continues from the newest, drawing the same
+    prompts and samples as an uninterrupted run would."""
     from tqdm import tqdm
 
     from mint_core.data.tasks import split, task
     from mint_core.engine.base import load_base
     from mint_core.engine.engine import Engine, EngineConfig
+    from mint_core.rl.checkpoints import checkpoints, latest_checkpoint, write_checkpoint
     from mint_core.rl.evaluate import heldout_scores
     from mint_core.rl.grpo import GRPOConfig
     from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
@@ -313,36 +332,106 @@ def train(
     else:
         trainer = MultiPolicyTrainer(engine, cfg, specs, seed=seed)
     data = {t: split(t, prompts * steps, 64, seed) for t in names}
-    before = {t: heldout_scores(engine, t, data[t][1]) for t in names}
-    curve = []
+    ckpt_dir = out / "checkpoints"
+    # what must match for --resume to continue the same run (--steps may grow)
+    run_args = {"policies": names, "prompts": prompts, "group": group, "lr": lr, "rank": rank, "seed": seed}
+    run_args["base"] = engine.base.fingerprint
     history: list[dict[str, object]] = []  # one row per step and policy: the learning curves
-    for s in tqdm(range(steps), desc="GRPO steps", unit="step", disable=not lead):
-        stats = trainer.step({t: data[t][0][s * prompts : (s + 1) * prompts] for t in names})
-        curve.append(stats.reward)
-        for t in names:
-            history.append(
-                {
-                    "step": s + 1,
-                    "policy": t,
-                    "reward": stats.reward.get(t),
-                    "loss": stats.loss.get(t),
-                    "kept_groups": stats.kept_groups.get(t, 0),
-                    "seconds": round(stats.seconds, 4),
-                }
+    if resume:
+        ckpt = latest_checkpoint(ckpt_dir)
+        if ckpt is None or not (ckpt / "run.json").is_file():
+            raise typer.BadParameter(
+                f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume"
             )
+        run = json.loads((ckpt / "run.json").read_text())
+        changed = [
+            f"{k} {run['args'].get(k)} then, {v} now" for k, v in run_args.items() if run["args"].get(k) != v
+        ]
+        if changed:
+            raise typer.BadParameter(
+                f"{ckpt} is of another run: " + "; ".join(changed), param_hint="--resume"
+            )
+        try:
+            trainer.load_state(ckpt)
+        except ValueError as e:
+            raise typer.BadParameter(f"{ckpt}: {e}", param_hint="--resume") from None
+        if trainer.steps >= steps:
+            raise typer.BadParameter(
+                f"{ckpt} is at step {trainer.steps} already; pass --steps above it to train on",
+                param_hint="--resume",
+            )
+        before: dict[str, float] = run["before"]
+        history = run["history"]
+        if lead:
+            console.print(f"resuming from {ckpt} at step {trainer.steps} of {steps}")
+    else:
+        if checkpoints(ckpt_dir) and lead:
+            console.print(
+                f"starting afresh: the checkpoints of an earlier run in {ckpt_dir} will be replaced"
+            )
+            shutil.rmtree(ckpt_dir)
+        before = {t: heldout_scores(engine, t, data[t][1]) for t in names}
+
+    def save() -> Path:
+        run = {"args": run_args, "before": before, "history": history}
+        return write_checkpoint(trainer, ckpt_dir, run, keep=2)
+
+    # Ctrl-C stops after the step under way (a step cut short would leave some policies updated and others not);
+    # a second Ctrl-C stops at once, without saving.
+    stop_asked = False
+
+    def on_sigint(_signum: int, _frame: object) -> None:
+        nonlocal stop_asked
+        if stop_asked:
+            raise KeyboardInterrupt
+        stop_asked = True
+        if lead:
+            console.print("\n[yellow]Ctrl-C[/]: stopping after this step (again to stop at once, unsaved)")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    bar = tqdm(total=steps, initial=trainer.steps, desc="GRPO steps", unit="step", disable=not lead)
+    try:
+        while trainer.steps < steps:
+            s = trainer.steps
+            stats = trainer.step({t: data[t][0][s * prompts : (s + 1) * prompts] for t in names})
+            for t in names:
+                history.append(
+                    {
+                        "step": s + 1,
+                        "policy": t,
+                        "reward": stats.reward.get(t),
+                        "loss": stats.loss.get(t),
+                        "kept_groups": stats.kept_groups.get(t, 0),
+                        "seconds": round(stats.seconds, 4),
+                    }
+                )
+            bar.update()
+            if stop_asked:
+                bar.close()
+                path = save()
+                if lead:
+                    console.print(f"stopped at step {trainer.steps}, saved to {path}; continue with --resume")
+                raise typer.Exit(130)
+            if checkpoint_every and trainer.steps % checkpoint_every == 0 and trainer.steps < steps:
+                save()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    bar.close()
+    save()  # every rank: a DeepSpeed checkpoint is written collectively
+    if not lead:
+        return
     after = {t: heldout_scores(engine, t, data[t][1]) for t in names}
+    reward_at = {(int(str(h["step"])), str(h["policy"])): float(str(h["reward"] or 0)) for h in history}
     table = Table("policy", "held-out exact match before", "after", "train reward first step", "last step")
     for t in names:
+        first, last = reward_at.get((1, t)), reward_at.get((steps, t))
         table.add_row(
             t,
             f"{before[t]:.3f}",
             f"{after[t]:.3f}",
-            f"{curve[0].get(t, 0):.3f}",
-            f"{curve[-1].get(t, 0):.3f}",
+            f"{first or 0:.3f}",
+            f"{last or 0:.3f}",
         )
-    trainer.save_state(out / "state")  # every rank: a DeepSpeed checkpoint is written collectively
-    if not lead:
-        return
     console.print(table)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "curve.csv").open("w", newline="") as f:

@@ -27,6 +27,7 @@ from mint_core.lora.validate import read_adapter
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revision, UnknownRevision
 from mint_core.registry.store import AdapterStore
+from mint_core.rl.checkpoints import latest_checkpoint, write_checkpoint
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
@@ -215,16 +216,7 @@ class TrainerSession:
     resumed_from: int  # steps already done when the session started (0: a fresh run)
 
     def checkpoint(self) -> Path:
-        path = self.checkpoint_dir / f"step-{self.trainer.steps:05d}"
-        tmp = path.with_name(path.name + ".tmp")
-        self.trainer.save_state(tmp)
-        tmp.rename(path)  # whole or absent: a kill mid-write leaves only a .tmp
-        return path
-
-
-def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    done = sorted(p for p in checkpoint_dir.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    return done[-1] if done else None
+        return write_checkpoint(self.trainer, self.checkpoint_dir)  # whole or absent: a kill leaves a .tmp
 
 
 def start_trainer(

@@ -414,9 +414,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
 
     def load_state(self, path: Path) -> None:
         meta = json.loads((path / "state.json").read_text())
-        missing = set(self.policies) ^ set(meta["policies"])
-        if missing:
-            raise ValueError(f"saved state has other policies: {sorted(missing)}")
+        self._check_saved(meta)
         self.ds.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=False)
         self._write_back(list(self.policies))
         for name, p in self.policies.items():

@@ -669,12 +669,26 @@ class MultiPolicyTrainer:
         save_file(tensors, str(path / "state.safetensors"))
         (path / "state.json").write_text(json.dumps(meta, indent=2, default=str))
 
-    def load_state(self, path: Path) -> None:
-        meta = json.loads((path / "state.json").read_text())
-        tensors = load_file(str(path / "state.safetensors"))
+    def _check_saved(self, meta: dict) -> None:  # type: ignore[type-arg]
+        """A saved state fits this trainer: the same policies, each with the same rank, alpha and targets."""
         missing = set(self.policies) ^ set(meta["policies"])
         if missing:
-            raise ValueError(f"saved state has other policies: {sorted(missing)}")
+            raise ValueError(
+                f"the saved state has policies {sorted(meta['policies'])}, this trainer {sorted(self.policies)}"
+            )
+        problems = []
+        for name, p in self.policies.items():
+            saved = meta["policies"][name]["spec"]
+            for key in ("rank", "alpha", "targets"):
+                if saved.get(key) != getattr(p.spec, key):
+                    problems.append(f"{name}: {key} {saved.get(key)} saved, {getattr(p.spec, key)} now")
+        if problems:
+            raise ValueError("the saved state does not fit this trainer: " + "; ".join(problems))
+
+    def load_state(self, path: Path) -> None:
+        meta = json.loads((path / "state.json").read_text())
+        self._check_saved(meta)
+        tensors = load_file(str(path / "state.safetensors"))
         with torch.no_grad():
             for name, p in self.policies.items():
                 p.adam.step = int(meta["policies"][name]["adam_step"])

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,4 +140,60 @@ def test_mint_train_writes_curves_summary_and_revisions(tmp_path):
         scores = summary["policies"][name]
         assert 0.0 <= scores["heldout_before"] <= 1.0 and 0.0 <= scores["heldout_after"] <= 1.0
         assert (out / "revisions" / f"{name}-step2" / "adapter_model.safetensors").is_file()
-    assert (out / "state" / "state.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00002"]  # the final one
+    assert (out / "checkpoints" / "step-00002" / "state.json").is_file()
+    assert json.loads((out / "checkpoints" / "step-00002" / "run.json").read_text())["args"]["policies"] == [
+        "add",
+        "sort",
+    ]
+
+
+def test_mint_train_interrupted_and_resumed_ends_where_an_uninterrupted_run_does(tmp_path):
+    """Ctrl-C stops after the step under way and saves a checkpoint; --resume continues from it with the same
+    prompts and samples, so the exported revisions are byte for byte those of a run that was never stopped."""
+    base = tmp_path / "base"
+    mint("base", "build-tiny", str(base), "--family", "dense", "--seed", "0")
+    common = ("train", "--policies", "add,sort", "--base", str(base), "--prompts", "2", "--group", "2")
+
+    out = tmp_path / "stopped"
+    env = {**os.environ, "COLUMNS": "240", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mint_core.cli", *common, "--steps", "1000", "--checkpoint-every", "1",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "step-00002").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.stdout else ""
+            )
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "stopping after this step" in output and "continue with --resume" in output
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    stopped_at = int(kept[-1].split("-")[1])
+    assert 2 <= stopped_at < 1000 and len(kept) == 2  # checkpoints are kept two deep
+    end = stopped_at + 2
+
+    # --steps below what is done, another rank, or nothing to resume: refused, naming why, nothing changed
+    refused = mint(*common, "--steps", str(stopped_at), "--out", str(out), "--resume", check=False)
+    assert refused.returncode == 2 and f"at step {stopped_at} already" in refused.stderr.replace("\n", "")
+    refused = mint(*common, "--steps", str(end), "--rank", "4", "--out", str(out), "--resume", check=False)
+    assert refused.returncode == 2 and "rank 8 then, 4 now" in refused.stderr.replace("\n", "")
+    refused = mint(*common, "--steps", str(end), "--out", str(tmp_path / "empty"), "--resume", check=False)
+    assert refused.returncode == 2 and "no checkpoint" in refused.stderr.replace("\n", "")
+
+    done = mint(*common, "--steps", str(end), "--out", str(out), "--resume")
+    assert f"resuming from {out / 'checkpoints'}" in done.stdout.replace("\n", "")
+    mint(*common, "--steps", str(end), "--out", str(tmp_path / "straight"))
+    for name in ("add", "sort"):
+        rev = Path("revisions") / f"{name}-step{end}" / "adapter_model.safetensors"
+        assert (out / rev).read_bytes() == (tmp_path / "straight" / rev).read_bytes(), name
+    rows = list(csv.DictReader((out / "curve.csv").open()))
+    assert [int(r["step"]) for r in rows] == [s for s in range(1, end + 1) for _ in ("add", "sort")]

@@ -106,6 +106,29 @@ def test_state_resumes_where_it_stopped(make_engine, tmp_path):
     assert a.policies["adder"].adam.step == b.policies["adder"].adam.step
 
 
+def test_a_state_of_other_policies_is_refused_before_anything_changes(make_engine, tmp_path):
+    a = make_trainer(make_engine)
+    a.update(rows_for(a, "adder", [1.0, 0.0, 0.0, 1.0], 0))
+    a.save_state(tmp_path / "ckpt")
+    engine = make_engine("dense", seed=0, max_loras=4, max_lora_rank=8)
+    specs = [
+        PolicySpec(name="adder", task="add", rank=8, alpha=8),  # rank 4 and alpha 8 when saved
+        PolicySpec(name="rev", task="reverse", rank=8, alpha=8, targets=["q_proj"]),
+    ]
+    b = MultiPolicyTrainer(engine, CFG, specs, seed=0)
+    before = {name: snapshot(b, name) for name in ("adder", "rev")}
+    with pytest.raises(
+        ValueError, match=r"adder: rank 4 saved, 8 now.*rev: targets .* saved, \['q_proj'\] now"
+    ):
+        b.load_state(tmp_path / "ckpt")
+    for name, was in before.items():
+        assert all(torch.equal(was[k], v) for k, v in snapshot(b, name).items()), name
+    assert b.steps == 0
+    c = MultiPolicyTrainer(make_engine("dense", seed=0, max_loras=4, max_lora_rank=8), CFG, specs[:1], seed=0)
+    with pytest.raises(ValueError, match=r"policies \['adder', 'rev'\], this trainer \['adder'\]"):
+        c.load_state(tmp_path / "ckpt")
+
+
 def test_exported_revision_serves_like_the_slot(make_engine, tmp_path):
     trainer = make_trainer(make_engine)
     trainer.update(rows_for(trainer, "adder", [1.0, 0.0, 0.0, 1.0], 0))
