@@ -216,7 +216,10 @@ class TrainerSession:
     resumed_from: int  # steps already done when the session started (0: a fresh run)
 
     def checkpoint(self) -> Path:
-        return write_checkpoint(self.trainer, self.checkpoint_dir)  # whole or absent: a kill leaves a .tmp
+        """The trainer's state as the run's newest checkpoint, written whole or not at all; older ones but the
+        one before it are removed (a run resumes from its newest: a checkpoint a step per policy, kept for
+        every step, would grow with the run)."""
+        return write_checkpoint(self.trainer, self.checkpoint_dir, keep=2)
 
 
 def start_trainer(
