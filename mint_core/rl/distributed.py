@@ -41,7 +41,7 @@ from torch import nn
 
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
-from mint_core.engine.logprobs import token_logprobs
+from mint_core.engine.logprobs import selected_logprobs
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
@@ -51,6 +51,7 @@ from mint_core.rl.trainer import (
     PolicyState,
     StepStats,
     _Adam,
+    _Batch,
 )
 
 logger = logging.getLogger(__name__)
@@ -254,9 +255,15 @@ class PolicyFactors(nn.Module):
         return banks, tensors
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, slots: list[int]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        slots: list[int],
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, V], row i under slot slots[i], the banks' policy slots read from the factors."""
+        """Logits [B, T, V], row i under slot slots[i], the banks' policy slots read from the factors; with
+        `keep` (bool [B, T]) passed on as `logits_to_keep`, only those positions' [K, V]."""
+        extra = {} if keep is None else {"logits_to_keep": keep}
         banks, tensors = self._stand_ins()
         ctx = self._engine.lora.ctx
         ctx.set_rows(slots, input_ids.device)
@@ -264,7 +271,7 @@ class PolicyFactors(nn.Module):
             logits: torch.Tensor = torch.func.functional_call(
                 _Banks(banks),
                 tensors,
-                (lambda: self.model(input_ids=input_ids, attention_mask=attention_mask).logits,),
+                (lambda: self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits,),
             )
         finally:
             ctx.clear()
@@ -358,7 +365,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         batch = self._batch(rows)
         ref = self._reference(batch)
         with torch.enable_grad(), self.engine._forward_lock:
-            lp = token_logprobs(self.ds(batch.ids, batch.attn, batch.slots), batch.ids)
+            lp = self._completion_logprobs(batch)
             total, losses, extra = self._losses(rows, batch, lp, ref)
             self.optimizer.active = self._agree(set(losses))
             self.ds.backward(total)
@@ -368,6 +375,21 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         self._write_back(self.optimizer.active)
         self.steps += 1
         return self._stats(rows, batch, losses, extra)
+
+    def _completion_logprobs(self, batch: _Batch) -> torch.Tensor:
+        """Token logprobs [B, T-1] in `token_logprobs`' layout, computed only where the loss reads them (the
+        completion tokens of kept groups; 0 elsewhere): logits at those positions alone where the model takes a
+        boolean `logits_to_keep`, and no float32 copy of them (`selected_logprobs`). The head is not fused here:
+        under ZeRO-3 its weight is a partition."""
+        comp = batch.comp.bool()
+        keep = torch.zeros_like(batch.ids, dtype=torch.bool)
+        keep[:, :-1] = comp  # position t predicts token t + 1
+        logits = self.ds(batch.ids, batch.attn, batch.slots, None if self._output_mode() == "full" else keep)
+        if logits.ndim == 3:  # every position's logits (a model without a boolean logits_to_keep)
+            logits = logits[keep]
+        targets = batch.ids[:, 1:][comp]
+        lp = selected_logprobs(logits, torch.arange(targets.shape[0], device=logits.device), targets)
+        return lp.new_zeros(comp.shape).index_put(comp.nonzero(as_tuple=True), lp)
 
     def _agree(self, active: set[str]) -> set[str]:
         """The policies that step: those with kept tokens on any rank (every rank must step the same ones)."""

@@ -100,7 +100,17 @@ def test_update_matches_the_plain_trainer_and_moves_only_adapters(make_engine, s
         [([1.0, 0.0, 0.5, 1.0], [1.0, 0.0, 1.0, 0.5]), ([0.0, 1.0, 1.0, 0.0], [0.0, 0.5, 1.0, 1.0])]
     ):
         rows = rows_of(plain, "adder", ra, 2 * i) + rows_of(plain, "rev", rr, 2 * i + 1)
+        shapes: list[tuple[int, ...]] = []
+        hook = ds.engine.base.model.register_forward_hook(
+            lambda _m, _a, out, seen=shapes: seen.append(out.logits.shape)
+        )
         want, got = plain.update(rows), ds.update(rows)
+        hook.remove()
+        # logits only where a completion token is predicted: [K, V], K the completion tokens of the rows
+        assert shapes[-1] == (
+            sum(len(r.completion_ids) for r in rows),
+            ds.engine.base.model.config.vocab_size,
+        )
         assert want.loss.keys() == got.loss.keys() == {"adder", "rev"}
         for name in want.loss:  # the second update's loss depends on the first update's weights
             assert got.loss[name] == pytest.approx(want.loss[name], abs=1e-6), (i, name)
