@@ -82,5 +82,7 @@ def test_update_memory_runs_small(run_benchmark: Callable[..., dict[str, Any]]) 
     assert result["mint_output"] == "hidden"
     for key in ("mint_update_peak_bytes", "logits_update_peak_bytes", "plain_update_peak_bytes"):
         assert isinstance(result[key], int) and result[key] >= 0, key
-    for key in ("mint_update_s", "logits_update_s", "plain_update_s", "peak_ratio", "speedup"):
+    for key in ("mint_update_s", "logits_update_s", "plain_update_s", "speedup"):
         assert isinstance(result[key], float) and result[key] > 0, key
+    # at this size an update may not raise the RSS high-water mark above setup: the ratio is only a number
+    assert isinstance(result["peak_ratio"], float) and result["peak_ratio"] >= 0
