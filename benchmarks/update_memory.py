@@ -19,7 +19,7 @@ Figures: `peak_ratio` = plain / mint peak RSS above the setup RSS (model, engine
 `logits_peak_ratio` the same for logits, `*_update_peak_bytes` those increments, `*_update_s` median wall time of
 an update, `speedup` = plain / mint update time, `logits_bytes_plain` the size of one float32 [positions, vocab]
 tensor, for scale, `mint_output` the way mint's update went ("hidden": fused; below the trainer's
-FUSED_HEAD_MIN_BYTES of logits it makes them once, "logits", which is faster).
+`fused_head_min_bytes` (512 MiB) of logits it makes them once, "logits", which is faster).
 
     python benchmarks/update_memory.py [--vocab 151936] [--new-tokens 64] [--steps 3]
 """
@@ -66,7 +66,7 @@ def child(args: argparse.Namespace) -> None:
     spec = PolicySpec(name="policy", task="add", rank=8, alpha=16, targets=TARGETS)
     trainer = MultiPolicyTrainer(engine, cfg, [spec], seed=0)
     if args.fused_head_min_bytes is not None:
-        trainer_mod.FUSED_HEAD_MIN_BYTES = args.fused_head_min_bytes
+        trainer.fused_head_min_bytes = args.fused_head_min_bytes
     if args.child == "logits":
         trainer._output = "logits"
     elif args.child == "plain":
@@ -135,7 +135,7 @@ def main() -> None:
         "--fused-head-min-bytes",
         type=int,
         default=None,
-        help="mint fuses the head from this many bytes of logits (default: the trainer's FUSED_HEAD_MIN_BYTES)",
+        help="mint fuses the head from this many bytes of logits (default: the trainer's, 512 MiB)",
     )
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()

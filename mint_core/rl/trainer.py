@@ -53,8 +53,9 @@ PLAIN_HEAD_FAMILIES = frozenset(
     {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"}
 )
 
-# The update fuses the output projection with its log-softmax (`_output_mode` "hidden") only when the logits it
-# would otherwise hold, float32 at the predicted positions, reach this size: below it, making them once is faster.
+# The default of `fused_head_min_bytes`: the update fuses the output projection with its log-softmax
+# (`_output_mode` "hidden") only when the logits it would otherwise hold, float32 at the predicted positions,
+# reach this size; below it, making them once is faster.
 FUSED_HEAD_MIN_BYTES = 512 * 2**20
 
 # In the packed update, a sequence joins the current bucket (padded to the bucket's longest) while it is at
@@ -151,9 +152,13 @@ class MultiPolicyTrainer:
         policies: list[PolicySpec],
         seed: int = 0,
         micro_batch_rows: int | None = None,
+        fused_head_min_bytes: int = FUSED_HEAD_MIN_BYTES,
     ):
         """`micro_batch_rows`: most rows in one forward/backward of an update (gradients accumulate over
-        the micro-batches, each policy's loss still normalised over all its rows); None: all rows at once."""
+        the micro-batches, each policy's loss still normalised over all its rows); None: all rows at once.
+        `fused_head_min_bytes`: from this size of float32 logits at the predicted positions of one forward,
+        the output projection runs fused with the log-softmax (less memory, the projection made twice); see
+        `_output_mode`."""
         names = [p.name for p in policies]
         if len(set(names)) != len(names):
             raise ValueError(f"policy names must be unique: {names}")
@@ -172,6 +177,9 @@ class MultiPolicyTrainer:
         self.config = config
         self.seed = seed
         self.micro_batch_rows = micro_batch_rows
+        if fused_head_min_bytes < 0:
+            raise ValueError(f"fused_head_min_bytes must be >= 0, got {fused_head_min_bytes}")
+        self.fused_head_min_bytes = fused_head_min_bytes
         self.policies: dict[str, PolicyState] = {}
         g = torch.Generator().manual_seed(seed)
         for spec in policies:
@@ -395,7 +403,7 @@ class MultiPolicyTrainer:
         # the fused projection saves memory at the price of making its logits twice: worth it once they are large
         use = self._output_mode()
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-        if use == "hidden" and sum(len(set(r)) for r in seq_reads) * vocab * 4 < FUSED_HEAD_MIN_BYTES:
+        if use == "hidden" and sum(len(set(r)) for r in seq_reads) * vocab * 4 < self.fused_head_min_bytes:
             use = "logits"
         self.last_output = use
         # Sequences of one policy are about as long as each other, but policies on different tasks are not
@@ -511,7 +519,7 @@ class MultiPolicyTrainer:
                   the forward and fused with the log-softmax, so no [positions, vocab] tensor is ever made;
         "logits"  it takes a boolean `logits_to_keep`: logits at the kept positions only;
         "full"    neither: logits at every position, the kept ones selected.
-        An update uses "hidden" only when its kept logits would reach FUSED_HEAD_MIN_BYTES, "logits" below."""
+        An update uses "hidden" only when its kept logits would reach `fused_head_min_bytes`, "logits" below."""
         if self._output is None:
             model = self.engine.base.model
             if "logits_to_keep" not in inspect.signature(model.forward).parameters:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mint_core.rl.trainer as trainer_mod
 from mint_core.data.tasks import split
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
@@ -210,10 +209,10 @@ def test_every_way_out_of_the_model_gives_the_same_logprobs_and_gradients(make_e
     ("logits"), or every position's logits ("full", for a model whose forward has no logits_to_keep). All three
     give the same logprobs and gradients; a model that ignores a boolean logits_to_keep is noticed and moved to
     "full"."""
-    monkeypatch.setattr(trainer_mod, "FUSED_HEAD_MIN_BYTES", 0)  # fuse even these small logits
     got = {}
     for mode in ("hidden", "logits", "full", "ignored"):
         trainer = make_trainer(make_engine, family)
+        trainer.fused_head_min_bytes = 0  # fuse even these small logits
         assert trainer._output_mode() == "hidden"
         with torch.no_grad():
             for bank in trainer.engine.lora.banks.values():
@@ -292,3 +291,16 @@ def test_an_empty_completion_in_a_group_is_no_target_and_no_error(make_engine):
     stats = trainer.update(rows)
     assert stats.kept_groups["adder"] == 1
     assert any(not torch.equal(before[k], v) for k, v in snapshot(trainer, "adder").items())
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"micro_batch_rows": 0}, "micro_batch_rows must be >= 1 or None, got 0"),
+        ({"fused_head_min_bytes": -1}, "fused_head_min_bytes must be >= 0, got -1"),
+    ],
+)
+def test_bad_trainer_arguments_are_named(make_engine, change, expected):
+    engine = make_engine("dense", seed=0, max_loras=1, max_lora_rank=8)
+    with pytest.raises(ValueError, match=expected):
+        MultiPolicyTrainer(engine, CFG, [PolicySpec(name="p", task="add")], **change)
