@@ -321,7 +321,7 @@ def train(
         device, dtype = rank_placement()
     engine = Engine(
         load_base(base, dtype, device),
-        EngineConfig(max_loras=len(names), max_lora_rank=max(rank, 8), max_model_len=128),
+        EngineConfig(max_loras=len(names), max_lora_rank=max(rank, 8)),  # prompts up to the base's positions
     )
     specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
     cfg = GRPOConfig(group_size=group, learning_rate=lr)

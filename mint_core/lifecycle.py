@@ -236,7 +236,9 @@ def start_trainer(
     base = load_base(base_dir)
     engine = Engine(
         base,
-        EngineConfig(max_loras=len(specs), max_lora_rank=max(s.rank for s in specs), max_model_len=128),
+        EngineConfig(
+            max_loras=len(specs), max_lora_rank=max(s.rank for s in specs)
+        ),  # up to the base's positions
     )
     for spec in specs:
         parent = parents.get(spec.name)
