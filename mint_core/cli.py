@@ -331,7 +331,14 @@ def train(
         trainer: MultiPolicyTrainer = DeepSpeedTrainer(engine, cfg, specs, deepspeed, seed=seed)
     else:
         trainer = MultiPolicyTrainer(engine, cfg, specs, seed=seed)
-    data = {t: split(t, prompts * steps, 64, seed) for t in names}
+    try:
+        data = {t: split(t, prompts * steps, 64, seed) for t in names}
+    except ValueError as e:  # a task with fewer distinct prompts than the run asks for
+        raise typer.BadParameter(
+            f"{e}: --steps {steps} x --prompts {prompts} asks for {steps * prompts} distinct train prompts per "
+            "policy, and 64 more held out",
+            param_hint="--steps",
+        ) from None
     ckpt_dir = out / "checkpoints"
     # what must match for --resume to continue the same run (--steps may grow)
     run_args = {"policies": names, "prompts": prompts, "group": group, "lr": lr, "rank": rank, "seed": seed}
@@ -414,6 +421,15 @@ def train(
                 raise typer.Exit(130)
             if checkpoint_every and trainer.steps % checkpoint_every == 0 and trainer.steps < steps:
                 save()
+    except KeyboardInterrupt:  # the second Ctrl-C
+        bar.close()
+        if lead:
+            newest = latest_checkpoint(ckpt_dir)
+            console.print(
+                f"stopped during step {trainer.steps + 1}, unsaved; "
+                + (f"the newest checkpoint is {newest} (--resume)" if newest else "no checkpoint yet")
+            )
+        raise typer.Exit(130) from None
     finally:
         signal.signal(signal.SIGINT, previous)
     bar.close()

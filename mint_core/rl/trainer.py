@@ -194,9 +194,8 @@ class MultiPolicyTrainer:
             self.policies[spec.name] = PolicyState(spec, slot, sites, self._zero_adam(sites))
         self.steps = 0
         self._output: Literal["hidden", "logits", "full"] | None = None  # see _output_mode
-        self.last_output: str | None = (
-            None  # the way the last packed forward got its logprobs out (_output_mode)
-        )
+        # how the last packed forward got its logprobs out of the model (one of _output_mode's answers)
+        self.last_output: str | None = None
 
     # ---- setup ----------------------------------------------------------------------------------------
 

@@ -188,6 +188,9 @@ def test_mint_train_interrupted_and_resumed_ends_where_an_uninterrupted_run_does
     assert refused.returncode == 2 and "rank 8 then, 4 now" in refused.stderr.replace("\n", "")
     refused = mint(*common, "--steps", str(end), "--out", str(tmp_path / "empty"), "--resume", check=False)
     assert refused.returncode == 2 and "no checkpoint" in refused.stderr.replace("\n", "")
+    refused = mint(*common, "--steps", "100000", "--out", str(tmp_path / "big"), check=False)
+    assert refused.returncode == 2 and "200000 distinct train prompts" in refused.stderr.replace("\n", "")
+    assert not (tmp_path / "big").exists()
 
     done = mint(*common, "--steps", str(end), "--out", str(out), "--resume")
     assert f"resuming from {out / 'checkpoints'}" in done.stdout.replace("\n", "")
