@@ -40,30 +40,45 @@ def log_normalizer(logits: Tensor) -> Tensor:
     return out.view(logits.shape[:-1])
 
 
+def _dlogits(
+    logits_cV: Tensor, a: int, lse_N: Tensor, g_N: Tensor, rows_M: Tensor, targets_M: Tensor, grad_M: Tensor
+) -> Tensor:
+    """The gradient of sum_m grad_M[m] * lp_M[m] with respect to the float32 logits of rows a .. a + c:
+    d lp_m / d logits[r, v] = [r = rows_m] ([v = targets_m] - softmax(logits[r])[v]); g_N[r] is the sum of
+    grad_M over the reads of row r."""
+    b = a + logits_cV.shape[0]
+    d = torch.exp(logits_cV - lse_N[a:b, None]).mul_(-g_N[a:b, None])
+    here = (rows_M >= a) & (rows_M < b)
+    return d.index_put_((rows_M[here] - a, targets_M[here]), grad_M[here], accumulate=True)
+
+
+def _read_sums(n_rows: int, rows_M: Tensor, grad_M: Tensor) -> Tensor:
+    return torch.zeros(n_rows, dtype=torch.float32, device=grad_M.device).index_add_(0, rows_M, grad_M)
+
+
+def _check_reads(rows_M: Tensor, targets_M: Tensor) -> None:
+    if rows_M.shape != targets_M.shape or rows_M.ndim != 1:
+        raise ValueError(
+            f"rows and targets must be 1-D and alike, got {tuple(rows_M.shape)} and {tuple(targets_M.shape)}"
+        )
+
+
 class _SelectedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits_NV: Tensor, rows_M: Tensor, targets_M: Tensor) -> Tensor:
-        N, V = logits_NV.shape
-        lse_N = torch.empty(N, dtype=torch.float32, device=logits_NV.device)
-        for a, b in _chunks(N, V):
-            lse_N[a:b] = torch.logsumexp(logits_NV[a:b].float(), dim=-1)
-        lp_M = logits_NV[rows_M, targets_M].float() - lse_N[rows_M]
+        lse_N = log_normalizer(logits_NV)
         ctx.save_for_backward(logits_NV, rows_M, targets_M, lse_N)
-        return lp_M
+        return logits_NV[rows_M, targets_M].float() - lse_N[rows_M]
 
     @staticmethod
     def backward(ctx: Any, grad_M: Tensor) -> tuple[Tensor, None, None]:
         logits_NV, rows_M, targets_M, lse_N = ctx.saved_tensors
         N, V = logits_NV.shape
         grad_M = grad_M.float()
-        # d lp_m / d logits[r, v] = [r = rows_m] ([v = targets_m] - softmax(logits[r])[v])
-        g_N = torch.zeros(N, dtype=torch.float32, device=grad_M.device).index_add_(0, rows_M, grad_M)
+        g_N = _read_sums(N, rows_M, grad_M)
         grad_NV = torch.empty_like(logits_NV)
         for a, b in _chunks(N, V):
-            g = torch.exp(logits_NV[a:b].float() - lse_N[a:b, None]).mul_(-g_N[a:b, None])
-            here = (rows_M >= a) & (rows_M < b)
-            g.index_put_((rows_M[here] - a, targets_M[here]), grad_M[here], accumulate=True)
-            grad_NV[a:b] = g
+            grad_NV[a:b] = _dlogits(logits_NV[a:b].float(), a, lse_N, g_N, rows_M, targets_M, grad_M)
         return grad_NV, None, None
 
 
@@ -72,10 +87,7 @@ def selected_logprobs(logits_NV: Tensor, rows_M: Tensor, targets_M: Tensor) -> T
     (a prompt's last position, read by every completion of its group)."""
     if logits_NV.ndim != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits_NV.shape)}")
-    if rows_M.shape != targets_M.shape or rows_M.ndim != 1:
-        raise ValueError(
-            f"rows and targets must be 1-D and alike, got {tuple(rows_M.shape)} and {tuple(targets_M.shape)}"
-        )
+    _check_reads(rows_M, targets_M)
     out: Tensor = _SelectedLogprobs.apply(logits_NV, rows_M, targets_M)
     return out
 
@@ -110,17 +122,14 @@ class _HeadLogprobs(torch.autograd.Function):
         h_KH, weight_VH, bias_V, rows_M, targets_M, lse_K = ctx.saved_tensors
         K, V = h_KH.shape[0], weight_VH.shape[0]
         grad_M = grad_M.float()
-        g_K = torch.zeros(K, dtype=torch.float32, device=grad_M.device).index_add_(0, rows_M, grad_M)
+        g_K = _read_sums(K, rows_M, grad_M)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h_KH) if need_h else None
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros(V, dtype=torch.float32, device=h_KH.device) if need_b else None
         for a, b in _chunks(K, V):
-            # the chunk's logits again, then d lp / d logits = [v = target] - softmax, as in _SelectedLogprobs
-            logits = F.linear(h_KH[a:b], weight_VH, bias_V).float()
-            d = torch.exp(logits - lse_K[a:b, None]).mul_(-g_K[a:b, None])
-            here = (rows_M >= a) & (rows_M < b)
-            d.index_put_((rows_M[here] - a, targets_M[here]), grad_M[here], accumulate=True)
+            logits = F.linear(h_KH[a:b], weight_VH, bias_V).float()  # the chunk's logits again
+            d = _dlogits(logits, a, lse_K, g_K, rows_M, targets_M, grad_M)
             if grad_h is not None:
                 grad_h[a:b] = d.to(weight_VH.dtype) @ weight_VH
             if grad_w is not None:
@@ -148,9 +157,6 @@ def head_logprobs(
             f"hidden states [rows, H] and a head weight [vocab, H] are needed, got {tuple(h_KH.shape)} "
             f"and {tuple(weight_VH.shape)}"
         )
-    if rows_M.shape != targets_M.shape or rows_M.ndim != 1:
-        raise ValueError(
-            f"rows and targets must be 1-D and alike, got {tuple(rows_M.shape)} and {tuple(targets_M.shape)}"
-        )
+    _check_reads(rows_M, targets_M)
     out: Tensor = _HeadLogprobs.apply(h_KH, weight_VH, bias_V, rows_M, targets_M)
     return out

@@ -30,6 +30,24 @@ from mint_core.services import Service, ServiceName, ServicesConfig, start, stop
 from mint_core.serving.client import ServingClient
 
 
+def cli_env(unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """This process's environment for a `mint` or `dvc` subprocess: this interpreter's commands first on PATH, a
+    wide terminal (rich wraps no table row or URL), no telemetry, no hub; the variables named in `unset` left out,
+    `extra` added."""
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "COLUMNS": "240",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DVC_NO_ANALYTICS": "1",
+            "HF_HUB_OFFLINE": "1",
+            **extra,
+        }
+    )
+    return env
+
+
 def mint_cli(
     *args: str,
     timeout: float = 300,
@@ -37,16 +55,13 @@ def mint_cli(
     cwd: Path | None = None,
     unset: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """`mint <args>` in a subprocess of this interpreter: a wide terminal (rich wraps no table row or URL), no
-    telemetry, no hub; the variables named in `unset` left out of its environment."""
-    full = {k: v for k, v in os.environ.items() if k not in unset}
-    full.update({"COLUMNS": "240", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"})
+    """`mint <args>` in a subprocess of this interpreter, in `cli_env(unset)`."""
     return subprocess.run(
         [sys.executable, "-m", "mint_core.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env=full,
+        env=cli_env(unset),
         timeout=timeout,
         check=check,
     )

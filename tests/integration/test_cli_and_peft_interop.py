@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
-from tests.integration.conftest import mint_cli
+from tests.integration.conftest import cli_env, mint_cli
 
 pytestmark = pytest.mark.integration
 
@@ -156,11 +155,10 @@ def test_mint_train_interrupted_and_resumed_ends_where_an_uninterrupted_run_does
     common = ("train", "--policies", "add,sort", "--base", str(base), "--prompts", "2", "--group", "2")
 
     out = tmp_path / "stopped"
-    env = {**os.environ, "COLUMNS": "240", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mint_core.cli", *common, "--steps", "1000", "--checkpoint-every", "1",
          "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120

@@ -5,7 +5,6 @@ the data revision (`mint.data_rev`) read from dvc.lock."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from mint_core.data.build import DataParams
 from mint_core.data.checks import CheckParams
 from mint_core.data.revision import data_rev
 from mint_core.engine.pretrain import PretrainParams
+from tests.integration.conftest import cli_env
 
 pytestmark = pytest.mark.integration
 
@@ -37,15 +37,10 @@ CHEAP = ["validate_data", "eval_sets"]  # repro targets that need only task_data
 
 def _dvc_proc(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """Run dvc (the venv's, with the venv's `mint` on PATH)."""
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "DVC_NO_ANALYTICS": "1",
-    }
     return subprocess.run(
         [sys.executable, "-m", "dvc", *args],
         cwd=cwd,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
