@@ -99,7 +99,7 @@ def load_builtin(notes: list[str]):  # type: ignore[no-untyped-def]
 def _write_pack(job: tuple[int, int, str, dict, str, str]) -> list[str]:
     """One pack of random rank-1 members (seeded by its index, so reruns write the same bytes)."""
     start, m, path, site_shapes, fp, _ = job
-    from mint_core.engine.base import Site
+    from mint_core.types import Site
 
     sites = {name: Site(name, i, o) for name, (i, o) in site_shapes.items()}
     g = torch.Generator().manual_seed(start)

@@ -65,10 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
 from _common import peak_rss_bytes, report
 
-from mint_core.engine.base import Base, Site, load_base
+from mint_core.engine.base import Base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import AdapterWeights, random_adapter, save_adapter
 from mint_core.serving.client import ServingClient
+from mint_core.types import Site
 from tests.integration.conftest import free_port, server_log, start_server, stop_server
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,6 +1,6 @@
 """Registry operation latency against a real MLflow server: create a version, move an alias, resolve champion.
 
-Setup: an MLflow tracking server started by `mint_core.services` on a free port (SQLite store by default, or
+Setup: an MLflow tracking server started by `mint_app.services` on a free port (SQLite store by default, or
 `--backend-url postgresql+psycopg://postgres@127.0.0.1:5432/<db>`), a local adapter store and a SQLite catalog in
 a temporary directory. `--ops` rank-1 adapter revisions of a tiny base are put in the store first (not timed).
 
@@ -32,13 +32,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report
 
+from mint_app.services import ServicesConfig, start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig
 from mint_core.registry.store import AdapterStore
-from mint_core.services import ServicesConfig, start, stop
 
 
 def free_port() -> int:

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
+import matplotlib
+import matplotlib.pyplot as plt
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.data.tasks import Example, read_jsonl, split
@@ -26,6 +29,7 @@ from mint_core.errors import MintError
 from mint_core.lora.validate import read_adapter
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revision, UnknownRevision
+from mint_core.registry.runs import IDEMPOTENCY_TAG
 from mint_core.registry.store import AdapterStore
 from mint_core.rl.checkpoints import latest_checkpoint, write_checkpoint
 from mint_core.rl.grpo import GRPOConfig
@@ -34,9 +38,8 @@ from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 from mint_core.serving.client import ServingClient, ServingError
 
 logger = logging.getLogger(__name__)
+matplotlib.use("Agg")  # curves are drawn to files for MLflow, never shown
 
-IDEMPOTENCY_TAG = "mint.idempotency_key"
-"""Model-version tag: the training run that made the version (see `idempotency_key`)."""
 FAULT_ENV = "MINT_LIFECYCLE_FAULT"
 """Comma-separated fault points (`point`, `point:N` for the N-th time it is reached, `...:kill` to SIGKILL the
 process there instead of raising); for fault-injection tests only."""
@@ -281,49 +284,8 @@ def rollout_rows(trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]])
     )
 
 
-def log_training_run(
-    registry: Registry,
-    experiment: str,
-    policy: str,
-    key: str,
-    params: dict[str, Any],
-    curve: list[dict[str, float]],
-) -> str:
-    """The MLflow run of one policy's training: params, the reward curve as metrics and a plot. A rerun with
-    the same idempotency key finds the run it made before instead of making another."""
-    from mlflow.entities import Metric, Param
-
-    client = registry.client
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
-    found = client.search_runs([exp_id], filter_string=f"tags.`{IDEMPOTENCY_TAG}` = '{key}'", max_results=1)
-    if found:
-        return str(found[0].info.run_id)
-    run = client.create_run(
-        exp_id, run_name=f"{policy}-{key[:8]}", tags={IDEMPOTENCY_TAG: key, "mint.policy": policy}
-    )
-    run_id = str(run.info.run_id)
-    now = int(time.time() * 1000)
-    metrics = [
-        Metric(f"train/{name}", float(value), now, i)
-        for i, point in enumerate(curve)
-        for name, value in point.items()
-    ]
-    flat = [Param(k, str(v)[:6000]) for k, v in params.items()]
-    for start in range(0, max(len(metrics), 1), 900):
-        client.log_batch(run_id, metrics=metrics[start : start + 900], params=flat if start == 0 else [])
-    if curve:
-        client.log_figure(run_id, _curve_figure(policy, curve), "reward_curve.png")
-    client.set_terminated(run_id)
-    return run_id
-
-
-def _curve_figure(policy: str, curve: list[dict[str, float]]) -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def curve_figure(policy: str, curve: list[dict[str, float]]) -> Any:
+    """The reward curve of one policy's training, as a matplotlib figure for its MLflow run."""
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.plot(range(1, len(curve) + 1), [p.get("reward", float("nan")) for p in curve], marker="o")
     ax.set_xlabel("GRPO step")
@@ -362,8 +324,6 @@ def smoke_check(client: ServingClient, name: str, digest: str, prompt: str = "ad
 
 def prefetch_route(client: ServingClient) -> bool:
     """Whether the server has mint's `POST /v1/mint/prefetch` (and a catalog behind it)."""
-    import httpx
-
     try:
         r = httpx.get(client.base_url + "/openapi.json", timeout=5)
         return r.status_code == 200 and "/v1/mint/prefetch" in r.json().get("paths", {})
@@ -373,8 +333,6 @@ def prefetch_route(client: ServingClient) -> bool:
 
 def prefetch(client: ServingClient, addresses: list[str], wait: bool = True) -> dict[str, Any]:
     """Ask the server to cold-load catalog addresses ahead of need (mint's extension route)."""
-    import httpx
-
     headers = {"Authorization": f"Bearer {client.admin_token}"} if client.admin_token else {}
     r = httpx.post(
         client.base_url + "/v1/mint/prefetch",

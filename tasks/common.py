@@ -12,6 +12,7 @@ from prefect_redis import RedisLockManager
 from pydantic import BaseModel
 
 from mint_core.lifecycle import Workspace
+from mint_core.registry.runs import IDEMPOTENCY_TAG
 
 T = TypeVar("T")
 
@@ -126,8 +127,6 @@ class RevisionRef(Timed):
 
     @classmethod
     def of(cls, rev: Any) -> RevisionRef:
-        from mint_core.lifecycle import IDEMPOTENCY_TAG
-
         gate = rev.gate
         return cls(
             policy=rev.policy,

@@ -12,17 +12,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 
-from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore, decide, record_gate
-from mint_core.lifecycle import (
-    IDEMPOTENCY_TAG,
-    TrainerSession,
-    Workspace,
-    champion,
-    fault,
-    find_by_key,
-    log_training_run,
-)
+from mint_core.eval.gate import GATE_TAG, GateDecision, GatePolicy, SuiteScore, decide
+from mint_core.lifecycle import TrainerSession, Workspace, champion, curve_figure, fault, find_by_key
 from mint_core.registry.catalog import CHAMPION
+from mint_core.registry.runs import IDEMPOTENCY_TAG, log_training_run, tag_version
 from tasks.common import RETRY_DELAYS, AliasMoved, RevisionRef, artifact_key, transient
 
 EXPERIMENT = "mint-lifecycle"
@@ -68,7 +61,8 @@ def export(
     reg = ws.registry()
     trainer = session.trainer
     digest = reg.store.put_weights(trainer.weights(policy), trainer.engine.sites)
-    run_id = log_training_run(reg, EXPERIMENT, policy, key, params, curve)
+    figure = curve_figure(policy, curve) if curve else None
+    run_id = log_training_run(reg.client, EXPERIMENT, policy, key, params, curve, figure)
     rev = reg.create_revision(
         policy,
         digest,
@@ -104,7 +98,7 @@ def gate(
     decision = decide(
         policy, candidate_scores.values(), None if champion_scores is None else champion_scores.values()
     )
-    record_gate(ws.registry().client, candidate.policy, candidate.version, decision)
+    tag_version(ws.registry().client, candidate.policy, candidate.version, GATE_TAG, decision.tag_value())
     create_markdown_artifact(
         f"### {candidate.address}\n\n" + decision.markdown(),
         key=artifact_key("gate", candidate.policy),

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mint_core.engine.base import Base, Family, Site, build_tiny_base
+from mint_core.engine.base import Base, Family, build_tiny_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.types import Site
 
 FAMILIES: list[Family] = ["dense", "moe", "mla"]
 

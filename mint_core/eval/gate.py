@@ -20,13 +20,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.table import Table
-
-if TYPE_CHECKING:
-    from mlflow import MlflowClient
 
 GATE_TAG = "mint.gate"
 """Model-version tag holding the decision as compact JSON."""
@@ -315,8 +312,3 @@ def decide(
     if not failed:
         reasons.append(f"all {len(checks)} checks passed")
     return GateDecision(passed=not failed, reasons=reasons, checks=checks, first_revision=champ is None)
-
-
-def record_gate(client: MlflowClient, policy: str, version: str | int, decision: GateDecision) -> None:
-    """Tag a policy's model version (revision) with the decision: `mint.gate` = compact JSON."""
-    client.set_model_version_tag(policy, str(version), GATE_TAG, decision.tag_value())

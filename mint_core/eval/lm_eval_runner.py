@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from mint_core.errors import MintError
 from mint_core.eval.suites import SUITES_DIR, SuiteError, available_suites, suite_tasks
+from mint_core.registry.runs import RunRecordError, log_run_record, read_run_documents
 
 if TYPE_CHECKING:
     from lm_eval.api.model import LM
@@ -539,54 +540,35 @@ def differences(a: EvalResult, b: EvalResult, ll_tol: float = 1e-3) -> list[str]
 
 
 def log_to_mlflow(result: EvalResult, tracking_uri: str, run_id: str, prefix: str = "eval") -> None:
-    """Metrics `<prefix>/<suite>/<metric>` (plus `score` and `n` per suite and `<prefix>/wall_s`), tags naming
-    the path and revision, and artifacts `<prefix>/result.json` (typed result with per-sample answers) and
-    `<prefix>/lm_eval_results.json` (lm-eval's raw results)."""
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric, RunTag
-    from mlflow.exceptions import MlflowException
-
-    now = int(time.time() * 1000)
-    metrics = [Metric(f"{prefix}/wall_s", result.wall_s, now, 0)]
+    """Record `result` in a run through the registry: metrics `<prefix>/<suite>/<metric>` (plus `score` and `n`
+    per suite and `<prefix>/wall_s`), tags naming the path and revision, and artifacts `<prefix>/result.json`
+    (typed result with per-sample answers) and `<prefix>/lm_eval_results.json` (lm-eval's raw results)."""
+    metrics = {f"{prefix}/wall_s": result.wall_s}
     for name, s in result.suites.items():
         values = {**s.metrics, "score": s.score, "n": float(s.n)}
-        metrics += [Metric(f"{prefix}/{name}/{m}", v, now, 0) for m, v in values.items() if math.isfinite(v)]
-    tags = [
-        RunTag(f"mint.{prefix}.path", result.path),
-        RunTag(f"mint.{prefix}.revision", result.revision or "base"),
-        RunTag(f"mint.{prefix}.suites", ",".join(result.suites)),
-    ]
-    client = MlflowClient(tracking_uri=tracking_uri)
+        metrics |= {f"{prefix}/{name}/{m}": v for m, v in values.items()}
+    tags = {
+        f"mint.{prefix}.path": result.path,
+        f"mint.{prefix}.revision": result.revision or "base",
+        f"mint.{prefix}.suites": ",".join(result.suites),
+    }
+    documents = {
+        f"{prefix}/{RESULT_ARTIFACT}": result.model_dump(mode="json", exclude={"raw"}),
+        f"{prefix}/{RAW_ARTIFACT}": result.raw,
+    }
     try:
-        client.log_batch(run_id, metrics=metrics, tags=tags)
-        client.log_dict(
-            run_id, result.model_dump(mode="json", exclude={"raw"}), f"{prefix}/{RESULT_ARTIFACT}"
-        )
-        client.log_dict(run_id, result.raw, f"{prefix}/{RAW_ARTIFACT}")
-    except MlflowException as e:
-        raise EvalError(f"logging the evaluation to MLflow run {run_id} at {tracking_uri} failed: {e}") from e
+        log_run_record(tracking_uri, run_id, metrics, tags, documents)
+    except RunRecordError as e:
+        raise EvalError(f"logging the evaluation: {e}") from e
 
 
 def load_from_mlflow(tracking_uri: str, run_id: str, prefix: str = "eval") -> EvalResult:
     """The EvalResult `log_to_mlflow` recorded in a run."""
-    import tempfile
-
-    import mlflow.artifacts
-    from mlflow.exceptions import MlflowException
-
-    docs = {}
-    with tempfile.TemporaryDirectory(prefix="mint-eval-") as tmp:
-        for name in (RESULT_ARTIFACT, RAW_ARTIFACT):
-            try:
-                local = mlflow.artifacts.download_artifacts(
-                    run_id=run_id, artifact_path=f"{prefix}/{name}", dst_path=tmp, tracking_uri=tracking_uri
-                )
-            except MlflowException as e:
-                raise EvalError(
-                    f"no evaluation under {prefix}/ in MLflow run {run_id} at {tracking_uri}: {e}"
-                ) from e
-            docs[name] = json.loads(Path(local).read_text())
-    doc, raw = docs[RESULT_ARTIFACT], docs[RAW_ARTIFACT]
+    paths = [f"{prefix}/{RESULT_ARTIFACT}", f"{prefix}/{RAW_ARTIFACT}"]
+    try:
+        doc, raw = read_run_documents(tracking_uri, run_id, paths).values()
+    except RunRecordError as e:
+        raise EvalError(f"no evaluation under {prefix}/: {e}") from e
     return EvalResult.model_validate({**doc, "raw": raw})
 
 

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from safetensors.torch import save as save_safetensors
 
-from mint_core.engine.base import EXPERT_PARAMS, Site
+from mint_core.types import EXPERT_PARAMS, Site
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

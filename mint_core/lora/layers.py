@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mint_core.engine.base import EXPERT_PARAMS, Site
+from mint_core.types import EXPERT_PARAMS, Site
 
 
 class LoRAContext:

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from mint_core.engine.base import Site
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import (
     CONFIG_FILE,
@@ -27,6 +26,7 @@ from mint_core.lora.adapter import (
     digest_files,
     from_peft_state,
 )
+from mint_core.types import Site
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024

@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mint_core.engine.base import Site
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.validate import BaseSpec
+from mint_core.types import Site
 
 PACK_KEY = "mint.pack"
 DIGESTS = "mint.digests"

@@ -33,7 +33,6 @@ import fsspec.core
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from mint_core.engine.base import Site
 from mint_core.errors import MintError
 from mint_core.lora.adapter import (
     CONFIG_FILE,
@@ -43,6 +42,7 @@ from mint_core.lora.adapter import (
     digest_files,
     save_adapter,
 )
+from mint_core.types import Site
 
 COMMITTED = "COMMITTED"
 FILES = (CONFIG_FILE, WEIGHTS_FILE)

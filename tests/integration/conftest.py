@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from mint_core.engine.base import Base, Site, build_tiny_base, load_base
+from mint_app.services import Service, ServiceName, ServicesConfig, start, stop
+from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
-from mint_core.services import Service, ServiceName, ServicesConfig, start, stop
 from mint_core.serving.client import ServingClient
+from mint_core.types import Site
 
 
 def cli_env(unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
@@ -57,7 +58,7 @@ def mint_cli(
 ) -> subprocess.CompletedProcess[str]:
     """`mint <args>` in a subprocess of this interpreter, in `cli_env(unset)`."""
     return subprocess.run(
-        [sys.executable, "-m", "mint_core.cli", *args],
+        [sys.executable, "-m", "mint_app.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -124,7 +125,7 @@ def start_server(
         [
             sys.executable,
             "-m",
-            "mint_core.cli",
+            "mint_app.cli",
             "serve",
             "--port",
             str(port),
@@ -186,7 +187,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Real MLflow and Prefect servers, one of each per test session, started through mint_core.services (what
+# Real MLflow and Prefect servers, one of each per test session, started through mint_app.services (what
 # `mint up` runs) on free loopback ports with their state in temporary directories.
 
 PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -194,7 +195,7 @@ PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres
 
 @contextmanager
 def running_service(name: ServiceName, state_dir: Path, **settings: object) -> Iterator[Service]:
-    """One service from mint_core.services, started in `state_dir` on a free port, stopped afterwards."""
+    """One service from mint_app.services, started in `state_dir` on a free port, stopped afterwards."""
     config = ServicesConfig.model_validate({"state_dir": state_dir, f"{name}_port": free_port(), **settings})
     service = start(config, [name])[0]
     try:

@@ -27,6 +27,7 @@ from flows.lifecycle import PolicyRun, Training, WaveFailed, lifecycle, wave
 from flows.prefetch import prefetch
 from flows.promotion import promote_flow, rollback_flow
 from flows.reconcile import reconcile
+from mint_app.main_job import redis_up
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.errors import DataCheckError
@@ -35,7 +36,6 @@ from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revision
 from mint_core.lora.adapter import random_adapter
-from mint_core.main_job import redis_up
 from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable, UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
@@ -152,7 +152,7 @@ def run_subprocess(
     params.write_text(json.dumps(doc))
     env = {**os.environ, FAULT_ENV: fault, "MINT_SERVE_ADMIN_TOKEN": ADMIN}
     return subprocess.run(
-        [sys.executable, "-m", "mint_core.cli", "lifecycle", "--params", str(params)],
+        [sys.executable, "-m", "mint_app.cli", "lifecycle", "--params", str(params)],
         env=env,
         capture_output=True,
         text=True,

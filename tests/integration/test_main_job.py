@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_core.main_job import redis_up
+from mint_app.main_job import redis_up
 from tests.integration.conftest import free_port, mint_cli
 
 pytestmark = pytest.mark.slow

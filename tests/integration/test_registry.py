@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from mint_core.engine.base import Site
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.mlflow_registry import (
@@ -27,6 +26,7 @@ from mint_core.registry.mlflow_registry import (
 )
 from mint_core.registry.store import AdapterStore
 from mint_core.registry.store import UnknownRevision as StoreUnknownRevision
+from mint_core.types import Site
 
 pytestmark = pytest.mark.integration
 
@@ -227,7 +227,7 @@ def test_postgres_backend(mlflow_server_pg: str, tmp_path: Path) -> None:
 def test_command_line(reg: Registry, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from mint_core.cli import app
+    from mint_app.cli import app
 
     p = _policy()
     d1, d2 = _put(reg.store, tmp_path, 1), _put(reg.store, tmp_path, 2)

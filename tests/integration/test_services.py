@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_core import services
-from mint_core.services import ServicesConfig, stop
+from mint_app import services
+from mint_app.services import ServicesConfig, stop
 from tests.integration.conftest import free_port, mint_cli
 
 pytestmark = pytest.mark.integration
@@ -204,7 +204,7 @@ def test_flow_run_reports_to_prefect_server(prefect_server: str) -> None:
 
 
 def test_down_stops_the_redis_that_mint_run_started(tmp_path: Path) -> None:
-    from mint_core.main_job import MainJobConfig, ensure_redis, redis_up
+    from mint_app.main_job import MainJobConfig, ensure_redis, redis_up
 
     port = free_port()
     cfg = MainJobConfig(state_dir=tmp_path, redis_url=f"redis://127.0.0.1:{port}/0")
@@ -227,7 +227,7 @@ def test_down_stops_the_redis_that_mint_run_started(tmp_path: Path) -> None:
 def test_down_leaves_a_process_that_is_not_redis_alone(tmp_path: Path) -> None:
     """A pid file naming some other live process (the pid was reused) or a process that is gone is removed and
     nothing is killed."""
-    from mint_core.services import REDIS_PIDFILE, stop_started_redis
+    from mint_app.services import REDIS_PIDFILE, stop_started_redis
 
     other = subprocess.Popen(["sleep", "60"])
     try:

@@ -26,7 +26,7 @@ def builtin_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (ROOT / "data" / "base" / "config.json").is_file():
         return ROOT / "data" / "base"
     tmp = tmp_path_factory.mktemp("builtin")
-    mint = [sys.executable, "-m", "mint_core.cli"]
+    mint = [sys.executable, "-m", "mint_app.cli"]
     params = str(ROOT / "params.yaml")
     subprocess.run([*mint, "data", "build", "--out", str(tmp / "tasks"), "--params", params], check=True)
     subprocess.run(

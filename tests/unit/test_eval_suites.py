@@ -183,7 +183,7 @@ def test_task_data_with_fewer_tasks_gives_suites_for_those(tmp_path: Path) -> No
 
 
 def test_build_suites_command(suites: Path, tmp_path: Path) -> None:
-    from mint_core.cli import app
+    from mint_app.cli import app
 
     out = tmp_path / "suites"
     result = CliRunner().invoke(app, ["eval", "build-suites", "--out", str(out), "--limit", "10"])

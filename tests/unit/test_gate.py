@@ -17,7 +17,6 @@ from mint_core.eval.gate import (
     SuiteScore,
     decide,
     paired_p_value,
-    record_gate,
     two_proportion_p_value,
 )
 
@@ -248,10 +247,12 @@ def test_tag_value_fits_an_mlflow_tag(n_suites: int) -> None:
 def test_record_gate_on_a_real_registry(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
+    from mint_core.registry.runs import tag_version
+
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     client.create_registered_model("add-policy")
     mv = client.create_model_version("add-policy", source=str(tmp_path / "rev"))
     d = decide(BASE, scores(add=0.70), CHAMPION)
-    record_gate(client, "add-policy", int(mv.version), d)
+    tag_version(client, "add-policy", int(mv.version), GATE_TAG, d.tag_value())
     tag = client.get_model_version("add-policy", mv.version).tags[GATE_TAG]
     assert json.loads(tag) == {"passed": True, "first_revision": False, "reasons": d.reasons, "failed": []}

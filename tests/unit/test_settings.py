@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mint_core.services import ServicesConfig
+from mint_app.services import ServicesConfig
 from mint_core.serving.config import ServingConfig
 from mint_core.settings import read_mapping
 
@@ -57,8 +57,8 @@ def test_mint_run_takes_file_env_and_flags_and_refuses_bad_values_before_any_wor
 ) -> None:
     from typer.testing import CliRunner
 
-    from mint_core import main_job
-    from mint_core.cli import app
+    from mint_app import main_job
+    from mint_app.cli import app
 
     seen: list[main_job.MainJobConfig] = []
     monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: seen.append(cfg))

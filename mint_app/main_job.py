@@ -40,8 +40,8 @@ from mint_core.errors import MintError
 
 if TYPE_CHECKING:
     from flows.lifecycle import WaveReport
+    from mint_app.services import Service, ServiceName, ServicesConfig
     from mint_core.lifecycle import Workspace
-    from mint_core.services import Service, ServiceName, ServicesConfig
 
 STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
 """The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""
@@ -254,7 +254,7 @@ def build(console: Console) -> list[str]:
 
 
 def services_config(cfg: MainJobConfig) -> ServicesConfig:
-    from mint_core.services import ServicesConfig
+    from mint_app.services import ServicesConfig
 
     return ServicesConfig.load(
         None,
@@ -297,7 +297,7 @@ def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
 
 def ensure_redis(cfg: MainJobConfig) -> str:
     """Redis for the promotion locks: the one running, else a redis-server started here (local URLs only)."""
-    from mint_core.services import REDIS_PIDFILE
+    from mint_app.services import REDIS_PIDFILE
 
     url = urlparse(cfg.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
@@ -638,7 +638,7 @@ def run_main_job(cfg: MainJobConfig, console: Console) -> None:
 
 
 def _run(cfg: MainJobConfig, console: Console) -> None:
-    from mint_core.services import ServiceError, start
+    from mint_app.services import ServiceError, start
 
     timer = Timer(console)
     round_name = cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")

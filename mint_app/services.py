@@ -416,7 +416,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
     from mint_core.serving.config import ServingConfig
 
-    cmd = [sys.executable, "-m", "mint_core.cli", "serve", "--host", host, "--port", port]
+    cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:
         cmd += ["--config", str(config.serve_config.resolve())]

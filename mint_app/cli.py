@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mint_app.eval_cli import eval_app
+from mint_app.registry_cli import catalog_app, registry_app
+from mint_app.services_cli import register as register_service_commands
 from mint_core import __version__
-from mint_core.eval.cli import eval_app
-from mint_core.registry.cli import catalog_app, registry_app
-from mint_core.services_cli import register as register_service_commands
 
 app = typer.Typer(help="mint: many LoRA policies over one resident base model.", no_args_is_help=True)
 adapter_app = typer.Typer(help="Inspect and convert adapter revisions.", no_args_is_help=True)
@@ -273,7 +273,7 @@ def train(
         Path | None,
         typer.Option(
             help="Train under DeepSpeed with this config (infra/deepspeed/zero2.json or zero3.json); for "
-            "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_core.cli train`."
+            "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_app.cli train`."
         ),
     ] = None,
     checkpoint_every: Annotated[
@@ -470,7 +470,7 @@ def demo(
     adapters: Annotated[int, typer.Option(min=1, max=32)] = 4,
 ) -> None:
     """Load a base once, load several adapters, and generate with all of them mixed in one batch."""
-    from mint_core.demo import run_demo
+    from mint_app.demo import run_demo
 
     t0 = time.perf_counter()
     if workdir.exists():
@@ -518,7 +518,7 @@ def run_cmd(
     """The main job: build what is missing (DVC), start the servers, train/evaluate/gate/promote/serve a wave
     of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
     (`mint down` stops them)."""
-    from mint_core.main_job import ENV_PREFIX, MainJobConfig, MainJobError, run_main_job
+    from mint_app.main_job import ENV_PREFIX, MainJobConfig, MainJobError, run_main_job
     from mint_core.settings import load_settings
 
     try:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mint_core.services import (
+from mint_app.services import (
     SERVICES,
     Service,
     ServiceError,

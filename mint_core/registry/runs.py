@@ -1,0 +1,108 @@
+"""What the registry records beside revisions: MLflow runs (training curves, evaluation results) and the
+gate's decision on a model version.
+
+The rest of the library hands plain values here (metrics, params, JSON documents) and never talks to MLflow
+itself: evaluation returns results, the lifecycle returns curves, and this module records them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow.artifacts
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from mint_core.errors import MintError
+
+IDEMPOTENCY_TAG = "mint.idempotency_key"
+"""Tag on a training run (and its model version) naming the work that produced it, so a retry finds it."""
+_BATCH = 900  # MLflow's log_batch takes at most 1000 metrics per call
+
+
+class RunRecordError(MintError):
+    """A run's record could not be written to, or read back from, MLflow."""
+
+
+def log_training_run(
+    client: MlflowClient,
+    experiment: str,
+    policy: str,
+    key: str,
+    params: Mapping[str, Any],
+    curve: list[dict[str, float]],
+    figure: Any | None = None,
+) -> str:
+    """The MLflow run of one policy's training: params, the curve as `train/<name>` metrics by step, and a plot.
+    A rerun with the same idempotency key finds the run it made before instead of making another."""
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
+    found = client.search_runs([exp_id], filter_string=f"tags.`{IDEMPOTENCY_TAG}` = '{key}'", max_results=1)
+    if found:
+        return str(found[0].info.run_id)
+    run = client.create_run(
+        exp_id, run_name=f"{policy}-{key[:8]}", tags={IDEMPOTENCY_TAG: key, "mint.policy": policy}
+    )
+    run_id = str(run.info.run_id)
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(f"train/{name}", float(value), now, i)
+        for i, point in enumerate(curve)
+        for name, value in point.items()
+    ]
+    flat = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for start in range(0, max(len(metrics), 1), _BATCH):
+        client.log_batch(run_id, metrics=metrics[start : start + _BATCH], params=flat if start == 0 else [])
+    if figure is not None:
+        client.log_figure(run_id, figure, "reward_curve.png")
+    client.set_terminated(run_id)
+    return run_id
+
+
+def log_run_record(
+    tracking_uri: str,
+    run_id: str,
+    metrics: Mapping[str, float],
+    tags: Mapping[str, str],
+    documents: Mapping[str, Any],
+) -> None:
+    """Log metrics (non-finite values skipped), tags and JSON documents (artifact path -> document) to a run."""
+    now = int(time.time() * 1000)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if math.isfinite(v)],
+            tags=[RunTag(k, v) for k, v in tags.items()],
+        )
+        for path, doc in documents.items():
+            client.log_dict(run_id, doc, path)
+    except MlflowException as e:
+        raise RunRecordError(f"logging to MLflow run {run_id} at {tracking_uri} failed: {e}") from e
+
+
+def read_run_documents(tracking_uri: str, run_id: str, paths: list[str]) -> dict[str, Any]:
+    """The JSON documents `log_run_record` wrote to a run, by artifact path."""
+    docs = {}
+    with tempfile.TemporaryDirectory(prefix="mint-run-") as tmp:
+        for path in paths:
+            try:
+                local = mlflow.artifacts.download_artifacts(
+                    run_id=run_id, artifact_path=path, dst_path=tmp, tracking_uri=tracking_uri
+                )
+            except MlflowException as e:
+                raise RunRecordError(f"no {path} in MLflow run {run_id} at {tracking_uri}: {e}") from e
+            docs[path] = json.loads(Path(local).read_text())
+    return docs
+
+
+def tag_version(client: MlflowClient, policy: str, version: str | int, key: str, value: str) -> None:
+    """Set one tag on a policy's model version (the gate's decision, `mint.gate`)."""
+    client.set_model_version_tag(policy, str(version), key, value)
