@@ -89,15 +89,9 @@ def main() -> None:
     from mint_core.data.tasks import TASKS
     from mint_core.engine.base import build_tiny_base
     from mint_core.engine.tokenizer import byte_tokenizer
-    from mint_core.eval.lm_eval_runner import (
-        EvalConfig,
-        EvalResult,
-        LocalModel,
-        ServedModel,
-        differences,
-        evaluate_in_process,
-        evaluate_served,
-    )
+    from mint_core.eval.in_process import evaluate_in_process
+    from mint_core.eval.lm_eval_runner import evaluate_served
+    from mint_core.eval.results import EvalConfig, EvalResult, LocalModel, ServedModel, differences
     from mint_core.eval.suites import SUITES_DIR, standalone_suites
     from tests.integration.conftest import start_server, stop_server
 

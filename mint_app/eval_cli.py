@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
+from pydantic import SecretStr
 from rich.console import Console
 from rich.table import Table
 
 from mint_core.errors import MintError
-
-if TYPE_CHECKING:
-    from mint_core.eval.lm_eval_runner import EvalConfig, EvalResult
+from mint_core.eval.results import EvalConfig, EvalResult, LocalModel, ServedModel
+from mint_core.eval.suites import build_suite_data
 
 eval_app = typer.Typer(help="Evaluate adapter revisions on the lm-eval suites.", no_args_is_help=True)
 console = Console()
@@ -35,8 +35,6 @@ def build_suites(
     ] = 0,
 ) -> None:
     """Write each suite's JSONL and a manifest, deterministically (the same inputs give the same bytes)."""
-    from mint_core.eval.suites import build_suite_data
-
     try:
         data = build_suite_data(out, tasks_dir=tasks_dir, limit=limit, seed=seed)
     except MintError as e:
@@ -51,8 +49,6 @@ def _suites(suites: str | None) -> list[str] | None:
 
 
 def _report(result: EvalResult, result_json: Path | None, mlflow_uri: str | None, run_id: str | None) -> None:
-    from mint_core.eval.lm_eval_runner import log_to_mlflow
-
     table = Table("suite", "metrics", "score", "n")
     for name, s in result.suites.items():
         metrics = ", ".join(f"{m} {v:.3f}" for m, v in s.metrics.items())
@@ -63,6 +59,8 @@ def _report(result: EvalResult, result_json: Path | None, mlflow_uri: str | None
         result_json.parent.mkdir(parents=True, exist_ok=True)
         result_json.write_text(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
     if mlflow_uri and run_id:
+        from mint_core.eval.records import log_to_mlflow  # mlflow: deferred for `mint --help`
+
         log_to_mlflow(result, mlflow_uri, run_id)
         console.print(f"logged to MLflow run {run_id} at {mlflow_uri}")
 
@@ -85,8 +83,6 @@ def _config(
     suites_dir: Path | None,
     mlflow: tuple[str | None, ...],
 ) -> EvalConfig:
-    from mint_core.eval.lm_eval_runner import EvalConfig
-
     if len({bool(x) for x in mlflow}) > 1:
         raise typer.BadParameter("--mlflow-uri and --run-id go together")
     cfg = EvalConfig(suites=_suites(suites), limit=limit, batch_size=batch_size)
@@ -120,9 +116,7 @@ def served(
     run_id: RunOpt = None,
 ) -> None:
     """Load a revision on a server under a name and score what it serves (lm-eval local-completions)."""
-    from pydantic import SecretStr
-
-    from mint_core.eval.lm_eval_runner import ServedModel, evaluate_served
+    from mint_core.eval.lm_eval_runner import evaluate_served  # lm-eval: deferred to keep `mint --help` fast
 
     target = ServedModel(
         url=url,
@@ -151,7 +145,7 @@ def local(
     run_id: RunOpt = None,
 ) -> None:
     """Score a revision in this process: the base with transformers, the adapter through PEFT (lm-eval hf)."""
-    from mint_core.eval.lm_eval_runner import LocalModel, evaluate_in_process
+    from mint_core.eval.in_process import evaluate_in_process  # torch, PEFT: deferred for `mint --help`
 
     cfg = _config(suites, limit, batch_size, suites_dir, (mlflow_uri, run_id))
     target = LocalModel(base=base, adapter=adapter)

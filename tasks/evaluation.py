@@ -14,7 +14,9 @@ from pydantic import SecretStr
 
 from mint_core.data.checks import CheckParams, EvalBounds, check, eval_frame
 from mint_core.eval.gate import SuiteScore
-from mint_core.eval.lm_eval_runner import EvalConfig, ServedModel, evaluate_served, log_to_mlflow
+from mint_core.eval.lm_eval_runner import evaluate_served
+from mint_core.eval.records import log_to_mlflow
+from mint_core.eval.results import EvalConfig, ServedModel
 from mint_core.lifecycle import Workspace, fault
 from tasks.common import RETRY_DELAYS, RevisionRef, Timed, artifact_key, transient
 

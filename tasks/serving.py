@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 from pydantic import BaseModel
@@ -140,8 +140,6 @@ def prefetch_revisions(ws: Workspace, names: dict[str, str]) -> Prefetched:
                     route="prefetch", addresses=addresses, results=results, seconds=time.perf_counter() - t0
                 )
             except ServingError as e:  # a server without a catalog answers 400: load them instead
-                from prefect import get_run_logger
-
                 get_run_logger().info("prefetch route refused (%s): loading under the served names", e)
         results = {}
         for p, rev in champions.items():

@@ -22,16 +22,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import great_expectations as gx
+import great_expectations.expectations as gxe
 import pandas as pd
+from great_expectations import ExpectationSuite
+from great_expectations.core.batch_definition import BatchDefinition
+from great_expectations.data_context.types.base import (
+    DataContextConfig,
+    InMemoryStoreBackendDefaults,
+    ProgressBarsConfig,
+)
+from great_expectations.expectations.row_conditions import Column
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.data.tasks import TASKS, Example
 from mint_core.errors import DataCheckError
 
 if TYPE_CHECKING:
-    from great_expectations import ExpectationSuite
-    from great_expectations.core.batch_definition import BatchDefinition
-
     from mint_core.rl.rollout import RolloutRow
 
 Kind = Literal["prompts", "rollouts", "eval"]
@@ -273,9 +280,6 @@ def _jsonl(path: Path, kind: str) -> list[dict[str, Any]]:
 def prompt_suite(bounds: PromptBounds | None = None) -> ExpectationSuite:
     """Schema, no nulls, string fields, unique ids and prompts (a held-out prompt leaking into train is a
     duplicate), known tasks, lengths in range, and every prompt and answer in its task's format."""
-    import great_expectations as gx
-    import great_expectations.expectations as gxe
-    from great_expectations.expectations.row_conditions import Column
 
     b = bounds or PromptBounds()
     exps: list[Any] = [
@@ -315,8 +319,6 @@ def prompt_suite(bounds: PromptBounds | None = None) -> ExpectationSuite:
 def rollout_suite(bounds: RolloutBounds | None = None) -> ExpectationSuite:
     """Schema, finite rewards in range, equal group sizes, completion lengths within the limit, finite
     logprobs (none above 0, no more of them than completion tokens), and only stop/length finishes."""
-    import great_expectations as gx
-    import great_expectations.expectations as gxe
 
     b = bounds or RolloutBounds()
     lo, hi = b.reward_range
@@ -350,8 +352,6 @@ def rollout_suite(bounds: RolloutBounds | None = None) -> ExpectationSuite:
 
 def eval_suite(bounds: EvalBounds | None = None) -> ExpectationSuite:
     """Schema, one row per suite, scores in [0, 1], enough samples behind each."""
-    import great_expectations as gx
-    import great_expectations.expectations as gxe
 
     b = bounds or EvalBounds()
     exps: list[Any] = [
@@ -371,12 +371,6 @@ def eval_suite(bounds: EvalBounds | None = None) -> ExpectationSuite:
 @functools.cache
 def _context() -> Any:
     """A process-wide ephemeral GX context with one pandas data source; nothing is written to disk."""
-    import great_expectations as gx
-    from great_expectations.data_context.types.base import (
-        DataContextConfig,
-        InMemoryStoreBackendDefaults,
-        ProgressBarsConfig,
-    )
 
     # in-memory stores and no docs site: nothing touches the disk; no progress bars in logs
     config = DataContextConfig(

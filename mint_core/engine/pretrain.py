@@ -28,6 +28,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from mint_core.data.build import CORPUS, read_corpus, read_split
 from mint_core.data.tasks import Example, is_well_formed
+from mint_core.engine.base import load_base
+from mint_core.engine.engine import Engine, EngineConfig, Request
+from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.tokenizer import byte_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -146,10 +149,6 @@ def evaluate(
 ) -> dict[str, dict[str, float]]:
     """Greedy exact-match and well-formed rates per task on the first `per_task` held-out examples, generated
     by mint's engine over the saved base (so the numbers are what serving and RL will see)."""
-    from mint_core.engine.base import load_base
-    from mint_core.engine.engine import Engine, EngineConfig, Request
-    from mint_core.engine.sampling import SamplingParams
-
     engine = Engine(load_base(base_dir), EngineConfig(max_loras=1, max_lora_rank=1))
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     out: dict[str, dict[str, float]] = {}

@@ -20,17 +20,16 @@ from pydantic import SecretStr
 
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
-from mint_core.eval.lm_eval_runner import (
+from mint_core.eval.in_process import evaluate_in_process
+from mint_core.eval.lm_eval_runner import evaluate_served
+from mint_core.eval.records import load_from_mlflow, log_to_mlflow
+from mint_core.eval.results import (
     EvalConfig,
     EvalError,
     EvalResult,
     LocalModel,
     ServedModel,
     differences,
-    evaluate_in_process,
-    evaluate_served,
-    load_from_mlflow,
-    log_to_mlflow,
 )
 from mint_core.eval.suites import SuiteError, standalone_suites
 from mint_core.lora.adapter import random_adapter, save_adapter

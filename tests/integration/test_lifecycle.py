@@ -32,7 +32,7 @@ from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.errors import DataCheckError
 from mint_core.eval.gate import GatePolicy
-from mint_core.eval.lm_eval_runner import EvalConfig
+from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revision
 from mint_core.lora.adapter import random_adapter

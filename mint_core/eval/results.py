@@ -1,0 +1,180 @@
+"""What an evaluation is asked to do and what it returns: the targets (a served revision, or one applied in
+process), the typed result with every scored sample, and how two results of one revision differ.
+
+Light on purpose (no lm-eval, torch, transformers or MLflow): the flows, the gate and the CLI read these types.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from mint_core.errors import MintError
+from mint_core.eval.gate import SuiteScore
+from mint_core.eval.suites import SUITES_DIR, available_suites
+
+EvalPath = Literal["served", "in_process"]
+RESULT_ARTIFACT = "result.json"
+RAW_ARTIFACT = "lm_eval_results.json"
+
+
+class EvalError(MintError):
+    """An evaluation that could not run as asked: server unreachable, revision not loadable or swapped
+    mid-run, model files missing, lm-eval failing."""
+
+
+# ---- configuration -----------------------------------------------------------------------------------------
+
+
+class EvalConfig(BaseModel):
+    """What to evaluate on, the same for both paths."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    suites: list[str] | None = None
+    """Suite names (`add`, ..., `guard`); None: every suite in `suites_dir`."""
+    limit: int | None = Field(None, ge=1)
+    """At most this many items per lm-eval task (a group's tasks each get this many); None: all."""
+    batch_size: int = Field(32, ge=1)
+    """Prompts per HTTP request (served) or per forward batch (in process)."""
+    suites_dir: Path = SUITES_DIR
+    """Directory of suite YAMLs; their data paths are relative to its parent."""
+
+    def suite_names(self) -> list[str]:
+        return list(self.suites) if self.suites is not None else list(available_suites(self.suites_dir))
+
+
+class ServedModel(BaseModel):
+    """A revision as a serving endpoint serves it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    """Server root, e.g. http://127.0.0.1:8000 (the /v1 routes are below it)."""
+    tokenizer: Path
+    """Local Hugging Face tokenizer directory of the served base (usually the base's own directory)."""
+    adapter: str | None = None
+    """`lora_path` of the revision as the server sees it (a directory in its adapter store, `sha256:<hex>`, or a
+    catalog address); None evaluates the bare base."""
+    name: str = Field("candidate", min_length=1)
+    """Adapter name to load the revision under (replacing whatever revision had that name)."""
+    api_key: SecretStr | None = None
+    """Bearer token of the inference routes, if the server has one."""
+    admin_token: SecretStr | None = None
+    """Bearer token of the load/unload routes (needed when `adapter` is set)."""
+    unload_after: bool = False
+    """Unload the name again after the run."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Per HTTP request."""
+
+
+class LocalModel(BaseModel):
+    """A revision applied by PEFT to the base loaded in this process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: Path
+    """Local Hugging Face model directory of the base (with its tokenizer)."""
+    adapter: Path | None = None
+    """Adapter directory in PEFT format; None evaluates the bare base."""
+    device: str = "cpu"
+    """torch device."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype (float32 to compare with a float32 server)."""
+
+
+# ---- results ------------------------------------------------------------------------------------------------
+
+
+class SampleResult(BaseModel):
+    """One scored item."""
+
+    task: str
+    """lm-eval task it belongs to (a group's member for the guard)."""
+    doc_id: int
+    id: str | None = None
+    """The item's id in the suite data."""
+    prompt: str
+    target: str
+    response: str
+    """The model's answer after the suite's filters (generation), or the choice it ranked first (log-likelihood)."""
+    loglikelihoods: list[float] | None = None
+    """Per choice, for log-likelihood items."""
+    correct: bool
+    """The suite's per-sample metric (exact_match or acc) is 1."""
+
+
+class SuiteResult(BaseModel):
+    suite: str
+    metrics: dict[str, float]
+    """lm-eval's metrics for the suite (a group's aggregates for the guard), by metric name."""
+    score: float
+    """Mean per-sample correctness over every item of the suite (equals exact_match for a task suite)."""
+    n: int
+    samples: list[SampleResult]
+    """In a fixed order (task, then item), the same for every revision."""
+
+
+class EvalResult(BaseModel):
+    """One revision evaluated on some suites by one path."""
+
+    path: EvalPath
+    model: str
+    """What lm-eval was pointed at: the served name, or the base directory."""
+    base: str
+    revision: str | None
+    """`sha256:<digest>` of the adapter revision scored; None for the bare base (or a server that does not
+    report revisions)."""
+    adapter: str | None
+    """The adapter as it was named to the evaluation (lora_path or directory)."""
+    limit: int | None
+    wall_s: float
+    """Time from start to results, lm-eval's run and model loading included."""
+    lm_eval_version: str
+    suites: dict[str, SuiteResult]
+    raw: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """lm-eval's results JSON (results, groups, configs, versions, n-samples, ...; per-sample logs are in
+    `suites`)."""
+
+    def gate_scores(self) -> dict[str, SuiteScore]:
+        """One promotion-gate score per suite (score, sample count, per-sample correctness)."""
+        return {
+            name: SuiteScore(name=name, score=s.score, n=s.n, correct=[x.correct for x in s.samples])
+            for name, s in self.suites.items()
+        }
+
+
+# ---- comparing ---------------------------------------------------------------------------------------------
+
+
+def differences(a: EvalResult, b: EvalResult, ll_tol: float = 1e-3) -> list[str]:
+    """Where two results of the same revision and suites disagree: metrics, sample counts, per-sample answers
+    and correctness, log-likelihoods beyond `ll_tol`. Empty when they agree."""
+    out = []
+    if a.revision != b.revision and None not in (a.revision, b.revision):
+        out.append(f"revisions differ: {a.revision} vs {b.revision}")
+    for name in sorted(set(a.suites) | set(b.suites)):
+        sa, sb = a.suites.get(name), b.suites.get(name)
+        if sa is None or sb is None:
+            out.append(f"{name}: only in {a.path if sa else b.path}")
+            continue
+        if sa.n != sb.n:
+            out.append(f"{name}: {sa.n} samples vs {sb.n}")
+        for m in sorted(set(sa.metrics) | set(sb.metrics)):
+            va, vb = sa.metrics.get(m), sb.metrics.get(m)
+            if va is None or vb is None or not math.isclose(va, vb, abs_tol=1e-12):
+                out.append(f"{name}/{m}: {va} vs {vb}")
+        for x, y in zip(sa.samples, sb.samples, strict=False):
+            where = f"{name}/{x.task}#{x.doc_id}"
+            if (x.task, x.doc_id) != (y.task, y.doc_id):
+                out.append(f"{where}: paired with {y.task}#{y.doc_id}")
+            elif x.response != y.response or x.correct != y.correct:
+                out.append(f"{where}: {x.response!r} ({x.correct}) vs {y.response!r} ({y.correct})")
+            elif x.loglikelihoods and y.loglikelihoods:
+                gap = max(abs(p - q) for p, q in zip(x.loglikelihoods, y.loglikelihoods, strict=True))
+                if gap > ll_tol:
+                    out.append(f"{where}: log-likelihoods differ by {gap:.2e}")
+    return out
