@@ -518,13 +518,11 @@ def run_cmd(
     """The main job: build what is missing (DVC), start the servers, train/evaluate/gate/promote/serve a wave
     of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
     (`mint down` stops them)."""
-    from mint_app.main_job import ENV_PREFIX, MainJobConfig, MainJobError, run_main_job
-    from mint_core.settings import load_settings
+    # deferred: the main job imports torch, Prefect and MLflow, which `mint --help` need not load
+    from mint_app.main_job import MainJobConfig, MainJobError, run_main_job
 
     try:
-        cfg = load_settings(
-            MainJobConfig,
-            ENV_PREFIX,
+        cfg = MainJobConfig.load(
             config,
             policies=None if policies is None else [t.strip() for t in policies.split(",") if t.strip()],
             steps=steps,

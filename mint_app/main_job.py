@@ -21,27 +21,42 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field
+import redis
+import torch
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from flows.lifecycle import PolicyRun, Training, WaveFailed, WaveReport, wave
+from flows.promotion import rollback_flow
+from flows.reconcile import reconcile
+from mint_app.services import (
+    REDIS_PIDFILE,
+    Service,
+    ServiceError,
+    ServiceName,
+    ServicesConfig,
+    start,
+)
+from mint_core.data.tasks import read_jsonl
 from mint_core.errors import MintError
-
-if TYPE_CHECKING:
-    from flows.lifecycle import WaveReport
-    from mint_app.services import Service, ServiceName, ServicesConfig
-    from mint_core.lifecycle import Workspace
+from mint_core.eval.lm_eval_runner import EvalConfig
+from mint_core.lifecycle import Workspace
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.trainer import PolicySpec
+from mint_core.settings import Settings
 
 STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
 """The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""
@@ -55,10 +70,12 @@ class MainJobError(MintError):
     """The main job could not go on; says which step and what to do."""
 
 
-class MainJobConfig(BaseModel):
-    """What `mint run` does and where."""
+class MainJobConfig(Settings):
+    """What `mint run` does and where.
 
-    model_config = ConfigDict(extra="forbid")
+    `MainJobConfig.load(file, **flags)` reads the file, then MINT_RUN_<FIELD> environment variables, then flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
     policies: list[str] = Field(default_factory=lambda: ["add", "sort", "reverse"], min_length=1)
     """Tasks (mint_core.data.tasks), one policy per task, named after it."""
@@ -254,8 +271,6 @@ def build(console: Console) -> list[str]:
 
 
 def services_config(cfg: MainJobConfig) -> ServicesConfig:
-    from mint_app.services import ServicesConfig
-
     return ServicesConfig.load(
         None,
         state_dir=cfg.state_dir / "run",
@@ -270,8 +285,6 @@ def services_config(cfg: MainJobConfig) -> ServicesConfig:
 
 def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Workspace:
     """The flows' workspace, agreeing with the services: the store `mint serve` reads, its admin token."""
-    from mint_core.lifecycle import Workspace
-
     state = cfg.state_dir.resolve()
     return Workspace(
         tracking_uri=services["mlflow"].api_url,
@@ -286,19 +299,18 @@ def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Wo
 
 
 def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
-    """Whether a Redis answers PING there."""
+    """Whether a Redis answers PING there (within a second)."""
+    client = redis.Redis(host=host, port=port, socket_connect_timeout=1, socket_timeout=1)
     try:
-        with socket.create_connection((host, port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):  # refused, timed out, not Redis, or a Redis that wants a password
         return False
+    finally:
+        client.close()
 
 
 def ensure_redis(cfg: MainJobConfig) -> str:
     """Redis for the promotion locks: the one running, else a redis-server started here (local URLs only)."""
-    from mint_app.services import REDIS_PIDFILE
-
     url = urlparse(cfg.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     if redis_up(host, port):
@@ -346,11 +358,6 @@ def run_wave(
     cfg: MainJobConfig, ws: Workspace, names: list[str], steps: int, round_name: str
 ) -> tuple[WaveReport, str]:
     """The wave flow over `names`; its report and flow run id."""
-    from flows.lifecycle import PolicyRun, Training, WaveFailed, wave
-    from mint_core.eval.lm_eval_runner import EvalConfig
-    from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.trainer import PolicySpec
-
     runs = [PolicyRun(spec=PolicySpec(name=t, task=t, rank=cfg.rank, alpha=2.0 * cfg.rank)) for t in names]
     training = Training(
         steps=steps,
@@ -462,8 +469,6 @@ def timings_table(report: WaveReport, title: str) -> Table:
 
 def heldout_prompt(cfg: MainJobConfig, task: str, index: int = 0) -> tuple[str, str]:
     """A held-out prompt of a task (never trained on) and its expected answer."""
-    from mint_core.data.tasks import read_jsonl
-
     rows = read_jsonl(cfg.data_dir / "heldout" / f"{task}.jsonl")
     ex = rows[index % len(rows)]
     return ex.prompt, ex.answer
@@ -533,8 +538,6 @@ def pick_rollback(report: WaveReport) -> str | None:
 
 def show_rollback(cfg: MainJobConfig, ws: Workspace, policy: str, console: Console) -> tuple[str, str]:
     """The rollback flow on `policy`, with a completion before and after it; (summary, flow run id)."""
-    from flows.promotion import rollback_flow
-
     reg = ws.registry()
     prompt, expected = heldout_prompt(cfg, policy)  # the main job names each policy after its task
     before = reg.alias_version(policy, "champion")
@@ -599,8 +602,8 @@ def _job_console() -> Iterator[None]:
         handlers = [logging.StreamHandler()]
         root.addHandler(handlers[0])
     saved = [(h, h.formatter) for h in handlers]
-    import mlflow  # noqa: F401  (its import configures the mlflow logger: set its level after)
-
+    # MLflow sets its logger's level when it is imported (mint_core.lifecycle above imports mint_core.registry,
+    # which imports it), so a level set here holds
     names = ("mlflow", "mlflow.store.model_registry.abstract_store", "lm_eval", "httpx")
     quiet = {name: logging.getLogger(name) for name in names}
     levels = {name: lg.level for name, lg in quiet.items()}
@@ -625,8 +628,6 @@ def _job_console() -> Iterator[None]:
 @contextmanager
 def _prefect_api(url: str) -> Iterator[None]:
     """Flow runs of this process go to the Prefect server the job started (its dashboard shows them)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield
 
@@ -638,8 +639,6 @@ def run_main_job(cfg: MainJobConfig, console: Console) -> None:
 
 
 def _run(cfg: MainJobConfig, console: Console) -> None:
-    from mint_app.services import ServiceError, start
-
     timer = Timer(console)
     round_name = cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")
 
@@ -655,8 +654,6 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
 
     with timer.step("2. start the servers (MLflow, Prefect, mint serve)") as note:
         if cfg.torch_threads is not None:
-            import torch
-
             torch.set_num_threads(cfg.torch_threads)
             os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
         svc_cfg = services_config(cfg)
@@ -708,8 +705,6 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         with timer.step("4. a served completion from each policy's champion") as note:
             # a champion the wave did not replace may not be loaded yet (a server restarted since the last run):
             # serving follows the registry first, as the reconcile deployment keeps it doing
-            from flows.reconcile import reconcile
-
             reconciled = reconcile(policies=list(cfg.policies), workspace=ws)
             reloaded = [r for r in reconciled if r.reloaded]
             if reloaded:

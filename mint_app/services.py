@@ -19,15 +19,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+import psutil
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from mint_core.errors import MintError
-from mint_core.settings import load_settings
+from mint_core.serving.config import ServingConfig
+from mint_core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +50,13 @@ class ServiceError(MintError):
     """A service did not start, stop or answer; names the service, and ends with the tail of its log."""
 
 
-class ServicesConfig(BaseModel):
-    """Where mint's local services run, what they store where, and how long to wait for them."""
+class ServicesConfig(Settings):
+    """Where mint's local services run, what they store where, and how long to wait for them.
 
-    model_config = ConfigDict(extra="forbid")
+    `ServicesConfig.load(file, **flags)` reads the file, then MINT_SERVICES_<FIELD> environment variables, then
+    flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
     state_dir: Path = Path(".mint/run")
     """Pid files, logs, the local databases (MLflow, Prefect) and generated secrets."""
@@ -92,11 +99,6 @@ class ServicesConfig(BaseModel):
     """Seconds a service may take to answer its health check after it is launched."""
     stop_timeout: float = Field(30.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when stopping (mint serve finishes requests in flight first)."""
-
-    @classmethod
-    def load(cls, path: Path | None = None, **overrides: Any) -> ServicesConfig:
-        """File values, then MINT_SERVICES_<FIELD> environment variables, then explicit (non-None) overrides."""
-        return load_settings(cls, ENV_PREFIX, path, **overrides)
 
     def port(self, name: ServiceName) -> int:
         return {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}[name]
@@ -172,7 +174,7 @@ def ensure_postgres_database(url: str, timeout: float = 5.0) -> bool:
 
     Connects to the server's `postgres` maintenance database with the URL's credentials.
     """
-    import sqlalchemy as sa
+    import sqlalchemy as sa  # only for a PostgreSQL URL: `mint --help`, `mint up` on SQLite never import it
 
     target = sa.make_url(with_driver(url, "psycopg"))
     name = target.database
@@ -212,7 +214,7 @@ def _paths(config: ServicesConfig, name: ServiceName) -> tuple[Path, Path, Path]
 
 
 def _read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | None:
-    """The recorded pid, URL and process start time of a service, or None if there is no (readable) record."""
+    """The recorded pid, URL and process creation time of a service, or None if there is no (readable) record."""
     pid_file, info_file, _ = _paths(config, name)
     try:
         pid = int(pid_file.read_text().strip())
@@ -227,7 +229,7 @@ def _read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | 
 
 def _write_record(config: ServicesConfig, name: ServiceName, pid: int, url: str) -> None:
     pid_file, info_file, log = _paths(config, name)
-    info = {"url": url, "started_at": time.time(), "proc_start": _proc_start(pid), "log": str(log)}
+    info = {"url": url, "started_at": time.time(), "create_time": _create_time(pid), "log": str(log)}
     info_file.write_text(json.dumps(info, indent=1) + "\n")
     pid_file.write_text(f"{pid}\n")
 
@@ -250,85 +252,93 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 # processes
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (state first), or None without /proc or process."""
+def _create_time(pid: int) -> float | None:
+    """When the process started; with its pid it names one process (a later process may be given the pid)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    return stat.rsplit(")", 1)[1].split()
 
 
-def _proc_start(pid: int) -> str | None:
-    fields = _proc_stat(pid)
-    return fields[19] if fields and len(fields) > 19 else None  # field 22 of stat: start time in clock ticks
-
-
-def _alive(pid: int, proc_start: str | None = None) -> bool:
-    """The process exists, is not a zombie, and (when known) is the one recorded (its pid was not reused)."""
-    child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = _proc_stat(pid)
-    if fields is None:
-        return not Path("/proc/self/stat").exists()  # no /proc at all: os.kill's answer is all we have
-    if fields[0] == "Z":
-        return False
-    return proc_start is None or _proc_start(pid) == proc_start
-
-
-def _group_alive(pgid: int) -> bool:
-    """Some process of the group is still running (zombies, which only wait to be reaped, do not count)."""
+def _reap_children() -> None:
+    """Poll the processes started here: one that exited is reaped (not left a zombie) and forgotten."""
     for pid, child in list(_CHILDREN.items()):
         if child.poll() is not None:
             _CHILDREN.pop(pid, None)
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+
+
+def _running(proc: psutil.Process) -> bool:
+    """The process has not ended; a zombie, which only waits to be reaped by its parent, has."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # someone else's process: it exists, its state cannot be read
+
+
+def _alive(pid: int, create_time: float | None = None) -> bool:
+    """The process runs, and (when known) is the one recorded: its pid was not given to a later process."""
+    _reap_children()
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and proc.create_time() != create_time:
             return False
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _proc_stat(int(entry.name))
-        if fields and fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # someone else's process: it exists, when it started cannot be read
+    return _running(proc)
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    """The running processes of a process group (psutil has no process-group attribute; os.getpgid tells)."""
+    _reap_children()
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to ask about
+            if os.getpgid(proc.pid) == pgid and _running(proc):
+                members.append(proc)
+    return members
+
+
+def _wait_ended(members: Callable[[], list[psutil.Process]], timeout: float) -> bool:
+    """Wait up to `timeout` s until `members()` is empty; True if it became so."""
+    deadline = time.monotonic() + timeout
+    while procs := members():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        psutil.wait_procs(procs, timeout=min(0.5, left))  # also reaps those that are children of this process
+    return True
 
 
 def _terminate(pid: int, timeout: float) -> bool:
-    """SIGTERM the service's process group, SIGKILL it after `timeout` s; True if it had to be killed."""
+    """SIGTERM the service's process group (the process alone if it leads none), SIGKILL what is left after
+    `timeout` s; True if it had to be killed."""
     try:
         group = os.getpgid(pid) == pid
     except ProcessLookupError:
         return False
 
+    def members() -> list[psutil.Process]:
+        if group:
+            return _group(pid)
+        try:
+            return [psutil.Process(pid)] if _alive(pid) else []
+        except psutil.NoSuchProcess:
+            return []
+
     def send(sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
             (os.killpg if group else os.kill)(pid, sig)
 
-    def gone() -> bool:
-        return not _group_alive(pid) if group else not _alive(pid)
-
     send(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gone():
-            return False
-        time.sleep(0.1)
+    if _wait_ended(members, timeout):
+        return False
     logger.warning("pid %d did not stop within %.0f s of SIGTERM: sending SIGKILL", pid, timeout)
     send(signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not gone():
-        time.sleep(0.1)
+    _wait_ended(members, 10)
     return True
 
 
@@ -378,15 +388,13 @@ def serve_base(config: ServicesConfig) -> str:
         return str(BUILTIN_BASE.resolve())
     out = (config.state_dir / "tiny-dense").resolve()  # its directory name is the served model name
     if not (out / "config.json").is_file():
-        from mint_core.engine.base import build_tiny_base
-        from mint_core.engine.tokenizer import byte_tokenizer
-
         logger.info("data/base is not built (dvc repro): writing a tiny dense base to %s", out)
-        base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
         tmp = out.with_name(out.name + ".tmp")
-        base.model.save_pretrained(tmp)
-        assert base.tokenizer is not None
-        base.tokenizer.save_pretrained(tmp)
+        # `mint base build-tiny` (the DVC tiny_base stage's command) in a child: the supervisor never loads torch
+        cmd = [sys.executable, "-m", "mint_app.cli", "base", "build-tiny", str(tmp), "--family", "dense"]
+        made = subprocess.run([*cmd, "--seed", "0"], capture_output=True, text=True)
+        if made.returncode != 0:
+            raise ServiceError(f"could not write a tiny dense base to {tmp}:\n{made.stdout}{made.stderr}")
         tmp.rename(out)
     return str(out)
 
@@ -414,8 +422,6 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         if database is not None:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
         return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
-    from mint_core.serving.config import ServingConfig
-
     cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:
@@ -469,7 +475,7 @@ def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> li
     for name in names or SERVICES:
         _, _, log = _paths(config, name)
         record = _read_record(config, name)
-        if record is None or not _alive(record["pid"], record.get("proc_start")):
+        if record is None or not _alive(record["pid"], record.get("create_time")):
             if record is not None:
                 _remove_record(config, name)
             out.append(Service(name, "stopped", config.url(name), None, log))
@@ -560,11 +566,10 @@ def stop_started_redis(config: ServicesConfig) -> int | None:
     pidfile = config.state_dir / REDIS_PIDFILE
     try:
         pid = int(pidfile.read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
-        pidfile.unlink(missing_ok=True)
-        return None
-    if b"redis-server" not in cmdline:
+        ours = "redis-server" in " ".join(psutil.Process(pid).cmdline())
+    except (OSError, ValueError, psutil.Error):
+        ours = False
+    if not ours:
         pidfile.unlink(missing_ok=True)
         return None
     _terminate(pid, config.stop_timeout)
@@ -580,7 +585,7 @@ def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list
     for name in reversed(names or SERVICES):
         _, _, log = _paths(config, name)
         record = _read_record(config, name)
-        if record is None or not _alive(record["pid"], record.get("proc_start")):
+        if record is None or not _alive(record["pid"], record.get("create_time")):
             _remove_record(config, name)
             out.append(Service(name, "stopped", config.url(name), None, log))
             continue

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
 
-from mint_core.settings import load_settings
+from mint_core.settings import Settings
 
 ENV_PREFIX = "MINT_SERVE_"
 
 
-class ServingConfig(BaseModel):
-    """How `mint serve` runs: which base, which adapters may be loaded, limits and credentials."""
+class ServingConfig(Settings):
+    """How `mint serve` runs: which base, which adapters may be loaded, limits and credentials.
 
-    model_config = ConfigDict(extra="forbid")
+    `ServingConfig.load(file, **flags)` reads the file, then MINT_SERVE_<FIELD> environment variables, then flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
     host: str = "127.0.0.1"
     """Address to bind."""
@@ -61,8 +64,3 @@ class ServingConfig(BaseModel):
         if self.admin_token is None:
             self.admin_token = SecretStr(secrets.token_urlsafe(24))
         return self.admin_token.get_secret_value()
-
-    @classmethod
-    def load(cls, path: Path | None = None, **overrides: Any) -> ServingConfig:
-        """File values, then MINT_SERVE_<FIELD> environment variables, then explicit (non-None) overrides."""
-        return load_settings(cls, ENV_PREFIX, path, **overrides)
