@@ -153,11 +153,21 @@ def base_pretrain(
     metrics: Annotated[
         Path | None, typer.Option(help="Also write metrics.json here (a DVC metrics file).")
     ] = None,
+    timings: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the wall times of training and evaluation here (kept out of the metrics: they alone "
+            "differ between rebuilds)."
+        ),
+    ] = None,
 ) -> None:
     """Pretrain the built-in base on the task corpus, save it, and record its held-out accuracy per task."""
+    # deferred: torch and transformers, which `mint --help` need not load
     from mint_core.engine.pretrain import PretrainParams, pretrain
 
-    m = pretrain(out, PretrainParams(**_params(params, "base")), data, metrics_path=metrics)
+    m = pretrain(
+        out, PretrainParams(**_params(params, "base")), data, metrics_path=metrics, timings_path=timings
+    )
     table = Table("task", "exact match", "well formed", "n")
     for task_name, v in m["heldout"].items():
         table.add_row(task_name, f"{v['exact_match']:.3f}", f"{v['well_formed']:.3f}", str(v["n"]))
