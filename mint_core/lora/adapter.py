@@ -27,10 +27,8 @@ from typing import Literal
 import torch
 from safetensors.torch import save as save_safetensors
 
-from mint_core.types import EXPERT_PARAMS, Site
+from mint_core.types import CONFIG_FILE, EXPERT_PARAMS, WEIGHTS_FILE, Digest, Site
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 FINGERPRINT_KEY = "mint.base_fingerprint"
 Layout = Literal["packed", "unpacked"]
@@ -67,12 +65,8 @@ class AdapterWeights:
 
 
 def digest_files(config_bytes: bytes, weights_bytes: bytes) -> str:
-    """sha256 of a revision: both files' names and bytes in a fixed order."""
-    h = hashlib.sha256()
-    for name, data in ((CONFIG_FILE, config_bytes), (WEIGHTS_FILE, weights_bytes)):
-        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
+    """sha256 of a revision: both files' names and bytes in a fixed order (`Digest.of_files`)."""
+    return Digest.of_files(config_bytes, weights_bytes)
 
 
 def digest_dir(path: str | Path) -> str:

@@ -15,12 +15,13 @@ entries register in bulk in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import random
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -29,13 +30,16 @@ from pydantic import BaseModel, Field
 from sqlalchemy.engine import Connection, Engine
 
 from mint_core.errors import MintError
+from mint_core.registry.retry import retried
+from mint_core.types import Digest, DigestError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHAMPION = "champion"
 CHUNK = 10_000
-_RETRIES = 8
+LOCK_HOLD_S = 300.0
+"""Longest a lock is held unless renewed: a holder that died frees it after this long."""
 _PG_VERSIONS_LOCK = 0x6D696E745F766572  # "mint_ver": the advisory lock that serializes version appends
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
@@ -58,6 +62,10 @@ class AddressError(CatalogError, ValueError):
 
 class UnknownAddress(CatalogError):
     """A well-formed address that names nothing in the catalog."""
+
+
+class LockTimeout(CatalogError):
+    """A lock stayed held by another holder for longer than the caller would wait."""
 
 
 # ---- config -------------------------------------------------------------------------------------------------
@@ -91,11 +99,12 @@ class Address:
     policy: str | None = None
     alias: str | None = None
     version: int | None = None
-    digest: str | None = None
+    digest: Digest | None = None
 
     def __str__(self) -> str:
         if self.kind == "digest":
-            return f"sha256:{self.digest}"
+            assert self.digest is not None
+            return self.digest.prefixed
         if self.kind == "alias":
             return f"{self.policy}@{self.alias}"
         if self.kind == "version":
@@ -124,7 +133,7 @@ def parse_address(s: str) -> Address:
         hex_ = s.removeprefix("sha256:")
         if not _HEX64_RE.fullmatch(hex_):
             raise _bad(s, f"digest must be 64 lowercase hex digits, got {len(hex_)} characters")
-        return Address("digest", digest=hex_)
+        return Address("digest", digest=Digest.trusted(hex_))
     if "@" in s:
         policy, _, alias = s.partition("@")
         _check_name(s, "policy", policy)
@@ -139,16 +148,6 @@ def parse_address(s: str) -> Address:
         return Address("version", policy=policy, version=int(m.group(1)))
     _check_name(s, "policy", s)
     return Address("policy", policy=s)
-
-
-def normalize_digest(digest: str) -> str:
-    """`sha256:<hex>` or bare `<hex>` -> bare 64 lowercase hex; anything else raises `CatalogError`."""
-    hex_ = digest.removeprefix("sha256:") if isinstance(digest, str) else None
-    if hex_ is None or not _HEX64_RE.fullmatch(hex_):
-        raise CatalogError(
-            f"digest {digest!r} is not 64 lowercase hex digits (optionally `sha256:`-prefixed)"
-        )
-    return hex_
 
 
 # ---- tables -------------------------------------------------------------------------------------------------
@@ -204,14 +203,14 @@ alias_moves = sa.Table(
     sa.Index("ix_alias_moves_policy", "policy", "alias", "id"),
 )
 
-# One row per policy that has ever been locked: a writer that updates its row holds the policy's write lock
-# until its transaction ends (SQLite: the database write lock; PostgreSQL: the row lock).
-policy_locks = sa.Table(
-    "policy_locks",
+# Named leases (`Catalog.acquire_lock`): one row per name ever locked; held while `holder` is set and `expires`
+# (unix seconds) is in the future.
+locks = sa.Table(
+    "locks",
     metadata,
-    sa.Column("policy", sa.String(128), primary_key=True),
+    sa.Column("name", sa.String(256), primary_key=True),
     sa.Column("holder", sa.Text, nullable=True),
-    sa.Column("since", sa.Float, nullable=True),
+    sa.Column("expires", sa.Float, nullable=True),
 )
 
 
@@ -222,7 +221,7 @@ policy_locks = sa.Table(
 class Registration:
     """One revision to register, optionally as the next version of `policy`."""
 
-    digest: str
+    digest: Digest | str
     base: str
     rank: int
     location: str
@@ -234,7 +233,7 @@ class Registration:
 class Resolved:
     """What an address names: the revision's digest and blob location, and the policy version if any."""
 
-    digest: str
+    digest: Digest
     location: str
     policy: str | None = None
     version: int | None = None
@@ -257,7 +256,7 @@ class AliasMove:
 class Entry:
     """One row of `Catalog.list`: a revision, and the policy version it is (None for a bare revision)."""
 
-    digest: str
+    digest: Digest
     base: str
     rank: int
     location: str
@@ -276,11 +275,11 @@ def _validated(i: int, row: Registration | Mapping[str, Any], problems: list[str
         problems.append(f"{where}: {e}")
         return None
     bad: list[str] = []
+    digest = Digest.trusted("")
     try:
-        digest = normalize_digest(reg.digest)
-    except CatalogError as e:
+        digest = Digest.parse(reg.digest)
+    except DigestError as e:
         bad.append(str(e))
-        digest = reg.digest
     where = f"row {i} ({reg.digest!r})"
     if not isinstance(reg.base, str) or not reg.base:
         bad.append(f"base must be a non-empty string, got {reg.base!r}")
@@ -394,21 +393,21 @@ class Catalog:
 
         out: list[int | None] = []
         for chunk in _chunks(checked, CHUNK):
-            out.extend(self._retrying(lambda conn, chunk=chunk: self._write_chunk(conn, chunk)))
+            out.extend(self._transaction(partial(self._write_chunk, chunk=chunk)))
         return out
 
-    def _retrying(self, fn):  # type: ignore[no-untyped-def]
-        """Run `fn(conn)` in one transaction, again when a concurrent writer took the same key or lock."""
-        for attempt in range(_RETRIES):
-            try:
-                with self.engine.begin() as conn:
-                    return fn(conn)
-            except (sa.exc.IntegrityError, sa.exc.OperationalError) as e:
-                if attempt == _RETRIES - 1:
-                    raise CatalogError(f"catalog write failed after {_RETRIES} attempts: {e.orig}") from e
-                logger.info("catalog write conflicted (%s), retrying", type(e.orig).__name__)
-                time.sleep(random.uniform(0.005, 0.01 * 2**attempt))
-        raise AssertionError("unreachable")
+    def _transaction(self, fn: Callable[[Connection], T]) -> T:
+        """`fn(conn)` in one transaction, run again (the shared `RETRY` policy) when it met a transient error:
+        a locked SQLite file, a deadlock, or a concurrent writer that took the same key first."""
+
+        def once() -> T:
+            with self.engine.begin() as conn:
+                return fn(conn)
+
+        try:
+            return retried(once)
+        except (sa.exc.IntegrityError, sa.exc.OperationalError) as e:
+            raise CatalogError(f"catalog write failed: {e.orig}") from e
 
     def _write_chunk(self, conn: Connection, chunk: Sequence[Registration]) -> list[int | None]:
         now = time.time()
@@ -470,7 +469,7 @@ class Catalog:
             return [None] * len(chunk)
         # Appends are serialized so that two writers never compute the same next version: on SQLite this
         # transaction holds the write lock since the writes above; on PostgreSQL a transaction-scoped advisory
-        # lock does it. Elsewhere a race ends in a key clash and `_retrying` runs the chunk again.
+        # lock does it. Elsewhere a race ends in a key clash and `_transaction` runs the chunk again.
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_VERSIONS_LOCK})
         latest: dict[str, tuple[int, str]] = {}
@@ -534,7 +533,7 @@ class Catalog:
                 )
             return before
 
-        before = self._retrying(move)
+        before = self._transaction(move)
         logger.info("alias %s: v%s -> v%d", s, before, version)
         return before
 
@@ -564,45 +563,106 @@ class Catalog:
                 )
             elif have != checked.digest:
                 raise CatalogError(
-                    f"{policy}/v{version} is already sha256:{have}; it cannot become sha256:{checked.digest}"
+                    f"{policy}/v{version} is already sha256:{have}; it cannot become {Digest(checked.digest).prefixed}"
                 )
 
         if conn is not None:
             write(conn)
         else:
-            self._retrying(write)
+            self._transaction(write)
 
-    def locked(self, policy: str, holder: str, fn: Callable[[Connection], T]) -> T:
-        """Run `fn(conn)` in one transaction that holds `policy`'s write lock, so that writers of one policy
-        (version appends, alias moves) run one at a time across processes. Retried on lock timeouts."""
-        _check_name(policy, "policy", policy)
+    # ---- locks ----
+    #
+    # The one lock mechanism of mint: a named lease in the catalog's own database. A promotion (Prefect's
+    # SERIALIZABLE transaction, through `tasks.common.CatalogLocks`) and every registry write of a policy take
+    # it, so the embedded default (SQLite) needs no other server and the scale path (PostgreSQL) shares it
+    # across machines. A lease, not a database transaction held open: a holder may call MLflow and the
+    # serving endpoint while holding it, and other writers of the catalog (other policies) go on meanwhile.
+    # A holder that dies frees its lease when `expires` passes. Expiry compares the writers' clocks, so keep
+    # them in step (NTP) when several machines share one catalog.
 
-        def run(conn: Connection) -> T:
-            row = {"policy": policy, "holder": holder, "since": time.time()}
-            taken = conn.execute(
-                policy_locks.update()
-                .where(policy_locks.c.policy == policy)
-                .values(holder=holder, since=row["since"])
-            ).rowcount
-            if not taken:
-                conn.execute(policy_locks.insert().values(**row))
-            return fn(conn)
+    def acquire_lock(
+        self, name: str, holder: str, timeout_s: float | None = None, hold_s: float = LOCK_HOLD_S
+    ) -> bool:
+        """Take the lock `name` for `holder` until released or for `hold_s` seconds, waiting up to `timeout_s`
+        (None: as long as it takes). Taking a lock one already holds renews it. False when the wait ran out."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 0.005
+        while not self._transaction(lambda conn: self._take(conn, name, holder, hold_s)):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.25)
+        return True
 
-        return self._retrying(run)
+    @staticmethod
+    def _take(conn: Connection, name: str, holder: str, hold_s: float) -> bool:
+        now = time.time()
+        free = sa.or_(locks.c.holder.is_(None), locks.c.holder == holder, locks.c.expires < now)
+        taken = conn.execute(
+            locks.update().where(locks.c.name == name, free).values(holder=holder, expires=now + hold_s)
+        ).rowcount
+        if taken:
+            return True
+        if conn.execute(sa.select(locks.c.name).where(locks.c.name == name)).first() is not None:
+            return False
+        conn.execute(locks.insert().values(name=name, holder=holder, expires=now + hold_s))
+        return True
+
+    def release_lock(self, name: str, holder: str) -> bool:
+        """Give the lock back; False when `holder` no longer held it (it had expired and maybe been taken)."""
+        return bool(
+            self._transaction(
+                lambda conn: (
+                    conn.execute(
+                        locks.update()
+                        .where(locks.c.name == name, locks.c.holder == holder)
+                        .values(holder=None, expires=None)
+                    ).rowcount
+                )
+            )
+        )
+
+    def lock_holder(self, name: str) -> str | None:
+        """Who holds the lock `name` now, or None."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(locks.c.holder, locks.c.expires).where(locks.c.name == name)).first()
+        if row is None or row[0] is None or (row[1] is not None and row[1] < time.time()):
+            return None
+        return str(row[0])
+
+    @contextlib.contextmanager
+    def lock(
+        self, name: str, holder: str, timeout_s: float | None = 120.0, hold_s: float = LOCK_HOLD_S
+    ) -> Iterator[None]:
+        """Hold the lock `name` for the block; `LockTimeout` naming the holder when it stays taken."""
+        if not self.acquire_lock(name, holder, timeout_s, hold_s):
+            raise LockTimeout(
+                f"lock {name!r} is held by {self.lock_holder(name) or 'someone'}; waited {timeout_s:.0f} s"
+            )
+        try:
+            yield
+        finally:
+            if not self.release_lock(name, holder):
+                logger.warning("lock %s had expired before %s released it", name, holder)
 
     def move_alias(
         self,
-        conn: Connection,
         policy: str,
         alias: str,
         version: int | None,
         reason: str,
         actor: str,
         before: int | None,
+        conn: Connection | None = None,
     ) -> AliasMove:
-        """Inside `locked`: point the catalog's `policy@alias` at `version` (None: remove it) and log the move
-        from `before`. The caller checked that the version exists where it keeps versions."""
+        """Point the index's `policy@alias` at `version` (None: remove it) and log the move from `before`. The
+        caller moved the alias in MLflow (the truth) first, under the policy's lock."""
         _check_name(f"{policy}@{alias}", "alias", alias)
+        if conn is None:
+            return self._transaction(
+                lambda c: self.move_alias(policy, alias, version, reason, actor, before, conn=c)
+            )
         conn.execute(aliases.delete().where(aliases.c.policy == policy, aliases.c.alias == alias))
         if version is not None:
             conn.execute(aliases.insert().values(policy=policy, alias=alias, version=version))
@@ -619,6 +679,108 @@ class Catalog:
             )
         )
         return move
+
+    def reindex_policy(
+        self,
+        policy: str,
+        truth: Mapping[int, Registration],
+        alias_truth: Mapping[str, int],
+        actor: str,
+        reason: str,
+        dry_run: bool = False,
+    ) -> tuple[list[str], list[AliasMove]]:
+        """Make the index of one policy say what the registry says: its versions (number -> revision) are
+        `truth` and its aliases are `alias_truth`. Rows that are missing are added, rows that disagree are
+        overwritten, versions and aliases the registry no longer has are removed; each alias change is logged as
+        a move by `actor`. Idempotent. Returns what changed (or, with `dry_run`, what would) and the moves."""
+        _check_name(policy, "policy", policy)
+        problems: list[str] = []
+        rows = {v: _validated(v, reg, problems) for v, reg in truth.items()}
+        if problems:
+            raise CatalogError(f"cannot reindex {policy}: " + "; ".join(problems))
+
+        def apply(conn: Connection) -> tuple[list[str], list[AliasMove]]:
+            changes: list[str] = []
+            moves: list[AliasMove] = []
+            now = time.time()
+            for reg in rows.values():
+                assert reg is not None
+                have = conn.execute(
+                    sa.select(revisions.c.base, revisions.c.rank, revisions.c.location).where(
+                        revisions.c.digest == reg.digest
+                    )
+                ).first()
+                if have is None:
+                    changes.append(f"revision {Digest(reg.digest).prefixed}: added")
+                    if not dry_run:
+                        conn.execute(
+                            revisions.insert().values(
+                                digest=reg.digest,
+                                base=reg.base,
+                                rank=reg.rank,
+                                location=reg.location,
+                                tags=reg.tags,
+                                created=now,
+                            )
+                        )
+                elif tuple(have) != (reg.base, reg.rank, reg.location):
+                    changes.append(
+                        f"revision {Digest(reg.digest).prefixed}: base/rank/location {tuple(have)} -> "
+                        f"{(reg.base, reg.rank, reg.location)}"
+                    )
+                    if not dry_run:
+                        conn.execute(
+                            revisions.update()
+                            .where(revisions.c.digest == reg.digest)
+                            .values(base=reg.base, rank=reg.rank, location=reg.location)
+                        )
+            indexed = dict(
+                conn.execute(
+                    sa.select(versions.c.version, versions.c.digest).where(versions.c.policy == policy)
+                ).all()
+            )
+            for version, reg in sorted(rows.items()):
+                assert reg is not None
+                was = indexed.get(version)
+                if was == reg.digest:
+                    continue
+                if was is None:
+                    changes.append(f"{policy}/v{version}: added")
+                    if not dry_run:
+                        conn.execute(
+                            versions.insert().values(
+                                policy=policy, version=version, digest=reg.digest, created=now
+                            )
+                        )
+                else:
+                    changes.append(f"{policy}/v{version}: sha256:{was} -> {Digest(reg.digest).prefixed}")
+                    if not dry_run:
+                        conn.execute(
+                            versions.update()
+                            .where(versions.c.policy == policy, versions.c.version == version)
+                            .values(digest=reg.digest)
+                        )
+            for version in sorted(set(indexed) - set(rows)):
+                changes.append(f"{policy}/v{version}: removed (the registry no longer has it)")
+                if not dry_run:
+                    conn.execute(
+                        versions.delete().where(versions.c.policy == policy, versions.c.version == version)
+                    )
+            pointed = dict(
+                conn.execute(
+                    sa.select(aliases.c.alias, aliases.c.version).where(aliases.c.policy == policy)
+                ).all()
+            )
+            for alias in sorted(set(pointed) | set(alias_truth)):
+                before, after = pointed.get(alias), alias_truth.get(alias)
+                if before == after:
+                    continue
+                changes.append(f"{policy}@{alias}: {_v(before)} -> {_v(after)}")
+                if not dry_run:
+                    moves.append(self.move_alias(policy, alias, after, reason, actor, before, conn=conn))
+            return changes, moves
+
+        return self._transaction(apply)
 
     # ---- reads ----
 
@@ -641,7 +803,7 @@ class Catalog:
 
     def entry(self, digest: str) -> Entry:
         """The revision row of one digest (policy and version None). Raises `UnknownAddress`."""
-        digest = normalize_digest(digest)
+        digest = Digest.parse(digest)
         with self.engine.connect() as conn:
             row = conn.execute(
                 sa.select(
@@ -654,9 +816,9 @@ class Catalog:
                 ).where(revisions.c.digest == digest)
             ).first()
         if row is None:
-            raise UnknownAddress(f"no revision sha256:{digest} in the catalog")
+            raise UnknownAddress(f"no revision {digest.prefixed} in the catalog")
         d, b, k, loc, t, created = row
-        return Entry(d, b, k, loc, dict(t or {}), created)
+        return Entry(Digest.trusted(d), b, k, loc, dict(t or {}), created)
 
     def alias_version(self, policy: str, alias: str) -> int | None:
         """The version the catalog's `policy@alias` names, or None."""
@@ -673,9 +835,9 @@ class Catalog:
                 loc = conn.execute(
                     sa.select(revisions.c.location).where(revisions.c.digest == addr.digest)
                 ).scalar_one_or_none()
-                if loc is None:
-                    raise UnknownAddress(f"no revision sha256:{addr.digest} in the catalog")
                 assert addr.digest is not None
+                if loc is None:
+                    raise UnknownAddress(f"no revision {addr.digest.prefixed} in the catalog")
                 return Resolved(addr.digest, loc)
             policy = addr.policy
             assert policy is not None
@@ -689,7 +851,7 @@ class Catalog:
                     raise UnknownAddress(
                         f"unknown address {str(addr)!r}: {self._policy_versions_text(conn, policy)}"
                     )
-                return Resolved(row[0], row[1], policy, addr.version)
+                return Resolved(Digest.trusted(row[0]), row[1], policy, addr.version)
             alias = addr.alias or CHAMPION
             hit = conn.execute(
                 sa.select(aliases.c.version, versions.c.digest, revisions.c.location)
@@ -711,7 +873,7 @@ class Catalog:
                     f"address {str(addr)!r}: alias {policy}@{alias} points at {policy}/v{version}, "
                     f"a version missing from the catalog (deleted?); move the alias to an existing version"
                 )
-            return Resolved(digest, location, policy, version)
+            return Resolved(Digest.trusted(digest), location, policy, version)
 
     def resolve_many(self, addresses: Sequence[str]) -> dict[str, Resolved | CatalogError]:
         """`resolve` for many addresses in a few queries (versions and digests in bulk; aliases one by one).
@@ -752,14 +914,14 @@ class Catalog:
                         .where(versions.c.version == v, versions.c.policy.in_(names[start : start + 500]))
                     )
                     for p, d, loc in rows:
-                        out[by_version[(p, v)]] = Resolved(d, loc, p, v)
+                        out[by_version[(p, v)]] = Resolved(Digest.trusted(d), loc, p, v)
             digests = list(by_digest)
             for start in range(0, len(digests), 500):
                 some = digests[start : start + 500]
                 for d, loc in conn.execute(
                     sa.select(revisions.c.digest, revisions.c.location).where(revisions.c.digest.in_(some))
                 ):
-                    out[by_digest[d]] = Resolved(d, loc)
+                    out[by_digest[d]] = Resolved(Digest.trusted(d), loc)
         for a in list(by_version.values()) + list(by_digest.values()):
             if a not in out:
                 try:
@@ -843,13 +1005,16 @@ class Catalog:
             q = q.where(tag_value == value) if eq else q.where(tag_value.is_not(None))
         with self.engine.connect() as conn:
             rows = conn.execute(q.limit(limit).offset(offset)).all()
-        return [Entry(d, b, k, loc, dict(t or {}), created, p, v) for d, b, k, loc, t, created, p, v in rows]
+        return [
+            Entry(Digest.trusted(d), b, k, loc, dict(t or {}), created, p, v)
+            for d, b, k, loc, t, created, p, v in rows
+        ]
 
-    def referenced_digests(self) -> set[str]:
+    def referenced_digests(self) -> set[Digest]:
         """Every digest a revision or version row names: the blobs the store's garbage collection keeps."""
         q = sa.union(sa.select(revisions.c.digest), sa.select(versions.c.digest))
         with self.engine.connect() as conn:
-            return set(conn.execute(q).scalars())
+            return {Digest.trusted(d) for d in conn.execute(q).scalars()}
 
     def count(self, policy: str | None = None) -> int:
         """Number of revisions, or with `policy` the number of that policy's versions."""
@@ -860,3 +1025,7 @@ class Catalog:
         )
         with self.engine.connect() as conn:
             return int(conn.execute(q).scalar_one())
+
+
+def _v(version: int | None) -> str:
+    return "unset" if version is None else f"v{version}"

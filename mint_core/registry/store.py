@@ -1,7 +1,7 @@
 """The adapter store: content-addressed, immutable adapter revisions on a local folder or any fsspec URL.
 
 A revision is PEFT's two files (`adapter_config.json`, `adapter_model.safetensors`), addressed by the sha256
-that `digest_files` defines over both. It lives at `<root>/sha256/<first 2 hex>/<digest>/` and never changes.
+that `Digest.of_files` defines over both. It lives at `<root>/sha256/<first 2 hex>/<digest>/` and never changes.
 
 Writes go to a temporary sibling `<root>/tmp/<unix seconds>-<uuid>/` first, then into place:
 - a local root (a path, or a `file://` URL) renames the directory with `os.rename`, which is atomic, so the
@@ -12,6 +12,9 @@ Writes go to a temporary sibling `<root>/tmp/<unix seconds>-<uuid>/` first, then
 
 A crash mid-write leaves at most a tmp directory (or, remotely, an uncommitted revision directory), never a
 visible half revision; `gc` removes tmp directories older than a grace period. Reads verify the digest.
+
+The store handles bytes only and imports nothing of torch, so commands that read the registry stay fast;
+`put_weights` (tensors -> PEFT files) imports the adapter format when it is called.
 """
 
 from __future__ import annotations
@@ -27,27 +30,22 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec.core
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from mint_core.errors import MintError
-from mint_core.lora.adapter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterWeights,
-    Layout,
-    digest_files,
-    save_adapter,
-)
-from mint_core.types import Site
+from mint_core.types import CONFIG_FILE, WEIGHTS_FILE, Digest, Site
+
+if TYPE_CHECKING:
+    from mint_core.lora.adapter import AdapterWeights, Layout
 
 COMMITTED = "COMMITTED"
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 DEFAULT_TMP_GRACE_S = 3600.0
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")  # a revision directory's name
 _TMP_NAME = re.compile(r"^(?P<t>\d+)-[0-9a-f]{32}$")
 
 
@@ -58,10 +56,10 @@ class StoreError(MintError):
 class UnknownRevision(StoreError, KeyError):
     """No revision with this digest is in the store."""
 
-    def __init__(self, digest: str, root: str):
+    def __init__(self, digest: Digest, root: str):
         self.digest = digest
         self.root = root
-        super().__init__(f"no adapter revision sha256:{digest} in the store at {root}")
+        super().__init__(f"no adapter revision {digest.prefixed} in the store at {root}")
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
@@ -74,12 +72,12 @@ class CorruptRevision(StoreError):
 class DigestMismatch(CorruptRevision):
     """A stored revision's bytes no longer hash to its digest."""
 
-    def __init__(self, digest: str, actual: str, location: str):
+    def __init__(self, digest: Digest, actual: Digest, location: str):
         self.digest = digest
         self.actual = actual
         self.location = location
         super().__init__(
-            f"adapter revision sha256:{digest} at {location} is corrupt: its bytes hash to sha256:{actual}"
+            f"adapter revision {digest.prefixed} at {location} is corrupt: its bytes hash to {actual.prefixed}"
         )
 
 
@@ -91,17 +89,6 @@ class StoreUnavailable(StoreError):
         self.cause = cause
         why = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
         super().__init__(f"adapter store at {root} is unavailable ({why})")
-
-
-def normalize_digest(digest: str) -> str:
-    """The 64 lowercase hex characters of a digest, given bare or as `sha256:<hex>`; ValueError otherwise."""
-    if not isinstance(digest, str):
-        raise ValueError(f"malformed revision digest {digest!r}: expected 64 hex characters")
-    hexpart = digest[len("sha256:") :] if digest.startswith("sha256:") else digest
-    hexpart = hexpart.lower()
-    if not _HEX64.match(hexpart):
-        raise ValueError(f"malformed revision digest {digest!r}: expected 64 hex characters (sha256)")
-    return hexpart
 
 
 def _default_cache_dir(root: str) -> Path:
@@ -180,7 +167,7 @@ class AdapterStore:
 
     # ---- writing -----------------------------------------------------------------------------------------
 
-    def put_dir(self, src_dir: str | Path) -> str:
+    def put_dir(self, src_dir: str | Path) -> Digest:
         """Store the revision in `src_dir` (PEFT's two files); returns its digest. Idempotent."""
         src = Path(src_dir)
         data: dict[str, bytes] = {}
@@ -191,9 +178,9 @@ class AdapterStore:
                 raise FileNotFoundError(f"{src} is not an adapter revision directory: no {name}") from e
         return self.put_bytes(data[CONFIG_FILE], data[WEIGHTS_FILE])
 
-    def put_bytes(self, config_bytes: bytes, weights_bytes: bytes) -> str:
+    def put_bytes(self, config_bytes: bytes, weights_bytes: bytes) -> Digest:
         """Store a revision given its two files' bytes; returns its digest. Idempotent."""
-        digest = digest_files(config_bytes, weights_bytes)
+        digest = Digest.of_files(config_bytes, weights_bytes)
         with self._guard():
             if self._committed(digest):
                 return digest
@@ -243,8 +230,11 @@ class AdapterStore:
 
     def put_weights(
         self, adapter_weights: AdapterWeights, sites: dict[str, Site], layout: Layout = "packed"
-    ) -> str:
+    ) -> Digest:
         """Write `adapter_weights` in PEFT format (via `save_adapter`) and store it; returns its digest."""
+        # deferred: the adapter format imports torch, which nothing else in the store needs
+        from mint_core.lora.adapter import save_adapter
+
         with tempfile.TemporaryDirectory(prefix="mint-put-") as d:
             save_adapter(adapter_weights, Path(d) / "rev", sites, layout)
             digest = self.put_dir(Path(d) / "rev")
@@ -254,12 +244,12 @@ class AdapterStore:
     # ---- reading -----------------------------------------------------------------------------------------
 
     def exists(self, digest: str) -> bool:
-        digest = normalize_digest(digest)
+        digest = Digest.parse(digest)
         with self._guard():
             return self._committed(digest)
 
-    def _require(self, digest: str) -> str:
-        digest = normalize_digest(digest)
+    def _require(self, digest: str) -> Digest:
+        digest = Digest.parse(digest)
         with self._guard():
             if not self._committed(digest):
                 raise UnknownRevision(digest, self.root_url)
@@ -282,25 +272,24 @@ class AdapterStore:
                     out.append(self.fs.cat_file(f"{rev}/{name}"))
                 except FileNotFoundError as e:
                     raise CorruptRevision(
-                        f"adapter revision sha256:{digest} at {location} is corrupt: {name} is missing"
+                        f"adapter revision {digest.prefixed} at {location} is corrupt: {name} is missing"
                     ) from e
-        actual = digest_files(out[0], out[1])
+        actual = Digest.of_files(out[0], out[1])
         if actual != digest:
             raise DigestMismatch(digest, actual, location)
         return out[0], out[1]
 
     def local_dir(self, digest: str) -> Path:
         """A verified local directory holding the revision's two files (for fsspec roots, a cached copy)."""
-        digest = normalize_digest(digest)
+        digest = Digest.parse(digest)
         if self.local:
             self.read(digest)
             return Path(self._rev(digest))
         target = self.cache_dir / "sha256" / digest[:2] / digest
         if target.is_dir():
-            try:
-                cached = digest_files(*((target / n).read_bytes() for n in FILES))
-            except FileNotFoundError:
-                cached = ""
+            cached: str = ""
+            with contextlib.suppress(FileNotFoundError):
+                cached = Digest.of_files(*((target / n).read_bytes() for n in FILES))
             if cached == digest:
                 return target
             shutil.rmtree(target)
@@ -320,7 +309,7 @@ class AdapterStore:
                 shutil.rmtree(tmp)
         return target
 
-    def list(self) -> list[str]:
+    def list(self) -> list[Digest]:
         """Digests of every (committed) revision, sorted."""
         with self._guard():
             return sorted(d for d, committed in self._scan() if committed)
@@ -332,12 +321,12 @@ class AdapterStore:
             return []
         return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
-    def _scan(self) -> Iterator[tuple[str, bool]]:
+    def _scan(self) -> Iterator[tuple[Digest, bool]]:
         """(digest, committed) for every revision directory, committed or not."""
         for shard in self._ls_names(f"{self.root}/sha256"):
             for name in self._ls_names(f"{self.root}/sha256/{shard}"):
                 if _HEX64.match(name) and name[:2] == shard:
-                    yield name, self._committed(name)
+                    yield Digest.trusted(name), self._committed(name)
 
     # ---- removing ----------------------------------------------------------------------------------------
 
@@ -381,7 +370,7 @@ class AdapterStore:
         Run it only when no put is in flight whose digest is not yet referenced (a fresh revision is
         unreferenced until the catalog records it).
         """
-        keep = {normalize_digest(d) for d in referenced}
+        keep = {Digest.parse(d) for d in referenced}
         grace = self.tmp_grace_s if grace_s is None else grace_s
         removed: builtins.list[str] = []
         now = time.time()
