@@ -54,7 +54,7 @@ from _common import peak_rss_bytes, report
 from mint_core.data.tasks import split
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
-from mint_core.engine.loader import AdapterLoader
+from mint_core.engine.loader import AdapterManager
 from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.sequence import Request
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -151,7 +151,7 @@ def resolve_latencies(catalog: Catalog, n: int, k: int, rng: random.Random) -> l
     return out
 
 
-def sweep(loader: AdapterLoader, n: int, window: int) -> int:
+def sweep(loader: AdapterManager, n: int, window: int) -> int:
     """Every address made servable once: bulk prefetches of `window` addresses run on the loader's threads while
     the previous window's revisions are put into device slots."""
     ws = loader.engine.working_set
@@ -179,7 +179,7 @@ def sweep(loader: AdapterLoader, n: int, window: int) -> int:
 
 
 def stream(
-    engine: Engine, loader: AdapterLoader | None, addresses: list[str], batch: int, prompts: list[list[int]]
+    engine: Engine, loader: AdapterManager | None, addresses: list[str], batch: int, prompts: list[list[int]]
 ) -> float:
     """Requests/s of generating for `addresses` (request i with prompts[i % len(prompts)]) in batches; with a
     loader, the next batch is prefetched."""
@@ -256,7 +256,7 @@ def main() -> None:
 
         lat = resolve_latencies(catalog, n, args.resolves, random.Random(0))
 
-        loader = AdapterLoader(engine, catalog, AdapterStore(out / "store"), workers=args.workers)
+        loader = AdapterManager(engine, AdapterStore(out / "store"), catalog, workers=args.workers)
         covered: int | None = None
         sweep_s: float | None = None
         if not args.no_sweep:
@@ -271,7 +271,7 @@ def main() -> None:
             if engine.working_set.get(a) is not None:
                 continue
             t = time.perf_counter()
-            ws_name = loader.load(a)
+            ws_name = loader.load_address(a)
             engine.working_set.release(engine.working_set.acquire(ws_name))
             cold.append(time.perf_counter() - t)
 
@@ -290,7 +290,7 @@ def main() -> None:
             engine.working_set.remove(name)
         resident = [f"t{i}/v1" for i in range(100)]
         for a in resident:
-            loader.load(a)
+            loader.load_address(a)
             engine.working_set.pin(a)
         stream(
             engine, None, [resident[i] for i in zipf_indices(100, args.batch * 4, rng)], args.batch, prompts

@@ -103,7 +103,7 @@ class Engine:
             frozenset(base.sites) | {s.module_path for s in base.sites.values()},
         )
         assert config.max_cpu_loras is not None
-        self.working_set = WorkingSet(self.lora, config.max_cpu_loras, reload=self._read)
+        self.working_set = WorkingSet(self.lora, config.max_cpu_loras, reload=self.read_adapter)
         # One forward at a time: the LoRA context is shared state of the model.
         self._forward_lock = threading.Lock()
         self._generator = torch.Generator(device=base.device).manual_seed(0)
@@ -116,12 +116,17 @@ class Engine:
 
     # ---- adapters -----------------------------------------------------------------------------------------
 
-    def _read(self, name: str, path: Path) -> AdapterWeights:
+    def read_adapter(self, name: str, path: Path) -> AdapterWeights:
+        """Read the adapter at `path` and check it against this engine's base; one AdapterError naming `name`
+        and every problem otherwise. Changes nothing."""
         return read_adapter(path, self.spec, name=name, allowed_roots=self.config.allowed_roots)
 
     def load_adapter(self, name: str, path: str | Path, replace: bool = False) -> bool:
-        """Validate the adapter at `path`, then register it as `name`. False if `name` already is that revision."""
-        weights = self._read(name, Path(path))  # raises AdapterError before any state changes
+        """Validate the adapter at `path`, then register it as `name`. False if `name` already is that revision.
+
+        For code that holds the engine in-process (trainer handoffs, tests); a server changes its adapters only
+        through `engine.loader.AdapterManager`, which also loads catalog addresses on demand."""
+        weights = self.read_adapter(name, Path(path))  # raises AdapterError before any state changes
         return self.working_set.add(name, weights, source=Path(path), replace=replace)
 
     def add_adapter(self, name: str, weights: AdapterWeights, replace: bool = False) -> bool:

@@ -1,6 +1,15 @@
-"""The engine behind the catalog: any catalog address becomes servable on demand, loaded in the background.
+"""One way in and out of a serving engine's working set: admin loads and unloads, and on-demand catalog loads.
 
-`ensure(address)` returns a future that completes when the address is a name in the engine's working set. A hit
+A server changes its adapters only through `AdapterManager`. The admin load route (and so a promote refresh,
+which is an admin load in place) calls `load(name, path, replace)`, the unload route `unload(name)`, and a request
+or prefetch naming a catalog address that is not loaded calls `ensure(address)`. Every load reads and validates
+the new revision before the working set changes (as vLLM's LoRA worker manager loads a new adapter "first to
+ensure it is actually valid, before evicting any existing adapters"), so a bad adapter is refused with nothing
+evicted and a name being swapped keeps serving its old revision. Loads and unloads are idempotent: loading a name
+with the revision it already serves changes nothing and returns False, and so does unloading a name that is not
+loaded. The swap itself is the working set's: atomic per request, the old slot freed when its last request ends.
+
+`ensure(address)` returns a future that completes when the address is a name in the working set. A hit
 (already loaded, resolution still fresh) completes at once; a miss resolves the address in the catalog, reads and
 validates the revision (from the store, or from a pack) and adds it to the host cache on a loader thread, so the
 engine loop never waits on disk: the request that needs it waits, the batch does not. Concurrent asks for one
@@ -21,18 +30,27 @@ from functools import partial
 from pathlib import Path
 
 from mint_core.engine.engine import Engine
+from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import MintError
 from mint_core.lora.adapter import AdapterWeights
-from mint_core.registry.catalog import AddressError, Catalog, parse_address
+from mint_core.registry.catalog import AddressError, Catalog, Resolved, parse_address
 from mint_core.registry.packs import PackReader, is_pack_location
 from mint_core.registry.store import AdapterStore
 
 logger = logging.getLogger(__name__)
 
 
+class AdapterExists(MintError):
+    """A load without `replace` named an adapter that already serves another revision."""
+
+
+class NoCatalog(MintError):
+    """An on-demand load was asked of a manager that has no catalog to resolve addresses in."""
+
+
 @dataclass
 class LoaderStats:
-    """Counters of the loader; with the working set's own (hits, misses, evictions) they are the metrics."""
+    """Counters of on-demand loads; with the working set's own (hits, misses, evictions) they are the metrics."""
 
     requests: int = 0
     hits: int = 0
@@ -45,23 +63,22 @@ class LoaderStats:
     )  # recent cold-load latencies (resolve + read + add)
 
 
-class AdapterLoader:
-    """Loads catalog addresses into an engine's working set on a small thread pool."""
+class AdapterManager:
+    """Loads and unloads an engine's adapters: by path for the admin routes, by catalog address on demand (on a
+    small thread pool, when a catalog is given)."""
 
     def __init__(
         self,
         engine: Engine,
-        catalog: Catalog,
         store: AdapterStore,
+        catalog: Catalog | None = None,
         workers: int = 2,
         alias_ttl_s: float = 5.0,
-        warm_slot: bool = False,
     ):
         self.engine = engine
-        self.catalog = catalog
         self.store = store
+        self.catalog = catalog
         self.alias_ttl_s = alias_ttl_s
-        self.warm_slot = warm_slot
         self.stats = LoaderStats()
         self._packs = PackReader(engine.sites)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mint-loader")
@@ -70,21 +87,56 @@ class AdapterLoader:
         self._resolved_at: OrderedDict[str, float] = OrderedDict()  # movable addresses: when last resolved
         self._pack_lock = threading.Lock()  # safetensors handles are not shared across threads
 
+    @property
+    def working_set(self) -> WorkingSet:
+        return self.engine.working_set
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    # ---- asking ----
+    # ---- by name: the admin routes ----
+
+    def load(self, name: str, path: Path, replace: bool = False) -> bool:
+        """Validate the adapter at `path`, then serve it as `name`. With `replace`, a name already loaded moves to
+        the new revision in place. False if `name` already serves that revision (nothing changes).
+
+        Raises AdapterError for an invalid adapter and AdapterExists for a name serving another revision without
+        `replace`; in both cases before anything is evicted or moved."""
+        weights = self.engine.read_adapter(name, path)
+        current = self.working_set.get(name)
+        if current is not None and current != weights.digest and not replace:
+            raise AdapterExists(
+                f"adapter {name!r} already serves revision sha256:{current}; load it in place"
+            )
+        added = self._install(name, weights, source=path, replace=replace, ephemeral=False)
+        logger.info("loaded %s from %s (%s)", name, path, "new revision" if added else "already loaded")
+        return added
+
+    def unload(self, name: str) -> bool:
+        """Stop serving `name`; its slot is freed now, or when the last request using it ends. False if it was
+        not loaded (unloading twice is safe)."""
+        with self._lock:
+            self._resolved_at.pop(name, None)
+        return self.working_set.remove(name)
+
+    def _install(
+        self, name: str, weights: AdapterWeights, source: Path | None, replace: bool, ephemeral: bool
+    ) -> bool:
+        """The one place the manager changes the working set; `weights` were validated by the caller's read."""
+        return self.working_set.add(name, weights, source=source, replace=replace, ephemeral=ephemeral)
+
+    # ---- by catalog address: on demand ----
 
     def ensure(self, address: str, hold: bool = False) -> Future[str]:
         """A future of the working-set name serving `address` (the address itself). With `hold`, the name is
         kept until the caller's `engine.working_set.unhold(address)` (take it when a request will use it)."""
+        catalog = self._catalog()
         addr = parse_address(address)  # AddressError at once for a malformed address
         movable = addr.kind in ("policy", "alias")
-        ws = self.engine.working_set
+        ws = self.working_set
         with self._lock:
             self.stats.requests += 1
-            fresh = not movable or time.monotonic() - self._resolved_at.get(address, -1e18) < self.alias_ttl_s
-            if fresh and (ws.hold(address) if hold else ws.get(address) is not None):
+            if self._fresh(address, movable) and (ws.hold(address) if hold else ws.get(address) is not None):
                 self.stats.hits += 1
                 done: Future[str] = Future()
                 done.set_result(address)
@@ -92,23 +144,22 @@ class AdapterLoader:
             running = self._inflight.get(address)
             if running is not None:
                 self.stats.inflight_joins += 1
-                if hold:
-                    return _then_hold(running, ws, address)
-                return running
-            fut = self._pool.submit(self._load, address, movable)
+                return _then_hold(running, ws, address) if hold else running
+            fut = self._pool.submit(self._load_address, catalog, address, movable)
             self._inflight[address] = fut
         # outside the lock: a load that already finished runs the callback right here
-        fut.add_done_callback(lambda f: self._done(address, f))
+        fut.add_done_callback(partial(self._done, address))
         return _then_hold(fut, ws, address) if hold else fut
 
-    def load(self, address: str, timeout: float | None = None) -> str:
+    def load_address(self, address: str, timeout: float | None = None) -> str:
         """`ensure` and wait."""
         return self.ensure(address).result(timeout)
 
     def prefetch(self, addresses: Iterable[str], hold: bool = False, chunk: int = 256) -> list[Future[str]]:
         """Schedule cold loads of `addresses` ahead of need (hits cost nothing), in bulk: one catalog query and
         one read per pack for each `chunk` of misses. A malformed address fails its own future only."""
-        ws = self.engine.working_set
+        catalog = self._catalog()
+        ws = self.working_set
         out: list[Future[str]] = []
         asked = list(addresses)
         todo: list[tuple[str, bool, Future[str]]] = []
@@ -124,8 +175,7 @@ class AdapterLoader:
                     out.append(fut)
                     continue
                 movable = addr.kind in ("policy", "alias")
-                fresh = not movable or time.monotonic() - self._resolved_at.get(a, -1e18) < self.alias_ttl_s
-                if fresh and ws.get(a) is not None:
+                if self._fresh(a, movable) and ws.get(a) is not None:
                     self.stats.hits += 1
                     fut.set_result(a)
                 elif a in self._inflight:
@@ -137,100 +187,41 @@ class AdapterLoader:
                 out.append(fut)
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
-            self._pool.submit(self._load_many, part)
+            self._pool.submit(self._load_many, catalog, part)
             for a, _, f in part:
-                f.add_done_callback(partial(self._done_cb, a))
+                f.add_done_callback(partial(self._done, a))
         return [_then_hold(f, ws, a) if hold else f for a, f in zip(asked, out, strict=True)]
 
-    def _load_many(self, part: list[tuple[str, bool, Future[str]]]) -> None:
-        t0 = time.perf_counter()
-        ws = self.engine.working_set
-        try:
-            resolved = self.catalog.resolve_many([a for a, _, _ in part])
-        except Exception as e:  # the catalog itself failed: every address in the chunk with it
-            for _, _, f in part:
-                f.set_exception(e)
-            self.stats.failures += len(part)
-            return
-        packs: dict[str, list[tuple[str, bool, Future[str], str]]] = {}
-        singles: list[tuple[str, bool, Future[str], str]] = []
-        for a, movable, f in part:
-            r = resolved[a]
-            if isinstance(r, Exception):
-                f.set_exception(r)
-                self.stats.failures += 1
-            elif ws.get(a) == r.digest:
-                f.set_result(a)
-            elif is_pack_location(r.location):
-                packs.setdefault(r.location.rpartition("#")[0], []).append((a, movable, f, r.digest))
-            else:
-                singles.append((a, movable, f, r.digest))
-        loaded: list[tuple[str, bool, Future[str], AdapterWeights | Exception, str]] = []
-        for path, members in packs.items():
-            with self._pack_lock:
-                got = self._packs.read_many(
-                    path, [(int(loc_index(a, resolved)), a) for a, _, _, _ in members], self.engine.spec
-                )
-            loaded += [(a, m, f, w, d) for (a, m, f, d), w in zip(members, got, strict=True)]
-        for a, m, f, d in singles:
-            try:
-                loaded.append((a, m, f, self._read(a, resolved[a].location), d))  # type: ignore[union-attr]
-            except Exception as e:
-                loaded.append((a, m, f, e, d))
-        n_ok = 0
-        for a, movable, f, w, digest in loaded:
-            if isinstance(w, Exception):
-                f.set_exception(w)
-                self.stats.failures += 1
-                continue
-            if w.digest != digest:
-                f.set_exception(
-                    MintError(f"{a}: the catalog names sha256:{digest}, the revision is sha256:{w.digest}")
-                )
-                self.stats.failures += 1
-                continue
-            ws.add(a, w, replace=True, ephemeral=True)
-            if movable:
-                with self._lock:
-                    self._resolved_at[a] = time.monotonic()
-            n_ok += 1
-            f.set_result(a)
-        if n_ok:
-            per = (time.perf_counter() - t0) / len(part)
-            self.stats.cold_loads += n_ok
-            self.stats.cold_load_s.extend([per] * n_ok)
+    def _catalog(self) -> Catalog:
+        if self.catalog is None:
+            raise NoCatalog("this server has no catalog (set catalog_url) to load addresses from")
+        return self.catalog
 
-    def _done_cb(self, address: str, fut: Future[str]) -> None:
-        self._done(address, fut)
+    def _fresh(self, address: str, movable: bool) -> bool:
+        """Whether a loaded `address` may be served without asking the catalog again (caller holds the lock)."""
+        return not movable or time.monotonic() - self._resolved_at.get(address, -1e18) < self.alias_ttl_s
+
+    def _resolved(self, address: str) -> None:
+        with self._lock:
+            self._resolved_at[address] = time.monotonic()
+            self._resolved_at.move_to_end(address)
+            while len(self._resolved_at) > 65536:
+                self._resolved_at.popitem(last=False)
 
     def _done(self, address: str, fut: Future[str]) -> None:
         with self._lock:
             if self._inflight.get(address) is fut:
                 del self._inflight[address]
 
-    # ---- loading ----
-
-    def _load(self, address: str, movable: bool) -> str:
+    def _load_address(self, catalog: Catalog, address: str, movable: bool) -> str:
         t0 = time.perf_counter()
         try:
-            resolved = self.catalog.resolve(address)
-            ws = self.engine.working_set
-            if ws.get(address) != resolved.digest:
-                weights = self._read(address, resolved.location)
-                if weights.digest != resolved.digest:
-                    raise MintError(
-                        f"{address}: the catalog names sha256:{resolved.digest}, but {resolved.location} holds "
-                        f"sha256:{weights.digest}"
-                    )
-                ws.add(address, weights, replace=True, ephemeral=True)
-                if self.warm_slot:
-                    ws.release(ws.acquire(address))
+            resolved = catalog.resolve(address)
+            if self.working_set.get(address) != resolved.digest:
+                weights = self._verified(address, resolved, self._read(address, resolved.location))
+                self._install(address, weights, source=None, replace=True, ephemeral=True)
             if movable:
-                with self._lock:
-                    self._resolved_at[address] = time.monotonic()
-                    self._resolved_at.move_to_end(address)
-                    while len(self._resolved_at) > 65536:
-                        self._resolved_at.popitem(last=False)
+                self._resolved(address)
         except Exception:
             self.stats.failures += 1
             raise
@@ -242,19 +233,84 @@ class AdapterLoader:
         logger.debug("cold load %s in %.1f ms", address, dt * 1e3)
         return address
 
+    def _load_many(self, catalog: Catalog, part: list[tuple[str, bool, Future[str]]]) -> None:
+        t0 = time.perf_counter()
+        ws = self.working_set
+        try:
+            resolved = catalog.resolve_many([a for a, _, _ in part])
+        except Exception as e:  # the catalog itself failed: every address in the chunk with it
+            for _, _, f in part:
+                f.set_exception(e)
+            self.stats.failures += len(part)
+            return
+        packs: dict[str, list[tuple[str, bool, Future[str], Resolved]]] = {}
+        singles: list[tuple[str, bool, Future[str], Resolved]] = []
+        for a, movable, f in part:
+            r = resolved[a]
+            if isinstance(r, Exception):
+                f.set_exception(r)
+                self.stats.failures += 1
+            elif ws.get(a) == r.digest:
+                f.set_result(a)
+            elif is_pack_location(r.location):
+                packs.setdefault(r.location.rpartition("#")[0], []).append((a, movable, f, r))
+            else:
+                singles.append((a, movable, f, r))
+        loaded: list[tuple[str, bool, Future[str], Resolved, AdapterWeights | Exception]] = []
+        for path, members in packs.items():
+            with self._pack_lock:
+                got = self._packs.read_many(
+                    path, [(_pack_index(r.location), a) for a, _, _, r in members], self.engine.spec
+                )
+            loaded += [(a, m, f, r, w) for (a, m, f, r), w in zip(members, got, strict=True)]
+        for a, m, f, r in singles:
+            try:
+                loaded.append((a, m, f, r, self._read(a, r.location)))
+            except Exception as e:
+                loaded.append((a, m, f, r, e))
+        n_ok = 0
+        for a, movable, f, r, w in loaded:
+            try:
+                if isinstance(w, Exception):
+                    raise w
+                self._install(a, self._verified(a, r, w), source=None, replace=True, ephemeral=True)
+            except Exception as e:
+                f.set_exception(e)
+                self.stats.failures += 1
+                continue
+            if movable:
+                self._resolved(a)
+            n_ok += 1
+            f.set_result(a)
+        if n_ok:
+            per = (time.perf_counter() - t0) / len(part)
+            self.stats.cold_loads += n_ok
+            self.stats.cold_load_s.extend([per] * n_ok)
+
     def _read(self, address: str, location: str) -> AdapterWeights:
+        """Read and validate the revision at a catalog location (a store directory or a pack member)."""
         if is_pack_location(location):
             with self._pack_lock:
                 return self._packs.read(location, self.engine.spec, name=address)
         path = Path(location) if "://" not in location else self.store.local_dir(Path(location).name)
-        return self.engine._read(address, path)
+        return self.engine.read_adapter(address, path)
+
+    @staticmethod
+    def _verified(address: str, resolved: Resolved, weights: AdapterWeights) -> AdapterWeights:
+        """`weights`, if they are the revision the catalog names (a blob changed under the catalog is refused)."""
+        if weights.digest != resolved.digest:
+            raise MintError(
+                f"{address}: the catalog names sha256:{resolved.digest}, but {resolved.location} holds "
+                f"sha256:{weights.digest}"
+            )
+        return weights
 
 
-def loc_index(address: str, resolved: dict) -> int:
-    return int(resolved[address].location.rpartition("#")[2])
+def _pack_index(location: str) -> int:
+    return int(location.rpartition("#")[2])
 
 
-def _then_hold(fut: Future[str], ws: object, address: str) -> Future[str]:
+def _then_hold(fut: Future[str], ws: WorkingSet, address: str) -> Future[str]:
     """A future that completes after `fut`, holding the name for the caller (atomically with the check)."""
     out: Future[str] = Future()
 
@@ -264,7 +320,7 @@ def _then_hold(fut: Future[str], ws: object, address: str) -> Future[str]:
         except BaseException as e:
             out.set_exception(e)
             return
-        if ws.hold(name):  # type: ignore[attr-defined]
+        if ws.hold(name):
             out.set_result(name)
         else:  # forgotten between load and hold (a burst of other loads): rare; the caller may ask again
             out.set_exception(MintError(f"{address} was loaded but evicted before use; retry"))

@@ -1,4 +1,14 @@
-"""Build and run the embedded server from a ServingConfig (what `mint serve` does)."""
+"""Build and run the embedded server: the FastAPI app over one engine, from a ServingConfig (`mint serve`).
+
+Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one router each in serving/routes/):
+  POST /v1/completions, POST /v1/chat/completions   (stream too; `model` = adapter name or the base's name)
+  GET  /v1/models
+  POST /v1/load_lora_adapter   {"lora_name", "lora_path", "load_inplace"}   (admin bearer token)
+  POST /v1/unload_lora_adapter {"lora_name"}                               (admin bearer token)
+  GET  /health, GET /metrics
+  POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's types and codes.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +16,25 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
 
 import torch
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.serving.config import ServingConfig
-from mint_core.serving.server import create_app
+from mint_core.serving.protocol import APIError
+from mint_core.serving.routes import completions, extensions, health, models
+from mint_core.serving.server import Server
 
 logger = logging.getLogger(__name__)
 BUILTIN = {"tiny-dense": "dense", "tiny-moe": "moe", "tiny-mla": "mla"}
@@ -52,6 +69,51 @@ def build_app(config: ServingConfig, base: Base | None = None) -> FastAPI:
     )
     name = config.served_model_name or (config.base if config.base in BUILTIN else Path(config.base).name)
     return create_app(engine, config, name)
+
+
+def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI:
+    """The server over `engine`, serving the bare base as `base_name`."""
+    server = Server(engine, config, base_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.loop.start()
+        logger.info("serving %s with %d adapter slots", base_name, engine.config.max_loras)
+        yield
+        await run_in_threadpool(server.close)  # finish what is queued and running
+
+    app = FastAPI(title="mint", lifespan=lifespan)
+    app.state.server = server
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
+    for routes in (completions, models, health, extensions):
+        app.include_router(routes.router)
+    return app
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    server: Server = request.app.state.server
+    if e.status >= 400 and request.url.path.startswith("/v1/") and "completions" in request.url.path:
+        # label only names the server serves: a client must not be able to mint label values
+        model = getattr(request.state, "model", None)
+        known = model == server.base_name or model in server.engine.working_set.names()
+        server.metrics.requests.labels(model=model if known else "_unknown", outcome=str(e.status)).inc()
+    return JSONResponse(e.response().model_dump(), status_code=e.status)
+
+
+async def _invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+    """A body that does not parse or fit the protocol: 400 (vLLM's answer; FastAPI's own is 422), naming the
+    first few fields and what is wrong with each."""
+    errs = e.errors()
+    if any(err.get("type") == "json_invalid" for err in errs):
+        msg = f"malformed JSON body: {errs[0].get('ctx', {}).get('error', 'cannot be parsed')}"
+    else:
+        parts = []
+        for err in errs[:5]:
+            field = ".".join(str(x) for x in err.get("loc", ())[1:]) or "body"
+            parts.append(f"{field}: {err.get('msg')}")
+        msg = "; ".join(parts) or "invalid request"
+    return JSONResponse(APIError(400, msg, "BadRequestError").response().model_dump(), status_code=400)
 
 
 def serve(config: ServingConfig) -> None:

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from mint_core.engine.engine import Engine
-    from mint_core.engine.loader import AdapterLoader
-    from mint_core.serving.loop import EngineLoop
+from mint_core.engine.engine import Engine
+from mint_core.engine.loader import AdapterManager
+from mint_core.serving.loop import EngineLoop
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class _WorkingSetCollector(Collector):
-    def __init__(self, engine: Engine, loop: EngineLoop, loader: AdapterLoader | None):
-        self.engine, self.loop, self.loader = engine, loop, loader
+    def __init__(self, engine: Engine, loop: EngineLoop, adapters: AdapterManager):
+        self.engine, self.loop, self.adapters = engine, loop, adapters
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         ws = self.engine.working_set
@@ -36,8 +34,8 @@ class _WorkingSetCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        if self.loader is not None:
-            ls = self.loader.stats
+        if self.adapters.catalog is not None:  # on-demand loads happen only with a catalog
+            ls = self.adapters.stats
             counters: tuple[tuple[str, float, str], ...] = (
                 ("mint_catalog_requests", ls.requests, "Catalog addresses asked of the loader"),
                 ("mint_catalog_hits", ls.hits, "Catalog addresses already loaded when asked"),
@@ -65,7 +63,7 @@ class _WorkingSetCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: Engine, loop: EngineLoop, loader: AdapterLoader | None = None):
+    def __init__(self, engine: Engine, loop: EngineLoop, adapters: AdapterManager):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -82,7 +80,7 @@ class Metrics:
         self.e2e = Histogram(
             "mint_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY, registry=r
         )
-        r.register(_WorkingSetCollector(engine, loop, loader))
+        r.register(_WorkingSetCollector(engine, loop, adapters))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

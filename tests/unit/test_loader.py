@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mint_core.engine.engine import Engine
-from mint_core.engine.loader import AdapterLoader
+from mint_core.engine.loader import AdapterManager
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, Registration, UnknownAddress
@@ -26,7 +26,7 @@ def setup(make_engine, tmp_path: Path):  # type: ignore[no-untyped-def]
     engine: Engine = make_engine("dense", max_loras=2, max_cpu_loras=3)
     store = AdapterStore(tmp_path / "store")
     catalog = Catalog(CatalogConfig(url=f"sqlite:///{tmp_path}/catalog.db"))
-    loader = AdapterLoader(engine, catalog, store, workers=2, alias_ttl_s=0.0)
+    loader = AdapterManager(engine, store, catalog, workers=2, alias_ttl_s=0.0)
     yield engine, store, catalog, loader, tmp_path
     loader.close()
     catalog.close()
@@ -51,13 +51,13 @@ def test_cold_load_then_hit(setup) -> None:  # type: ignore[no-untyped-def]
     engine, store, catalog, loader, tmp = setup
     d = _stored(engine, store, tmp, 1)
     _register(catalog, store, engine, d, "p")
-    assert loader.load("p/v1") == "p/v1"
+    assert loader.load_address("p/v1") == "p/v1"
     assert engine.working_set.digest_of("p/v1") == d
     # the same adapter loaded by path gives the same logits
     engine.load_adapter("direct", store.path(d))
     assert torch.equal(_logits(engine, "p/v1"), _logits(engine, "direct"))
     assert not torch.equal(_logits(engine, "p/v1"), _logits(engine, None))
-    loader.load("p/v1")
+    loader.load_address("p/v1")
     assert (loader.stats.cold_loads, loader.stats.hits) == (1, 1)
 
 
@@ -83,10 +83,10 @@ def test_moved_alias_is_followed(setup) -> None:  # type: ignore[no-untyped-def]
     _register(catalog, store, engine, d1, "p")
     _register(catalog, store, engine, d2, "p")
     catalog.set_alias("p", "champion", 1)
-    loader.load("p")
+    loader.load_address("p")
     assert engine.working_set.digest_of("p") == d1
     catalog.set_alias("p", "champion", 2)
-    loader.load("p")  # alias_ttl_s=0: re-resolved, loaded in place
+    loader.load_address("p")  # alias_ttl_s=0: re-resolved, loaded in place
     assert engine.working_set.digest_of("p") == d2
 
 
@@ -95,7 +95,7 @@ def test_bad_addresses(setup) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(AddressError):
         loader.ensure("no spaces allowed")
     with pytest.raises(UnknownAddress, match="unknown policy"):
-        loader.load("nobody/v1")
+        loader.load_address("nobody/v1")
     assert engine.working_set.names() == {}
     assert loader.stats.failures == 1
 
@@ -113,7 +113,7 @@ def test_packed_members_load_and_verify(setup) -> None:  # type: ignore[no-untyp
     )
     # a member's digest is that of the PEFT files it exports to
     assert save_adapter(members[3], tmp / "m3", engine.sites) == digests[3]
-    loader.load(f"sha256:{digests[3]}")
+    loader.load_address(f"sha256:{digests[3]}")
     engine.load_adapter("m3", tmp / "m3")
     assert torch.allclose(_logits(engine, f"sha256:{digests[3]}"), _logits(engine, "m3"), rtol=0, atol=0)
 
@@ -137,7 +137,7 @@ def test_packed_members_load_and_verify(setup) -> None:  # type: ignore[no-untyp
     pack.write_bytes(bytes(raw))
     loader._packs = type(loader._packs)(engine.sites)  # forget the open handle
     with pytest.raises(AdapterError, match=r"non-finite values[\s\S]*checksum mismatch"):
-        loader.load(f"sha256:{digests[4]}")
+        loader.load_address(f"sha256:{digests[4]}")
 
 
 def test_sweep_keeps_memory_bounded(setup) -> None:  # type: ignore[no-untyped-def]
@@ -153,12 +153,12 @@ def test_sweep_keeps_memory_bounded(setup) -> None:  # type: ignore[no-untyped-d
     )
     ws = engine.working_set
     for d in digests:
-        name = loader.load(f"sha256:{d}")
+        name = loader.load_address(f"sha256:{d}")
         ws.release(ws.acquire(name))  # served once
         assert len(ws.names()) <= ws.max_cpu_loras + ws.lora.num_slots
     assert ws.host_size() <= ws.max_cpu_loras
     assert f"sha256:{digests[0]}" not in ws.names()  # forgotten; the catalog can name it again
-    loader.load(f"sha256:{digests[0]}")
+    loader.load_address(f"sha256:{digests[0]}")
     assert ws.digest_of(f"sha256:{digests[0]}") == digests[0]
     assert loader.stats.cold_loads == 13 and ws.stats.evictions >= 10
 
@@ -176,12 +176,12 @@ def test_held_names_are_not_forgotten(setup) -> None:  # type: ignore[no-untyped
     )
     first = loader.ensure(f"sha256:{digests[0]}", hold=True).result(10)
     for d in digests[1:]:
-        loader.load(f"sha256:{d}")
+        loader.load_address(f"sha256:{d}")
     assert first in engine.working_set.names()  # held: survived seven later loads into a cache of three
     engine.working_set.unhold(first)
-    loader.load(f"sha256:{digests[1]}")  # touches the cache again: now `first` may go
+    loader.load_address(f"sha256:{digests[1]}")  # touches the cache again: now `first` may go
     for d in digests[2:6]:
-        loader.load(f"sha256:{d}")
+        loader.load_address(f"sha256:{d}")
     assert first not in engine.working_set.names()
 
 
@@ -220,12 +220,12 @@ def test_bulk_prefetch_reads_packs_once_per_chunk(setup) -> None:  # type: ignor
     ws = engine.working_set
     assert ws.digest_of("u4/v1") == digests[4]
     # bulk-loaded members answer like the same member loaded alone
-    lone = AdapterLoader(engine, catalog, _store)
+    lone = AdapterManager(engine, _store, catalog)
     try:
         ws.release(ws.acquire("u4/v1"))
         bulk = _logits(engine, "u4/v1")
         ws.remove("u4/v1")
-        lone.load("u4/v1")
+        lone.load_address("u4/v1")
         assert torch.equal(_logits(engine, "u4/v1"), bulk)
     finally:
         lone.close()
