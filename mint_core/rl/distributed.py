@@ -1,12 +1,12 @@
 """The multi-policy GRPO trainer under DeepSpeed: ZeRO stage by config, for bases that need several GPUs.
 
-The plain trainer keeps each policy's AdamW state over its slice of the stacked slot tensors. DeepSpeed wants
-parameters and an optimizer it owns (ZeRO flattens and partitions them), so here each policy's LoRA factors
-are parameters of their own, in PEFT orientation and scale, and each policy is one param group of the
-optimizer (its own learning rate; policies never share a parameter, so their optimizer state and step counts
-stay apart). A forward stacks the factors into stand-ins for the engine's slot banks (differentiable, every
-other slot zero) and routes each row to its policy's slot as usual, so a policy's gradient reaches only its
-own factors. After each step the new factors are written back into the banks, which rollouts, `weights()`
+The plain trainer runs AdamW over views of each policy's slice of the stacked slot tensors (`SlotAdamW`, left
+unused here). DeepSpeed wants parameters and an optimizer it owns (ZeRO flattens and partitions them), so here
+each policy's LoRA factors are parameters of their own, in PEFT orientation and scale, and each policy is one
+param group of the optimizer (its own learning rate; policies never share a parameter, so their optimizer
+state and step counts stay apart). A forward stacks the factors into stand-ins for the engine's slot banks
+(differentiable, every other slot zero) and routes each row to its policy's slot as usual, so a policy's
+gradient reaches only its own factors. After each step the new factors are written back into the banks, which rollouts, `weights()`
 and `export()` read.
 
 - Clipping is per policy (`GRPOConfig.max_grad_norm`, inside the optimizer). DeepSpeed's `gradient_clipping`
@@ -34,9 +34,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import deepspeed
+import deepspeed.ops
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 
 from mint_core.data.tasks import Example
@@ -45,14 +48,7 @@ from mint_core.engine.logprobs import selected_logprobs
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import (
-    MultiPolicyTrainer,
-    PolicySpec,
-    PolicyState,
-    StepStats,
-    _Adam,
-    _Batch,
-)
+from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, PolicyState, StepStats, _Batch
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +72,6 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
             "LOCAL_RANK": "0",
         }.items():
             os.environ.setdefault(key, value)
-    import deepspeed
-    import deepspeed.ops
-
     if os.environ.get("WORLD_SIZE") == "1":
         # DeepSpeed JIT-compiles its shared-memory allreduce for CPU ranks when a group forms (about a
         # minute, once per machine); a world of one never reduces across processes, so skip the build
@@ -282,8 +275,6 @@ def _keep_banks_whole(model: nn.Module) -> None:
     """Take the slot banks out of the module tree ZeRO-3 partitions; the layers reach them as plain
     attributes. Mark the multi-LoRA layers as ZeRO-3 leaves: their forward reads the wrapped layer's
     weights directly, so all of a layer's parameters are gathered when it starts."""
-    from deepspeed.utils import set_z3_leaf_modules
-
     for m in list(model.modules()):
         if isinstance(m, MultiLoRALinear | MultiLoRAExperts):
             for key in ("bank", "banks"):
@@ -309,8 +300,6 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         deepspeed_config: Path | str | dict[str, Any],
         seed: int = 0,
     ):
-        import deepspeed
-
         super().__init__(engine, config, policies, seed)
         ds_config = load_config(deepspeed_config, engine.base.dtype)
         if not dist.is_initialized():
@@ -346,11 +335,8 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
             sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters() if p.requires_grad),
         )
 
-    def _zero_adam(self, sites: list[str]) -> _Adam:
-        return _Adam()  # moments live in DeepSpeed's optimizer; `step` still counts this policy's steps
-
-    def step(self, prompts: dict[str, list[Example]]) -> StepStats:
-        """Rollout of this rank's share of each policy's prompts, then one update."""
+    def rollout(self, prompts: dict[str, list[Example]]) -> list[RolloutRow]:
+        """Rollout of this rank's share of each policy's prompts."""
         if self.stage == 3 and self.world > 1:
             raise RuntimeError(
                 "ZeRO-3 over several ranks: the engine's generation does not keep ranks in step; "
@@ -358,7 +344,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
             )
         if self.world > 1:
             prompts = {p: examples[self.rank :: self.world] for p, examples in prompts.items()}
-        return super().step(prompts)
+        return super().rollout(prompts)
 
     def update(self, rows: list[RolloutRow]) -> StepStats:
         """One forward/backward under the DeepSpeed engine, one optimizer step per policy with kept tokens."""
@@ -371,7 +357,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
             self.ds.backward(total)
             self.ds.step()
         for name in self.optimizer.active:
-            self.policies[name].adam.step += 1
+            self.policies[name].optimizer_steps += 1
         self._write_back(self.optimizer.active)
         self.steps += 1
         return self._stats(rows, batch, losses, extra)
@@ -403,8 +389,6 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
     @torch.no_grad()
     def _write_back(self, names: set[str] | list[str]) -> None:
         """Copy the policies' factors into their slots, where rollouts and `weights()` read them."""
-        import deepspeed
-
         names = [n for n in self.policies if n in names]
         if not names:
             return
@@ -428,7 +412,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
                 "seed": self.seed,
                 "config": self.config.model_dump(),
                 "policies": {
-                    n: {"spec": p.spec.model_dump(), "adam_step": p.adam.step}
+                    n: {"spec": p.spec.model_dump(), "adam_step": p.optimizer_steps}
                     for n, p in self.policies.items()
                 },
             }
@@ -440,5 +424,5 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         self.ds.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=False)
         self._write_back(list(self.policies))
         for name, p in self.policies.items():
-            p.adam.step = int(meta["policies"][name]["adam_step"])
+            p.optimizer_steps = int(meta["policies"][name]["adam_step"])
         self.steps = int(meta["steps"])

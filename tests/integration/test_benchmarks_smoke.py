@@ -86,3 +86,11 @@ def test_update_memory_runs_small(run_benchmark: Callable[..., dict[str, Any]]) 
         assert isinstance(result[key], float) and result[key] > 0, key
     # at this size an update may not raise the RSS high-water mark above setup: the ratio is only a number
     assert isinstance(result["peak_ratio"], float) and result["peak_ratio"] >= 0
+
+
+def test_adamw_slots_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -> None:
+    """The trainer's AdamW and the hand-written one it replaced make the same update."""
+    result = run_benchmark("adamw_slots.py", "--layout", "builtin", "--policies", "2", "--rounds", "2")
+    for key in ("torch_adamw_ms", "foreach_ms", "ratio"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["max_abs_diff"] < 1e-6

@@ -60,12 +60,20 @@ def test_step_changes_the_adapter_and_never_the_base(make_engine):
         assert torch.equal(base_after[k], v), f"base weight {k} changed"
 
 
+def moments(trainer: MultiPolicyTrainer, name: str) -> list[torch.Tensor]:
+    return [t.clone() for s in trainer.policies[name].sites for t in trainer.adamw.moments(name, s)]
+
+
 def test_updating_one_policy_in_a_mixed_batch_leaves_the_other_untouched(make_engine):
-    trainer = make_trainer(make_engine)
+    """AdamW moves a policy's slot only when that policy had gradient: with weight decay and momentum on, a
+    policy without a kept token keeps its weights, moments and step count bit for bit; the base never moves."""
+    trainer = make_trainer(make_engine, weight_decay=0.5)
+    base_before = {
+        k: v.clone() for k, v in trainer.engine.base.model.state_dict().items() if ".bank." not in k
+    }
     trainer.update(rows_for(trainer, "rev", [1.0, 0.0, 1.0, 0.0], 0))  # give rev some Adam state first
-    rev_w = snapshot(trainer, "rev")
-    rev_m = {k: (m[0].clone(), m[1].clone()) for k, m in trainer.policies["rev"].adam.m.items()}
-    rev_step = trainer.policies["rev"].adam.step
+    rev_w, rev_m = snapshot(trainer, "rev"), moments(trainer, "rev")
+    assert trainer.policies["rev"].optimizer_steps == 1 and any(m.any() for m in rev_m)
     adder_w = snapshot(trainer, "adder")
     # one mixed batch: adder's group has variance, rev's group does not (dropped: no gradient for rev)
     trainer.update(
@@ -73,9 +81,42 @@ def test_updating_one_policy_in_a_mixed_batch_leaves_the_other_untouched(make_en
     )
     assert any(not torch.equal(adder_w[k], v) for k, v in snapshot(trainer, "adder").items())
     assert all(torch.equal(rev_w[k], v) for k, v in snapshot(trainer, "rev").items())
-    assert trainer.policies["rev"].adam.step == rev_step
-    for k, (mA, mB) in trainer.policies["rev"].adam.m.items():
-        assert torch.equal(mA, rev_m[k][0]) and torch.equal(mB, rev_m[k][1])
+    assert all(torch.equal(a, b) for a, b in zip(moments(trainer, "rev"), rev_m, strict=True))
+    assert trainer.policies["rev"].optimizer_steps == 1 and trainer.policies["adder"].optimizer_steps == 1
+    base_after = {k: v for k, v in trainer.engine.base.model.state_dict().items() if ".bank." not in k}
+    assert all(torch.equal(base_after[k], v) for k, v in base_before.items())
+
+
+def test_slot_adamw_is_torch_adamw_per_policy(make_engine):
+    """One update's AdamW on a slot equals torch's AdamW over that policy's PEFT-shaped factors (B's learning rate
+    scaled by alpha/r, gradient clipped to the policy's own norm)."""
+    trainer = make_trainer(make_engine, weight_decay=0.1, max_grad_norm=1e-3)  # a norm low enough to clip
+    p = trainer.policies["adder"]
+    banks = trainer.engine.lora.banks
+    before = {s: (banks[s].A[p.slot].clone(), banks[s].B[p.slot].clone()) for s in p.sites}
+    rows = rows_for(trainer, "adder", [1.0, 0.0, 0.0, 1.0], 0)
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    original = trainer.adamw.step
+
+    def keep_grads(policies):  # type: ignore[no-untyped-def]
+        for s in p.sites:
+            grads[s] = (banks[s].A.grad[p.slot].clone(), banks[s].B.grad[p.slot].clone())
+        original(policies)
+
+    trainer.adamw.step = keep_grads  # type: ignore[method-assign]
+    trainer.update(rows)
+    params = [t.clone() for s in p.sites for t in before[s]]
+    for t, g in zip(params, [g for s in p.sites for g in grads[s]], strict=True):
+        t.grad = g
+    torch.nn.utils.clip_grad_norm_(params, 1e-3)
+    lr = CFG.learning_rate
+    ref = torch.optim.AdamW(
+        [{"params": params[0::2], "lr": lr}, {"params": params[1::2], "lr": lr * p.scale}], weight_decay=0.1
+    )
+    ref.step()
+    for i, s in enumerate(p.sites):
+        assert torch.allclose(banks[s].A[p.slot], params[2 * i], atol=1e-7), s
+        assert torch.allclose(banks[s].B[p.slot], params[2 * i + 1], atol=1e-7), s
 
 
 def test_padded_rank_columns_stay_zero(make_engine):
@@ -102,7 +143,8 @@ def test_state_resumes_where_it_stopped(make_engine, tmp_path):
     for name in ("adder", "rev"):
         wa, wb = snapshot(a, name), snapshot(b, name)
         assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa), name
-    assert a.policies["adder"].adam.step == b.policies["adder"].adam.step
+    assert a.policies["adder"].optimizer_steps == b.policies["adder"].optimizer_steps == 2
+    assert all(torch.equal(x, y) for x, y in zip(moments(a, "adder"), moments(b, "adder"), strict=True))
 
 
 def test_a_state_of_other_policies_is_refused_before_anything_changes(make_engine, tmp_path):
