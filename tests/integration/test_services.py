@@ -3,6 +3,7 @@ integration tests use (MLflow on SQLite and on PostgreSQL, Prefect)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from mint_app import services
@@ -26,10 +28,9 @@ def mint(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 def gone(pid: int) -> bool:
     """No such process, or only a zombie waiting to be reaped by whoever adopted it."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
@@ -103,6 +104,26 @@ def test_start_reports_a_service_that_dies_with_the_tail_of_its_log(
     (tmp_path / "run" / "serve.pid").write_text(f"{exited.pid}\n")
     assert services.status(config, ["serve"])[0].state == "stopped"
     assert not (tmp_path / "run" / "serve.pid").exists()
+
+
+def test_a_recorded_pid_now_held_by_another_process_is_left_alone(tmp_path: Path) -> None:
+    """The pid of a record is another process's now (the service exited, the pid was reused): the service is
+    stopped, its record removed, and the process that holds the pid is never signalled."""
+    config = ServicesConfig(state_dir=tmp_path)
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for name in ("serve", "mlflow"):
+            (tmp_path / f"{name}.pid").write_text(f"{other.pid}\n")
+            earlier = psutil.Process(other.pid).create_time() - 60  # when the recorded process started
+            (tmp_path / f"{name}.json").write_text(json.dumps({"url": "http://x", "create_time": earlier}))
+        assert services.status(config, ["serve"])[0].state == "stopped"
+        assert not (tmp_path / "serve.pid").exists()
+        assert services.stop(config, ["mlflow"])[0].pid is None
+        assert not (tmp_path / "mlflow.pid").exists()
+        assert other.poll() is None  # still running
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_stop_kills_a_service_that_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,11 +22,24 @@ def test_file_then_env_then_overrides(tmp_path: Path, monkeypatch: pytest.Monkey
     assert ServicesConfig.load().mlflow_port == 5123
 
 
+def test_a_config_built_in_code_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINT_SERVE_MAX_LORAS", "5")
+    assert ServingConfig().max_loras == 8
+    assert ServingConfig(port=0).port == 0
+    assert ServingConfig.load().max_loras == 5
+
+
 def test_bad_settings_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "serve.json"
     f.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a mapping"):
         ServingConfig.load(f)
+    f.write_text('{"max_lora": 3}')
+    with pytest.raises(ValueError, match="max_lora"):
+        ServingConfig.load(f)
+    with pytest.raises(ValueError, match="cannot read the settings file") as e:
+        ServingConfig.load(tmp_path / "none.yaml")
+    assert str(tmp_path / "none.yaml") in str(e.value)
     monkeypatch.setenv("MINT_SERVE_MAX_LORAS", "zero")
     with pytest.raises(ValueError, match="max_loras"):
         ServingConfig.load()
