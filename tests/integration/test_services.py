@@ -13,10 +13,14 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import sqlalchemy as sa
+from mlflow import MlflowClient
+from prefect import flow
 
 from mint_app import services
-from mint_app.services import ServicesConfig, stop
-from tests.integration.conftest import free_port, mint_cli
+from mint_app.main_job import MainJobConfig, ensure_redis, redis_up
+from mint_app.services import REDIS_PIDFILE, ServicesConfig, stop, stop_started_redis
+from tests.integration.conftest import PG_ADMIN_URL, free_port, mint_cli
 
 pytestmark = pytest.mark.integration
 
@@ -150,8 +154,6 @@ def test_stop_kills_a_service_that_ignores_sigterm(tmp_path: Path, monkeypatch: 
 
 def _registry_round_trip(url: str, tmp: Path) -> str:
     """Create a policy with a version and a champion alias, and a run with an artifact; returns the policy."""
-    from mlflow import MlflowClient
-
     client = MlflowClient(tracking_uri=url, registry_uri=url)
     name = f"policy-{uuid.uuid4().hex[:8]}"
     client.create_registered_model(name, tags={"mint.base": "tiny-dense"})
@@ -181,10 +183,6 @@ def test_mlflow_server_sqlite(mlflow_server: str, tmp_path: Path) -> None:
 
 
 def test_mlflow_server_on_postgres(mlflow_server_pg: str, tmp_path: Path) -> None:
-    import sqlalchemy as sa
-
-    from tests.integration.conftest import PG_ADMIN_URL
-
     policy = _registry_round_trip(mlflow_server_pg, tmp_path)
     # the registry really lives in PostgreSQL: the policy is a row of one of the fixture's databases
     admin = sa.create_engine(PG_ADMIN_URL)
@@ -208,8 +206,6 @@ def test_mlflow_server_on_postgres(mlflow_server_pg: str, tmp_path: Path) -> Non
 
 
 def test_flow_run_reports_to_prefect_server(prefect_server: str) -> None:
-    from prefect import flow
-
     @flow(name="mint-services-smoke")
     def add_one(x: int) -> int:
         return x + 1
@@ -225,8 +221,6 @@ def test_flow_run_reports_to_prefect_server(prefect_server: str) -> None:
 
 
 def test_down_stops_the_redis_that_mint_run_started(tmp_path: Path) -> None:
-    from mint_app.main_job import MainJobConfig, ensure_redis, redis_up
-
     port = free_port()
     cfg = MainJobConfig(state_dir=tmp_path, redis_url=f"redis://127.0.0.1:{port}/0")
     assert "started" in ensure_redis(cfg)  # nothing answered on that port: the job starts its own
@@ -248,8 +242,6 @@ def test_down_stops_the_redis_that_mint_run_started(tmp_path: Path) -> None:
 def test_down_leaves_a_process_that_is_not_redis_alone(tmp_path: Path) -> None:
     """A pid file naming some other live process (the pid was reused) or a process that is gone is removed and
     nothing is killed."""
-    from mint_app.services import REDIS_PIDFILE, stop_started_redis
-
     other = subprocess.Popen(["sleep", "60"])
     try:
         for pid in (other.pid, 2**22 + 1):

@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from mint_app import main_job
+from mint_app.cli import app
 from mint_app.services import ServicesConfig
 from mint_core.serving.config import ServingConfig
 from mint_core.settings import read_mapping
@@ -68,11 +71,6 @@ def test_a_settings_file_that_cannot_be_used_is_named(
 def test_mint_run_takes_file_env_and_flags_and_refuses_bad_values_before_any_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from typer.testing import CliRunner
-
-    from mint_app import main_job
-    from mint_app.cli import app
-
     seen: list[main_job.MainJobConfig] = []
     monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: seen.append(cfg))
     f = tmp_path / "run.yaml"
