@@ -1,19 +1,23 @@
-"""The engine behind the catalog: on-demand loads of catalog addresses, packs, prefetch, bounded memory."""
+"""The adapter manager: loads by path walked one step at a time (which revision sits in each slot after each),
+a bad adapter refused with nothing evicted, and on-demand loads of catalog addresses: packs, prefetch, bounded
+memory."""
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from mint_core.engine.engine import Engine
-from mint_core.engine.loader import AdapterManager
+from mint_core.engine.loader import AdapterExists, AdapterManager, NoCatalog
 from mint_core.errors import AdapterError
-from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.lora.adapter import WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, Registration, UnknownAddress
 from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
@@ -30,6 +34,123 @@ def setup(make_engine, tmp_path: Path):  # type: ignore[no-untyped-def]
     yield engine, store, catalog, loader, tmp_path
     loader.close()
     catalog.close()
+
+
+@pytest.fixture
+def manager(make_engine, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A manager without a catalog (what admin loads use), over two slots and a host cache of three."""
+    engine: Engine = make_engine("dense", max_loras=2, max_cpu_loras=3)
+    m = AdapterManager(engine, AdapterStore(tmp_path / "store"))
+    yield m
+    m.close()
+
+
+def _saved(engine: Engine, path: Path, seed: int, rank: int = 2) -> AdapterWeights:
+    a = random_adapter(
+        engine.sites, TARGETS, rank=rank, seed=seed, std=0.2, base_fingerprint=engine.base.fingerprint
+    )
+    a.digest = save_adapter(a, path, engine.sites)
+    return a
+
+
+def _owners(engine: Engine) -> list[tuple[str | None, int]]:
+    """(revision, running requests) per device slot."""
+    return [(digest, n) for _, digest, n in engine.working_set.slot_table()]
+
+
+def test_load_reload_swap_unload_step_by_step(manager: AdapterManager, tmp_path: Path) -> None:
+    engine, ws = manager.engine, manager.working_set
+    v1, v2 = _saved(engine, tmp_path / "v1", 1), _saved(engine, tmp_path / "v2", 2)
+
+    assert manager.load("p", tmp_path / "v1") is True
+    assert ws.names() == {"p": v1.digest}
+    assert _owners(engine) == [(None, 0), (None, 0)]  # loading registers; a request places it in a slot
+    old = ws.acquire("p")  # a request starts on v1
+    assert _owners(engine) == [(v1.digest, 1), (None, 0)]
+
+    # the same revision again, by name or in place: nothing changes
+    assert manager.load("p", tmp_path / "v1") is False
+    assert manager.load("p", tmp_path / "v1", replace=True) is False
+    assert ws.names() == {"p": v1.digest}
+    assert _owners(engine) == [(v1.digest, 1), (None, 0)]
+
+    # another revision without replace: refused, still v1
+    with pytest.raises(AdapterExists, match="'p'"):
+        manager.load("p", tmp_path / "v2")
+    assert ws.names() == {"p": v1.digest}
+
+    # the swap: new requests get v2, the running one stays on v1 until it ends
+    assert manager.load("p", tmp_path / "v2", replace=True) is True
+    assert ws.names() == {"p": v2.digest}
+    assert _owners(engine) == [(v1.digest, 1), (None, 0)]
+    new = ws.acquire("p")
+    assert _owners(engine) == [(v1.digest, 1), (v2.digest, 1)]
+    ws.release(old)
+    assert _owners(engine) == [(None, 0), (v2.digest, 1)]  # the old revision left with its last request
+    ws.release(new)
+    assert _owners(engine) == [(None, 0), (v2.digest, 0)]
+
+    assert manager.unload("p") is True
+    assert ws.names() == {}
+    assert _owners(engine) == [(None, 0), (None, 0)]
+    assert ws.host_size() == 0
+    assert manager.unload("p") is False  # unloading again is safe
+    assert manager.unload("never-loaded") is False
+
+
+def _nan(path: Path) -> None:
+    tensors = load_file(path / WEIGHTS_FILE)
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, path / WEIGHTS_FILE)
+
+
+def _no_weights(path: Path) -> None:
+    (path / WEIGHTS_FILE).unlink()
+
+
+BROKEN = [
+    # (case, how the adapter is broken, rank it is saved at, expected message)
+    ("non-finite values", _nan, 2, "non-finite"),
+    ("rank above the engine's", lambda _p: None, 32, "rank 32 is above the engine's max rank 16"),
+    ("no weights file", _no_weights, 2, f"{WEIGHTS_FILE} is missing"),
+]
+
+
+@pytest.mark.parametrize(("case", "breaks", "rank", "message"), BROKEN, ids=[b[0] for b in BROKEN])
+def test_bad_adapter_is_refused_with_nothing_evicted(
+    manager: AdapterManager,
+    tmp_path: Path,
+    case: str,
+    breaks: Callable[[Path], None],
+    rank: int,
+    message: str,
+) -> None:
+    engine, ws = manager.engine, manager.working_set
+    a, b = _saved(engine, tmp_path / "a", 1), _saved(engine, tmp_path / "b", 2)
+    manager.load("a", tmp_path / "a")
+    manager.load("b", tmp_path / "b")
+    for name in ("a", "b"):  # both slots full, neither in use: the next placement would evict one
+        ws.release(ws.acquire(name))
+    before = (_owners(engine), ws.names(), ws.host_size(), ws.stats.evictions, ws.stats.host_evictions)
+    logits_a = _logits(engine, "a")
+    _saved(engine, tmp_path / "bad", 3, rank=rank)
+    breaks(tmp_path / "bad")
+
+    for name, replace in (("a", True), ("c", False)):  # in place over a served name, and as a new name
+        with pytest.raises(AdapterError, match=message):
+            manager.load(name, tmp_path / "bad", replace=replace)
+        after = (_owners(engine), ws.names(), ws.host_size(), ws.stats.evictions, ws.stats.host_evictions)
+        assert after == before, case
+    assert _owners(engine) == [(a.digest, 0), (b.digest, 0)]
+    assert torch.equal(_logits(engine, "a"), logits_a)  # the old revision still serves
+
+
+def test_on_demand_loads_need_a_catalog(manager: AdapterManager) -> None:
+    with pytest.raises(NoCatalog):
+        manager.ensure("p/v1")
+    with pytest.raises(NoCatalog):
+        manager.prefetch(["p/v1"])
 
 
 def _stored(engine: Engine, store: AdapterStore, tmp: Path, seed: int, rank: int = 2) -> str:
