@@ -2,8 +2,8 @@
 
 `promote_and_refresh` is the transaction every flow uses: alias move, in-place swap on the server, smoke check.
 A failure at any point runs the undo hooks of the steps that had finished (alias back, previous revision served
-again). Promotions of one policy run one at a time across processes (Prefect's SERIALIZABLE isolation over a
-Redis lock keyed by policy), and an alias move only happens from where the gate saw it, so of two promotions
+again). Promotions of one policy run one at a time across processes (Prefect's SERIALIZABLE isolation over the
+catalog's lease keyed by policy, `tasks.common.CatalogLocks`: no Redis needed), and an alias move only happens from where the gate saw it, so of two promotions
 racing for one policy the second finds the alias moved and loses with nothing changed.
 """
 
@@ -17,6 +17,7 @@ from prefect.transactions import IsolationLevel, transaction
 from pydantic import BaseModel
 
 from mint_core.lifecycle import Workspace
+from mint_core.types import Digest
 from tasks.common import AliasMoved, lock_store
 from tasks.registry import current_champion, promote, rollback
 from tasks.serving import Refreshed, Smoke, check_served, refresh_serving
@@ -65,7 +66,7 @@ def promote_and_refresh(
     policy: str,
     served_name: str,
     version: int,
-    digest: str,
+    digest: Digest,
     expect: int | None,
     restore: int | None,
 ) -> Promotion:

@@ -1,8 +1,8 @@
 """Serving follows the registry's `champion` aliases.
 
 A person may move an alias anywhere MLflow lets them (the UI, `MlflowClient`): that is a rollback or a
-promotion by hand. `reconcile` brings the catalog's alias and the served revision in line with MLflow's alias,
-policy by policy, under the same per-policy lock as promotions (so it never interleaves with one). Deployed on an
+promotion by hand. `reconcile` re-indexes the policy in the catalog from MLflow (the truth) and brings the
+served revision in line with MLflow's alias, policy by policy, under the same per-policy catalog lock as promotions (so it never interleaves with one). Deployed on an
 interval of N seconds (infra/prefect.yaml: 30), an alias moved in MLflow is served within N s plus one
 reconcile pass (an in-place load and a smoke check: well under a second per policy on the tiny base).
 """

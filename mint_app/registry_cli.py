@@ -1,15 +1,25 @@
-"""`mint catalog ...` and `mint registry ...`: look up addresses, review revisions, promote and roll back."""
+"""`mint catalog ...` and `mint registry ...`: look up addresses, review revisions, promote and roll back.
+
+The read commands answer in well under a second: MLflow is read over its REST API (`RegistryReader`), so
+nothing here imports `mlflow`, torch or transformers; only promote and rollback import the MLflow client.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from mint_core.errors import MintError
+from mint_core.registry.reader import RegistryConfig, RegistryReader
+from mint_core.registry.store import AdapterStore
+
+if TYPE_CHECKING:
+    from mint_core.registry.catalog import AliasMove, Catalog
+    from mint_core.registry.mlflow_registry import Registry
 
 catalog_app = typer.Typer(help="The adapter catalog: every addressable revision.", no_args_is_help=True)
 registry_app = typer.Typer(
@@ -44,15 +54,22 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def _catalog(url: str):  # type: ignore[no-untyped-def]
+def _catalog(url: str) -> Catalog:
+    # deferred: SQLAlchemy takes a third of a second to import, which `mint --help` should not pay
     from mint_core.registry.catalog import Catalog, CatalogConfig
 
     return Catalog(CatalogConfig(url=url))
 
 
-def _registry(catalog: str, store: str, tracking_uri: str):  # type: ignore[no-untyped-def]
-    from mint_core.registry.mlflow_registry import Registry, RegistryConfig
-    from mint_core.registry.store import AdapterStore
+def _reader(tracking_uri: str) -> RegistryReader:
+    reader = RegistryReader(RegistryConfig(tracking_uri=tracking_uri))
+    reader.check_reachable()
+    return reader
+
+
+def _registry(catalog: str, store: str, tracking_uri: str) -> Registry:
+    # deferred: the MLflow client takes over a second to import; only the commands that write need it
+    from mint_core.registry.mlflow_registry import Registry
 
     return Registry(AdapterStore(store), _catalog(catalog), RegistryConfig(tracking_uri=tracking_uri))
 
@@ -99,7 +116,7 @@ def catalog_resolve(
     except MintError as e:
         raise _fail(e) from e
     where = f"  ({r.policy}/v{r.version})" if r.policy else ""
-    console.print(f"sha256:{r.digest}  {r.location}{where}")
+    console.print(f"{r.digest.prefixed}  {r.location}{where}")
 
 
 @catalog_app.command("show")
@@ -118,7 +135,7 @@ def catalog_show(
     table = Table(show_header=False, title=address, title_justify="left")
     table.add_column("field", style="bold")
     table.add_column("value")
-    table.add_row("digest", f"sha256:{r.digest}")
+    table.add_row("digest", r.digest.prefixed)
     table.add_row("location", r.location)
     if r.policy:
         table.add_row("version", f"{r.policy}/v{r.version}")
@@ -142,16 +159,14 @@ def catalog_gc(
     tracking_uri: TrackingOpt = DEFAULT_TRACKING,
 ) -> None:
     """Remove store revisions no catalog entry, version or alias references (never a referenced one)."""
-    from mint_core.registry.store import AdapterStore
-
     try:
         with _catalog(catalog) as cat:
             keep = cat.referenced_digests()
             if registry:
-                reg = _registry(catalog, store, tracking_uri)
-                for policy in reg.policies():
-                    keep |= {r.digest for r in reg.revisions(policy) if r.digest}
-        removed = AdapterStore(store).gc(keep, dry_run=dry_run)
+                reader = _reader(tracking_uri)
+                for policy in reader.policies():
+                    keep |= {r.digest for r in reader.revisions(policy)}
+        removed = AdapterStore(store).gc(set(keep), dry_run=dry_run)
     except MintError as e:
         raise _fail(e) from e
     verb = "would remove" if dry_run else "removed"
@@ -162,10 +177,39 @@ def catalog_gc(
         console.print(f"  ... and {len(removed) - 50} more")
 
 
+@catalog_app.command("rebuild")
+def catalog_rebuild(
+    policy: Annotated[
+        list[str] | None, typer.Argument(help="Policies to rebuild; default: every policy.")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would change.")] = False,
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """Rebuild the catalog's versions and aliases from MLflow (the truth) and the store; idempotent."""
+    from mint_core.registry.index import rebuild_catalog  # deferred with the catalog (SQLAlchemy)
+
+    try:
+        reader = _reader(tracking_uri)
+        with _catalog(catalog) as cat:
+            report = rebuild_catalog(reader, cat, AdapterStore(store), policy or None, dry_run=dry_run)
+    except MintError as e:
+        raise _fail(e) from e
+    verb = "would change" if dry_run else "changed"
+    console.print(
+        f"{report.policies} policies compared with {reader.uri}; {verb} {len(report.changes)} row(s)"
+    )
+    for line in report.changes:
+        console.print(f"  {line}")
+    for line in report.not_in_store:
+        console.print(f"  [yellow]not in the store:[/yellow] {line} (indexed at its MLflow source)")
+
+
 # ---- registry ----
 
 
-def _print_moves(moves, title: str) -> None:  # type: ignore[no-untyped-def]
+def _print_moves(moves: list[AliasMove], title: str) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("when", "alias", "from", "to", "by", "why"):
         table.add_column(col)
@@ -187,13 +231,11 @@ def _version(text: str) -> int:
 @registry_app.command("ls")
 def registry_ls(
     policy: Annotated[str | None, typer.Argument(help="A policy; without it, list the policies.")] = None,
-    catalog: CatalogOpt = DEFAULT_CATALOG,
-    store: StoreOpt = DEFAULT_STORE,
     tracking_uri: TrackingOpt = DEFAULT_TRACKING,
 ) -> None:
     """List policies, or one policy's revisions with their aliases and gate decisions."""
     try:
-        reg = _registry(catalog, store, tracking_uri)
+        reg = _reader(tracking_uri)
         if policy is None:
             table = Table(title=f"policies in {reg.uri}", title_justify="left")
             for col in ("policy", "versions", "champion", "candidate"):
@@ -234,8 +276,6 @@ def registry_ls(
 @registry_app.command("lineage")
 def registry_lineage(
     address: Annotated[str, typer.Argument(help="policy/vN")],
-    catalog: CatalogOpt = DEFAULT_CATALOG,
-    store: StoreOpt = DEFAULT_STORE,
     tracking_uri: TrackingOpt = DEFAULT_TRACKING,
 ) -> None:
     """A revision and its ancestors through mint.parent, newest first."""
@@ -243,7 +283,7 @@ def registry_lineage(
     if not version:
         raise typer.BadParameter(f"expected policy/vN, got {address!r}")
     try:
-        chain = _registry(catalog, store, tracking_uri).lineage(policy, _version(version))
+        chain = _reader(tracking_uri).lineage(policy, _version(version))
     except MintError as e:
         raise _fail(e) from e
     table = Table(title=f"lineage of {address}", title_justify="left")

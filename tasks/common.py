@@ -3,16 +3,27 @@ artifact keys."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
+import requests
+from prefect.locking.protocol import LockManager
 from prefect.results import ResultStore
-from prefect_redis import RedisLockManager
 from pydantic import BaseModel
 
 from mint_core.lifecycle import Workspace
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.reader import RegistryUnavailable
 from mint_core.registry.runs import IDEMPOTENCY_TAG
+from mint_core.serving.client import ServingError
+from mint_core.types import Digest
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -23,25 +34,21 @@ RETRY_DELAYS: list[float] = [1, 3, 8]
 def is_transient(exc: BaseException | None) -> bool:
     """A connection error or timeout somewhere in the cause chain: worth another attempt. Validation errors,
     a failed gate, a lost alias race and bad adapters are not."""
-    import httpx
-
-    from mint_core.registry.mlflow_registry import RegistryUnavailable
-    from mint_core.serving.client import ServingError
-
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, ConnectionError | TimeoutError | httpx.TransportError | RegistryUnavailable):
+        if isinstance(
+            exc,
+            ConnectionError
+            | TimeoutError
+            | httpx.TransportError
+            | RegistryUnavailable
+            | requests.ConnectionError
+            | requests.Timeout,
+        ):
             return True
         if isinstance(exc, ServingError) and exc.status in (0, 429, 502, 503, 504):
             return True
-        try:
-            import requests
-
-            if isinstance(exc, requests.ConnectionError | requests.Timeout):
-                return True
-        except ImportError:  # pragma: no cover
-            pass
         exc = exc.__cause__ or exc.__context__
     return False
 
@@ -57,38 +64,67 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     return is_transient(exc)
 
 
-class _RedisLocks(RedisLockManager):
-    """Prefect's Redis lock manager with a hold timeout, so a process killed inside a transaction frees its
-    policy's lock after `hold_timeout` instead of never; and releasing a lock that already expired is logged,
-    not raised (a raise in commit would roll back a promotion that had finished)."""
+class CatalogLocks(LockManager):
+    """Prefect's lock manager over the catalog's leases (`Catalog.acquire_lock`): the lock of SERIALIZABLE
+    transactions, keyed by the transaction's key (`promote-<policy>`).
 
-    def __init__(self, hold_timeout: float, **kwargs: Any) -> None:
+    One lock mechanism for all of mint. The catalog's lease and not Redis, because every deployment already has
+    the catalog and not every one has Redis: the embedded default is a SQLite file and needs no server, and the
+    scale path puts the catalog on PostgreSQL, which then serialises promotions across machines as Redis did.
+    Registry writes take the same kind of lease (`registry/<policy>`), so one table says who holds what. A
+    holder that dies frees its lease after `hold_timeout`; releasing a lease that had already expired is logged,
+    not raised (a raise in commit would roll back a promotion that had finished).
+    """
+
+    def __init__(self, catalog_url: str, hold_timeout: float):
+        self.catalog_url = catalog_url
         self.hold_timeout = hold_timeout
-        super().__init__(**kwargs)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "hold_timeout": self.hold_timeout}
+    @property
+    def catalog(self) -> Catalog:
+        cat = _CATALOGS.get(self.catalog_url)
+        if cat is None:
+            cat = _CATALOGS[self.catalog_url] = Catalog(CatalogConfig(url=self.catalog_url))
+        return cat
 
     def acquire_lock(
         self, key: str, holder: str, acquire_timeout: float | None = None, hold_timeout: float | None = None
     ) -> bool:
-        return super().acquire_lock(key, holder, acquire_timeout, hold_timeout or self.hold_timeout)
+        return self.catalog.acquire_lock(key, holder, acquire_timeout, hold_timeout or self.hold_timeout)
+
+    async def aacquire_lock(
+        self, key: str, holder: str, acquire_timeout: float | None = None, hold_timeout: float | None = None
+    ) -> bool:
+        return await asyncio.to_thread(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:
-        from redis.exceptions import LockError
+        if not self.catalog.release_lock(key, holder):
+            logger.warning("lock %s had expired before %s released it", key, holder)
 
-        try:
-            super().release_lock(key, holder)
-        except (LockError, ValueError) as e:
-            import logging
+    def is_locked(self, key: str) -> bool:
+        return self.catalog.lock_holder(key) is not None
 
-            logging.getLogger(__name__).warning("lock %s had expired before release: %s", key, e)
-            self._locks.pop(self._lock_name_for_key(key), None)
+    def is_lock_holder(self, key: str, holder: str) -> bool:
+        return self.catalog.lock_holder(key) == holder
+
+    def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_locked(key):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    async def await_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        return await asyncio.to_thread(self.wait_for_lock, key, timeout)
+
+
+_CATALOGS: dict[str, Catalog] = {}
 
 
 def lock_store(ws: Workspace) -> ResultStore:
-    """A result store whose only job is the Redis lock of SERIALIZABLE transactions."""
-    return ResultStore(lock_manager=_RedisLocks(ws.lock_hold_s, connection_url=ws.redis_url))
+    """A result store whose only job is the catalog lock of SERIALIZABLE transactions."""
+    return ResultStore(lock_manager=CatalogLocks(ws.catalog_url, ws.lock_hold_s))
 
 
 def cached_in(task: T, ws: Workspace) -> T:
@@ -113,7 +149,7 @@ class RevisionRef(Timed):
 
     policy: str
     version: int
-    digest: str
+    digest: Digest
     run_id: str | None = None
     parent: str | None = None
     """`mint.parent`: the champion it was trained from (`policy/vN`)."""
@@ -145,7 +181,7 @@ class AliasMoved(Timed):
     policy: str
     from_version: int | None
     to_version: int
-    to_digest: str
+    to_digest: Digest
     """The digest of the revision `champion` points at now."""
     moved: bool
     """False when it already pointed there (an earlier attempt had moved it)."""

@@ -13,9 +13,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 
 from mint_core.eval.gate import GATE_TAG, GateDecision, GatePolicy, SuiteScore, decide
-from mint_core.lifecycle import TrainerSession, Workspace, champion, curve_figure, fault, find_by_key
+from mint_core.lifecycle import Workspace, champion, curve_figure, fault, find_by_key
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import IDEMPOTENCY_TAG, log_training_run, tag_version
+from mint_core.rl.recipe import TrainingRun
+from mint_core.types import Digest
 from tasks.common import RETRY_DELAYS, AliasMoved, RevisionRef, artifact_key, transient
 
 EXPERIMENT = "mint-lifecycle"
@@ -47,7 +49,7 @@ def _export_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 @task(cache_key_fn=_export_cache_key, persist_result=True, **_RETRY)
 def export(
     ws: Workspace,
-    session: TrainerSession,
+    session: TrainingRun,
     policy: str,
     rank: int,
     parent: RevisionRef | None,
@@ -79,7 +81,7 @@ def export(
         f"{ws.tracking_uri.rstrip('/')}/#/models/{policy}/versions/{rev.version}",
         link_text=f"{rev.address} in MLflow",
         key=artifact_key("mlflow", policy),
-        description=f"{rev.address}: sha256:{digest[:16]}, parent {parent.address if parent else 'none'}",
+        description=f"{rev.address}: {digest.prefixed[:23]}, parent {parent.address if parent else 'none'}",
     )
     ref = RevisionRef.of(rev)
     ref.work_s = time.perf_counter() - t0
@@ -109,7 +111,7 @@ def gate(
 
 @task(cache_policy=NO_CACHE, **_RETRY)
 def promote(
-    ws: Workspace, policy: str, version: int, digest: str, expect: int | None, restore: int | None
+    ws: Workspace, policy: str, version: int, digest: Digest, expect: int | None, restore: int | None
 ) -> AliasMoved:
     """`champion` := version, only if it still points where the gate saw it (`expect`); the undo restores `restore`."""
     t0 = time.perf_counter()
@@ -157,13 +159,7 @@ def _undo_alias(txn: Transaction) -> None:
     ws: Workspace = txn.get("workspace")
     m: AliasMoved = txn.get("alias_moved")
     reg = ws.registry()
-    if m.from_version == m.to_version:
-        return
-    if m.from_version is None:
-        reg.client.delete_registered_model_alias(m.policy, CHAMPION)
-        reg.sync_alias(m.policy)
-        return
-    if reg.alias_version(m.policy, CHAMPION) == m.from_version:
+    if m.from_version == m.to_version or reg.alias_version(m.policy, CHAMPION) == m.from_version:
         return
     reg.set_alias(
         m.policy,

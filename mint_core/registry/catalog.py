@@ -1,11 +1,8 @@
 """The catalog: every addressable adapter revision, address -> digest -> blob location.
 
-Four address forms name a revision anywhere an adapter is named:
-
-    policy            the policy's champion (same as `policy@champion`)
-    policy@alias      a movable pointer, e.g. `p@candidate`
-    policy/v7         one version of a policy; versions count up from 1 per policy
-    sha256:<hex>      the revision itself (64 lowercase hex digits)
+Its addresses (`policy`, `policy@alias`, `policy/v7`, `sha256:<hex>`) are parsed in `mint_core.registry.address`
+and re-exported here. The catalog is an index: MLflow is the truth for a policy's versions and aliases, and
+`mint_core.registry.index` rebuilds the catalog's rows of them from MLflow and the store.
 
 Three tables hold it: `revisions` (one row per digest: base, rank, blob location, tags), `versions` (policy,
 version -> digest) and `aliases` (policy, alias -> version). SQLite by default (WAL, busy timeout), any
@@ -17,47 +14,56 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
 from sqlalchemy.engine import Connection, Engine
 
-from mint_core.errors import MintError
+from mint_core.registry.address import (
+    CHAMPION,
+    NAME_RE,
+    Address,
+    AddressError,
+    AddressKind,
+    CatalogError,
+    check_name,
+    parse_address,
+)
 from mint_core.registry.retry import retried
 from mint_core.types import Digest, DigestError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-CHAMPION = "champion"
 CHUNK = 10_000
 LOCK_HOLD_S = 300.0
 """Longest a lock is held unless renewed: a holder that died frees it after this long."""
 _PG_VERSIONS_LOCK = 0x6D696E745F766572  # "mint_ver": the advisory lock that serializes version appends
 
-_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-_NAME_RE = re.compile(_NAME)
-_HEX64_RE = re.compile(r"[0-9a-f]{64}")
-_VERSION_RE = re.compile(r"v([1-9][0-9]{0,17})")
-_FORMS = "`policy`, `policy@alias`, `policy/v<N>` (N >= 1) or `sha256:<64 lowercase hex>`"
-
+__all__ = [
+    "CHAMPION",
+    "Address",
+    "AddressError",
+    "AddressKind",
+    "AliasMove",
+    "Catalog",
+    "CatalogConfig",
+    "CatalogError",
+    "Entry",
+    "LockTimeout",
+    "Registration",
+    "Resolved",
+    "UnknownAddress",
+    "parse_address",
+]
 
 # ---- errors -------------------------------------------------------------------------------------------------
-
-
-class CatalogError(MintError):
-    """The catalog could not do what was asked; nothing was changed."""
-
-
-class AddressError(CatalogError, ValueError):
-    """An address that is not well formed; names the input and the forms expected."""
 
 
 class UnknownAddress(CatalogError):
@@ -83,71 +89,6 @@ class CatalogConfig(BaseModel):
 
     echo: bool = False
     """Log every SQL statement (debugging)."""
-
-
-# ---- addresses ----------------------------------------------------------------------------------------------
-
-
-AddressKind = Literal["policy", "alias", "version", "digest"]
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    """A parsed address; `str(address)` gives its canonical spelling."""
-
-    kind: AddressKind
-    policy: str | None = None
-    alias: str | None = None
-    version: int | None = None
-    digest: Digest | None = None
-
-    def __str__(self) -> str:
-        if self.kind == "digest":
-            assert self.digest is not None
-            return self.digest.prefixed
-        if self.kind == "alias":
-            return f"{self.policy}@{self.alias}"
-        if self.kind == "version":
-            return f"{self.policy}/v{self.version}"
-        return str(self.policy)
-
-
-def _bad(s: object, why: str) -> AddressError:
-    return AddressError(f"malformed address {s!r}: {why}; expected {_FORMS}")
-
-
-def _check_name(s: str, what: str, name: str) -> None:
-    if not name:
-        raise _bad(s, f"empty {what}")
-    if not _NAME_RE.fullmatch(name):
-        raise _bad(s, f"{what} {name!r} must be 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
-
-
-def parse_address(s: str) -> Address:
-    """Parse one of the four address forms; anything else raises `AddressError` naming the input."""
-    if not isinstance(s, str):
-        raise _bad(s, f"not a string but {type(s).__name__}")
-    if not s:
-        raise _bad(s, "empty")
-    if s.startswith("sha256:"):
-        hex_ = s.removeprefix("sha256:")
-        if not _HEX64_RE.fullmatch(hex_):
-            raise _bad(s, f"digest must be 64 lowercase hex digits, got {len(hex_)} characters")
-        return Address("digest", digest=Digest.trusted(hex_))
-    if "@" in s:
-        policy, _, alias = s.partition("@")
-        _check_name(s, "policy", policy)
-        _check_name(s, "alias", alias)
-        return Address("alias", policy=policy, alias=alias)
-    if "/" in s:
-        policy, _, rest = s.partition("/")
-        _check_name(s, "policy", policy)
-        m = _VERSION_RE.fullmatch(rest)
-        if not m:
-            raise _bad(s, f"version must be `v` and a number >= 1 without leading zeros, got {rest!r}")
-        return Address("version", policy=policy, version=int(m.group(1)))
-    _check_name(s, "policy", s)
-    return Address("policy", policy=s)
 
 
 # ---- tables -------------------------------------------------------------------------------------------------
@@ -208,7 +149,7 @@ alias_moves = sa.Table(
 locks = sa.Table(
     "locks",
     metadata,
-    sa.Column("name", sa.String(256), primary_key=True),
+    sa.Column("name", sa.Text, primary_key=True),
     sa.Column("holder", sa.Text, nullable=True),
     sa.Column("expires", sa.Float, nullable=True),
 )
@@ -292,7 +233,7 @@ def _validated(i: int, row: Registration | Mapping[str, Any], problems: list[str
         and all(isinstance(k, str) and isinstance(v, str) for k, v in reg.tags.items())
     ):
         bad.append(f"tags must be a mapping of str to str, got {reg.tags!r}")
-    if reg.policy is not None and not (isinstance(reg.policy, str) and _NAME_RE.fullmatch(reg.policy)):
+    if reg.policy is not None and not (isinstance(reg.policy, str) and NAME_RE.fullmatch(reg.policy)):
         bad.append(f"policy {reg.policy!r} must be 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
     if bad:
         problems.extend(f"{where}: {b}" for b in bad)
@@ -505,8 +446,8 @@ class Catalog:
     def set_alias(self, policy: str, alias: str, version: int) -> int | None:
         """Point `policy@alias` at an existing version; returns the version it pointed at before (or None)."""
         s = f"{policy}@{alias}"
-        _check_name(s, "policy", policy)
-        _check_name(s, "alias", alias)
+        check_name(s, "policy", policy)
+        check_name(s, "alias", alias)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise CatalogError(f"cannot set {s}: version must be an integer >= 1, got {version!r}")
 
@@ -542,7 +483,7 @@ class Catalog:
     ) -> None:
         """Record `policy/v<version>` -> `reg` with a number given by another registry (MLflow numbers the
         versions of a registered model). Idempotent; a different digest already at that number is an error."""
-        _check_name(f"{policy}/v{version}", "policy", policy)
+        check_name(f"{policy}/v{version}", "policy", policy)
         problems: list[str] = []
         checked = _validated(0, reg, problems)
         if checked is None:
@@ -658,7 +599,7 @@ class Catalog:
     ) -> AliasMove:
         """Point the index's `policy@alias` at `version` (None: remove it) and log the move from `before`. The
         caller moved the alias in MLflow (the truth) first, under the policy's lock."""
-        _check_name(f"{policy}@{alias}", "alias", alias)
+        check_name(f"{policy}@{alias}", "alias", alias)
         if conn is None:
             return self._transaction(
                 lambda c: self.move_alias(policy, alias, version, reason, actor, before, conn=c)
@@ -693,7 +634,7 @@ class Catalog:
         `truth` and its aliases are `alias_truth`. Rows that are missing are added, rows that disagree are
         overwritten, versions and aliases the registry no longer has are removed; each alias change is logged as
         a move by `actor`. Idempotent. Returns what changed (or, with `dry_run`, what would) and the moves."""
-        _check_name(policy, "policy", policy)
+        check_name(policy, "policy", policy)
         problems: list[str] = []
         rows = {v: _validated(v, reg, problems) for v, reg in truth.items()}
         if problems:

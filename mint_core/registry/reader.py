@@ -25,7 +25,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from mint_core.errors import MintError
-from mint_core.registry.catalog import CHAMPION, parse_address
+from mint_core.registry.address import CHAMPION, parse_address
 from mint_core.registry.retry import is_transient, retried
 from mint_core.types import Digest, DigestError
 

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-import sqlalchemy as sa
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -42,12 +41,12 @@ def is_transient(e: BaseException) -> bool:
     """An error worth another attempt of the same call (see the module docstring)."""
     if isinstance(e, ConnectionRefusedError):
         return True
-    if isinstance(e, sa.exc.DBAPIError):
-        orig = e.orig
+    orig = getattr(e, "orig", None)  # SQLAlchemy's DBAPIError wraps the driver's error (not imported: slow)
+    if orig is not None:
         if getattr(orig, "sqlstate", None) in _TRANSIENT_SQLSTATE:
             return True
         text = str(orig).lower()
-        if isinstance(e, sa.exc.IntegrityError):
+        if type(e).__name__ == "IntegrityError":
             return any(t in text for t in _KEY_TAKEN_TEXT)
         return any(t in text for t in _TRANSIENT_TEXT)
     text = str(e).lower()
