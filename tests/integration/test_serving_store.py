@@ -5,8 +5,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from mint_core.engine.base import build_tiny_base
+from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
+from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import Endpoint
+from tests.integration.conftest import Endpoint, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -41,12 +46,6 @@ def test_load_by_content_address(endpoint: Endpoint, tmp_path) -> None:  # type:
 
 
 def test_load_by_catalog_address(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from mint_core.engine.base import build_tiny_base
-    from mint_core.engine.tokenizer import byte_tokenizer
-    from mint_core.lora.adapter import random_adapter, save_adapter
-    from mint_core.registry.catalog import Catalog, CatalogConfig
-    from tests.integration.conftest import start_server, stop_server
-
     store_root = tmp_path / "store"
     store_root.mkdir()
     base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
@@ -91,12 +90,6 @@ def test_load_by_catalog_address(tmp_path) -> None:  # type: ignore[no-untyped-d
 def test_catalog_addresses_are_models_loaded_on_demand(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """With a catalog, `model` may be any catalog address: the first request cold-loads it through the loader
     (packs included), later ones hit; prefetch loads ahead of need; the metrics count hits and cold loads."""
-    from mint_core.engine.base import build_tiny_base
-    from mint_core.engine.tokenizer import byte_tokenizer
-    from mint_core.lora.adapter import random_adapter, save_adapter
-    from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
-    from mint_core.registry.packs import write_pack
-    from tests.integration.conftest import start_server, stop_server
 
     store_root = tmp_path / "store"
     store_root.mkdir()
