@@ -15,6 +15,7 @@ checkpoint, and a run killed mid-promotion finishes the promotion it had started
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import shutil
 import time
 from collections.abc import Callable
@@ -83,7 +84,7 @@ class Training(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(8, ge=1)
-    """GRPO steps (k): rollout -> check -> update, for every policy at once."""
+    """GRPO steps (k): rollout -> check -> update, for every policy at once (mint_core.rl.recipe)."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompts per policy per step (each sampled `grpo.group_size` times)."""
     grpo: GRPOConfig = GRPOConfig(learning_rate=1e-3)
@@ -277,51 +278,49 @@ def train(
     each: its candidate revisions, the reward curve, and the steps restored from a checkpoint."""
     log = get_run_logger()
     names = [p.name for p in to_train]
-    curve: list[dict[str, Any]] = []
     candidates: dict[str, RevisionRef | None] = {}
     parents = {p.name: _digest(champions[p.name]) for p in to_train}
     run_dir = ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
-    session = clock(
+    run = clock(
         start_training,
         ws,
         [p.spec for p in to_train],
         parents,
         training.grpo,
         training.seed,
+        quote({p.name: prompts[p.name].examples for p in to_train}),
+        training.steps,
+        training.prompts_per_step,
+        training.checkpoint_every,
         run_dir / _parents_tag(parents),
     )
-    resumed = session.resumed_from
     bounds = checks.rollouts.model_copy(
         update={
             "group_size": training.grpo.group_size,
             "max_completion_len": training.grpo.max_new_tokens + 1,
         }
     )
-    k = training.prompts_per_step
-    for step in range(resumed, training.steps):
-        batch = {p.name: prompts[p.name].examples[step * k : (step + 1) * k] for p in to_train}
-        rows = clock(rollout, session, quote(batch))
+
+    def step() -> None:
+        """One step of the recipe's loop as three tasks: the batched rollout, its check, the batched update."""
         # quote: hundreds of rows need no walk for upstream futures (tens of ms per task otherwise)
-        clock(validate_rollouts, quote(rows), bounds)
-        stats = clock(grpo_update, session, quote(rows), training.checkpoint_every)
-        for name, reward in stats.reward.items():
-            curve.append(
-                {
-                    "step": stats.step,
-                    "policy": name,
-                    "reward": round(reward, 4),
-                    "loss": round(stats.loss.get(name, 0.0), 5),
-                    "kept_groups": stats.kept_groups.get(name, 0),
-                }
-            )
+        batch = clock(rollout, run)
+        clock(validate_rollouts, quote(batch), bounds)
+        stats = clock(grpo_update, run, quote(batch))
         log.info("step %d/%d: reward %s", stats.step, training.steps, _fmt(stats.reward))
         update_progress_artifact(
             progress,
             80.0 * stats.step / training.steps,
             description=f"GRPO step {stats.step}/{training.steps}",
         )
+
+    run.run(step)
+    curve = run.history
     for p in to_train:
-        own = [{"reward": c["reward"], "loss": c["loss"]} for c in curve if c["policy"] == p.name]
+        # a step where the policy took no update has no loss
+        own = [
+            {k: c[k] for k in ("reward", "loss") if c[k] is not None} for c in curve if c["policy"] == p.name
+        ]
         params = {
             "policy": p.spec.model_dump_json(),
             "grpo": training.grpo.model_dump_json(),
@@ -330,12 +329,12 @@ def train(
             "seed": str(training.seed),
             "round": training.round_name(),
             "data_rev": data_rev,
-            "resumed_from_step": str(resumed),
+            "resumed_from_step": str(run.resumed_step),
         }
         candidates[p.name] = clock(
             cached_in(export, ws),
             ws,
-            session,
+            run,
             p.name,
             p.spec.rank,
             champions[p.name],
@@ -349,7 +348,7 @@ def train(
         create_table_artifact(
             curve, key="reward-curve", description=f"GRPO reward per step ({', '.join(names)})"
         )
-    return candidates, curve, resumed
+    return candidates, curve, run.resumed_step
 
 
 def _evaluate_gate_promote(
@@ -433,8 +432,6 @@ def _overhead_ms(t: StepTiming) -> float | None:
 
 def _parents_tag(parents: dict[str, str | None]) -> str:
     """Checkpoints are only good for the parents they started from."""
-    import hashlib
-
     return hashlib.sha256(repr(sorted(parents.items())).encode()).hexdigest()[:12]
 
 

@@ -9,7 +9,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from mint_app.eval_cli import eval_app
 from mint_app.registry_cli import catalog_app, registry_app
 from mint_app.services_cli import register as register_service_commands
 from mint_core import __version__
+
+if TYPE_CHECKING:
+    from mint_core.rl.recipe import TrainingRun
 
 app = typer.Typer(help="mint: many LoRA policies over one resident base model.", no_args_is_help=True)
 adapter_app = typer.Typer(help="Inspect and convert adapter revisions.", no_args_is_help=True)
@@ -304,16 +307,15 @@ def train(
 
     The trainer's state (adapters, optimizer moments, step) is checkpointed to OUT/checkpoints every
     --checkpoint-every steps, at the end, and on Ctrl-C; --resume continues from the newest, drawing the same
-    prompts and samples as an uninterrupted run would."""
+    prompts and samples as an uninterrupted run would. The recipe is mint_core.rl.recipe, as in the flows."""
+    # deferred: torch and transformers load for this command only, so `mint --help` stays fast
     from tqdm import tqdm
 
     from mint_core.data.tasks import split, task
-    from mint_core.engine.base import load_base
-    from mint_core.engine.engine import Engine, EngineConfig
-    from mint_core.rl.checkpoints import checkpoints, latest_checkpoint, write_checkpoint
-    from mint_core.rl.evaluate import heldout_scores
+    from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+    from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer
+    from mint_core.rl.trainer import PolicySpec
 
     names = [t.strip() for t in policies.split(",") if t.strip()]
     for t in names:
@@ -322,25 +324,9 @@ def train(
         raise typer.BadParameter(
             f"{base} is not a model directory (build the built-in base with `dvc repro`)"
         )
-    lead = True  # the process that prints and exports (rank 0 under DeepSpeed)
-    device, dtype = "cpu", "float32"
-    if deepspeed is not None:
-        from mint_core.rl.distributed import init_distributed, rank_placement
-
-        lead = init_distributed()[0] == 0
-        device, dtype = rank_placement()
-    engine = Engine(
-        load_base(base, dtype, device),
-        EngineConfig(max_loras=len(names), max_lora_rank=max(rank, 8)),  # prompts up to the base's positions
-    )
-    specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
-    cfg = GRPOConfig(group_size=group, learning_rate=lr)
-    if deepspeed is not None:
-        from mint_core.rl.distributed import DeepSpeedTrainer
-
-        trainer: MultiPolicyTrainer = DeepSpeedTrainer(engine, cfg, specs, deepspeed, seed=seed)
-    else:
-        trainer = MultiPolicyTrainer(engine, cfg, specs, seed=seed)
+    ckpt_dir = out / "checkpoints"
+    if resume and latest_checkpoint(ckpt_dir) is None:
+        raise typer.BadParameter(f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume")
     try:
         data = {t: split(t, prompts * steps, 64, seed) for t in names}
     except ValueError as e:  # a task with fewer distinct prompts than the run asks for
@@ -349,49 +335,35 @@ def train(
             "policy, and 64 more held out",
             param_hint="--steps",
         ) from None
-    ckpt_dir = out / "checkpoints"
-    # what must match for --resume to continue the same run (--steps may grow)
-    run_args = {"policies": names, "prompts": prompts, "group": group, "lr": lr, "rank": rank, "seed": seed}
-    run_args["base"] = engine.base.fingerprint
-    history: list[dict[str, object]] = []  # one row per step and policy: the learning curves
-    if resume:
-        ckpt = latest_checkpoint(ckpt_dir)
-        if ckpt is None or not (ckpt / "run.json").is_file():
+    specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
+    trainer = load_trainer(
+        base, specs, GRPOConfig(group_size=group, learning_rate=lr), seed, deepspeed=deepspeed
+    )
+    lead = is_lead_process()  # the process that prints and exports (rank 0 under DeepSpeed)
+    if not resume and checkpoints(ckpt_dir) and lead:
+        console.print(f"starting afresh: the checkpoints of an earlier run in {ckpt_dir} will be replaced")
+    try:
+        run = TrainingRun.start(
+            trainer,
+            {t: data[t][0] for t in names},
+            steps,
+            prompts,
+            ckpt_dir,
+            checkpoint_every,
+            resume=resume,
+            heldout={t: data[t][1] for t in names},
+        )
+    except ResumeError as e:
+        raise typer.BadParameter(str(e), param_hint="--resume") from None
+    if run.resumed_checkpoint is not None:
+        if run.done:
             raise typer.BadParameter(
-                f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume"
-            )
-        run = json.loads((ckpt / "run.json").read_text())
-        changed = [
-            f"{k} {run['args'].get(k)} then, {v} now" for k, v in run_args.items() if run["args"].get(k) != v
-        ]
-        if changed:
-            raise typer.BadParameter(
-                f"{ckpt} is of another run: " + "; ".join(changed), param_hint="--resume"
-            )
-        try:
-            trainer.load_state(ckpt)
-        except ValueError as e:
-            raise typer.BadParameter(f"{ckpt}: {e}", param_hint="--resume") from None
-        if trainer.steps >= steps:
-            raise typer.BadParameter(
-                f"{ckpt} is at step {trainer.steps} already; pass --steps above it to train on",
+                f"{run.resumed_checkpoint} is at step {run.resumed_step} already; pass --steps above it to "
+                "train on",
                 param_hint="--resume",
             )
-        before: dict[str, float] = run["before"]
-        history = run["history"]
         if lead:
-            console.print(f"resuming from {ckpt} at step {trainer.steps} of {steps}")
-    else:
-        if checkpoints(ckpt_dir) and lead:
-            console.print(
-                f"starting afresh: the checkpoints of an earlier run in {ckpt_dir} will be replaced"
-            )
-            shutil.rmtree(ckpt_dir)
-        before = {t: heldout_scores(engine, t, data[t][1]) for t in names}
-
-    def save() -> Path:
-        run = {"args": run_args, "before": before, "history": history}
-        return write_checkpoint(trainer, ckpt_dir, run, keep=2)
+            console.print(f"resuming from {run.resumed_checkpoint} at step {run.resumed_step} of {steps}")
 
     # Ctrl-C stops after the step under way (a step cut short would leave some policies updated and others not);
     # a second Ctrl-C stops at once, without saving.
@@ -405,71 +377,61 @@ def train(
         if lead:
             console.print("\n[yellow]Ctrl-C[/]: stopping after this step (again to stop at once, unsaved)")
 
+    bar = tqdm(total=steps, initial=run.resumed_step, desc="GRPO steps", unit="step", disable=not lead)
+
+    def step() -> None:
+        run.step()
+        bar.update()
+
     previous = signal.signal(signal.SIGINT, on_sigint)
-    bar = tqdm(total=steps, initial=trainer.steps, desc="GRPO steps", unit="step", disable=not lead)
     try:
-        while trainer.steps < steps:
-            s = trainer.steps
-            stats = trainer.step({t: data[t][0][s * prompts : (s + 1) * prompts] for t in names})
-            for t in names:
-                history.append(
-                    {
-                        "step": s + 1,
-                        "policy": t,
-                        "reward": stats.reward.get(t),
-                        "loss": stats.loss.get(t),
-                        "kept_groups": stats.kept_groups.get(t, 0),
-                        "seconds": round(stats.seconds, 4),
-                    }
-                )
-            bar.update()
-            if stop_asked:
-                bar.close()
-                path = save()
-                if lead:
-                    console.print(f"stopped at step {trainer.steps}, saved to {path}; continue with --resume")
-                raise typer.Exit(130)
-            if checkpoint_every and trainer.steps % checkpoint_every == 0 and trainer.steps < steps:
-                save()
+        finished = run.run(step, stop=lambda: stop_asked)
     except KeyboardInterrupt:  # the second Ctrl-C
         bar.close()
         if lead:
             newest = latest_checkpoint(ckpt_dir)
             console.print(
-                f"stopped during step {trainer.steps + 1}, unsaved; "
+                f"stopped during step {run.trainer.steps + 1}, unsaved; "
                 + (f"the newest checkpoint is {newest} (--resume)" if newest else "no checkpoint yet")
             )
         raise typer.Exit(130) from None
     finally:
         signal.signal(signal.SIGINT, previous)
     bar.close()
-    save()  # every rank: a DeepSpeed checkpoint is written collectively
-    if not lead:
-        return
-    after = {t: heldout_scores(engine, t, data[t][1]) for t in names}
-    reward_at = {(int(str(h["step"])), str(h["policy"])): float(str(h["reward"] or 0)) for h in history}
+    if not finished:
+        if lead:
+            console.print(
+                f"stopped at step {run.trainer.steps}, saved to {latest_checkpoint(ckpt_dir)}; "
+                "continue with --resume"
+            )
+        raise typer.Exit(130)
+    if lead:
+        _train_results(run, out)
+
+
+def _train_results(run: TrainingRun, out: Path) -> None:
+    """Print held-out exact match before and after and the first and last step's reward; write curve.csv and
+    summary.json to `out`, and each policy's revision to out/revisions."""
+    names = list(run.trainer.policies)
+    before, after = run.heldout_before, run.heldout_scores()
+    reward_at = {(int(h["step"]), str(h["policy"])): h["reward"] or 0.0 for h in run.history}
     table = Table("policy", "held-out exact match before", "after", "train reward first step", "last step")
     for t in names:
-        first, last = reward_at.get((1, t)), reward_at.get((steps, t))
-        table.add_row(
-            t,
-            f"{before[t]:.3f}",
-            f"{after[t]:.3f}",
-            f"{first or 0:.3f}",
-            f"{last or 0:.3f}",
-        )
+        first, last = reward_at.get((1, t), 0.0), reward_at.get((run.steps, t), 0.0)
+        table.add_row(t, f"{before[t]:.3f}", f"{after[t]:.3f}", f"{first:.3f}", f"{last:.3f}")
     console.print(table)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "curve.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["step", "policy", "reward", "loss", "kept_groups", "seconds"])
         writer.writeheader()
-        writer.writerows(history)
+        writer.writerows(run.history)
     summary = {t: {"heldout_before": before[t], "heldout_after": after[t]} for t in names}
-    (out / "summary.json").write_text(json.dumps({"steps": steps, "policies": summary}, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps({"steps": run.steps, "policies": summary}, indent=2) + "\n")
     console.print(f"learning curves: {out / 'curve.csv'}; held-out before/after: {out / 'summary.json'}")
     for t in names:
-        digest = trainer.export(t, out / "revisions" / f"{t}-step{steps}")
-        console.print(f"exported {t}: sha256:{digest[:16]} -> {out / 'revisions' / f'{t}-step{steps}'}")
+        where = out / "revisions" / f"{t}-step{run.steps}"
+        digest = run.trainer.export(t, where)
+        console.print(f"exported {t}: sha256:{digest[:16]} -> {where}")
 
 
 @app.command()

@@ -1,6 +1,6 @@
 """What the lifecycle flows need from the library beyond single component calls: where everything is (the
-workspace), the training run's identity (its idempotency key), a trainer that starts from the policy's champion
-and resumes from its last checkpoint, the revision a server holds under a name, and a served smoke check.
+workspace), the training run's identity (its idempotency key), the revision a server holds under a name, and a
+served smoke check. Training itself is the one recipe in `mint_core.rl.recipe`, as for `mint train`.
 
 Nothing here knows about Prefect: `tasks/` wraps these calls one step each, `flows/` strings them together.
 """
@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,19 +21,15 @@ import matplotlib
 import matplotlib.pyplot as plt
 from pydantic import BaseModel, ConfigDict, Field
 
+from mint_core.data.revision import data_rev
 from mint_core.data.tasks import Example, read_jsonl, split
-from mint_core.engine.base import load_base
-from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.errors import MintError
-from mint_core.lora.validate import read_adapter
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revision, UnknownRevision
 from mint_core.registry.runs import IDEMPOTENCY_TAG
 from mint_core.registry.store import AdapterStore
-from mint_core.rl.checkpoints import latest_checkpoint, write_checkpoint
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.rollout import RolloutRow, rollout
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.trainer import PolicySpec
 from mint_core.serving.client import ServingClient, ServingError
 
 logger = logging.getLogger(__name__)
@@ -156,8 +151,6 @@ def data_revision(data_dir: Path | None, sources: list[str], repo_root: Path = P
     """`mint.data_rev` of a run: the DVC data revision when the prompts come from the DVC outputs (and
     dvc.lock is there), else a hash of the generated sources."""
     if data_dir is not None and (repo_root / "dvc.lock").is_file():
-        from mint_core.data.revision import data_rev
-
         return data_rev(repo_root)
     return "gen-" + hashlib.sha256("\n".join(sorted(sources)).encode()).hexdigest()[:12]
 
@@ -208,80 +201,6 @@ def champion(registry: Registry, policy: str) -> Revision | None:
 
 
 # ---- training ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainerSession:
-    """A multi-policy trainer over one engine, and where its checkpoints go."""
-
-    trainer: MultiPolicyTrainer
-    checkpoint_dir: Path
-    resumed_from: int  # steps already done when the session started (0: a fresh run)
-
-    def checkpoint(self) -> Path:
-        """The trainer's state as the run's newest checkpoint, written whole or not at all; older ones but the
-        one before it are removed (a run resumes from its newest: a checkpoint a step per policy, kept for
-        every step, would grow with the run)."""
-        return write_checkpoint(self.trainer, self.checkpoint_dir, keep=2)
-
-
-def start_trainer(
-    base_dir: Path,
-    specs: list[PolicySpec],
-    parents: dict[str, Path | None],
-    grpo: GRPOConfig,
-    seed: int,
-    checkpoint_dir: Path,
-) -> TrainerSession:
-    """Load the base once, put each policy's parent revision (its champion) in its slot so training continues
-    from it (a fresh adapter when there is none, or when the parent's rank/alpha differ from the spec), and
-    resume from the newest checkpoint of this run if a killed attempt left one."""
-    base = load_base(base_dir)
-    engine = Engine(
-        base,
-        EngineConfig(
-            max_loras=len(specs), max_lora_rank=max(s.rank for s in specs)
-        ),  # up to the base's positions
-    )
-    for spec in specs:
-        parent = parents.get(spec.name)
-        if parent is None:
-            continue
-        weights = read_adapter(parent, engine.spec, name=spec.name)
-        if (weights.rank, weights.alpha) != (spec.rank, spec.alpha):
-            logger.warning(
-                "%s: parent at %s has rank %d alpha %g, the spec %d/%g: starting from a fresh adapter",
-                spec.name,
-                parent,
-                weights.rank,
-                weights.alpha,
-                spec.rank,
-                spec.alpha,
-            )
-            continue
-        engine.add_adapter(spec.name, weights)
-    trainer = MultiPolicyTrainer(engine, grpo, specs, seed=seed)
-    resumed = 0
-    ckpt = latest_checkpoint(checkpoint_dir)
-    if ckpt is not None:
-        trainer.load_state(ckpt)
-        resumed = trainer.steps
-        logger.info("resumed from %s (step %d)", ckpt, resumed)
-    return TrainerSession(trainer, checkpoint_dir, resumed)
-
-
-def rollout_rows(trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]]) -> list[RolloutRow]:
-    """One batched rollout of every policy's prompts, seeded as `MultiPolicyTrainer.step` seeds it."""
-    cfg = trainer.config
-    return rollout(
-        trainer.engine,
-        prompts,
-        {p: trainer.policies[p].spec.reward for p in prompts},
-        cfg.group_size,
-        cfg.max_new_tokens,
-        cfg.temperature,
-        seed=trainer.seed * 1_000_003 + trainer.steps,
-    )
 
 
 def curve_figure(policy: str, curve: list[dict[str, float]]) -> Any:

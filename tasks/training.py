@@ -1,5 +1,5 @@
-"""Training steps: check the prompts, start the trainer from the champions, then per step one batched rollout,
-its check, and one batched GRPO update."""
+"""Training steps: check the prompts, start the training run (mint_core.rl.recipe) from the champions, then per
+step one batched rollout, its check, and one batched GRPO update."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from mint_core.data.checks import (
 )
 from mint_core.data.tasks import Example
 from mint_core.errors import DataCheckError
-from mint_core.lifecycle import TrainerSession, Workspace, fault, load_prompts, rollout_rows, start_trainer
+from mint_core.lifecycle import Workspace, fault, load_prompts
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.recipe import TrainingRun, load_trainer
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import Timed, artifact_key
@@ -86,7 +87,6 @@ class StepResult(Timed):
     """Per policy that was updated (a policy whose groups all had equal rewards gets no step)."""
     kept_groups: dict[str, int]
     """Groups with reward variance (the ones that teach anything) per policy."""
-    checkpoint: str | None = None
 
 
 @task(cache_policy=NO_CACHE)
@@ -114,20 +114,25 @@ def start_training(
     parents: dict[str, str | None],
     grpo: GRPOConfig,
     seed: int,
+    prompts: dict[str, list[Example]],
+    steps: int,
+    prompts_per_step: int,
+    checkpoint_every: int,
     checkpoint_dir: Path,
-) -> TrainerSession:
+) -> TrainingRun:
     """Load the base, put every policy's parent (digest; None: fresh) in its slot, resume from a checkpoint."""
     store = ws.registry().store
     dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
-    return start_trainer(ws.base, specs, dirs, grpo, seed, checkpoint_dir)
+    trainer = load_trainer(ws.base, specs, grpo, seed, dirs)
+    return TrainingRun.start(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every)
 
 
 @task(cache_policy=NO_CACHE)
-def rollout(session: TrainerSession, prompts: dict[str, list[Example]]) -> RolloutBatch:
+def rollout(run: TrainingRun) -> RolloutBatch:
     """One batched rollout: G samples of every prompt of every policy, rewards attached."""
     t0 = time.perf_counter()
-    rows = rollout_rows(session.trainer, prompts)
-    return RolloutBatch(step=session.trainer.steps + 1, rows=rows, work_s=time.perf_counter() - t0)
+    rows = run.rollout()
+    return RolloutBatch(step=run.trainer.steps + 1, rows=rows, work_s=time.perf_counter() - t0)
 
 
 @task(cache_policy=NO_CACHE)
@@ -142,22 +147,15 @@ def validate_rollouts(batch: RolloutBatch, bounds: RolloutBounds) -> RolloutChec
 
 
 @task(cache_policy=NO_CACHE)
-def grpo_update(session: TrainerSession, batch: RolloutBatch, checkpoint_every: int) -> StepResult:
-    """One batched GRPO update of every policy (each in its own slot), then a checkpoint."""
+def grpo_update(run: TrainingRun, batch: RolloutBatch) -> StepResult:
+    """One batched GRPO update of every policy (each in its own slot)."""
     t0 = time.perf_counter()
     fault("grpo_update")
-    stats = session.trainer.update(batch.rows)
-    rewards: dict[str, list[float]] = {}
-    for r in batch.rows:
-        rewards.setdefault(r.policy, []).append(r.reward)
-    ckpt = None
-    if checkpoint_every and session.trainer.steps % checkpoint_every == 0:
-        ckpt = str(session.checkpoint())
+    stats = run.update(batch.rows)
     return StepResult(
-        step=session.trainer.steps,
-        reward={p: sum(v) / len(v) for p, v in rewards.items()},
+        step=stats.step,
+        reward=stats.reward,
         loss=stats.loss,
         kept_groups=stats.kept_groups,
-        checkpoint=ckpt,
         work_s=time.perf_counter() - t0,
     )

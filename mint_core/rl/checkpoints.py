@@ -18,7 +18,8 @@ import torch
 from mint_core.rl.trainer import MultiPolicyTrainer
 
 
-def _lead() -> bool:
+def is_lead_process() -> bool:
+    """Whether this process writes and prints for the run: rank 0 under DeepSpeed, the only one otherwise."""
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -48,12 +49,12 @@ def write_checkpoint(
     checkpoints (None: all). Every rank calls it under DeepSpeed."""
     path = directory / f"step-{trainer.steps:05d}"
     tmp = path.with_name(path.name + ".tmp")
-    if _lead():
+    if is_lead_process():
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed write left
     _barrier()
     trainer.save_state(tmp)
     _barrier()
-    if _lead():
+    if is_lead_process():
         if run is not None:
             (tmp / "run.json").write_text(json.dumps(run, indent=1, default=str) + "\n")
         if path.exists():  # this step written before (a final checkpoint right after a periodic one)

@@ -1,0 +1,276 @@
+"""The one GRPO training recipe: what `mint train` runs, and what the lifecycle flows run one task per step.
+
+A run trains several policies at once over one base, each from its parent revision or a fresh adapter, on a
+list of prompts per policy taken `prompts_per_step` at a time. A step is one batched rollout of every policy's
+prompts (`MultiPolicyTrainer.rollout`, seeded by the step count) and one batched GRPO update; each step adds a
+row per policy to the run's curve.
+
+Checkpoints go to one directory: every `checkpoint_every` steps, at the end, and when a stop is asked for after
+a step, kept two deep. Each holds the trainer's state and run.json: the run's identity (what a checkpoint must
+have been made with to be continued: policies, GRPO config, seed, schedule, base, the adapters it started
+from), its curve so far, and its held-out scores before training. Resuming continues the same run (another
+run's checkpoint is refused, naming what differs) and ends byte for byte where an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mint_core.data.tasks import Example
+from mint_core.engine.base import load_base
+from mint_core.engine.engine import Engine, EngineConfig
+from mint_core.errors import MintError
+from mint_core.lora.adapter import adapter_bytes, digest_files
+from mint_core.lora.validate import read_adapter
+from mint_core.rl.checkpoints import is_lead_process, latest_checkpoint, write_checkpoint
+from mint_core.rl.evaluate import heldout_scores
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.rollout import RolloutRow
+from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, StepStats
+
+logger = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 2
+"""A run resumes from its newest checkpoint; the one before it is kept in case the newest is damaged."""
+
+
+class ResumeError(MintError):
+    """A checkpoint this run cannot continue from; names the checkpoint and what differs."""
+
+
+def load_trainer(
+    base_dir: Path,
+    specs: list[PolicySpec],
+    grpo: GRPOConfig,
+    seed: int = 0,
+    parents: dict[str, Path | None] | None = None,
+    deepspeed: Path | None = None,
+) -> MultiPolicyTrainer:
+    """Load the base once and a trainer of `specs` over it. A policy with a parent revision (a directory) starts
+    from it, unless its rank or alpha differ from the spec (then from a fresh adapter, with a warning). With a
+    DeepSpeed config the process joins DeepSpeed's group, loads the base where its rank trains, and the trainer
+    is a `DeepSpeedTrainer`."""
+    if deepspeed is None:
+        base = load_base(base_dir)
+    else:
+        # only a DeepSpeed run imports deepspeed: seconds to import, and it picks an accelerator when it does
+        from mint_core.rl import distributed
+
+        distributed.init_distributed()
+        base = load_base(base_dir, *distributed.rank_placement())
+    # prompts up to the base's own positions (the engine's default, clamped by the base)
+    engine = Engine(base, EngineConfig(max_loras=len(specs), max_lora_rank=max(s.rank for s in specs)))
+    for spec in specs:
+        parent = (parents or {}).get(spec.name)
+        if parent is None:
+            continue
+        weights = read_adapter(parent, engine.spec, name=spec.name)
+        if (weights.rank, weights.alpha) != (spec.rank, spec.alpha):
+            logger.warning(
+                "%s: parent at %s has rank %d alpha %g, the spec %d/%g: starting from a fresh adapter",
+                spec.name,
+                parent,
+                weights.rank,
+                weights.alpha,
+                spec.rank,
+                spec.alpha,
+            )
+            continue
+        engine.add_adapter(spec.name, weights)
+    if deepspeed is None:
+        return MultiPolicyTrainer(engine, grpo, specs, seed=seed)
+    return distributed.DeepSpeedTrainer(engine, grpo, specs, deepspeed, seed=seed)
+
+
+class TrainingRun:
+    """A trainer, the prompts it trains on, its schedule, its curve and its checkpoints (see the module doc).
+
+    A plain class, not a dataclass: the flows pass it to Prefect tasks, which would walk a dataclass's fields.
+    """
+
+    def __init__(
+        self,
+        trainer: MultiPolicyTrainer,
+        prompts: dict[str, list[Example]],
+        steps: int,
+        prompts_per_step: int,
+        checkpoint_dir: Path,
+        checkpoint_every: int,
+        heldout: dict[str, list[Example]] | None,
+    ):
+        self.trainer = trainer
+        self.prompts = prompts
+        self.steps = steps
+        self.prompts_per_step = prompts_per_step
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.heldout = heldout
+        self.identity = self._identity()
+        self.history: list[dict[str, Any]] = []
+        """One row per step and policy: step, policy, reward, loss (None: no update), kept_groups, seconds."""
+        self.heldout_before: dict[str, float] = {}
+        """Each policy's held-out exact match before its first step (with `heldout`)."""
+        self.resumed_step = 0
+        """Steps restored from a checkpoint (0: a fresh run)."""
+        self.resumed_checkpoint: Path | None = None
+        self._rollout_t0: float | None = None
+
+    @classmethod
+    def start(
+        cls,
+        trainer: MultiPolicyTrainer,
+        prompts: dict[str, list[Example]],
+        steps: int,
+        prompts_per_step: int,
+        checkpoint_dir: Path,
+        checkpoint_every: int = 10,
+        resume: bool = True,
+        heldout: dict[str, list[Example]] | None = None,
+    ) -> TrainingRun:
+        """A run of `steps` steps. `resume`: continue from the newest checkpoint in `checkpoint_dir` when there is
+        one (it must be of this run, `ResumeError` otherwise); False: start afresh, removing the checkpoints
+        there. `heldout`: examples per policy scored greedily before training (and by `heldout_scores`)."""
+        if steps < 1 or prompts_per_step < 1 or checkpoint_every < 0:
+            raise ValueError(
+                f"steps {steps} and prompts_per_step {prompts_per_step} must be >= 1, "
+                f"checkpoint_every {checkpoint_every} >= 0"
+            )
+        short = {p: len(v) for p, v in prompts.items() if len(v) < steps * prompts_per_step}
+        if set(prompts) != set(trainer.policies) or short:
+            raise ValueError(
+                f"a run of {steps} steps x {prompts_per_step} prompts needs {steps * prompts_per_step} prompts "
+                f"for each of {sorted(trainer.policies)}; got {sorted(prompts)}, too few for {short}"
+            )
+        run = cls(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every, heldout)
+        ckpt = latest_checkpoint(checkpoint_dir)
+        if resume and ckpt is not None:
+            run._resume(ckpt)
+            return run
+        if ckpt is not None and is_lead_process():
+            logger.info("starting afresh: removing the checkpoints in %s", checkpoint_dir)
+            shutil.rmtree(checkpoint_dir)
+        if heldout is not None:
+            run.heldout_before = run.heldout_scores()
+        return run
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.trainer.steps >= self.steps
+
+    def batch(self) -> dict[str, list[Example]]:
+        """The prompts of the next step: the next `prompts_per_step` of each policy's."""
+        s, k = self.trainer.steps, self.prompts_per_step
+        return {name: examples[s * k : (s + 1) * k] for name, examples in self.prompts.items()}
+
+    def rollout(self) -> list[RolloutRow]:
+        """The next step's batched rollout of every policy."""
+        self._rollout_t0 = time.perf_counter()
+        return self.trainer.rollout(self.batch())
+
+    def update(self, rows: list[RolloutRow]) -> StepStats:
+        """The next step's batched GRPO update from its rollout; adds the step to the curve."""
+        stats = self.trainer.update(rows)
+        if self._rollout_t0 is not None:
+            stats.seconds = time.perf_counter() - self._rollout_t0
+            self._rollout_t0 = None
+        for name in self.trainer.policies:
+            self.history.append(
+                {
+                    "step": stats.step,
+                    "policy": name,
+                    "reward": stats.reward.get(name),
+                    "loss": stats.loss.get(name),
+                    "kept_groups": stats.kept_groups.get(name, 0),
+                    "seconds": round(stats.seconds, 4),
+                }
+            )
+        return stats
+
+    def step(self) -> StepStats:
+        """Rollout, then update."""
+        return self.update(self.rollout())
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def run(self, step: Callable[[], object] | None = None, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Step until `steps` are done, checkpointing every `checkpoint_every` steps and at the end. `step` runs
+        one step (default `self.step`; the flows run it as tasks). When `stop()` is true after a step, the run
+        is checkpointed there and this returns False (True: finished). Every rank calls it under DeepSpeed."""
+        one = step or self.step
+        first = self.trainer.steps
+        while not self.done:
+            one()
+            if stop():
+                self.checkpoint()
+                return False
+            every = self.checkpoint_every
+            if every and self.trainer.steps % every == 0 and not self.done:
+                self.checkpoint()
+        if self.trainer.steps > first:
+            self.checkpoint()
+        return True
+
+    def checkpoint(self) -> Path:
+        """The run as its newest checkpoint, written whole or not at all; the older ones beyond
+        `KEEP_CHECKPOINTS` are removed."""
+        record = {"args": self.identity, "before": self.heldout_before, "history": self.history}
+        return write_checkpoint(self.trainer, self.checkpoint_dir, record, keep=KEEP_CHECKPOINTS)
+
+    def heldout_scores(self) -> dict[str, float]:
+        """Each policy's greedy exact match on its held-out examples now."""
+        assert self.heldout is not None, "a run started without held-out examples"
+        return {name: heldout_scores(self.trainer.engine, name, self.heldout[name]) for name in self.prompts}
+
+    # ---- resume ----------------------------------------------------------------------------------------
+
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must have been made with for this run to continue it (`steps` may grow), flat so a
+        refusal can name each difference. The adapters a policy starts from are named by their digest: the
+        parent revision, or the fresh adapter the trainer's seed drew."""
+        t = self.trainer
+        doc: dict[str, Any] = {
+            "policies": list(t.policies),
+            "prompts": self.prompts_per_step,
+            "seed": t.seed,
+            "base": t.engine.base.fingerprint,
+            "trainer": type(t).__name__,
+        }
+        for name, p in t.policies.items():
+            for key, value in p.spec.model_dump(mode="json", exclude={"name"}).items():
+                doc[f"{name} {key}"] = value
+            start = digest_files(*adapter_bytes(t.weights(name), t.engine.sites))
+            doc[f"{name} starts from"] = f"sha256:{start[:16]}"
+        for key, value in t.config.model_dump(mode="json").items():
+            doc[f"grpo {key}"] = value
+        return dict(json.loads(json.dumps(doc)))  # as run.json reads back (tuples as lists)
+
+    def _resume(self, ckpt: Path) -> None:
+        """Continue from `ckpt`, refusing, before anything changes, a checkpoint of another run."""
+        record_file = ckpt / "run.json"
+        if not record_file.is_file():
+            raise ResumeError(f"{ckpt} has no run.json: not a checkpoint of a training run")
+        record = json.loads(record_file.read_text())
+        then = record.get("args", {})
+        changed = [f"{k} {then.get(k)} then, {v} now" for k, v in self.identity.items() if then.get(k) != v]
+        if changed:
+            raise ResumeError(f"{ckpt} is of another run: " + "; ".join(changed))
+        done = int(json.loads((ckpt / "state.json").read_text())["steps"])
+        if done > self.steps:
+            raise ResumeError(f"{ckpt} is at step {done} already, beyond this run's {self.steps} steps")
+        try:
+            self.trainer.load_state(ckpt)
+        except ValueError as e:
+            raise ResumeError(f"{ckpt}: {e}") from None
+        self.history = record["history"]
+        self.heldout_before = record["before"]
+        self.resumed_step = self.trainer.steps
+        self.resumed_checkpoint = ckpt
+        logger.info("resumed from %s (step %d of %d)", ckpt, self.trainer.steps, self.steps)
