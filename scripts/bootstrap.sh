@@ -7,6 +7,16 @@ VENV=${MINT_VENV:-.venv}
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 stamp="$VENV/.mint-installed"
+# The browser tests (the MLflow UI and the Prefect dashboard, driven through Selenium) need Debian's Chromium and
+# its driver; CI runs on a machine like this one, so the setup installs them where they are missing.
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "bootstrap: installing chromium and chromium-driver (Debian) for the browser tests" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null
+  else
+    echo "bootstrap: chromium and chromium-driver are missing; the browser tests need them (apt-get install)" >&2
+  fi
+fi
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
