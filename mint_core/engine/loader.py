@@ -40,10 +40,6 @@ from mint_core.registry.store import AdapterStore
 logger = logging.getLogger(__name__)
 
 
-class AdapterExists(MintError):
-    """A load without `replace` named an adapter that already serves another revision."""
-
-
 class NoCatalog(MintError):
     """An on-demand load was asked of a manager that has no catalog to resolve addresses in."""
 
@@ -103,11 +99,6 @@ class AdapterManager:
         Raises AdapterError for an invalid adapter and AdapterExists for a name serving another revision without
         `replace`; in both cases before anything is evicted or moved."""
         weights = self.engine.read_adapter(name, path)
-        current = self.working_set.get(name)
-        if current is not None and current != weights.digest and not replace:
-            raise AdapterExists(
-                f"adapter {name!r} already serves revision sha256:{current}; load it in place"
-            )
         added = self._install(name, weights, source=path, replace=replace, ephemeral=False)
         logger.info("loaded %s from %s (%s)", name, path, "new revision" if added else "already loaded")
         return added

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import torch
 
-from mint_core.errors import UnknownAdapter, WorkingSetFull
+from mint_core.errors import MintError, UnknownAdapter, WorkingSetFull
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.lora.layers import LoRAModel
 
 logger = logging.getLogger(__name__)
+
+
+class AdapterExists(MintError, ValueError):
+    """A name already serves another revision and the load did not ask to replace it."""
 
 
 @dataclass
@@ -90,25 +94,28 @@ class WorkingSet:
     ) -> bool:
         """Register `weights` under `name`. Returns False if `name` already is this revision.
 
-        With `replace`, an existing name moves to the new revision (in-place load); without, it is an error.
+        With `replace`, an existing name moves to the new revision (in-place load); without, it is AdapterExists,
+        raised before anything changes.
         An `ephemeral` name (a catalog address loaded on demand) is forgotten when its revision leaves the host
         cache; `hold` keeps it until `unhold` (taken atomically with the add, so it cannot vanish in between).
         """
         if weights.digest is None:
             raise ValueError(f"adapter {name!r} has no digest")
         with self._lock:
+            current = self._names.get(name)
+            if current is not None and current != weights.digest and not replace:
+                raise AdapterExists(
+                    f"adapter {name!r} is already loaded (revision {current[:12]}); use replace"
+                )
             if hold:
                 self._held[name] += 1
             if ephemeral and name not in self._names:
                 self._ephemeral.add(name)
             elif not ephemeral:
                 self._ephemeral.discard(name)
-            current = self._names.get(name)
             if current == weights.digest:
                 self._touch_host(current)
                 return False
-            if current is not None and not replace:
-                raise ValueError(f"adapter {name!r} is already loaded (revision {current[:12]}); use replace")
             rev = self._revs.get(weights.digest)
             if rev is None:
                 prepared = self.lora.prepare(weights.tensors, weights.scale)

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mint_core.engine.engine import Engine
-from mint_core.engine.loader import AdapterExists, AdapterManager, NoCatalog
+from mint_core.engine.loader import AdapterManager, NoCatalog
+from mint_core.engine.working_set import AdapterExists
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, Registration, UnknownAddress

@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from mint_core.engine.engine import EngineConfig, Request
-from mint_core.engine.working_set import WorkingSet
+from mint_core.engine.working_set import AdapterExists, WorkingSet
 from mint_core.errors import UnknownAdapter, WorkingSetFull
 from mint_core.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
 from tests.conftest import TARGETS
@@ -213,6 +213,18 @@ def test_load_is_idempotent_and_unload_reports_unknown(engine, save):
     assert engine.unload_adapter("alias") is True
     assert (ws.slots_in_use(), ws.host_size()) == (0, 0)
     assert_slot_empty(engine, slot)
+
+
+def test_refused_add_changes_nothing(engine, save):
+    ws = engine.working_set
+    _, v1 = save("v1", 0)
+    _, v2 = save("v2", 1)
+    assert ws.add("e", v1, ephemeral=True)  # loaded on demand
+    with pytest.raises(AdapterExists, match="'e'"):
+        ws.add("e", v2)  # another revision, no replace
+    assert ws.names() == {"e": v1.digest}
+    assert ws.is_ephemeral("e")  # the refused add did not make it a permanent name
+    assert ws.host_size() == 1
 
 
 def test_host_cache_is_bounded_and_cold_reloads_from_disk(engine, load):

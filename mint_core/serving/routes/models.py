@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from mint_core.engine.loader import AdapterExists
+from mint_core.engine.working_set import AdapterExists
 from mint_core.errors import AdapterError
 from mint_core.registry.catalog import AddressError, UnknownAddress
 from mint_core.registry.store import StoreError, UnknownRevision
