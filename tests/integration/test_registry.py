@@ -272,3 +272,102 @@ def test_command_line(reg: Registry, tmp_path: Path) -> None:
     assert "has no version v9 (its versions: v1..v2)" in mint(
         "registry", "promote", p, "9", "-m", "x", code=1
     )
+
+
+def test_catalog_rebuild_restores_what_mlflow_says(reg: Registry, tmp_path: Path) -> None:
+    import sqlalchemy as sa
+    from typer.testing import CliRunner
+
+    from mint_app.cli import app
+    from mint_core.registry.catalog import aliases, revisions, versions
+    from mint_core.registry.index import rebuild_catalog
+
+    p = _policy()
+    d1, d2 = _put(reg.store, tmp_path, 1), _put(reg.store, tmp_path, 2)
+    reg.create_revision(p, d1, base=BASE, rank=2)
+    reg.create_revision(p, d2, base=BASE, rank=2, parent=f"{p}/v1")
+    reg.promote(p, 1, reason="first")
+
+    def damage() -> None:
+        with reg.catalog.engine.begin() as conn:
+            conn.execute(sa.delete(aliases).where(aliases.c.policy == p))
+            conn.execute(sa.delete(versions).where(versions.c.policy == p, versions.c.version == 1))
+            conn.execute(
+                sa.update(versions).where(versions.c.policy == p, versions.c.version == 2).values(digest=d1)
+            )
+            conn.execute(sa.update(revisions).where(revisions.c.digest == d2).values(location="/wrong"))
+        reg.catalog.set_alias(p, "champion", 2)
+
+    def agrees() -> None:
+        for r in reg.revisions(p):
+            got = reg.catalog.resolve(r.address)
+            assert (got.digest, got.location) == (r.digest, reg.store.path(r.digest)), r.address
+        for alias in ("champion", "candidate"):
+            assert reg.catalog.resolve(f"{p}@{alias}").version == reg.alias_version(p, alias), alias
+
+    damage()
+    assert reg.catalog.resolve(p).version == 2 and reg.catalog.resolve(f"{p}/v2").digest == d1
+    report = rebuild_catalog(reg.reader, reg.catalog, reg.store, [p])
+    assert report.policies == 1 and len(report.changes) >= 5, report.changes
+    assert [(m.alias, m.from_version, m.to_version, m.actor) for m in report.moves] == [
+        ("candidate", None, 2, "mlflow"),
+        ("champion", 2, 1, "mlflow"),
+    ]
+    agrees()
+    assert rebuild_catalog(reg.reader, reg.catalog, reg.store, [p]).changes == []  # idempotent
+
+    # the command does the same and says what it changed
+    damage()
+    env = {
+        "MINT_CATALOG_URL": reg.catalog.config.url,
+        "MINT_STORE": reg.store.root_url,
+        "MLFLOW_TRACKING_URI": reg.uri,
+        "COLUMNS": "200",
+    }
+    out = CliRunner().invoke(app, ["catalog", "rebuild", p, "--dry-run"], env=env)
+    assert out.exit_code == 0 and f"{p}@champion: v2 -> v1" in out.output, out.output
+    assert reg.catalog.resolve(p).version == 2  # dry: nothing changed
+    out = CliRunner().invoke(app, ["catalog", "rebuild"], env=env)  # every policy
+    assert out.exit_code == 0 and f"{p}@champion: v2 -> v1" in out.output, out.output
+    agrees()
+    out = CliRunner().invoke(app, ["catalog", "rebuild", p], env=env)
+    assert "changed 0 row(s)" in out.output, out.output
+
+
+def test_read_commands_import_no_mlflow_torch_or_transformers(reg: Registry, tmp_path: Path) -> None:
+    """Against the live server: `mint registry ls/lineage` and the catalog reads leave no heavy module loaded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    p = _policy()
+    reg.create_revision(p, _put(reg.store, tmp_path, 1), base=BASE, rank=2)
+    reg.create_revision(p, _put(reg.store, tmp_path, 2), base=BASE, rank=2, parent=f"{p}/v1")
+    script = (
+        "import json, sys\n"
+        "from typer.testing import CliRunner\n"
+        "from mint_app.cli import app\n"
+        "codes = [CliRunner().invoke(app, a).exit_code for a in json.loads(sys.argv[1])]\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'mlflow'})\n"
+        "print(json.dumps([codes, heavy]))\n"
+    )
+    commands = [
+        ["registry", "ls"],
+        ["registry", "ls", p],
+        ["registry", "lineage", f"{p}/v2"],
+        ["registry", "history", p],
+        ["catalog", "resolve", f"{p}@candidate"],
+        ["catalog", "show", f"{p}/v1"],
+    ]
+    env = {
+        **os.environ,
+        "MINT_CATALOG_URL": reg.catalog.config.url,
+        "MINT_STORE": reg.store.root_url,
+        "MLFLOW_TRACKING_URI": reg.uri,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(commands)], capture_output=True, text=True, env=env, check=True
+    )
+    codes, heavy = json.loads(out.stdout.strip().splitlines()[-1])
+    assert codes == [0] * len(commands) and heavy == [], out.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,92 @@ def test_concurrent_writers_get_distinct_versions(tmp_path: Path) -> None:
     assert sorted(v for v in got if v is not None) == list(range(1, 81))
     for cat in cats:
         cat.close()
+
+
+# ---- locks (the one lock mechanism: leases in the catalog) ----
+
+
+def test_lock_is_exclusive_reentrant_for_its_holder_and_released(catalog: Catalog) -> None:
+    assert catalog.acquire_lock("registry/p", "a", timeout_s=0)
+    assert catalog.lock_holder("registry/p") == "a"
+    assert not catalog.acquire_lock("registry/p", "b", timeout_s=0.05)  # held: b waits, then gives up
+    assert catalog.acquire_lock("registry/p", "a", timeout_s=0)  # taking it again renews it
+    assert catalog.acquire_lock("registry/q", "b", timeout_s=0)  # another name is another lock
+    assert not catalog.release_lock("registry/p", "b")  # only the holder releases
+    assert catalog.release_lock("registry/p", "a")
+    assert catalog.lock_holder("registry/p") is None
+    assert catalog.acquire_lock("registry/p", "b", timeout_s=0)
+
+
+def test_lock_of_a_dead_holder_expires(catalog: Catalog) -> None:
+    assert catalog.acquire_lock("promote-p", "dead", hold_s=0.05)
+    assert not catalog.acquire_lock("promote-p", "b", timeout_s=0)
+    assert catalog.acquire_lock("promote-p", "b", timeout_s=5)  # after 50 ms the lease is free
+    assert catalog.lock_holder("promote-p") == "b"
+    assert not catalog.release_lock("promote-p", "dead")
+
+
+def test_lock_serialises_writers_across_catalogs(tmp_path: Path) -> None:
+    """Eight threads over two catalogs on one file: inside the lock, never two at once."""
+    from mint_core.registry.catalog import LockTimeout
+
+    url = f"sqlite:///{tmp_path}/shared.db"
+    cats = [Catalog(CatalogConfig(url=url)) for _ in range(2)]
+    inside: list[int] = []
+    most = [0]
+    guard = threading.Lock()
+
+    def worker(t: int) -> None:
+        for _ in range(5):
+            with cats[t % 2].lock("registry/p", f"w{t}", timeout_s=60):
+                with guard:
+                    inside.append(t)
+                    most[0] = max(most[0], len(inside))
+                time.sleep(0.002)
+                with guard:
+                    inside.remove(t)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert most[0] == 1
+    assert cats[0].acquire_lock("registry/p", "x", timeout_s=0)
+    with pytest.raises(LockTimeout, match="held by x"), cats[1].lock("registry/p", "y", timeout_s=0.05):
+        pass
+    for cat in cats:
+        cat.close()
+
+
+# ---- the index, rebuilt from what the registry says ----
+
+
+def test_reindex_policy_restores_rows_and_is_idempotent(catalog: Catalog) -> None:
+    truth = {
+        1: Registration(D1, "tiny", 8, "/store/d1", {"policy": "p"}),
+        2: Registration(D2, "tiny", 8, "/store/d2", {"policy": "p"}),
+    }
+    changes, moves = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild")
+    assert changes and [(m.alias, m.from_version, m.to_version) for m in moves] == [("champion", None, 2)]
+    assert catalog.resolve("p").digest == D2 and catalog.resolve("p/v1").location == "/store/d1"
+    assert catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])
+
+    # damage the index: a wrong digest at v1, a stray v3, a moved alias, a wrong location
+    catalog.register(D3, "tiny", 8, "/elsewhere", policy="p")  # v3
+    catalog.set_alias("p", "champion", 3)
+    catalog.set_alias("p", "stray", 1)
+    with catalog.engine.begin() as conn:
+        conn.execute(sa.update(versions).where(versions.c.version == 1).values(digest=D3))
+        conn.execute(sa.text("UPDATE revisions SET location = '/wrong' WHERE digest = :d"), {"d": D2})
+    dry, _ = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild", dry_run=True)
+    assert catalog.resolve("p").version == 3  # a dry run changes nothing
+    changes, moves = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild")
+    assert changes == dry
+    assert any("p/v3: removed" in c for c in changes) and any("p@stray: v1 -> unset" in c for c in changes)
+    assert (catalog.resolve("p").version, catalog.resolve("p").location) == (2, "/store/d2")
+    assert catalog.resolve("p/v1").digest == D1
+    with pytest.raises(UnknownAddress):
+        catalog.resolve("p/v3")
+    assert catalog.alias_moves("p", "champion")[0].actor == "mlflow"
+    assert catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])
