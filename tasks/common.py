@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,9 +83,10 @@ class CatalogLocks(LockManager):
 
     @property
     def catalog(self) -> Catalog:
-        cat = _CATALOGS.get(self.catalog_url)
-        if cat is None:
-            cat = _CATALOGS[self.catalog_url] = Catalog(CatalogConfig(url=self.catalog_url))
+        with _CATALOGS_LOCK:
+            cat = _CATALOGS.get(self.catalog_url)
+            if cat is None:
+                cat = _CATALOGS[self.catalog_url] = Catalog(CatalogConfig(url=self.catalog_url))
         return cat
 
     def acquire_lock(
@@ -119,7 +121,8 @@ class CatalogLocks(LockManager):
         return await asyncio.to_thread(self.wait_for_lock, key, timeout)
 
 
-_CATALOGS: dict[str, Catalog] = {}
+_CATALOGS: dict[str, Catalog] = {}  # one engine per catalog and process, however many transactions
+_CATALOGS_LOCK = threading.Lock()
 
 
 def lock_store(ws: Workspace) -> ResultStore:

@@ -280,7 +280,17 @@ class Catalog:
         self.engine: Engine = sa.create_engine(url, echo=self.config.echo)
         if url.get_backend_name() == "sqlite":
             sa.event.listen(self.engine, "connect", _sqlite_pragmas(self.config.busy_timeout_ms, in_memory))
-        metadata.create_all(self.engine)
+        self._create_tables()
+
+    def _create_tables(self) -> None:
+        """Create what is missing; two processes opening a new catalog at once race, and the loser looks again."""
+        for attempt in range(3):
+            try:
+                metadata.create_all(self.engine)
+                return
+            except (sa.exc.OperationalError, sa.exc.ProgrammingError) as e:
+                if "already exists" not in str(e.orig) or attempt == 2:
+                    raise
 
     def close(self) -> None:
         self.engine.dispose()

@@ -367,7 +367,11 @@ def test_read_commands_import_no_mlflow_torch_or_transformers(reg: Registry, tmp
         "MLFLOW_TRACKING_URI": reg.uri,
     }
     out = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(commands)], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-c", script, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     )
     codes, heavy = json.loads(out.stdout.strip().splitlines()[-1])
     assert codes == [0] * len(commands) and heavy == [], out.stdout
