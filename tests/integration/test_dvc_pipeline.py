@@ -151,6 +151,20 @@ def test_a_param_reruns_exactly_its_stages(tmp_path: Path) -> None:
     assert "expect_column_value_lengths_to_be_between(column=answer" in failed.stdout + failed.stderr
 
 
+def test_wall_times_stay_out_of_git_and_of_what_dvc_hashes() -> None:
+    """The builtin_base stage writes its wall times to a file git ignores and the stage does not declare, so a
+    rebuild (`make run` on a fresh clone) leaves `git status` clean."""
+    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["builtin_base"]
+    timings = "data/metrics/builtin_base.timings.json"
+    assert f"--timings {timings}" in stage["cmd"]
+    declared = [next(iter(o)) if isinstance(o, dict) else o for o in stage["outs"] + stage["metrics"]]
+    assert timings not in declared
+    ignored = subprocess.run(["git", "check-ignore", "-q", timings], cwd=REPO)
+    assert ignored.returncode == 0, f"{timings} is not git-ignored"
+    metrics = json.loads((REPO / "data" / "metrics" / "builtin_base.json").read_text())
+    assert not {"train_seconds", "eval_seconds"} & set(metrics)
+
+
 def test_data_rev_follows_the_locked_outputs(tmp_path: Path) -> None:
     shutil.copy(REPO / "dvc.lock", tmp_path / "dvc.lock")
     rev = data_rev(tmp_path)
@@ -193,6 +207,20 @@ def test_a_data_param_reruns_exactly_the_stages_below_it(tmp_path: Path) -> None
     assert (work / "data" / "base" / "config.json").is_file()
     assert (work / "data" / "metrics" / "builtin_base.json").is_file()
     assert _changed_stages(dvc("repro", "--dry", cwd=work)) == set()
+
+    # a rebuild of the base gives the same weights and metrics: the lock is not rewritten (the wall times go
+    # only to the timings file, which is no output of the stage)
+    lock, metrics = (
+        (work / "dvc.lock").read_bytes(),
+        (work / "data" / "metrics" / "builtin_base.json").read_bytes(),
+    )
+    assert _changed_stages(dvc("repro", "-f", "-s", "builtin_base", cwd=work, timeout=600)) == {
+        "builtin_base"
+    }
+    assert (work / "dvc.lock").read_bytes() == lock
+    assert (work / "data" / "metrics" / "builtin_base.json").read_bytes() == metrics
+    timings = json.loads((work / "data" / "metrics" / "builtin_base.timings.json").read_text())
+    assert set(timings) == {"train_seconds", "eval_seconds"}
 
     params["data"]["seed"] += 1
     _write_params(work, params)
