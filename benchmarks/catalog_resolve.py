@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report
 
 from mint_core.registry.catalog import Catalog, CatalogConfig, Registration, aliases
+from mint_core.types import Digest
 
 VERSIONS_PER_POLICY = 10
 
 
-def digest(i: int) -> str:
-    return hashlib.sha256(i.to_bytes(8, "little")).hexdigest()
+def digest(i: int) -> Digest:
+    return Digest(hashlib.sha256(i.to_bytes(8, "little")).hexdigest())
 
 
 def main() -> None:
@@ -95,7 +96,7 @@ def main() -> None:
             elif kind == "version":
                 queries.append((kind, f"p{p}/v{v}", digest(i)))
             else:
-                queries.append((kind, f"sha256:{digest(i)}", digest(i)))
+                queries.append((kind, digest(i).prefixed, digest(i)))
 
         for _, address, _ in queries[:200]:  # warm the connection pool and statement cache
             catalog.resolve(address)

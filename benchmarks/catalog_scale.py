@@ -62,6 +62,7 @@ from mint_core.lora.adapter import AdapterWeights
 from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
 from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
+from mint_core.types import Site
 
 PACK = 4096
 TARGETS = ("q_proj", "v_proj")
@@ -99,8 +100,6 @@ def load_builtin(notes: list[str]):  # type: ignore[no-untyped-def]
 def _write_pack(job: tuple[int, int, str, dict, str, str]) -> list[str]:
     """One pack of random rank-1 members (seeded by its index, so reruns write the same bytes)."""
     start, m, path, site_shapes, fp, _ = job
-    from mint_core.types import Site
-
     sites = {name: Site(name, i, o) for name, (i, o) in site_shapes.items()}
     g = torch.Generator().manual_seed(start)
     stacked = {
@@ -144,7 +143,7 @@ def resolve_latencies(catalog: Catalog, n: int, k: int, rng: random.Random) -> l
     sample = list(digests.values())
     out = []
     for i in range(k):
-        addr = f"t{rng.randrange(n)}/v1" if i % 2 == 0 or not sample else f"sha256:{rng.choice(sample)}"
+        addr = f"t{rng.randrange(n)}/v1" if i % 2 == 0 or not sample else rng.choice(sample).prefixed
         t0 = time.perf_counter()
         catalog.resolve(addr)
         out.append(time.perf_counter() - t0)

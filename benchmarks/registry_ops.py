@@ -12,7 +12,14 @@ Timed, one call at a time:
   resolve_mlflow   Registry.resolve(policy): champion through MLflow
   resolve_catalog  Catalog.resolve(policy): champion through the catalog, what serving and the loader use
 
-Figures: <op>_p50_ms and <op>_p99_ms for each op, and ops.
+Then, with the registry filled:
+  rebuild          `rebuild_catalog` of the policy into an empty catalog (MLflow + store -> index)
+  cli_<command>    wall seconds of `mint registry ls`, `mint registry ls <policy>`, `mint registry lineage`
+                   (a chain as deep as --ops, capped at 20), `mint catalog resolve` and `mint --help`, each the
+                   median of 3 fresh processes; the issue's target is < 1 s
+  cli_heavy        torch / transformers / mlflow modules those read commands imported (should be [])
+
+Figures: <op>_p50_ms and <op>_p99_ms for each op, ops, rebuild_s, cli_*_s, cli_heavy.
 
     python benchmarks/registry_ops.py [--ops 100] [--backend-url URL]
 """
@@ -20,8 +27,12 @@ Figures: <op>_p50_ms and <op>_p99_ms for each op, and ops.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import socket
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +48,7 @@ from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.index import rebuild_catalog
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig
 from mint_core.registry.store import AdapterStore
 
@@ -49,6 +61,39 @@ def free_port() -> int:
 
 def ms(xs: list[float], q: float) -> float:
     return round(float(np.percentile(np.asarray(xs), q)) * 1e3, 2)
+
+
+HEAVY_CHECK = """
+import json, sys
+from typer.testing import CliRunner
+from mint_app.cli import app
+codes = [CliRunner().invoke(app, a).exit_code for a in json.loads(sys.argv[1])]
+print(json.dumps([codes, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'mlflow'})]))
+"""
+
+
+def cli_figures(commands: dict[str, list[str]], env: dict[str, str]) -> dict[str, object]:
+    """Median wall seconds of each read command in a fresh process, and the heavy modules they import."""
+    out: dict[str, object] = {}
+    mint = [sys.executable, "-m", "mint_app.cli"]
+    for name, args in commands.items():
+        walls = []
+        for _ in range(3):
+            t = time.perf_counter()
+            subprocess.run([*mint, *args], env=env, check=True, capture_output=True)
+            walls.append(time.perf_counter() - t)
+        out[f"cli_{name}_s"] = round(statistics.median(walls), 2)
+    got = subprocess.run(
+        [sys.executable, "-c", HEAVY_CHECK, json.dumps(list(commands.values()))],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    codes, heavy = json.loads(got.stdout.strip().splitlines()[-1])
+    assert codes == [0] * len(commands), codes
+    out["cli_heavy"] = heavy
+    return out
 
 
 def main() -> None:
@@ -99,6 +144,31 @@ def main() -> None:
         for k, v in times.items():
             out[f"{k}_p50_ms"] = ms(v, 50)
             out[f"{k}_p99_ms"] = ms(v, 99)
+
+        empty = Catalog(CatalogConfig(url=f"sqlite:///{tmp}/rebuilt.db"))
+        t = time.perf_counter()
+        rebuilt = rebuild_catalog(reg.reader, empty, store, [policy])
+        out["rebuild_s"] = round(time.perf_counter() - t, 3)
+        assert empty.resolve(policy).digest == catalog.resolve(policy).digest, rebuilt.changes
+        env = {
+            **os.environ,
+            "MLFLOW_TRACKING_URI": service.url,
+            "MINT_CATALOG_URL": catalog.config.url,
+            "MINT_STORE": str(tmp / "store"),
+        }
+        top = len(digests)
+        out.update(
+            cli_figures(
+                {
+                    "help": ["--help"],
+                    "registry_ls": ["registry", "ls"],
+                    "registry_ls_policy": ["registry", "ls", policy],
+                    "registry_lineage": ["registry", "lineage", f"{policy}/v{min(top, 20)}"],
+                    "catalog_resolve": ["catalog", "resolve", policy],
+                },
+                env,
+            )
+        )
         out["backend"] = "postgresql" if args.backend_url else "sqlite"
         report(out)
     finally:

@@ -23,9 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mint_core.errors import AdapterError
-from mint_core.lora.adapter import AdapterWeights, adapter_bytes, digest_files
+from mint_core.lora.adapter import AdapterWeights, adapter_bytes
 from mint_core.lora.validate import BaseSpec
-from mint_core.types import Site
+from mint_core.types import Digest, Site
 
 PACK_KEY = "mint.pack"
 DIGESTS = "mint.digests"
@@ -38,7 +38,7 @@ def is_pack_location(location: str) -> bool:
     return bool(sep) and index.isdigit() and head.endswith(".safetensors")
 
 
-def write_pack(path: str | Path, adapters: Sequence[AdapterWeights], sites: dict[str, Site]) -> list[str]:
+def write_pack(path: str | Path, adapters: Sequence[AdapterWeights], sites: dict[str, Site]) -> list[Digest]:
     """Write `adapters` (same rank, alpha, sites and base) into one pack file, atomically; returns their
     digests in order (a member's location is `f"{path}#{i}"`)."""
     if not adapters:
@@ -59,7 +59,7 @@ def write_pack(path: str | Path, adapters: Sequence[AdapterWeights], sites: dict
             raise ValueError(
                 f"adapter {i} differs from adapter 0 in rank, alpha, base or sites; packs are uniform"
             )
-    digests = [digest_files(*adapter_bytes(a, sites)) for a in adapters]
+    digests = [Digest.of_files(*adapter_bytes(a, sites)) for a in adapters]
     checksums = [_checksum(a.tensors) for a in adapters]
     tensors: dict[str, torch.Tensor] = {}
     for site in first.tensors:
@@ -136,7 +136,13 @@ class PackReader:
             tensors = {site: (A[i - lo].clone(), B[i - lo].clone()) for site, (A, B) in rows.items()}
             out.append(
                 self._member(
-                    tensors, meta, spec, _hex(digests[i - lo]), _hex(checksums[i - lo]), label, location
+                    tensors,
+                    meta,
+                    spec,
+                    Digest(_hex(digests[i - lo])),
+                    _hex(checksums[i - lo]),
+                    label,
+                    location,
                 )
             )
         return out
@@ -156,7 +162,7 @@ class PackReader:
         tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
         meta: dict,
         spec: BaseSpec,
-        digest: str,
+        digest: Digest,
         checksum: str,
         label: str,
         location: str,
