@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -97,7 +98,8 @@ class Training(BaseModel):
     """Names this training round: runs with the same parameters and round are one run, so a rerun makes no
     second version. Default: today's UTC date, so a daily schedule trains once a day."""
     checkpoint_every: int = Field(1, ge=0)
-    """Save the trainer every this many steps (a killed run resumes there); 0: never."""
+    """Checkpoint the run every this many steps and at its end (a killed run resumes from the newest); 0: only
+    at the end."""
 
     def round_name(self) -> str:
         return self.round or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
@@ -432,7 +434,7 @@ def _overhead_ms(t: StepTiming) -> float | None:
 
 def _parents_tag(parents: dict[str, str | None]) -> str:
     """Checkpoints are only good for the parents they started from."""
-    return hashlib.sha256(repr(sorted(parents.items())).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(sorted(parents.items())).encode()).hexdigest()[:12]
 
 
 def _digest(rev: RevisionRef | None) -> str | None:

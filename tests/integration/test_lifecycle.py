@@ -22,6 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.lifecycle import PolicyRun, Training, WaveFailed, lifecycle, wave
 from flows.prefetch import prefetch
@@ -249,9 +252,6 @@ def test_bad_data_stops_the_run_before_training(stack: Stack, tmp_path: Path) ->
         stack.registry().revisions(name)  # nothing was registered
 
     # through Prefect's own client, which sends null limit/offset (refused under fastapi >= 0.151: pyproject.toml)
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="check-failed"))
@@ -384,8 +384,6 @@ def test_racing_promotions_end_with_one_winner(stack: Stack) -> None:
 
 
 def test_reconcile_serves_an_alias_moved_in_mlflow(stack: Stack) -> None:
-    from mlflow import MlflowClient
-
     name = "lc-reconcile"
     seed_champion(stack, name, seed=51)
     reg = stack.registry()

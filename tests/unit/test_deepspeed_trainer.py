@@ -11,13 +11,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import deepspeed
 import pytest
 import torch
-
-pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+import torch.distributed as dist
 
 from mint_core.data.tasks import split
-from mint_core.rl.distributed import DeepSpeedTrainer, init_distributed, load_config
+from mint_core.rl.distributed import DeepSpeedTrainer, PolicyAdamW, init_distributed, load_config
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
@@ -29,8 +29,6 @@ CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2, kl_coef=0.0
 @pytest.fixture(scope="module", autouse=True)
 def _world() -> Iterator[None]:
     """One process group for the module (a process can form only one); the environment is restored after."""
-    import torch.distributed as dist
-
     saved = dict(os.environ)
     os.environ["DS_ACCELERATOR"] = "cpu"
     if not dist.is_initialized():
@@ -80,8 +78,6 @@ def snapshot(trainer: MultiPolicyTrainer, name: str) -> dict[str, torch.Tensor]:
 
 def base_weights(trainer: MultiPolicyTrainer) -> dict[str, torch.Tensor]:
     """The base's own weights, gathered whole where ZeRO-3 has partitioned them."""
-    import deepspeed
-
     model = trainer.engine.base.model
     named = [(k, p) for k, p in model.named_parameters() if ".bank." not in k]
     with deepspeed.zero.GatheredParameters([p for _, p in named]):
@@ -196,7 +192,6 @@ def test_shipped_configs_load(stage):
 def test_each_policy_is_clipped_to_its_own_norm_and_steps_alone():
     """PolicyAdamW against torch AdamW fed by hand-clipped gradients: one policy's large gradient neither
     shrinks the other's step nor moves it when it is not active."""
-    from mint_core.rl.distributed import PolicyAdamW
 
     def run(grads_p: list[float], active: list[set[str]]) -> tuple[torch.Tensor, torch.Tensor]:
         p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))
