@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from tqdm import tqdm
 
 from mint_app.eval_cli import eval_app
 from mint_app.registry_cli import catalog_app, registry_app
@@ -309,8 +310,6 @@ def train(
     --checkpoint-every steps, at the end, and on Ctrl-C; --resume continues from the newest, drawing the same
     prompts and samples as an uninterrupted run would. The recipe is mint_core.rl.recipe, as in the flows."""
     # deferred: torch and transformers load for this command only, so `mint --help` stays fast
-    from tqdm import tqdm
-
     from mint_core.data.tasks import split, task
     from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
     from mint_core.rl.grpo import GRPOConfig
