@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 import torch
@@ -43,7 +42,6 @@ from flows.lifecycle import PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
 from mint_app.services import (
-    REDIS_PIDFILE,
     Service,
     ServiceError,
     ServiceName,
@@ -119,8 +117,6 @@ class MainJobConfig(Settings):
     """CPU threads of torch in this process (the trainer) and in a `mint serve` started here; None: torch's
     choice. 1 because on a 2-core machine shared with other busy processes OpenMP's spinning threads stall each
     other: a wave's GRPO step measured 1.2-2.2 s with 1 thread and 8-14 s with 2."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis holding the per-policy promotion locks; started here (redis-server) when it is local and down."""
 
 
 class Timer:
@@ -294,12 +290,12 @@ def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Wo
         serving_url=services["serve"].api_url,
         admin_token_file=state / "run" / "serve.token",
         work_dir=state / "lifecycle",
-        redis_url=cfg.redis_url,
     )
 
 
 def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
-    """Whether a Redis answers PING there (within a second)."""
+    """Whether a Redis answers PING there (within a second). The job itself needs no Redis: promotions lock
+    through the catalog (tasks.common.CatalogLocks)."""
     client = redis.Redis(host=host, port=port, socket_connect_timeout=1, socket_timeout=1)
     try:
         return bool(client.ping())
@@ -307,48 +303,6 @@ def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
         return False
     finally:
         client.close()
-
-
-def ensure_redis(cfg: MainJobConfig) -> str:
-    """Redis for the promotion locks: the one running, else a redis-server started here (local URLs only)."""
-    url = urlparse(cfg.redis_url)
-    host, port = url.hostname or "127.0.0.1", url.port or 6379
-    if redis_up(host, port):
-        return f"Redis at {host}:{port}: running"
-    server = shutil.which("redis-server")
-    if host not in ("127.0.0.1", "localhost") or server is None:
-        raise MainJobError(
-            f"Redis (the per-policy promotion lock) does not answer at {cfg.redis_url}; start it "
-            "(`redis-server --daemonize yes`, or your system's service) and run again"
-        )
-    run_dir = (cfg.state_dir / "run").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            server,
-            "--port",
-            str(port),
-            "--bind",
-            host if host != "localhost" else "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "yes",
-            "--pidfile",
-            str(run_dir / REDIS_PIDFILE),
-            "--logfile",
-            str(run_dir / "redis.log"),
-        ],
-        check=True,
-    )
-    deadline = time.monotonic() + 10
-    while not redis_up(host, port):
-        if time.monotonic() > deadline:
-            raise MainJobError(f"redis-server did not answer at {host}:{port}; see {run_dir / 'redis.log'}")
-        time.sleep(0.1)
-    return f"Redis at {host}:{port}: started (`mint down` stops it)"
 
 
 # ---- 3. waves ----------------------------------------------------------------------------------------------
@@ -664,8 +618,6 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         for s in started.values():
             how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
             console.print(f"  {s.name}: {how} at {s.api_url} (pid {s.pid}, log {s.log})")
-        redis = ensure_redis(cfg)
-        console.print(f"  {redis}")
         reused = [n for n, s in started.items() if s.reused]
         note.append(f"reused {', '.join(reused)}" if reused else "all started")
         ws = workspace(cfg, started)

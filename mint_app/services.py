@@ -555,13 +555,14 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
     return [results[n] for n in names]
 
 
-# Pid file (in the state dir) of the redis-server that `mint run` starts when no Redis answers on a local URL.
+# Pid file (in the state dir) of the redis-server that `mint run` started for its promotion locks before they
+# moved into the catalog; `mint down` still stops one left running by such a run.
 REDIS_PIDFILE = "redis.pid"
 
 
 def stop_started_redis(config: ServicesConfig) -> int | None:
-    """Stop the redis-server that `mint run` started (its pid file in the state dir); returns its pid, or None
-    when there was none. A Redis that mint did not start (a system service) has no pid file there and is left
+    """Stop the redis-server that an earlier `mint run` started (its pid file in the state dir); returns its pid,
+    or None when there was none. A Redis that mint did not start (a system service) has no pid file there and is left
     alone, as is a pid now held by some other program."""
     pidfile = config.state_dir / REDIS_PIDFILE
     try:

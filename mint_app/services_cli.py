@@ -122,7 +122,7 @@ def up(
 
 def down(only: Only = None, state_dir: StateDir = None, config: ConfigFile = None) -> None:
     """Stop the local services started by `mint up` (SIGTERM, then SIGKILL after a timeout), and the redis-server
-    that `mint run` started if it started one (not with --only)."""
+    that an earlier `mint run` started for its promotion locks, if one is still running (not with --only)."""
     names = _names(only)
     cfg = _config(config, state_dir=state_dir)
     for s in stop(cfg, names):

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_app.main_job import redis_up
 from tests.integration.conftest import free_port, mint_cli
 
 pytestmark = pytest.mark.slow
@@ -28,8 +27,6 @@ def mint(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
 def test_main_job_end_to_end(tmp_path: Path) -> None:
     if not (ROOT / "data" / "base" / "config.json").is_file() or not (ROOT / "eval_suites" / "data").is_dir():
         pytest.skip("the built-in base and eval suites are not built (dvc repro)")
-    if not redis_up():
-        pytest.skip("Redis is not running at 127.0.0.1:6379 (the promotion lock)")
     state = tmp_path / "mint"
     ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}
     # --no-build: the DVC step would rewrite the checkout's dvc.lock; the outputs are checked above
