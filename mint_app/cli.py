@@ -9,9 +9,10 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -20,6 +21,8 @@ from mint_app.eval_cli import eval_app
 from mint_app.registry_cli import catalog_app, registry_app
 from mint_app.services_cli import register as register_service_commands
 from mint_core import __version__
+from mint_core.data.build import DataParams, write_task_data
+from mint_core.errors import DataCheckError
 
 if TYPE_CHECKING:
     from mint_core.rl.recipe import TrainingRun
@@ -60,6 +63,7 @@ def build_tiny(
     seed: int = 0,
 ) -> None:
     """Write a tiny random base of one family (with a byte-level tokenizer) as a local HF model directory."""
+    # deferred: torch and transformers, which `mint --help` need not load
     from mint_core.engine.base import build_tiny_base
     from mint_core.engine.tokenizer import byte_tokenizer
 
@@ -74,8 +78,6 @@ def build_tiny(
 
 def _params(path: Path, section: str) -> dict[str, Any]:
     """One section of a params.yaml (the DVC pipeline's parameters); {} (defaults) if the file is missing."""
-    import yaml
-
     if not path.is_file():
         console.print(f"[yellow]{path} not found: using default {section} parameters[/]")
         return {}
@@ -96,8 +98,6 @@ def data_build(
     ),
 ) -> None:
     """Write each task's train and held-out sets and the pretraining corpus (the `task_data` stage)."""
-    from mint_core.data.build import DataParams, write_task_data
-
     p = DataParams(**_params(params, "data"))
     manifest = write_task_data(out, p.tasks, p.n_train, p.n_heldout, p.seed)
     console.print(
@@ -121,10 +121,8 @@ def data_check(
     ] = None,
 ) -> None:
     """Validate a dataset with its Great Expectations suite; exit 1 naming every failing expectation."""
-    from typing import cast
-
+    # deferred: Great Expectations and pandas, which `mint --help` need not load
     from mint_core.data.checks import KINDS, CheckParams, Kind, check, read_table
-    from mint_core.errors import DataCheckError
 
     if kind not in KINDS:
         raise typer.BadParameter(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -185,6 +183,7 @@ def base_pretrain(
 @base_app.command("info")
 def base_info(path: Path) -> None:
     """Load a local HF model directory and print its fingerprint and LoRA sites."""
+    # deferred: torch and transformers, which `mint --help` need not load
     from mint_core.engine.base import load_base
 
     base = load_base(path)
