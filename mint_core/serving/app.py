@@ -92,12 +92,8 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
 
 
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    server: Server = request.app.state.server
-    if e.status >= 400 and request.url.path.startswith("/v1/") and "completions" in request.url.path:
-        # label only names the server serves: a client must not be able to mint label values
-        model = getattr(request.state, "model", None)
-        known = model == server.base_name or model in server.engine.working_set.names()
-        server.metrics.requests.labels(model=model if known else "_unknown", outcome=str(e.status)).inc()
+    if e.status >= 400:
+        _count_refusal(request, getattr(request.state, "model", None), e.status)
     return JSONResponse(e.response().model_dump(), status_code=e.status)
 
 
@@ -113,7 +109,18 @@ async def _invalid_request(request: Request, e: RequestValidationError) -> JSONR
             field = ".".join(str(x) for x in err.get("loc", ())[1:]) or "body"
             parts.append(f"{field}: {err.get('msg')}")
         msg = "; ".join(parts) or "invalid request"
+    # the route never ran, so the model is read from the body, where it parsed
+    _count_refusal(request, e.body.get("model") if isinstance(e.body, dict) else None, 400)
     return JSONResponse(APIError(400, msg, "BadRequestError").response().model_dump(), status_code=400)
+
+
+def _count_refusal(request: Request, model: object, status: int) -> None:
+    """Count a completion request answered with an error, once: each refusal reaches exactly one of the two
+    handlers above, and a route counts only what it answers itself."""
+    path = request.url.path
+    if path.startswith("/v1/") and path.endswith("completions"):
+        server: Server = request.app.state.server
+        server.metrics.refused(server.model_label(model), status)
 
 
 def serve(config: ServingConfig) -> None:

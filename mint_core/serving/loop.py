@@ -26,6 +26,7 @@ class EngineLoop:
         self.max_num_seqs = max_num_seqs
         self.batcher = Batcher(engine)
         self._waiting: deque[Sequence] = deque()
+        self._admitting: list[Sequence] = []  # out of the queue, being prefilled into the batch
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="mint-engine-loop", daemon=True)
@@ -78,6 +79,15 @@ class EngineLoop:
         with self._cv:
             return len(self.batcher), len(self._waiting)
 
+    def in_flight(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(running, waiting) sequences, for metrics. A sequence that finished in the step under way no longer
+        counts as running, though the batcher drops it only at the end of that step (its client may already have
+        its answer). Safe from any thread: each list is copied whole, so a step cannot tear it."""
+        with self._cv:
+            seqs, waiting = [*self._admitting, *self.batcher.seqs], list(self._waiting)
+        running = {s.id: s for s in seqs if not s.finished}  # once each: admission ends in both lists
+        return list(running.values()), waiting
+
     # ---- the loop -----------------------------------------------------------------------------------------
 
     def _admit(self) -> list[Sequence]:
@@ -102,6 +112,7 @@ class EngineLoop:
                     continue
                 self._waiting.popleft()
                 admitted.append(seq)
+            self._admitting = admitted
         return admitted
 
     def _unhold(self, seq: Sequence) -> None:
@@ -132,6 +143,9 @@ class EngineLoop:
                             self.engine.working_set.release(s.slot)
                             s.slot = -2
                         self._fail(s, e)
+                finally:
+                    with self._cv:
+                        self._admitting = []
             if len(self.batcher):
                 try:
                     self.batcher.step()

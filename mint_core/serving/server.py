@@ -45,7 +45,7 @@ class Server:
         # every load and unload goes through it; with a catalog, any catalog address is a model name, loaded on
         # demand by its threads
         self.adapters = AdapterManager(engine, self.store, self.catalog, workers=config.loader_workers)
-        self.metrics = Metrics(engine, self.loop, self.adapters)
+        self.metrics = Metrics(engine, self.loop, self.adapters, base_name)
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.created = int(time.time())
 
@@ -163,12 +163,12 @@ class Server:
             now = time.perf_counter()
             if len(seq.out_ids) > state["n"]:
                 if state["n"] == 0:
-                    self.metrics.ttft.observe(now - t0)
+                    self.metrics.first_token(now - t0)
                 else:
-                    self.metrics.itl.observe(now - state["last"])
+                    self.metrics.next_token(now - state["last"])
                 state["n"], state["last"] = len(seq.out_ids), now
             if seq.finished:
-                self.metrics.e2e.observe(now - t0)
+                self.metrics.sequence_finished(now - t0, seq.finish_reason)
             # RuntimeError: the event loop is gone (shutdown); the sequence still finishes
             with contextlib.suppress(RuntimeError):
                 aloop.call_soon_threadsafe(wake.put_nowait, None)
@@ -220,9 +220,17 @@ class Server:
                 raise APIError(500, f"generation failed: {s.error}", "InternalServerError")
 
     def count(self, model: str, seqs: list[Sequence], outcome: str) -> None:
-        self.metrics.requests.labels(model=model, outcome=outcome).inc()
-        self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in seqs))
-        self.metrics.generation_tokens.inc(sum(len(s.out_ids) for s in seqs))
+        """A request answered: its outcome and the tokens its usage reports."""
+        prompt = sum(len(s.prompt_ids) for s in seqs)
+        self.metrics.answered(model, outcome, prompt, sum(len(s.out_ids) for s in seqs))
+
+    def model_label(self, model: object) -> str:
+        """`model` as a metrics label: a name this server serves, else "_unknown", so a client cannot mint
+        label values."""
+        if not isinstance(model, str):
+            return "_unknown"
+        known = model == self.base_name or self.engine.working_set.get(model) is not None
+        return model if known else "_unknown"
 
     @staticmethod
     def fingerprint(seqs: list[Sequence]) -> str:

@@ -121,6 +121,15 @@ def metrics(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]],
     return out
 
 
+def requests_counted(http: httpx.Client) -> dict[tuple[str, str], float]:
+    """mint_requests_total by (model, outcome)."""
+    return {
+        (dict(labels)["model"], dict(labels)["outcome"]): v
+        for (name, labels), v in metrics(http).items()
+        if name == "mint_requests_total"
+    }
+
+
 # ---- fixtures -------------------------------------------------------------------------------------------
 
 
@@ -750,11 +759,16 @@ BAD: list[tuple[str, str, Any, int, str, str]] = [
 def test_bad_input_is_refused_and_the_server_keeps_serving(
     case: str, route: str, body: Any, status: int, type_: str, message: str, http: httpx.Client
 ) -> None:
+    before = requests_counted(http)
     if isinstance(body, bytes):
         r = http.post(route, content=body, headers={"Content-Type": "application/json"})
     else:
         r = http.post(route, json=body)
     expect_error(r, status, type_, message)
+    after = requests_counted(http)
+    # counted once, under its outcome (the `model` label is the request's when the server serves that name)
+    moved = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert list(moved.values()) == [1.0] and next(iter(moved))[1] == str(status), moved
     ok = complete(http, model="tiny-dense", prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
     assert ok["usage"]["completion_tokens"] == 2
 
@@ -1068,6 +1082,63 @@ def test_metrics(http: httpx.Client, base_name: str, adapters: dict[str, str]) -
     assert ("mint_lora_cold_loads_total", ()) in after
     assert after[("mint_lora_adapters_loaded", ())] >= len(adapters)
     assert http.get("/health").status_code == 200
+
+
+@embedded_only
+def test_vllm_metric_names(http: httpx.Client, base_name: str, adapters: dict[str, str]) -> None:
+    """vLLM's metric names (vllm/v1/metrics/loggers.py), so a vLLM Grafana dashboard reads `mint serve`: their
+    types and labels, token counters that add up to the usage answered, histograms that count the requests,
+    running/waiting back to 0, and vLLM's LoRA info naming the adapter while it runs."""
+    engine = (("engine", "0"), ("model_name", base_name))
+    before = metrics(http)
+    usage = [complete(http, model="alpha", prompt=PROMPT, max_tokens=6, ignore_eos=True)["usage"]]
+    body = {"model": base_name, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with http.stream(
+        "POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}
+    ) as r:
+        events = list(sse_events(r.iter_lines()))
+    assert events[-1] == "[DONE]" and isinstance(events[-2], dict)
+    usage.append(events[-2]["usage"])
+    after = metrics(http)
+
+    def delta(name: str) -> float:
+        return after.get((name, engine), 0.0) - before.get((name, engine), 0.0)
+
+    assert delta("vllm:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage) == 2 * len(PROMPT)
+    assert delta("vllm:generation_tokens_total") == sum(u["completion_tokens"] for u in usage) == 10
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:e2e_request_latency_seconds_count") == 2
+    assert after[("vllm:num_requests_running", engine)] == after[("vllm:num_requests_waiting", engine)] == 0
+    types = {f.name: f.type for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name, type_ in (
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:lora_requests_info", "gauge"),
+        ("vllm:prompt_tokens", "counter"),
+        ("vllm:generation_tokens", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
+        ("vllm:e2e_request_latency_seconds", "histogram"),
+    ):
+        assert types.get(name) == type_, (name, types.get(name))
+
+    # while a long stream on alpha decodes, vLLM's LoRA info names it among the adapters running
+    long = {**body, "model": "alpha", "max_tokens": 300}
+    with http.stream("POST", "/v1/completions", json=long) as r:
+        lines = r.iter_lines()
+        assert isinstance(next(sse_events(lines)), dict)  # decoding
+        during = metrics(http)  # on a second connection
+        for _ in lines:  # read to the end
+            pass
+    info = [dict(k[1]) for k in during if k[0] == "vllm:lora_requests_info"]
+    assert len(info) == 1 and "alpha" in info[0]["running_lora_adapters"].split(","), info
+    assert info[0]["max_lora"].isdigit()
+    assert during[("vllm:num_requests_running", engine)] >= 1
+    done = metrics(http)
+    info = [dict(k[1]) for k in done if k[0] == "vllm:lora_requests_info"]
+    assert info == [
+        {"max_lora": info[0]["max_lora"], "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    ]
+    assert done[("vllm:num_requests_running", engine)] == 0
 
 
 # ---- 9. continuous batching over HTTP -------------------------------------------------------------------

@@ -50,8 +50,8 @@ router = APIRouter(tags=["completions"])
 async def completions(
     request: Request, body: CompletionRequest, server: ServerDep
 ) -> CompletionResponse | Response:
-    server.check_api_key(request)
     request.state.model = body.model  # for the error handler's request counter
+    server.check_api_key(request)
     adapter = await server.resolve_model(body.model)
     prompts = body.prompts()
     if not prompts:
@@ -107,8 +107,8 @@ async def completions(
 async def chat_completions(
     request: Request, body: ChatCompletionRequest, server: ServerDep
 ) -> ChatCompletionResponse | Response:
-    server.check_api_key(request)
     request.state.model = body.model
+    server.check_api_key(request)
     adapter = await server.resolve_model(body.model)
     engine = server.engine
     ids = server.tokenize(_chat_prompt(engine, body.messages))
@@ -206,7 +206,8 @@ async def _events(
                 for c in render(i, s, text, done, False):
                     yield _sse(event([c], s.revision or "base", None))
                 reported[i] = done
-        server.count(model, seqs, "200")
+        # a sequence that failed mid-stream ended with finish_reason "abort"; the stream itself still closes
+        server.count(model, seqs, "500" if any(s.error is not None for s in seqs) else "200")
         if include_usage:
             yield _sse(event([], None, _usage(seqs)))
         yield "data: [DONE]\n\n"
