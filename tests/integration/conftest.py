@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from mint_app.services import Service, ServiceName, ServicesConfig, start, stop
 from mint_core.engine.base import Base, build_tiny_base, load_base
@@ -215,8 +217,6 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def mlflow_server_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of a real MLflow server whose store is a fresh PostgreSQL database (127.0.0.1:5432, user
     postgres, or MINT_TEST_PG_URL), created for the session and dropped at its end. Skips without PostgreSQL."""
-    import sqlalchemy as sa
-
     admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
     try:
         with admin.connect() as conn:
@@ -241,8 +241,6 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """API URL (http://127.0.0.1:<port>/api) of a real Prefect server with its own PREFECT_HOME. For the
     session, PREFECT_API_URL points at it, in os.environ (subprocesses) and in Prefect's settings of this
     process (read once at import), so flows run by tests report to it; both are restored afterwards."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     with running_service("prefect", tmp_path_factory.mktemp("prefect")) as s:
         previous = os.environ.get("PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = s.api_url
