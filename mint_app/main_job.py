@@ -41,13 +41,7 @@ from rich.text import Text
 from flows.lifecycle import PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
-from mint_app.services import (
-    Service,
-    ServiceError,
-    ServiceName,
-    ServicesConfig,
-    start,
-)
+from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, start
 from mint_core.data.tasks import read_jsonl
 from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
