@@ -212,7 +212,7 @@ def adapter_inspect(
         console.print(f"[red]{e}[/]")
         raise typer.Exit(1) from None
     console.print(
-        f"digest sha256:{a.digest}\nrank {a.rank}, alpha {a.alpha}, {len(a.tensors)} sites, {a.num_bytes()} bytes"
+        f"digest {a.digest.prefixed if a.digest else None}\nrank {a.rank}, alpha {a.alpha}, {len(a.tensors)} sites, {a.num_bytes()} bytes"
     )
 
 
@@ -235,7 +235,7 @@ def adapter_convert(
     b = load_base(base)
     a = read_adapter(src, BaseSpec(b.fingerprint, b.sites, 1024))
     digest = save_adapter(a, dst, b.sites, layout=layout)  # type: ignore[arg-type]
-    console.print(f"wrote {layout} adapter to {dst} (sha256:{digest[:16]})")
+    console.print(f"wrote {layout} adapter to {dst} ({digest.prefixed})")
 
 
 @app.command()
@@ -429,7 +429,7 @@ def _train_results(run: TrainingRun, out: Path) -> None:
     for t in names:
         where = out / "revisions" / f"{t}-step{run.steps}"
         digest = run.trainer.export(t, where)
-        console.print(f"exported {t}: sha256:{digest[:16]} -> {where}")
+        console.print(f"exported {t}: {digest.prefixed} -> {where}")
 
 
 @app.command()

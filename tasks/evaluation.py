@@ -18,6 +18,7 @@ from mint_core.eval.lm_eval_runner import evaluate_served
 from mint_core.eval.records import log_to_mlflow
 from mint_core.eval.results import EvalConfig, ServedModel
 from mint_core.lifecycle import Workspace, fault
+from mint_core.types import Digest
 from tasks.common import RETRY_DELAYS, RevisionRef, Timed, artifact_key, transient
 
 Role = Literal["candidate", "champion"]
@@ -26,7 +27,7 @@ Role = Literal["candidate", "champion"]
 class Scores(Timed):
     """One revision's evaluation: a gate score per suite."""
 
-    digest: str
+    digest: Digest
     scores: dict[str, SuiteScore]
     eval_s: float
     """lm-eval's own wall time (loading the revision on the server included)."""
@@ -66,7 +67,7 @@ def evaluate(
         unload_after=True,
     )
     result = evaluate_served(target, config)
-    if result.revision not in (None, f"sha256:{revision.digest}"):
+    if result.revision not in (None, revision.digest.prefixed):
         raise RuntimeError(f"the server scored {result.revision}, not {revision.address}")
     check(eval_frame(result.suites), "eval", CheckParams(eval=bounds), source=f"{revision.address} ({role})")
     if role == "candidate" and revision.run_id:

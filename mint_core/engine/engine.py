@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from mint_core.engine.batcher import Batcher
 from mint_core.engine.sequence import Completion, Request, RequestError, Sequence
 from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import AdapterError
-from mint_core.lora.adapter import AdapterWeights, to_peft_state
+from mint_core.lora.adapter import AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.layers import LoRAModel, inject
 from mint_core.lora.validate import BaseSpec, read_adapter
 
@@ -154,12 +153,10 @@ class Engine:
                 problems.append(f"target {site} has non-finite values")
         if problems:
             raise AdapterError(name, None, problems)
-        if weights.digest is None:
-            h = hashlib.sha256()
-            for k, t in sorted(to_peft_state(weights.tensors, self.sites).items()):
-                h.update(k.encode())
-                h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-            weights.digest = h.hexdigest()
+        if (
+            weights.digest is None
+        ):  # made in memory (a trainer's handoff): named as its exported files would be
+            weights.digest = digest_files(*adapter_bytes(weights, self.sites))
         return self.working_set.add(name, weights, replace=replace)
 
     def unload_adapter(self, name: str) -> bool:

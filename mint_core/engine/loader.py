@@ -291,8 +291,8 @@ class AdapterManager:
         """`weights`, if they are the revision the catalog names (a blob changed under the catalog is refused)."""
         if weights.digest != resolved.digest:
             raise MintError(
-                f"{address}: the catalog names sha256:{resolved.digest}, but {resolved.location} holds "
-                f"sha256:{weights.digest}"
+                f"{address}: the catalog names {resolved.digest.prefixed}, but {resolved.location} holds "
+                f"{weights.digest.prefixed if weights.digest else 'an unnamed revision'}"
             )
         return weights
 

@@ -41,7 +41,7 @@ def evaluate_in_process(target: LocalModel, config: EvalConfig | None = None) ->
             model = PeftModel.from_pretrained(model, str(target.adapter), is_trainable=False)
         except Exception as e:
             raise EvalError(f"PEFT cannot apply adapter {target.adapter} to base {target.base}: {e}") from e
-        revision = f"sha256:{digest_dir(target.adapter)}"
+        revision = digest_dir(target.adapter).prefixed
     model.to(target.device).eval()
     lm = HFLM(
         pretrained=model,

@@ -241,7 +241,7 @@ def _load_candidate(client: ServingClient, target: ServedModel) -> str | None:
     revision = card.get("revision")  # mint reports it; a vLLM server does not
     local = Path(target.adapter)
     if revision and local.is_absolute() and local.is_dir():
-        want = f"sha256:{digest_dir(local)}"
+        want = digest_dir(local).prefixed
         if revision != want:
             raise EvalError(f"{target.url} serves {target.name!r} as {revision}, but {local} is {want}")
     return str(revision) if revision else None

@@ -51,7 +51,7 @@ class AdapterWeights:
     base_fingerprint: str | None = None
     base_name: str | None = None
     use_rslora: bool = False
-    digest: str | None = None
+    digest: Digest | None = None
     extra_config: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -64,12 +64,12 @@ class AdapterWeights:
         )
 
 
-def digest_files(config_bytes: bytes, weights_bytes: bytes) -> str:
+def digest_files(config_bytes: bytes, weights_bytes: bytes) -> Digest:
     """sha256 of a revision: both files' names and bytes in a fixed order (`Digest.of_files`)."""
     return Digest.of_files(config_bytes, weights_bytes)
 
 
-def digest_dir(path: str | Path) -> str:
+def digest_dir(path: str | Path) -> Digest:
     path = Path(path)
     return digest_files((path / CONFIG_FILE).read_bytes(), (path / WEIGHTS_FILE).read_bytes())
 
@@ -314,7 +314,7 @@ def peft_config(
 
 def save_adapter(
     adapter: AdapterWeights, path: str | Path, sites: dict[str, Site], layout: Layout = "packed"
-) -> str:
+) -> Digest:
     """Write PEFT's two files into `path` (created); returns the revision's digest.
 
     Writes into a temporary sibling directory and renames it into place, so a crash leaves no half revision.

@@ -247,7 +247,7 @@ class TrainingRun:
             for key, value in p.spec.model_dump(mode="json", exclude={"name"}).items():
                 doc[f"{name} {key}"] = value
             start = digest_files(*adapter_bytes(t.weights(name), t.engine.sites))
-            doc[f"{name} starts from"] = f"sha256:{start[:16]}"
+            doc[f"{name} starts from"] = start.prefixed
         for key, value in t.config.model_dump(mode="json").items():
             doc[f"grpo {key}"] = value
         return dict(json.loads(json.dumps(doc)))  # as run.json reads back (tuples as lists)

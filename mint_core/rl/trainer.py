@@ -45,6 +45,7 @@ from mint_core.lora.adapter import AdapterWeights, save_adapter
 from mint_core.lora.layers import _SlotBank
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss
 from mint_core.rl.rollout import RolloutRow, rollout
+from mint_core.types import Digest
 
 logger = logging.getLogger(__name__)
 
@@ -682,7 +683,7 @@ class MultiPolicyTrainer:
             p.spec.rank, p.spec.alpha, tensors, self.engine.base.fingerprint, self.engine.base.name
         )
 
-    def export(self, name: str, path: Path) -> str:
+    def export(self, name: str, path: Path) -> Digest:
         """Write the policy's current revision in PEFT format; returns its digest."""
         return save_adapter(self.weights(name), path, self.engine.sites)
 
