@@ -1,5 +1,6 @@
 """mint's local services as background processes: the MLflow tracking server and model registry, a Prefect
-server, and the embedded serving engine (`mint serve`).
+server, the embedded serving engine (`mint serve`), and a Prefect worker that runs the deployments of
+infra/prefect.yaml (registered, with their work pool, before it starts).
 
 Each service gets a log file, a pid file and a small JSON record (URL, start time) in one state directory, so
 `start` is idempotent across invocations (a healthy service already recorded there is reused), `status` can be
@@ -10,6 +11,7 @@ its own, so stopping it signals its whole process group (MLflow runs uvicorn und
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -26,6 +28,7 @@ from typing import Any, Literal
 
 import httpx
 import psutil
+import yaml
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -35,10 +38,15 @@ from mint_core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-ServiceName = Literal["mlflow", "prefect", "serve"]
-SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve")
+ServiceName = Literal["mlflow", "prefect", "serve", "worker"]
+SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve", "worker")
 ENV_PREFIX = "MINT_SERVICES_"
-HEALTH_PATH: dict[ServiceName, str] = {"mlflow": "/health", "prefect": "/api/health", "serve": "/health"}
+HEALTH_PATH: dict[ServiceName, str] = {
+    "mlflow": "/health",
+    "prefect": "/api/health",
+    "serve": "/health",
+    "worker": "/health",  # the worker's healthcheck server: 200 while it polls its work pool
+}
 LOG_TAIL_LINES = 40
 # The directory `dvc repro` builds the built-in base into (relative to the working directory).
 BUILTIN_BASE = Path("data/base")
@@ -95,13 +103,19 @@ class ServicesConfig(Settings):
     serve_adapter_root: Path | None = None
     """Adapter store of `mint serve` (load requests may only name paths inside it). Default: the serving
     config's adapter_root (.mint/store)."""
+    worker_port: int = Field(4201, ge=1, le=65535)
+    """Port of the Prefect worker's healthcheck server (`prefect worker start --with-healthcheck`)."""
+    deployments: Path | None = Path("infra/prefect.yaml")
+    """The prefect.yaml whose deployments (and their process work pool) `mint up` registers before it starts
+    the worker; relative to the working directory, which flow runs start in. None: register none."""
     startup_timeout: float = Field(180.0, gt=0)
     """Seconds a service may take to answer its health check after it is launched."""
     stop_timeout: float = Field(30.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when stopping (mint serve finishes requests in flight first)."""
 
     def port(self, name: ServiceName) -> int:
-        return {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}[name]
+        ports = {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}
+        return {**ports, "worker": self.worker_port}[name]
 
     def url(self, name: ServiceName) -> str:
         """The service's base URL (for Prefect the API is under /api)."""
@@ -134,6 +148,8 @@ class Service:
     """start found it already running."""
     startup_s: float | None = None
     """Seconds from launch to a healthy answer (None when reused or not started here)."""
+    detail: str | None = None
+    """What else start did for it (the worker: the deployments it registered or found unchanged)."""
 
     @property
     def open_url(self) -> str:
@@ -422,6 +438,19 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         if database is not None:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
         return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
+    if name == "worker":
+        # flow runs inherit this environment (and the job variables of infra/prefect.yaml): the servers of this
+        # state dir, so a deployment's default Workspace reaches them
+        env["PREFECT_API_URL"] = config.url("prefect") + "/api"
+        env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
+        env["PREFECT_WORKER_WEBSERVER_HOST"] = host
+        env["PREFECT_WORKER_WEBSERVER_PORT"] = port
+        env["MLFLOW_TRACKING_URI"] = config.url("mlflow")
+        token = config.state_dir / "serve.token"
+        if token.is_file() and "MINT_SERVE_ADMIN_TOKEN" not in os.environ:
+            env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
+        cmd = [_bin("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
+        return [*cmd, "--name", "mint-worker", "--with-healthcheck", "--install-policy", "never"], env
     cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:
@@ -433,6 +462,101 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
     if ServingConfig.load(config.serve_config).admin_token is None:
         env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
     return cmd, env
+
+
+# ---------------------------------------------------------------------------------------------------------
+# deployments (what the worker runs)
+
+DEFAULT_POOL = "mint-process"
+
+
+def _deployments_file(config: ServicesConfig) -> dict[str, Any]:
+    if config.deployments is None:
+        return {}
+    try:
+        doc = yaml.safe_load(config.deployments.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ServiceError(f"worker: cannot read the deployments file {config.deployments}: {e}") from e
+    return doc if isinstance(doc, dict) else {}
+
+
+def work_pool(config: ServicesConfig) -> str:
+    """The process work pool the deployments file names (one for all of them), else mint-process."""
+    deployments = _deployments_file(config).get("deployments") or []
+    pools = {str(d["work_pool"]["name"]) for d in deployments if (d.get("work_pool") or {}).get("name")}
+    if len(pools) > 1:
+        raise ServiceError(
+            f"worker: {config.deployments} names several work pools ({sorted(pools)}); one worker runs one"
+        )
+    return str(pools.pop()) if pools else DEFAULT_POOL
+
+
+def _fingerprint(config: ServicesConfig, api: str) -> str:
+    """What the registered deployments are made of: the file, the code behind their parameter forms (flows/,
+    tasks/, mint_core/), the server and the directory runs start in."""
+    assert config.deployments is not None
+    h = hashlib.sha256(f"{api}\n{Path.cwd()}\n".encode())
+    h.update(config.deployments.read_bytes())
+    for package in ("flows", "tasks", "mint_core"):
+        for path in sorted(Path(package).rglob("*.py")):
+            h.update(str(path).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _prefect_cli(*args: str, api: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return subprocess.run(
+        [_bin("prefect"), "--no-prompt", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def register_deployments(config: ServicesConfig) -> str:
+    """Create the work pool and register every deployment of `config.deployments` on the Prefect server of this
+    state dir (`prefect deploy --all`, once); skipped when the file, the code and the server are those of the last
+    registration and every deployment is still there. Says what it did."""
+    if config.deployments is None:
+        return "no deployments file"
+    api = config.url("prefect") + "/api"
+    if not _healthy(config.url("prefect"), HEALTH_PATH["prefect"]):
+        raise ServiceError(
+            f"worker: the Prefect server at {api} is not running (start it too: mint up --only prefect,worker)"
+        )
+    names = sorted(d["name"] for d in _deployments_file(config).get("deployments") or [])
+    pool = work_pool(config)
+    record = config.state_dir / "deployments.json"
+    fingerprint = _fingerprint(config, api)
+    try:
+        last = json.loads(record.read_text())
+    except (OSError, ValueError):
+        last = {}
+    found = httpx.post(
+        f"{api}/deployments/filter",
+        json={"deployments": {"name": {"any_": names}}, "limit": 200, "offset": 0},
+        timeout=10,
+        trust_env=False,
+    )
+    there = {d["name"] for d in found.json()} if found.status_code == 200 else set()
+    if last.get("fingerprint") == fingerprint and set(names) <= there:
+        return f"{len(names)} deployments unchanged"
+    t0 = time.monotonic()
+    if httpx.get(f"{api}/work_pools/{pool}", timeout=10, trust_env=False).status_code == 404:
+        made = _prefect_cli("work-pool", "create", pool, "--type", "process", api=api)
+        if made.returncode != 0:
+            raise ServiceError(
+                f"worker: could not create work pool {pool}:\n{made.stdout[-2000:]}{made.stderr[-2000:]}"
+            )
+    deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(config.deployments), api=api)
+    if deployed.returncode != 0:
+        raise ServiceError(
+            f"worker: prefect deploy --all --prefect-file {config.deployments} failed:\n"
+            f"{deployed.stdout[-3000:]}{deployed.stderr[-3000:]}"
+        )
+    seconds = time.monotonic() - t0
+    record.write_text(
+        json.dumps({"fingerprint": fingerprint, "deployments": names, "seconds": seconds}) + "\n"
+    )
+    logger.info("registered %d deployments on %s in %.1f s", len(names), api, seconds)
+    return f"registered {len(names)} deployments in {seconds:.1f} s"
 
 
 def _prepare(name: ServiceName, config: ServicesConfig) -> None:
@@ -495,6 +619,11 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
     """
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     names = names or list(SERVICES)
+    if "worker" in names and len(names) > 1:  # the worker's deployments are registered on a Prefect server up
+        first = {s.name: s for s in start(config, [n for n in names if n != "worker"])}
+        first["worker"] = start(config, ["worker"])[0]
+        return [first[n] for n in names]
+    detail = register_deployments(config) if names == ["worker"] else None
     found = {s.name: s for s in status(config, names)}
     launched: dict[ServiceName, tuple[subprocess.Popen[bytes] | None, float]] = {}
     errors: list[str] = []
@@ -552,6 +681,8 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
             time.sleep(0.25)
     if errors:
         raise ServiceError("\n\n".join(errors))
+    if "worker" in results:
+        results["worker"].detail = detail
     return [results[n] for n in names]
 
 

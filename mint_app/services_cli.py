@@ -1,4 +1,4 @@
-"""`mint up`, `mint down`, `mint status`: the local MLflow, Prefect and serving processes."""
+"""`mint up`, `mint down`, `mint status`: the local MLflow, Prefect, serving and Prefect worker processes."""
 
 from __future__ import annotations
 
@@ -31,8 +31,13 @@ StateDir = Annotated[
 Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(SERVICES)}.")]
 ConfigFile = Annotated[Path | None, typer.Option(help="YAML or JSON file of ServicesConfig fields.")]
 
-TITLES = {"mlflow": "MLflow tracking + registry", "prefect": "Prefect server", "serve": "mint serve"}
-OPEN = {"mlflow": "MLflow UI", "prefect": "Prefect dashboard", "serve": "served models"}
+TITLES = {
+    "mlflow": "MLflow tracking + registry",
+    "prefect": "Prefect server",
+    "serve": "mint serve",
+    "worker": "Prefect worker",
+}
+OPEN = {"mlflow": "MLflow UI", "prefect": "Prefect dashboard", "serve": "served models", "worker": "health"}
 STYLE = {"running": "green", "unhealthy": "yellow", "stopped": "dim"}
 
 
@@ -83,8 +88,12 @@ def up(
     ] = None,
     serve_config: Annotated[Path | None, typer.Option(help="ServingConfig file for mint serve.")] = None,
     serve_adapter_root: Annotated[Path | None, typer.Option(help="Adapter store of mint serve.")] = None,
+    worker_port: Annotated[
+        int | None, typer.Option(help="Healthcheck port of the Prefect worker (default 4201).")
+    ] = None,
 ) -> None:
-    """Start the local services (MLflow, Prefect, mint serve) in the background; reuse those already up."""
+    """Start the local services (MLflow, Prefect, mint serve, a Prefect worker running the deployments of
+    infra/prefect.yaml, registered first) in the background; reuse those already up."""
     names = _names(only)
     cfg = _config(
         config,
@@ -98,6 +107,7 @@ def up(
         serve_base=serve_base,
         serve_config=serve_config,
         serve_adapter_root=serve_adapter_root,
+        worker_port=worker_port,
     )
     with console.status(f"starting {', '.join(names)} ..."):
         try:
@@ -108,6 +118,8 @@ def up(
     for s in started:
         how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
         console.print(f"{TITLES[s.name]}: {how} at {s.api_url} (pid {s.pid})")
+        if s.detail:
+            console.print(f"  {s.detail}")
     print_table(status(cfg, names))
     by_name = {s.name: s for s in started}
     if "mlflow" in by_name:
