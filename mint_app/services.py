@@ -1,6 +1,7 @@
 """mint's local services as background processes: the MLflow tracking server and model registry, a Prefect
-server, the embedded serving engine (`mint serve`), and a Prefect worker that runs the deployments of
-infra/prefect.yaml (registered, with their work pool, before it starts).
+server, the embedded serving engine (`mint serve`), the receiver of MLflow's alias webhook (`hooks`: serving
+follows a `champion` moved in the MLflow UI within seconds; `mint up` registers the webhook), and a Prefect worker
+that runs the deployments of infra/prefect.yaml (registered, with their work pool, before it starts).
 
 Each service gets a log file, a pid file and a small JSON record (URL, start time) in one state directory, so
 `start` is idempotent across invocations (a healthy service already recorded there is reused), `status` can be
@@ -10,6 +11,7 @@ its own, so stopping it signals its whole process group (MLflow runs uvicorn und
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -38,13 +40,14 @@ from mint_core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-ServiceName = Literal["mlflow", "prefect", "serve", "worker"]
-SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve", "worker")
+ServiceName = Literal["mlflow", "prefect", "serve", "hooks", "worker"]
+SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve", "hooks", "worker")
 ENV_PREFIX = "MINT_SERVICES_"
 HEALTH_PATH: dict[ServiceName, str] = {
     "mlflow": "/health",
     "prefect": "/api/health",
     "serve": "/health",
+    "hooks": "/health",
     "worker": "/health",  # the worker's healthcheck server: 200 while it polls its work pool
 }
 LOG_TAIL_LINES = 40
@@ -103,6 +106,11 @@ class ServicesConfig(Settings):
     serve_adapter_root: Path | None = None
     """Adapter store of `mint serve` (load requests may only name paths inside it). Default: the serving
     config's adapter_root (.mint/store)."""
+    hooks_port: int = Field(8001, ge=1, le=65535)
+    """Port of the receiver of MLflow's alias webhook (`mint_app.webhooks`): serving follows `champion` moves."""
+    catalog_url: str | None = None
+    """SQLAlchemy URL of the catalog the flows use (the receiver takes their promotion locks there). Default:
+    sqlite:///<state_dir>/../catalog.db, the default Workspace's .mint/catalog.db."""
     worker_port: int = Field(4201, ge=1, le=65535)
     """Port of the Prefect worker's healthcheck server (`prefect worker start --with-healthcheck`)."""
     deployments: Path | None = Path("infra/prefect.yaml")
@@ -115,7 +123,7 @@ class ServicesConfig(Settings):
 
     def port(self, name: ServiceName) -> int:
         ports = {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}
-        return {**ports, "worker": self.worker_port}[name]
+        return {**ports, "hooks": self.hooks_port, "worker": self.worker_port}[name]
 
     def url(self, name: ServiceName) -> str:
         """The service's base URL (for Prefect the API is under /api)."""
@@ -396,6 +404,53 @@ def _serve_token(config: ServicesConfig) -> str:
     return path.read_text().strip()
 
 
+def _state_secret(config: ServicesConfig, filename: str, make: Callable[[], str]) -> str:
+    """A secret kept in the state dir: made once by `make()`, readable by its owner only."""
+    path = config.state_dir / filename
+    if not path.exists():
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make() + "\n")
+    return path.read_text().strip()
+
+
+def _hooks_secret_file(config: ServicesConfig) -> Path:
+    """The file of the webhook secret that `mint up` registers with MLflow and the receiver checks."""
+    _state_secret(config, "hooks.secret", lambda: secrets.token_urlsafe(32))
+    return config.state_dir / "hooks.secret"
+
+
+def hooks_workspace(config: ServicesConfig) -> dict[str, Any]:
+    """The Workspace (fields) the receiver reconciles in: the services of this state dir, the flows' catalog."""
+    store = config.serve_adapter_root or ServingConfig.load(config.serve_config).adapter_root
+    catalog = config.catalog_url or f"sqlite:///{(config.state_dir.parent / 'catalog.db').resolve()}"
+    return {
+        "tracking_uri": config.url("mlflow"),
+        "serving_url": config.url("serve"),
+        "store": str(Path(store).resolve()),
+        "catalog_url": catalog,
+        "admin_token_file": str((config.state_dir / "serve.token").resolve()),
+    }
+
+
+def register_webhook(config: ServicesConfig) -> str:
+    """Point MLflow's alias webhook at the receiver (idempotent); what was done, for `mint up` to show."""
+    if not _healthy(config.url("mlflow"), HEALTH_PATH["mlflow"]):
+        return "MLflow is not running here: no webhook registered (the reconcile deployment still runs)"
+    # MLflow's client is only imported here: `mint --help` and the other services never load it
+    from mint_app.webhooks import WEBHOOK_PATH
+    from mint_core.registry.webhooks import ensure_alias_webhook
+
+    url = config.url("hooks") + WEBHOOK_PATH
+    try:
+        secret = _hooks_secret_file(config).read_text().strip()
+        hook = ensure_alias_webhook(config.url("mlflow"), url, secret)
+    except MintError as e:
+        raise ServiceError(f"hooks: {e}") from e
+    return f"MLflow alias webhook {hook} -> {url}"
+
+
 def serve_base(config: ServicesConfig) -> str:
     """The base `mint serve` loads; builds the tiny default into the state dir the first time it is needed."""
     if config.serve_base is not None:
@@ -427,6 +482,17 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         # the store URL may hold a password: passed in the environment, not on the command line `ps` shows
         env["MLFLOW_BACKEND_STORE_URI"] = config.mlflow_backend()
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "true" if config.mlflow_jobs else "false"
+        # alias webhooks to the receiver on this machine (http, a private address); the webhook list is cached
+        # for a few seconds only, so a webhook registered by `mint up` fires at once; one key encrypts the stored
+        # secret across restarts and uvicorn workers (MLflow makes one per process if none is given)
+        env["MLFLOW_WEBHOOK_ALLOWED_SCHEMES"] = "http,https"
+        env["MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS"] = "true"
+        env["MLFLOW_WEBHOOK_CACHE_TTL"] = "2"
+        env["MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY"] = os.environ.get(
+            "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY"
+        ) or _state_secret(
+            config, "mlflow-webhook.key", lambda: base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
+        )
         cmd = [_bin("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
         cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers)]
         if config.mlflow_allowed_hosts:
@@ -438,6 +504,11 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         if database is not None:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
         return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
+    if name == "hooks":
+        env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
+        env["MINT_HOOKS_SECRET_FILE"] = str(_hooks_secret_file(config).resolve())
+        env["MINT_HOOKS_WORKSPACE"] = json.dumps(hooks_workspace(config))
+        return [sys.executable, "-m", "mint_app.webhooks"], env
     if name == "worker":
         # flow runs inherit this environment (and the job variables of infra/prefect.yaml): the servers of this
         # state dir, so a deployment's default Workspace reaches them
@@ -683,6 +754,8 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
         raise ServiceError("\n\n".join(errors))
     if "worker" in results:
         results["worker"].detail = detail
+    if "hooks" in results:
+        results["hooks"].detail = register_webhook(config)
     return [results[n] for n in names]
 
 

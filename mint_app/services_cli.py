@@ -35,9 +35,16 @@ TITLES = {
     "mlflow": "MLflow tracking + registry",
     "prefect": "Prefect server",
     "serve": "mint serve",
+    "hooks": "MLflow webhook receiver",
     "worker": "Prefect worker",
 }
-OPEN = {"mlflow": "MLflow UI", "prefect": "Prefect dashboard", "serve": "served models", "worker": "health"}
+OPEN = {
+    "mlflow": "MLflow UI",
+    "prefect": "Prefect dashboard",
+    "serve": "served models",
+    "hooks": "health",
+    "worker": "health",
+}
 STYLE = {"running": "green", "unhealthy": "yellow", "stopped": "dim"}
 
 
@@ -77,6 +84,9 @@ def up(
     mlflow_port: Annotated[int | None, typer.Option(help="MLflow port (default 5000).")] = None,
     prefect_port: Annotated[int | None, typer.Option(help="Prefect port (default 4200).")] = None,
     serve_port: Annotated[int | None, typer.Option(help="mint serve port (default 8000).")] = None,
+    hooks_port: Annotated[
+        int | None, typer.Option(help="Port of the receiver of MLflow's alias webhook (default 8001).")
+    ] = None,
     mlflow_backend_url: Annotated[
         str | None, typer.Option(help="MLflow store: SQLAlchemy URL (default SQLite in the state dir).")
     ] = None,
@@ -102,6 +112,7 @@ def up(
         mlflow_port=mlflow_port,
         prefect_port=prefect_port,
         serve_port=serve_port,
+        hooks_port=hooks_port,
         mlflow_backend_url=mlflow_backend_url,
         prefect_database_url=prefect_database_url,
         serve_base=serve_base,

@@ -1,0 +1,199 @@
+"""The receiver of MLflow's alias webhook: serving follows a `champion` moved anywhere within seconds.
+
+A person moves `policy@champion` in the MLflow UI (or with a bare `MlflowClient`); MLflow posts
+`model_version_alias.created` (or `.deleted`) here, signed with the secret `mint up` gave it. The receiver checks
+the signature (HMAC-SHA256, constant-time, timestamp at most `max_age_s` old), then reconciles that one policy in
+this process through the library (`mint_core.lifecycle.reconcile`: registry -> champion digest -> in-place load
+under the policy's served name -> smoke check), holding the policy's promotion lock, the catalog lease the
+promote, rollback and reconcile flows take. It speaks to any server of the serving contract (`mint serve`, vLLM),
+so it is a service of its own (`hooks` in `mint up`), not part of `mint serve`; it loads no torch.
+
+Answers: 401 for a missing, wrong or stale signature (nothing changes); 200 with what was done, or with
+`ignored` for an event it has nothing to do for (another alias, an unknown policy or version, a test delivery);
+503 when MLflow, the server or the lock is not available right now, 500 when the reconcile failed otherwise:
+MLflow retries both (3 times, backing off), and the periodic `reconcile` deployment is the safety net.
+
+Run: `python -m mint_app.webhooks` (what `mint up` supervises), configured by MINT_HOOKS_<FIELD> variables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from mint_core.lifecycle import Workspace, policy_lock, reconcile
+from mint_core.registry.catalog import CHAMPION
+from mint_core.registry.leases import LockTimeout
+from mint_core.registry.reader import RegistryError, RegistryUnavailable, UnknownRevision
+from mint_core.registry.webhooks import (
+    ALIAS_EVENTS,
+    DELIVERY_ID_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    BadSignature,
+    verify,
+)
+from mint_core.serving.client import ServingError
+from mint_core.settings import Settings
+
+logger = logging.getLogger("mint.hooks")
+
+ENV_PREFIX = "MINT_HOOKS_"
+WEBHOOK_PATH = "/mlflow/webhook"
+
+
+class HooksConfig(Settings):
+    """Where the receiver listens, which secret signs MLflow's deliveries, and the workspace it reconciles in.
+
+    `HooksConfig.load(file, **flags)` reads the file, then MINT_HOOKS_<FIELD> variables (MINT_HOOKS_WORKSPACE
+    as JSON), then flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
+
+    host: str = "127.0.0.1"
+    """Address the receiver binds to (MLflow's server must reach it)."""
+    port: int = Field(8001, ge=1, le=65535)
+    """Port of the receiver."""
+    secret_file: Path = Path(".mint/run/hooks.secret")
+    """File holding the webhook secret (what `mint up` writes and registers with MLflow)."""
+    max_age_s: float = Field(300.0, gt=0)
+    """A delivery whose X-MLflow-Timestamp is further than this from now is refused (a replay)."""
+    lock_timeout_s: float = Field(20.0, gt=0)
+    """Longest wait for the policy's promotion lock (a promotion in flight); then 503 and MLflow retries."""
+    served_names: dict[str, str] = Field(default_factory=dict)
+    """Policy -> the adapter name it is served under, where that is not the policy's own name."""
+    workspace: Workspace = Field(default_factory=Workspace)
+    """The registry, catalog (its promotion locks), store and serving endpoint, as the flows see them."""
+
+    def secret(self) -> str:
+        try:
+            secret = self.secret_file.read_text().strip()
+        except OSError as e:
+            raise RuntimeError(f"cannot read the webhook secret {self.secret_file}: {e.strerror or e}") from e
+        if not secret:
+            raise RuntimeError(f"the webhook secret file {self.secret_file} is empty")
+        return secret
+
+
+def create_app(config: HooksConfig) -> FastAPI:
+    """The receiver's ASGI app: `POST /mlflow/webhook`, `GET /health`."""
+    app = FastAPI(title="mint webhook receiver", docs_url=None, redoc_url=None)
+    secret = config.secret()
+    ws = config.workspace
+    # one reconcile per policy at a time in this process (the catalog lease serialises across processes); a burst
+    # of moves coalesces: each pass reads MLflow's current alias, so later ones find nothing left to do
+    guards: dict[str, threading.Lock] = {}
+    guards_lock = threading.Lock()
+
+    def guard(policy: str) -> threading.Lock:
+        with guards_lock:
+            return guards.setdefault(policy, threading.Lock())
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(WEBHOOK_PATH)
+    async def mlflow_webhook(request: Request) -> JSONResponse:
+        body = await request.body()
+        h = request.headers
+        try:
+            verify(
+                secret,
+                h.get(SIGNATURE_HEADER),
+                h.get(DELIVERY_ID_HEADER),
+                h.get(TIMESTAMP_HEADER),
+                body,
+                config.max_age_s,
+            )
+        except BadSignature as e:
+            logger.warning(
+                "refused a delivery from %s: %s", request.client.host if request.client else "?", e
+            )
+            return JSONResponse({"error": f"bad signature: {e}"}, status_code=401)
+        try:
+            event = json.loads(body)
+            kind = f"{event['entity']}.{event['action']}"
+            data = event["data"]
+            policy, alias = str(data["name"]), str(data["alias"])
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("ignored a signed delivery that is not an alias event: %s", e)
+            return JSONResponse({"ignored": "not an alias event"}, status_code=200)
+        if kind not in ALIAS_EVENTS or alias != CHAMPION:
+            return JSONResponse({"ignored": f"{kind} of {policy}@{alias}: serving follows {CHAMPION}"})
+        # blocking work (HTTP to MLflow and the server, the lock) runs off the event loop
+        return await _in_thread(handle, policy, data.get("version"), kind, h.get(DELIVERY_ID_HEADER))
+
+    def handle(policy: str, version: Any, kind: str, delivery: str | None) -> JSONResponse:
+        t0 = time.perf_counter()
+        name = config.served_names.get(policy, policy)
+        try:
+            with guard(policy), policy_lock(ws, policy, "hooks", config.lock_timeout_s):
+                r = reconcile(ws, policy, name)
+        except UnknownRevision as e:
+            logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
+            return JSONResponse({"ignored": str(e)})
+        except RegistryError as e:
+            if isinstance(e, RegistryUnavailable):
+                return _failed(503, policy, delivery, e)
+            # a version that is not a mint revision (no mint.digest), say: nothing to serve
+            logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
+            return JSONResponse({"ignored": str(e)})
+        except (LockTimeout, OSError) as e:
+            return _failed(503, policy, delivery, e)
+        except ServingError as e:
+            return _failed(503 if e.status in (0, 429, 502, 503, 504) else 500, policy, delivery, e)
+        except (
+            Exception
+        ) as e:  # a smoke check that failed, a bad adapter: MLflow retries, the flow is the net
+            return _failed(500, policy, delivery, e)
+        ms = (time.perf_counter() - t0) * 1000
+        if r.reloaded:
+            logger.info(
+                "%s %s v%s (delivery %s): serving %s -> %s in %.0f ms",
+                kind,
+                policy,
+                version,
+                delivery,
+                r.served_before,
+                r.served_after,
+                ms,
+            )
+        else:
+            logger.info("%s %s v%s (delivery %s): serving already in line", kind, policy, version, delivery)
+        return JSONResponse({**r.model_dump(), "ms": round(ms, 1)})
+
+    return app
+
+
+async def _in_thread(fn: Any, *args: Any) -> JSONResponse:
+    # anyio's default thread limiter (40) bounds the passes running at once
+    result: JSONResponse = await to_thread.run_sync(fn, *args)
+    return result
+
+
+def _failed(status: int, policy: str, delivery: str | None, e: BaseException) -> JSONResponse:
+    logger.error("reconcile of %s (delivery %s) failed: %s: %s", policy, delivery, type(e).__name__, e)
+    return JSONResponse({"error": f"{type(e).__name__}: {e}", "policy": policy}, status_code=status)
+
+
+def main() -> None:
+    """`python -m mint_app.webhooks`: serve the receiver with MINT_HOOKS_* settings until SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = HooksConfig.load(None)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
