@@ -27,10 +27,11 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
+from mint_core.data.tasks import TASKS
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.lifecycle import Workspace, data_revision, idempotency_key
@@ -66,6 +67,13 @@ class PolicyRun(BaseModel):
     worse than 0.02 on the guard suite. The suites evaluated are the ones the gate reads."""
     served_name: str | None = None
     """Adapter name the champion is served under (default: the policy's name)."""
+
+    @model_validator(mode="after")
+    def _known_task(self) -> PolicyRun:
+        # checked when the run's parameters are, before anything trains: a typo fails the run at once
+        if self.spec.task not in TASKS:
+            raise ValueError(f"spec.task: unknown task {self.spec.task!r}; choose from {', '.join(TASKS)}")
+        return self
 
     @property
     def name(self) -> str:
