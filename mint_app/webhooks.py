@@ -139,6 +139,8 @@ def create_app(config: HooksConfig) -> FastAPI:
         t0 = time.perf_counter()
         name = config.served_names.get(policy, policy)
         try:
+            if version is not None:  # the version the event names must be a revision of the policy
+                ws.registry().revision(policy, int(version))
             with guard(policy), policy_lock(ws, policy, "hooks", config.lock_timeout_s):
                 r = reconcile(ws, policy, name)
         except UnknownRevision as e:
@@ -148,6 +150,9 @@ def create_app(config: HooksConfig) -> FastAPI:
             if isinstance(e, RegistryUnavailable):
                 return _failed(503, policy, delivery, e)
             # a version that is not a mint revision (no mint.digest), say: nothing to serve
+            logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
+            return JSONResponse({"ignored": str(e)})
+        except ValueError as e:  # a version that is not a number
             logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
             return JSONResponse({"ignored": str(e)})
         except (LockTimeout, OSError) as e:

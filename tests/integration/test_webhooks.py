@@ -1,0 +1,201 @@
+"""MLflow -> serving within seconds: `mint up`'s webhook receiver, through real MLflow, `mint serve` and receiver
+processes started as `mint up` starts them.
+
+An alias moved with a bare `MlflowClient` (what the MLflow UI does) is served within 3 s, with no reconcile flow
+running; a delivery with a bad or missing signature is refused with 401 and changes nothing; an event the
+receiver has nothing to do for is logged and answered 2xx.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+from mlflow import MlflowClient
+
+from mint_app.services import start, status
+from mint_app.webhooks import WEBHOOK_PATH
+from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
+from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
+from tests.integration.conftest import mint_cli
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with alias_stack(tmp_path_factory.mktemp("alias")) as s:
+        yield s
+
+
+def secret(stack: Stack) -> str:
+    return (stack.config.state_dir / "hooks.secret").read_text().strip()
+
+
+def event(policy: str, alias: str = "champion", version: int | None = 2, action: str = "created") -> bytes:
+    data: dict[str, str] = {"name": policy, "alias": alias}
+    if version is not None:
+        data["version"] = str(version)
+    doc = {
+        "entity": "model_version_alias",
+        "action": action,
+        "timestamp": datetime.now(UTC).isoformat(),
+        "data": data,
+    }
+    return json.dumps(doc).encode()
+
+
+def deliver(
+    stack: Stack,
+    body: bytes,
+    key: str | None = None,
+    ts: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    """POST `body` to the receiver as MLflow does, signed with `key` (default: the real secret)."""
+    delivery, ts = str(uuid.uuid4()), ts or str(int(time.time()))
+    signed = {
+        "X-MLflow-Delivery-Id": delivery,
+        "X-MLflow-Timestamp": ts,
+        "X-MLflow-Signature": sign(key or secret(stack), delivery, ts, body),
+        "Content-Type": "application/json",
+    }
+    return httpx.post(stack.hooks + WEBHOOK_PATH, content=body, headers=headers or signed, timeout=60)
+
+
+@pytest.fixture
+def webhook_off(stack: Stack) -> Iterator[None]:
+    """MLflow's webhook disabled for the test (past MLflow's 2 s webhook cache), so only the test's own deliveries
+    reach the receiver; registered again afterwards as `mint up` does."""
+    client = MlflowClient(stack.mlflow)
+    hook = next(w for w in client.list_webhooks() if w.name == WEBHOOK_NAME)
+    client.update_webhook(hook.webhook_id, status="DISABLED")
+    time.sleep(2.5)
+    try:
+        yield
+    finally:
+        ensure_alias_webhook(stack.mlflow, stack.hooks + WEBHOOK_PATH, secret(stack))
+        time.sleep(2.5)
+
+
+def test_mint_up_registers_one_webhook_and_reuses_it(stack: Stack) -> None:
+    client = MlflowClient(stack.mlflow)
+    hooks = [w for w in client.list_webhooks() if w.name == WEBHOOK_NAME]
+    assert len(hooks) == 1
+    assert hooks[0].url == stack.hooks + WEBHOOK_PATH
+    assert {str(e) for e in hooks[0].events} == {"model_version_alias.created", "model_version_alias.deleted"}
+    again = {s.name: s for s in start(stack.config, SERVICES)}
+    assert all(s.reused for s in again.values())
+    assert again["hooks"].detail and hooks[0].webhook_id in again["hooks"].detail
+    assert [w.webhook_id for w in client.list_webhooks() if w.name == WEBHOOK_NAME] == [hooks[0].webhook_id]
+    # `mint status` shows the receiver
+    shown = {s.name: s.state for s in status(stack.config)}
+    assert shown["hooks"] == "running"
+    out = mint_cli("status", "--state-dir", str(stack.config.state_dir), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "MLflow webhook receiver" in out.stdout and "running" in out.stdout
+
+
+def test_an_alias_moved_with_a_bare_client_is_served_within_seconds(stack: Stack) -> None:
+    client = MlflowClient(stack.mlflow)  # no mint code on the writer's side, as in the MLflow UI
+    for version in (2, 3, 1, 3):
+        client.set_registered_model_alias(stack.policy, "champion", str(version))
+        took = stack.wait_served(version)
+        assert took < BOUND_S
+        with stack.ws.client() as serving:
+            out = serving.complete(stack.policy, "add: 1+1 =", max_tokens=2, temperature=0.0)
+        assert str(out["system_fingerprint"]).removeprefix("sha256:") == stack.digests[version].removeprefix(
+            "sha256:"
+        )
+    # the catalog's index followed MLflow too (the move is logged as made in MLflow)
+    assert stack.ws.registry().catalog.alias_moves(stack.policy, "champion", limit=1)[0].to_version == 3
+
+
+def test_deleting_the_champion_alias_leaves_serving_as_it_is(stack: Stack) -> None:
+    client = MlflowClient(stack.mlflow)
+    client.set_registered_model_alias(stack.policy, "champion", "2")
+    stack.wait_served(2)
+    client.delete_registered_model_alias(stack.policy, "champion")
+    r = deliver(stack, event(stack.policy, version=None, action="deleted"))
+    assert r.status_code == 200, r.text
+    assert r.json()["champion"] is None and r.json()["reloaded"] is False
+    assert stack.served() == stack.digests[2]
+    client.set_registered_model_alias(stack.policy, "champion", "1")
+    stack.wait_served(1)
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "expected"),
+    [
+        ("no signature", "headers", "missing"),
+        ("another secret", "key", "does not match"),
+        ("signed another body", "body", "does not match"),
+        ("an hour old", "stale", "from now"),
+        ("timestamp not a number", "garbled_ts", "not a Unix time"),
+    ],
+)
+def test_a_bad_signature_is_refused_and_changes_nothing(
+    stack: Stack, webhook_off: None, case: str, change: str, expected: str
+) -> None:
+    client = MlflowClient(stack.mlflow)
+    before = stack.served()
+    current = next(v for v, d in stack.digests.items() if d == before)
+    target = next(v for v in stack.digests if v != current)
+    client.set_registered_model_alias(stack.policy, "champion", str(target))  # no delivery: webhook disabled
+    body = event(stack.policy, version=target)
+    if change == "headers":
+        r = deliver(stack, body, headers={"Content-Type": "application/json"})
+    elif change == "key":
+        r = deliver(stack, body, key="not-the-secret")
+    elif change == "body":
+        delivery, ts = "d-1", str(int(time.time()))
+        headers = {
+            "X-MLflow-Delivery-Id": delivery,
+            "X-MLflow-Timestamp": ts,
+            "X-MLflow-Signature": sign(secret(stack), delivery, ts, event("other-policy")),
+        }
+        r = deliver(stack, body, headers=headers)
+    elif change == "stale":
+        r = deliver(stack, body, ts=str(int(time.time()) - 3600))
+    else:
+        r = deliver(stack, body, ts="yesterday")
+    assert r.status_code == 401, (case, r.text)
+    assert expected in r.json()["error"], case
+    time.sleep(0.3)
+    assert stack.served() == before, f"{case}: serving changed"
+    # the same event, properly signed, is acted on
+    ok = deliver(stack, body)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["reloaded"] is True
+    assert stack.served() == stack.digests[target]
+
+
+def test_events_with_nothing_to_do_are_ignored_with_2xx(stack: Stack, tmp_path: Path) -> None:
+    before = stack.served()
+    client = MlflowClient(stack.mlflow)
+    # a registered model that is no mint policy: its version has no mint.digest
+    other = f"not-mint-{uuid.uuid4().hex[:6]}"
+    client.create_registered_model(other)
+    client.create_model_version(other, "s3://bucket/some/model")
+    client.set_registered_model_alias(other, "champion", "1")
+    cases = {
+        "unknown policy": event(f"nobody-{uuid.uuid4().hex[:6]}", version=1),
+        "unknown version": event(stack.policy, version=99),
+        "not a mint revision": event(other, version=1),
+        "another alias": event(stack.policy, alias="candidate", version=2),
+        "another event": json.dumps({"entity": "model_version", "action": "created", "data": {}}).encode(),
+        "not JSON": b"hello",
+    }
+    for case, body in cases.items():
+        r = deliver(stack, body)
+        assert r.status_code == 200, (case, r.text)
+        assert "ignored" in r.json(), (case, r.json())
+        assert stack.served() == before, case
+    log = (stack.config.state_dir / "hooks.log").read_text()
+    assert "ignored" in log and "not a mint revision" in log
