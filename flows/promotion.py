@@ -3,7 +3,7 @@
 `promote_and_refresh` is the transaction every flow uses: alias move, in-place swap on the server, smoke check.
 A failure at any point runs the undo hooks of the steps that had finished (alias back, previous revision served
 again). Promotions of one policy run one at a time across processes (Prefect's SERIALIZABLE isolation over the
-catalog's lease keyed by policy, `tasks.common.CatalogLocks`: no Redis needed), and an alias move only happens from where the gate saw it, so of two promotions
+policy's lease, `tasks.common.LeaseLocks`: the catalog's, or Redis's where `workspace.lock_url` names one), and an alias move only happens from where the gate saw it, so of two promotions
 racing for one policy the second finds the alias moved and loses with nothing changed.
 """
 

@@ -289,7 +289,7 @@ def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Wo
 
 def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
     """Whether a Redis answers PING there (within a second). The job itself needs no Redis: promotions lock
-    through the catalog (tasks.common.CatalogLocks)."""
+    through leases, the catalog's by default (tasks.common.LeaseLocks)."""
     client = redis.Redis(host=host, port=port, socket_connect_timeout=1, socket_timeout=1)
     try:
         return bool(client.ping())

@@ -19,12 +19,13 @@ from typing import Any, Literal
 import httpx
 import matplotlib
 import matplotlib.pyplot as plt
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.data.revision import data_rev
 from mint_core.data.tasks import Example, read_jsonl, split
 from mint_core.errors import MintError
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
+from mint_core.registry.leases import LOCK_URL_ENV, Leases, leases_for
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revision, UnknownRevision
 from mint_core.registry.runs import IDEMPOTENCY_TAG
 from mint_core.registry.store import AdapterStore
@@ -80,10 +81,23 @@ class Workspace(BaseModel):
     work_dir: Path = Path(".mint/lifecycle")
     """Training checkpoints (a killed run resumes from them) and Prefect's persisted task results (the cache of
     exports and evaluations)."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis that serialises promotions of one policy across processes and machines."""
+    lock_url: str | None = Field(
+        default_factory=lambda: os.environ.get(LOCK_URL_ENV) or None, pattern=r"^rediss?://"
+    )
+    """Where leases live, the locks of registry writes and promotions (`mint_core.registry.leases`): None = the
+    catalog (`catalog_url`); `redis://host:port/db` (or `rediss://`) = Redis. Default $MINT_LOCK_URL."""
     lock_hold_s: float = Field(300.0, gt=0)
     """Longest a promotion may hold its policy's lock; a holder that died frees it after this long."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redis_url_is_gone(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "redis_url" in data:
+            raise ValueError(
+                "workspace.redis_url is gone: locks are leases in the catalog unless `lock_url` names a Redis "
+                "(lock_url: redis://host:port/db); rename the setting, or drop it to keep them in the catalog"
+            )
+        return data
 
     def registry(self) -> Registry:
         """The registry (MLflow + catalog + store) of this workspace; one per process and workspace."""
@@ -91,13 +105,19 @@ class Workspace(BaseModel):
         reg = _REGISTRIES.get(key)
         if reg is None:
             store = AdapterStore(self.store)
+            catalog = Catalog(CatalogConfig(url=self.catalog_url))
             reg = Registry(
                 store,
-                Catalog(CatalogConfig(url=self.catalog_url)),
+                catalog,
                 RegistryConfig(tracking_uri=self.tracking_uri),
+                leases_for(self.lock_url, catalog),
             )
             _REGISTRIES[key] = reg
         return reg
+
+    def leases(self) -> Leases:
+        """Where this workspace's locks live (`lock_url`): the registry's and the promotions' alike."""
+        return self.registry().leases
 
     def admin_token(self) -> str | None:
         token = os.environ.get("MINT_SERVE_ADMIN_TOKEN")

@@ -1,5 +1,5 @@
-"""What every task shares: which errors are worth a retry, the lock that serialises a policy's promotions, and
-artifact keys."""
+"""What every task shares: which errors are worth a retry, the lease lock that serialises a policy's promotions,
+and artifact keys."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from mint_core.lifecycle import Workspace
 from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.leases import Leases, check_lock_url, leases_for
 from mint_core.registry.reader import RegistryUnavailable
 from mint_core.registry.runs import IDEMPOTENCY_TAG
 from mint_core.serving.client import ServingError
@@ -65,34 +66,41 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     return is_transient(exc)
 
 
-class CatalogLocks(LockManager):
-    """Prefect's lock manager over the catalog's leases (`Catalog.acquire_lock`): the lock of SERIALIZABLE
+class LeaseLocks(LockManager):
+    """Prefect's lock manager over mint's leases (`mint_core.registry.leases`): the lock of SERIALIZABLE
     transactions, keyed by the transaction's key (`promote-<policy>`).
 
-    One lock mechanism for all of mint. The catalog's lease and not Redis, because every deployment already has
-    the catalog and not every one has Redis: the embedded default is a SQLite file and needs no server, and the
-    scale path puts the catalog on PostgreSQL, which then serialises promotions across machines as Redis did.
-    Registry writes take the same kind of lease (`registry/<policy>`), so one table says who holds what. A
-    holder that dies frees its lease after `hold_timeout`; releasing a lease that had already expired is logged,
-    not raised (a raise in commit would roll back a promotion that had finished).
+    One lock mechanism for all of mint: registry writes take the same leases (`registry/<policy>`) from the same
+    place, `leases_for(workspace.lock_url, catalog)`. The catalog is the default, because every deployment already
+    has the catalog and not every one has Redis: the embedded default is a SQLite file and needs no server, and the
+    scale path puts the catalog on PostgreSQL, which then serialises promotions across machines. A deployment that
+    already runs Redis can keep its leases there instead (`lock_url: redis://host:port/db`), with the same
+    semantics (`RedisLeases`). A holder that dies frees its lease after `hold_timeout`; releasing a lease that had
+    already expired is logged, not raised (a raise in commit would roll back a promotion that had finished).
+
+    Holds URLs only, not connections: Prefect copies and pickles the lock manager with its result store, and each
+    process opens one client per backend (`_LEASES`).
     """
 
-    def __init__(self, catalog_url: str, hold_timeout: float):
+    def __init__(self, lock_url: str | None, catalog_url: str, hold_timeout: float):
+        self.lock_url = check_lock_url(lock_url)
         self.catalog_url = catalog_url
         self.hold_timeout = hold_timeout
 
     @property
-    def catalog(self) -> Catalog:
-        with _CATALOGS_LOCK:
-            cat = _CATALOGS.get(self.catalog_url)
-            if cat is None:
-                cat = _CATALOGS[self.catalog_url] = Catalog(CatalogConfig(url=self.catalog_url))
-        return cat
+    def leases(self) -> Leases:
+        key = (self.lock_url, self.catalog_url)
+        with _LEASES_LOCK:
+            leases = _LEASES.get(key)
+            if leases is None:
+                catalog = Catalog(CatalogConfig(url=self.catalog_url))
+                leases = _LEASES[key] = leases_for(self.lock_url, catalog)
+        return leases
 
     def acquire_lock(
         self, key: str, holder: str, acquire_timeout: float | None = None, hold_timeout: float | None = None
     ) -> bool:
-        return self.catalog.acquire_lock(key, holder, acquire_timeout, hold_timeout or self.hold_timeout)
+        return self.leases.acquire(key, holder, acquire_timeout, hold_timeout or self.hold_timeout)
 
     async def aacquire_lock(
         self, key: str, holder: str, acquire_timeout: float | None = None, hold_timeout: float | None = None
@@ -100,14 +108,14 @@ class CatalogLocks(LockManager):
         return await asyncio.to_thread(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:
-        if not self.catalog.release_lock(key, holder):
+        if not self.leases.release(key, holder):
             logger.warning("lock %s had expired before %s released it", key, holder)
 
     def is_locked(self, key: str) -> bool:
-        return self.catalog.lock_holder(key) is not None
+        return self.leases.holder(key) is not None
 
     def is_lock_holder(self, key: str, holder: str) -> bool:
-        return self.catalog.lock_holder(key) == holder
+        return self.leases.holder(key) == holder
 
     def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -121,13 +129,13 @@ class CatalogLocks(LockManager):
         return await asyncio.to_thread(self.wait_for_lock, key, timeout)
 
 
-_CATALOGS: dict[str, Catalog] = {}  # one engine per catalog and process, however many transactions
-_CATALOGS_LOCK = threading.Lock()
+_LEASES: dict[tuple[str | None, str], Leases] = {}  # one client per backend and process
+_LEASES_LOCK = threading.Lock()
 
 
 def lock_store(ws: Workspace) -> ResultStore:
-    """A result store whose only job is the catalog lock of SERIALIZABLE transactions."""
-    return ResultStore(lock_manager=CatalogLocks(ws.catalog_url, ws.lock_hold_s))
+    """A result store whose only job is the lease lock of SERIALIZABLE transactions."""
+    return ResultStore(lock_manager=LeaseLocks(ws.lock_url, ws.catalog_url, ws.lock_hold_s))
 
 
 def cached_in(task: T, ws: Workspace) -> T:

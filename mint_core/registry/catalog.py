@@ -12,7 +12,6 @@ entries register in bulk in seconds.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,8 +41,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CHUNK = 10_000
-LOCK_HOLD_S = 300.0
-"""Longest a lock is held unless renewed: a holder that died frees it after this long."""
 _PG_VERSIONS_LOCK = 0x6D696E745F766572  # "mint_ver": the advisory lock that serializes version appends
 
 __all__ = [
@@ -56,7 +53,6 @@ __all__ = [
     "CatalogConfig",
     "CatalogError",
     "Entry",
-    "LockTimeout",
     "Registration",
     "Resolved",
     "UnknownAddress",
@@ -68,10 +64,6 @@ __all__ = [
 
 class UnknownAddress(CatalogError):
     """A well-formed address that names nothing in the catalog."""
-
-
-class LockTimeout(CatalogError):
-    """A lock stayed held by another holder for longer than the caller would wait."""
 
 
 # ---- config -------------------------------------------------------------------------------------------------
@@ -144,8 +136,8 @@ alias_moves = sa.Table(
     sa.Index("ix_alias_moves_policy", "policy", "alias", "id"),
 )
 
-# Named leases (`Catalog.acquire_lock`): one row per name ever locked; held while `holder` is set and `expires`
-# (unix seconds) is in the future.
+# Named leases (`mint_core.registry.leases.CatalogLeases`): one row per name ever locked; held while `holder` is
+# set and `expires` (unix seconds) is in the future.
 locks = sa.Table(
     "locks",
     metadata,
@@ -283,13 +275,15 @@ class Catalog:
         self._create_tables()
 
     def _create_tables(self) -> None:
-        """Create what is missing; two processes opening a new catalog at once race, and the loser looks again."""
+        """Create what is missing; two processes opening a new catalog at once race, and the loser looks again
+        (PostgreSQL may tell the loser "duplicate key" on its own type catalog rather than "already exists")."""
         for attempt in range(3):
             try:
                 metadata.create_all(self.engine)
                 return
-            except (sa.exc.OperationalError, sa.exc.ProgrammingError) as e:
-                if "already exists" not in str(e.orig) or attempt == 2:
+            except (sa.exc.OperationalError, sa.exc.ProgrammingError, sa.exc.IntegrityError) as e:
+                lost_race = "already exists" in str(e.orig) or "duplicate key" in str(e.orig)
+                if not lost_race or attempt == 2:
                     raise
 
     def close(self) -> None:
@@ -522,29 +516,16 @@ class Catalog:
         else:
             self._transaction(write)
 
-    # ---- locks ----
+    # ---- leases ----
     #
-    # The one lock mechanism of mint: a named lease in the catalog's own database. A promotion (Prefect's
-    # SERIALIZABLE transaction, through `tasks.common.CatalogLocks`) and every registry write of a policy take
-    # it, so the embedded default (SQLite) needs no other server and the scale path (PostgreSQL) shares it
-    # across machines. A lease, not a database transaction held open: a holder may call MLflow and the
-    # serving endpoint while holding it, and other writers of the catalog (other policies) go on meanwhile.
-    # A holder that dies frees its lease when `expires` passes. Expiry compares the writers' clocks, so keep
-    # them in step (NTP) when several machines share one catalog.
+    # The SQL of `mint_core.registry.leases.CatalogLeases`, the default backend of mint's one lock mechanism: take
+    # leases through `leases_for` (which picks this or Redis), never through these methods. One row per name;
+    # held while `holder` is set and `expires` has not passed, so a holder that dies frees its lease then.
 
-    def acquire_lock(
-        self, name: str, holder: str, timeout_s: float | None = None, hold_s: float = LOCK_HOLD_S
-    ) -> bool:
-        """Take the lock `name` for `holder` until released or for `hold_s` seconds, waiting up to `timeout_s`
-        (None: as long as it takes). Taking a lock one already holds renews it. False when the wait ran out."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pause = 0.005
-        while not self._transaction(lambda conn: self._take(conn, name, holder, hold_s)):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.25)
-        return True
+    def take_lock(self, name: str, holder: str, hold_s: float) -> bool:
+        """One try at the lease `name` for `holder` for `hold_s` seconds; taking a lease one already holds renews
+        it. False when another holder has it."""
+        return bool(self._transaction(lambda conn: self._take(conn, name, holder, hold_s)))
 
     @staticmethod
     def _take(conn: Connection, name: str, holder: str, hold_s: float) -> bool:
@@ -561,7 +542,7 @@ class Catalog:
         return True
 
     def release_lock(self, name: str, holder: str) -> bool:
-        """Give the lock back; False when `holder` no longer held it (it had expired and maybe been taken)."""
+        """Give the lease back; False when `holder` no longer held it (it had expired and maybe been taken)."""
         return bool(
             self._transaction(
                 lambda conn: (
@@ -575,27 +556,12 @@ class Catalog:
         )
 
     def lock_holder(self, name: str) -> str | None:
-        """Who holds the lock `name` now, or None."""
+        """Who holds the lease `name` now, or None."""
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(locks.c.holder, locks.c.expires).where(locks.c.name == name)).first()
         if row is None or row[0] is None or (row[1] is not None and row[1] < time.time()):
             return None
         return str(row[0])
-
-    @contextlib.contextmanager
-    def lock(
-        self, name: str, holder: str, timeout_s: float | None = 120.0, hold_s: float = LOCK_HOLD_S
-    ) -> Iterator[None]:
-        """Hold the lock `name` for the block; `LockTimeout` naming the holder when it stays taken."""
-        if not self.acquire_lock(name, holder, timeout_s, hold_s):
-            raise LockTimeout(
-                f"lock {name!r} is held by {self.lock_holder(name) or 'someone'}; waited {timeout_s:.0f} s"
-            )
-        try:
-            yield
-        finally:
-            if not self.release_lock(name, holder):
-                logger.warning("lock %s had expired before %s released it", name, holder)
 
     def move_alias(
         self,

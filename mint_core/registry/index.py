@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mint_core.registry.catalog import AliasMove, Catalog, Registration
+from mint_core.registry.leases import Leases, default_leases, held
 from mint_core.registry.reader import RegistryReader, UnknownRevision
 from mint_core.registry.store import AdapterStore
 
@@ -27,7 +28,7 @@ REASON = "moved in MLflow (found by catalog rebuild)"
 
 
 def registry_lock(policy: str) -> str:
-    """Name of the catalog lock that registry writes of `policy` hold (version numbering, alias moves)."""
+    """Name of the lease that registry writes of `policy` hold (version numbering, alias moves)."""
     return f"registry/{policy}"
 
 
@@ -58,11 +59,14 @@ def rebuild_catalog(
     dry_run: bool = False,
     actor: str = ACTOR,
     reason: str = REASON,
+    leases: Leases | None = None,
 ) -> RebuildReport:
-    """Make the catalog's index of `policies` (default: every policy MLflow holds) agree with MLflow."""
+    """Make the catalog's index of `policies` (default: every policy MLflow holds) agree with MLflow, holding each
+    policy's registry lease from `leases` (default: where $MINT_LOCK_URL says, else the catalog)."""
     report = RebuildReport()
+    leases = default_leases(catalog) if leases is None else leases
     for policy in reader.policies() if policies is None else policies:
-        with catalog.lock(registry_lock(policy), new_holder("rebuild")):
+        with held(leases, registry_lock(policy), new_holder("rebuild")):
             reindex_policy(reader, catalog, store, policy, report, dry_run, actor, reason)
     return report
 

@@ -7,7 +7,7 @@
 
 MLflow is the truth for which versions a policy has and where its aliases point; the catalog is an index of it
 (`mint_core.registry.index` rebuilds it from MLflow and the store). Every write holds the policy's registry lock
-(a lease in the catalog, the one lock mechanism of mint), so concurrent writers (two flows, a person in a shell)
+(a lease from `mint_core.registry.leases`, the one lock mechanism of mint: the catalog's or Redis's), so concurrent writers (two flows, a person in a shell)
 run one at a time: a version is created once per digest, and an alias moves only from where MLflow says the
 mover saw it. Each write is then indexed in the catalog under MLflow's number, so `policy/v7` means the same
 revision to MLflow, the catalog and the server; each alias move is logged in the catalog (when, from, to, why,
@@ -35,6 +35,7 @@ from mlflow.exceptions import MlflowException
 
 from mint_core.registry.catalog import CHAMPION, AliasMove, Catalog, CatalogError, Registration, parse_address
 from mint_core.registry.index import RebuildReport, new_holder, rebuild_catalog, registry_lock, reindex_policy
+from mint_core.registry.leases import Leases, default_leases, held
 from mint_core.registry.reader import (
     CANDIDATE,
     LOCAL_SCHEME,
@@ -82,10 +83,19 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 class Registry:
     """Policies and their revisions in MLflow, indexed in the catalog, with the adapter bytes in the store."""
 
-    def __init__(self, store: AdapterStore, catalog: Catalog, config: RegistryConfig | None = None):
+    def __init__(
+        self,
+        store: AdapterStore,
+        catalog: Catalog,
+        config: RegistryConfig | None = None,
+        leases: Leases | None = None,
+    ):
+        """`leases`: where the policies' registry locks live (`leases_for(workspace.lock_url, catalog)`); default
+        where $MINT_LOCK_URL says, else the catalog."""
         self.config = config or RegistryConfig()
         self.store = store
         self.catalog = catalog
+        self.leases = default_leases(catalog) if leases is None else leases
         self.uri = self.config.tracking_uri
         self.reader = RegistryReader(self.config)
         self.reader.check_reachable()
@@ -105,7 +115,7 @@ class Registry:
 
     def _locked(self, policy: str, fn: Callable[[], T]) -> T:
         """`fn()` holding the policy's registry lock."""
-        with self.catalog.lock(registry_lock(policy), new_holder(self.actor)):
+        with held(self.leases, registry_lock(policy), new_holder(self.actor)):
             return fn()
 
     # ---- writes ----
@@ -272,7 +282,7 @@ class Registry:
     def reindex(self, policy: str) -> list[AliasMove]:
         """Bring the catalog's index of one policy in line with MLflow (an alias moved in the MLflow UI, say),
         logging each alias it corrects as a move by `mlflow`. Returns those moves ([] when they agreed)."""
-        return rebuild_catalog(self.reader, self.catalog, self.store, [policy]).moves
+        return rebuild_catalog(self.reader, self.catalog, self.store, [policy], leases=self.leases).moves
 
     def _reindex_locked(self, policy: str) -> None:
         reindex_policy(self.reader, self.catalog, self.store, policy, RebuildReport())

@@ -165,39 +165,6 @@ def test_concurrent_writers_get_distinct_versions(catalog: Catalog) -> None:
     assert catalog.count("p") == 80
 
 
-def test_lock_serialises_holders_across_catalogs(catalog: Catalog) -> None:
-    """The lease every registry write and promotion takes: eight threads over two engines, one inside at a time;
-    a lease whose holder died expires."""
-    import threading
-    import time
-
-    other = Catalog(catalog.config)
-    inside: list[int] = []
-    most = [0]
-    guard = threading.Lock()
-
-    def worker(t: int) -> None:
-        for _ in range(5):
-            with (catalog, other)[t % 2].lock("promote-p", f"w{t}", timeout_s=60):
-                with guard:
-                    inside.append(t)
-                    most[0] = max(most[0], len(inside))
-                time.sleep(0.002)
-                with guard:
-                    inside.remove(t)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert most[0] == 1
-    assert catalog.acquire_lock("promote-p", "dead", hold_s=0.05)
-    assert not other.acquire_lock("promote-p", "b", timeout_s=0)
-    assert other.acquire_lock("promote-p", "b", timeout_s=5)
-    other.close()
-
-
 def test_reindex_policy(catalog: Catalog) -> None:
     truth = {1: Registration(D1, "tiny", 8, "/d1"), 2: Registration(D2, "tiny", 8, "/d2")}
     catalog.register(D3, "tiny", 8, "/d3", policy="p")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from mint_core.registry.catalog import (
     parse_address,
     versions,
 )
+from mint_core.registry.leases import CatalogLeases, RedisLeases, leases_for
 
 
 def dg(i: int | str) -> str:
@@ -342,60 +342,43 @@ def test_concurrent_writers_get_distinct_versions(tmp_path: Path) -> None:
         cat.close()
 
 
-# ---- locks (the one lock mechanism: leases in the catalog) ----
+# ---- leases in the catalog (the default backend; every backend: tests/integration/test_leases.py) ----
 
 
-def test_lock_is_exclusive_reentrant_for_its_holder_and_released(catalog: Catalog) -> None:
-    assert catalog.acquire_lock("registry/p", "a", timeout_s=0)
-    assert catalog.lock_holder("registry/p") == "a"
-    assert not catalog.acquire_lock("registry/p", "b", timeout_s=0.05)  # held: b waits, then gives up
-    assert catalog.acquire_lock("registry/p", "a", timeout_s=0)  # taking it again renews it
-    assert catalog.acquire_lock("registry/q", "b", timeout_s=0)  # another name is another lock
-    assert not catalog.release_lock("registry/p", "b")  # only the holder releases
-    assert catalog.release_lock("registry/p", "a")
-    assert catalog.lock_holder("registry/p") is None
-    assert catalog.acquire_lock("registry/p", "b", timeout_s=0)
+def test_lease_is_exclusive_renewed_by_its_holder_and_released(catalog: Catalog) -> None:
+    leases = CatalogLeases(catalog)
+    assert leases.acquire("registry/p", "a", acquire_timeout=0)
+    assert leases.holder("registry/p") == "a"
+    assert not leases.acquire("registry/p", "b", acquire_timeout=0.05)  # held: b waits, then gives up
+    assert leases.acquire("registry/p", "a", acquire_timeout=0)  # taking it again renews it
+    assert leases.acquire("registry/q", "b", acquire_timeout=0)  # another name is another lease
+    assert not leases.release("registry/p", "b")  # only the holder releases
+    assert leases.release("registry/p", "a")
+    assert leases.holder("registry/p") is None
+    assert leases.acquire("registry/p", "b", acquire_timeout=0)
 
 
-def test_lock_of_a_dead_holder_expires(catalog: Catalog) -> None:
-    assert catalog.acquire_lock("promote-p", "dead", hold_s=0.05)
-    assert not catalog.acquire_lock("promote-p", "b", timeout_s=0)
-    assert catalog.acquire_lock("promote-p", "b", timeout_s=5)  # after 50 ms the lease is free
-    assert catalog.lock_holder("promote-p") == "b"
-    assert not catalog.release_lock("promote-p", "dead")
+def test_lease_of_a_dead_holder_expires(catalog: Catalog) -> None:
+    leases = CatalogLeases(catalog)
+    assert leases.acquire("promote-p", "dead", hold_timeout=0.05)
+    assert not leases.acquire("promote-p", "b", acquire_timeout=0)
+    assert leases.acquire("promote-p", "b", acquire_timeout=5)  # after 50 ms the lease is free
+    assert leases.holder("promote-p") == "b"
+    assert not leases.release("promote-p", "dead")
 
 
-def test_lock_serialises_writers_across_catalogs(tmp_path: Path) -> None:
-    """Eight threads over two catalogs on one file: inside the lock, never two at once."""
-    from mint_core.registry.catalog import LockTimeout
+@pytest.mark.parametrize(
+    ("url", "backend"),
+    [(None, CatalogLeases), ("", CatalogLeases), ("redis://127.0.0.1:6379/0", RedisLeases)],
+)
+def test_leases_for_picks_the_backend_by_url(catalog: Catalog, url: str | None, backend: type) -> None:
+    assert isinstance(leases_for(url, catalog), backend)  # a Redis client connects on first use, not here
 
-    url = f"sqlite:///{tmp_path}/shared.db"
-    cats = [Catalog(CatalogConfig(url=url)) for _ in range(2)]
-    inside: list[int] = []
-    most = [0]
-    guard = threading.Lock()
 
-    def worker(t: int) -> None:
-        for _ in range(5):
-            with cats[t % 2].lock("registry/p", f"w{t}", timeout_s=60):
-                with guard:
-                    inside.append(t)
-                    most[0] = max(most[0], len(inside))
-                time.sleep(0.002)
-                with guard:
-                    inside.remove(t)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert most[0] == 1
-    assert cats[0].acquire_lock("registry/p", "x", timeout_s=0)
-    with pytest.raises(LockTimeout, match="held by x"), cats[1].lock("registry/p", "y", timeout_s=0.05):
-        pass
-    for cat in cats:
-        cat.close()
+@pytest.mark.parametrize("url", ["postgresql://h/db", "sqlite:///x.db", "127.0.0.1:6379"])
+def test_leases_for_refuses_other_urls(catalog: Catalog, url: str) -> None:
+    with pytest.raises(ValueError, match="leases live in the catalog"):
+        leases_for(url, catalog)
 
 
 # ---- the index, rebuilt from what the registry says ----
