@@ -99,9 +99,9 @@ def being_trained(ws: Workspace, names: list[str]) -> dict[str, str]:
     for run in active:
         for name in _policies_of(run.parameters) & set(names):
             busy.setdefault(name, f"flow run {run.name} ({run.id}) is training it")
-    catalog = ws.registry().catalog
+    leases = ws.leases()  # where promotions take it: the catalog, or Redis where lock_url names one
     for name in names:
-        holder = catalog.lock_holder(f"promote-{name}")
+        holder = leases.holder(f"promote-{name}")
         if holder is not None and name not in busy:
             busy[name] = f"its promotion lease is held by {holder}"
     return busy
