@@ -562,12 +562,39 @@ def work_pool(config: ServicesConfig) -> str:
     return str(pools.pop()) if pools else DEFAULT_POOL
 
 
-def _fingerprint(config: ServicesConfig, api: str) -> str:
+def workspace_defaults(config: ServicesConfig) -> dict[str, str]:
+    """The `workspace` parameter of every deployment: the servers of this state dir, and the store, catalog and
+    lifecycle folder beside it (`.mint/` for the default `.mint/run`, as the flows' own Workspace defaults and
+    `mint run` lay them out), so a run started from the dashboard or a schedule reaches these servers."""
+    home = config.state_dir.resolve().parent
+    store = config.serve_adapter_root or ServingConfig.load(config.serve_config).adapter_root
+    return {
+        "tracking_uri": config.url("mlflow"),
+        "serving_url": config.url("serve"),
+        "admin_token_file": str(config.state_dir.resolve() / "serve.token"),
+        "store": str(store.resolve()),
+        "catalog_url": f"sqlite:///{home / 'catalog.db'}",
+        "work_dir": str(home / "lifecycle"),
+        "base": str(Path(serve_base(config)).resolve()),
+    }
+
+
+def _deployments_for(config: ServicesConfig) -> str:
+    """The deployments file with each deployment's `workspace` defaulting to this state dir's (unless it sets
+    one), as YAML."""
+    doc = _deployments_file(config)
+    for d in doc.get("deployments") or []:
+        params = d.setdefault("parameters", {}) or {}
+        params.setdefault("workspace", workspace_defaults(config))
+        d["parameters"] = params
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _fingerprint(config: ServicesConfig, api: str, deployments: str) -> str:
     """What the registered deployments are made of: the file, the code behind their parameter forms (flows/,
     tasks/, mint_core/), the server and the directory runs start in."""
-    assert config.deployments is not None
     h = hashlib.sha256(f"{api}\n{Path.cwd()}\n".encode())
-    h.update(config.deployments.read_bytes())
+    h.update(deployments.encode())
     for package in ("flows", "tasks", "mint_core"):
         for path in sorted(Path(package).rglob("*.py")):
             h.update(str(path).encode() + b"\0" + path.read_bytes())
@@ -583,8 +610,9 @@ def _prefect_cli(*args: str, api: str, timeout: float = 300) -> subprocess.Compl
 
 def register_deployments(config: ServicesConfig) -> str:
     """Create the work pool and register every deployment of `config.deployments` on the Prefect server of this
-    state dir (`prefect deploy --all`, once); skipped when the file, the code and the server are those of the last
-    registration and every deployment is still there. Says what it did."""
+    state dir (`prefect deploy --all`, once), each with `workspace_defaults` as its workspace; skipped when the
+    file, the code and the server are those of the last registration and every deployment is still there. Says
+    what it did."""
     if config.deployments is None:
         return "no deployments file"
     api = config.url("prefect") + "/api"
@@ -595,7 +623,9 @@ def register_deployments(config: ServicesConfig) -> str:
     names = sorted(d["name"] for d in _deployments_file(config).get("deployments") or [])
     pool = work_pool(config)
     record = config.state_dir / "deployments.json"
-    fingerprint = _fingerprint(config, api)
+    derived = config.state_dir / "prefect.yaml"
+    text = _deployments_for(config)
+    fingerprint = _fingerprint(config, api, text)
     try:
         last = json.loads(record.read_text())
     except (OSError, ValueError):
@@ -616,7 +646,10 @@ def register_deployments(config: ServicesConfig) -> str:
             raise ServiceError(
                 f"worker: could not create work pool {pool}:\n{made.stdout[-2000:]}{made.stderr[-2000:]}"
             )
-    deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(config.deployments), api=api)
+    derived.write_text(
+        f"# {config.deployments} as `mint up` registered it (workspace: this state dir's)\n{text}"
+    )
+    deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(derived.resolve()), api=api)
     if deployed.returncode != 0:
         raise ServiceError(
             f"worker: prefect deploy --all --prefect-file {config.deployments} failed:\n"
