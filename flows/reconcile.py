@@ -2,9 +2,10 @@
 
 A person may move an alias anywhere MLflow lets them (the UI, `MlflowClient`): that is a rollback or a
 promotion by hand. `reconcile` re-indexes the policy in the catalog from MLflow (the truth) and brings the
-served revision in line with MLflow's alias, policy by policy, under the same per-policy catalog lock as promotions (so it never interleaves with one). Deployed on an
-interval of N seconds (infra/prefect.yaml: 30), an alias moved in MLflow is served within N s plus one
-reconcile pass (an in-place load and a smoke check: well under a second per policy on the tiny base).
+served revision in line with MLflow's alias, policy by policy, under the same per-policy catalog lock as
+promotions (so it never interleaves with one). MLflow's alias webhook reaches mint's receiver
+(`mint_app.webhooks`), which runs the same `mint_core.lifecycle.reconcile` for the one policy within seconds; this
+flow, deployed on an interval of 30 s (infra/prefect.yaml), is the safety net for an event that was missed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import IsolationLevel, transaction
 
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle import Workspace, promotion_lock
 from tasks.common import RETRY_DELAYS, lock_store, transient
 from tasks.serving import Reconciled, reconcile_policy
 
@@ -44,7 +45,7 @@ def reconcile(
     for policy in names:
         try:
             with transaction(
-                key=f"promote-{policy}",
+                key=promotion_lock(policy),
                 isolation_level=IsolationLevel.SERIALIZABLE,
                 store=lock_store(workspace),
                 overwrite=True,

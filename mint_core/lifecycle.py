@@ -13,8 +13,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import matplotlib
@@ -25,13 +27,16 @@ from mint_core.data.revision import data_rev
 from mint_core.data.tasks import Example, read_jsonl, split
 from mint_core.errors import MintError
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
-from mint_core.registry.leases import LOCK_URL_ENV, Leases, leases_for
+from mint_core.registry.index import new_holder
+from mint_core.registry.leases import LOCK_URL_ENV, Leases, held, leases_for
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revision, UnknownRevision
 from mint_core.registry.runs import IDEMPOTENCY_TAG
 from mint_core.registry.store import AdapterStore
-from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import PolicySpec
 from mint_core.serving.client import ServingClient, ServingError
+
+if TYPE_CHECKING:  # annotations only: the webhook receiver reconciles through this module and loads no torch
+    from mint_core.rl.grpo import GRPOConfig
+    from mint_core.rl.trainer import PolicySpec
 
 logger = logging.getLogger(__name__)
 matplotlib.use("Agg")  # curves are drawn to files for MLflow, never shown
@@ -259,6 +264,61 @@ def smoke_check(client: ServingClient, name: str, digest: str, prompt: str = "ad
     if got.removeprefix("sha256:") != digest:  # mint serve names the revision by its bare hex digest
         raise SmokeCheckFailed(f"{client.base_url} answered {name!r} with revision {got}, expected {want}")
     return time.perf_counter() - t0
+
+
+def promotion_lock(policy: str) -> str:
+    """The lease that serialises everything that changes what `policy` serves: promotions, rollbacks,
+    reconciles (the key of the flows' SERIALIZABLE transactions, and what the webhook receiver takes)."""
+    return f"promote-{policy}"
+
+
+@contextmanager
+def policy_lock(ws: Workspace, policy: str, holder: str, timeout_s: float | None = 60.0) -> Iterator[None]:
+    """Hold `policy`'s promotion lock for the block, outside Prefect (the flows' SERIALIZABLE transactions take
+    the same lease); `mint_core.registry.leases.LockTimeout` when it stays taken for `timeout_s`."""
+    with held(ws.leases(), promotion_lock(policy), new_holder(holder), timeout_s, ws.lock_hold_s):
+        yield
+
+
+class Reconciliation(BaseModel):
+    """One policy's serving brought in line with its `champion` alias."""
+
+    policy: str
+    champion: int | None
+    """The version MLflow's `champion` names (None: unset; serving is then left as it is)."""
+    served_before: str | None
+    """`sha256:<hex>` served under the policy's name before (None: not loaded)."""
+    served_after: str | None
+    reloaded: bool
+    alias_synced: bool
+    """The catalog's alias had to follow a move made in MLflow directly."""
+
+
+def reconcile(ws: Workspace, policy: str, name: str | None = None) -> Reconciliation:
+    """Follow the registry for one policy: sync the catalog's `champion` with MLflow's, and when the server holds
+    another revision under `name` (default: the policy's name), load the champion in place and smoke-check it.
+    Idempotent; the caller holds `policy_lock` (or the flows' transaction on `promotion_lock`)."""
+    name = name or policy
+    reg = ws.registry()
+    synced = reg.sync_alias(policy, CHAMPION) is not None
+    version = reg.alias_version(policy, CHAMPION)
+    with ws.client() as client:
+        before = served_revision(client, name)
+        after, reloaded = before, False
+        if version is not None:
+            digest = reg.revision(policy, version).digest
+            if before != f"sha256:{digest}":
+                client.load_adapter(name, ws.lora_path(digest), inplace=True)
+                smoke_check(client, name, digest)
+                after, reloaded = f"sha256:{digest}", True
+    return Reconciliation(
+        policy=policy,
+        champion=version,
+        served_before=before,
+        served_after=after,
+        reloaded=reloaded,
+        alias_synced=synced,
+    )
 
 
 def prefetch_route(client: ServingClient) -> bool:

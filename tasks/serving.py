@@ -11,7 +11,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 from pydantic import BaseModel
 
-from mint_core.lifecycle import Workspace, fault, prefetch, prefetch_route, served_revision, smoke_check
+from mint_core.lifecycle import (
+    Reconciliation,
+    Workspace,
+    fault,
+    prefetch,
+    prefetch_route,
+    reconcile,
+    served_revision,
+    smoke_check,
+)
 from mint_core.registry.catalog import CHAMPION
 from mint_core.serving.client import ServingError
 from tasks.common import RETRY_DELAYS, Timed, transient
@@ -34,16 +43,8 @@ class Smoke(Timed):
     latency_s: float
 
 
-class Reconciled(Timed):
-    """One policy's serving brought in line with its `champion` alias."""
-
-    policy: str
-    champion: int | None
-    served_before: str | None
-    served_after: str | None
-    reloaded: bool
-    alias_synced: bool
-    """The catalog's alias had to follow a move made in MLflow directly."""
+class Reconciled(Reconciliation, Timed):
+    """One policy's serving brought in line with its `champion` alias (`mint_core.lifecycle.reconcile`)."""
 
 
 class Prefetched(BaseModel):
@@ -97,28 +98,8 @@ def check_served(ws: Workspace, name: str, digest: str) -> Smoke:
 def reconcile_policy(ws: Workspace, policy: str, name: str) -> Reconciled:
     """Follow the registry: sync the catalog's alias with MLflow's, and load the champion if serving differs."""
     t0 = time.perf_counter()
-    reg = ws.registry()
-    synced = reg.sync_alias(policy, CHAMPION) is not None
-    version = reg.alias_version(policy, CHAMPION)
-    with ws.client() as client:
-        before = served_revision(client, name)
-        after = before
-        reloaded = False
-        if version is not None:
-            digest = reg.revision(policy, version).digest
-            if before != f"sha256:{digest}":
-                client.load_adapter(name, ws.lora_path(digest), inplace=True)
-                smoke_check(client, name, digest)
-                after, reloaded = f"sha256:{digest}", True
-    return Reconciled(
-        policy=policy,
-        champion=version,
-        served_before=before,
-        served_after=after,
-        reloaded=reloaded,
-        alias_synced=synced,
-        work_s=time.perf_counter() - t0,
-    )
+    r = reconcile(ws, policy, name)
+    return Reconciled(**r.model_dump(), work_s=time.perf_counter() - t0)
 
 
 @task(cache_policy=NO_CACHE, **_RETRY)
