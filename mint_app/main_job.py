@@ -49,6 +49,7 @@ from mint_core.lifecycle import Workspace
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
 from mint_core.settings import Settings
+from tasks.registry import EXPERIMENT
 
 STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
 """The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""
@@ -673,7 +674,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 note.append(summary)
 
     console.print(timer.table())
-    where(cfg, started, prefect_url, runs, console)
+    where(cfg, started, prefect_url, runs, console, training_runs_url(ws, started["mlflow"].url))
 
 
 def _count(report: WaveReport) -> str:
@@ -683,12 +684,22 @@ def _count(report: WaveReport) -> str:
     return ", ".join(f"{n} {s}" for s, n in by.items())
 
 
+def training_runs_url(ws: Workspace, mlflow: str) -> str:
+    """The runs view of the lifecycle's experiment (a table of the training runs). The experiment's own page,
+    `#/experiments/<id>`, opens on MLflow 3's GenAI overview ("Traces 0") instead."""
+    exp = ws.registry().client.get_experiment_by_name(EXPERIMENT)
+    return (
+        f"{mlflow}/#/experiments/{exp.experiment_id}/runs" if exp is not None else f"{mlflow}/#/experiments"
+    )
+
+
 def where(
     cfg: MainJobConfig,
     services: Mapping[ServiceName, Service],
     prefect_url: str,
     runs: list[tuple[str, str]],
     console: Console,
+    runs_url: str | None = None,
 ) -> None:
     """Where to look, and how to stop."""
     mlflow = services["mlflow"].url
@@ -701,7 +712,7 @@ def where(
     say(f"MLflow UI           {mlflow}/#/models  (one registered model per policy)")
     for p in cfg.policies:
         say(f"  {p:<24} {mlflow}/#/models/{p}")
-    say(f"  training runs            {mlflow}/#/experiments (experiment mint-lifecycle)")
+    say(f"  training runs            {runs_url or mlflow + '/#/experiments'} (experiment {EXPERIMENT})")
     say(f"mint serve          {serve}/v1/models  (metrics: {serve}/metrics)")
     p0 = cfg.policies[0]
     prompt, _ = heldout_prompt(cfg, p0)
