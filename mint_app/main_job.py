@@ -1,7 +1,8 @@
 """The main job (`mint run`, `make run`): the whole lifecycle on the embedded default, every step timed.
 
 1. build what is missing with DVC: the task data, the built-in base, the eval suites' data, the data checks;
-2. start MLflow, Prefect and `mint serve` on the built-in base (reusing those already running);
+2. start MLflow, Prefect and `mint serve` on the built-in base, and a Prefect worker with every deployment of
+   infra/prefect.yaml registered (reusing those already running);
 3. the `wave` flow: every policy without a champion gets its first revision (the gate has nothing to compare
    with), then a second wave trains every policy from its champion and gates the candidate against it;
 4. a served completion from each policy's champion through the HTTP server, naming the revision that answered;
@@ -108,6 +109,8 @@ class MainJobConfig(Settings):
     """Prefect API and dashboard."""
     serve_port: int = Field(8000, ge=1, le=65535)
     """`mint serve` (the OpenAI/vLLM-compatible API)."""
+    worker_port: int = Field(4201, ge=1, le=65535)
+    """Healthcheck of the Prefect worker that runs the deployments (dashboard runs, nightly retraining)."""
     torch_threads: int | None = Field(1, ge=1)
     """CPU threads of torch in this process (the trainer) and in a `mint serve` started here; None: torch's
     choice. 1 because on a 2-core machine shared with other busy processes OpenMP's spinning threads stall each
@@ -269,6 +272,7 @@ def services_config(cfg: MainJobConfig) -> ServicesConfig:
         mlflow_port=cfg.mlflow_port,
         prefect_port=cfg.prefect_port,
         serve_port=cfg.serve_port,
+        worker_port=cfg.worker_port,
         serve_base=str(cfg.base.resolve()),
         serve_adapter_root=cfg.state_dir / "store",
     )
