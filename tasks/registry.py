@@ -12,7 +12,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 
-from mint_core.eval.gate import GATE_TAG, GateDecision, GatePolicy, SuiteScore, decide
+from mint_core.eval.gate import GATE_TAG, Baseline, GateDecision, GatePolicy, SuiteScore, decide
 from mint_core.lifecycle import Workspace, champion, curve_figure, fault, find_by_key
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import IDEMPOTENCY_TAG, log_training_run, tag_version
@@ -95,16 +95,24 @@ def gate(
     policy: GatePolicy,
     candidate_scores: dict[str, SuiteScore],
     champion_scores: dict[str, SuiteScore] | None,
+    baseline: Baseline = "champion",
 ) -> GateDecision:
-    """Decide whether the candidate may replace the champion, and record the decision on its version."""
+    """Decide whether the candidate may replace its baseline (the champion, or the bare base for a first
+    revision: `baseline="base"` with the base's scores as `champion_scores`), and record the decision."""
     decision = decide(
-        policy, candidate_scores.values(), None if champion_scores is None else champion_scores.values()
+        policy,
+        candidate_scores.values(),
+        None if champion_scores is None else champion_scores.values(),
+        baseline=baseline,
     )
     tag_version(ws.registry().client, candidate.policy, candidate.version, GATE_TAG, decision.tag_value())
+    failed = ", ".join(c.name for c in decision.failed())
+    verdict = "passed" if decision.passed else f"failed ({failed})"
     create_markdown_artifact(
-        f"### {candidate.address}\n\n" + decision.markdown(),
+        f"### {candidate.address}{f' vs {decision.baseline}' if decision.baseline else ''}\n\n"
+        + decision.markdown(),
         key=artifact_key("gate", candidate.policy),
-        description=f"gate of {candidate.address}: {'passed' if decision.passed else 'failed'}",
+        description=f"gate of {candidate.address}: {verdict}",
     )
     return decision
 

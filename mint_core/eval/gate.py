@@ -1,18 +1,47 @@
 """The promotion gate: does a candidate revision's evaluation earn it the `champion` alias?
 
-The gate reads one score per evaluation suite for the candidate and (when there is one) the current champion,
-runs a fixed list of checks and passes only when all of them pass:
+The gate compares the candidate with a baseline on the same items of the same suites: the policy's champion,
+or, for a policy's first revision, the bare base (revision 0 of every policy). It runs a fixed list of checks
+and passes only when all of them pass:
 
-- `samples:<suite>`   every suite it reads has at least `min_samples` samples, on both sides;
-- `floor:<suite>`     the candidate scores at least the suite's absolute floor;
-- `margin:<suite>`    on the policy's own suite, candidate >= champion + `margin`;
-- `guard:<suite>`     on every guard suite, candidate >= champion - `guard_tolerance`;
-- `significance:<suite>` (optional) a one-sided test that the candidate beats the champion on its own suite
-  has p < `alpha`.
+- `samples:<suite>` every suite it reads has at least `min_samples` samples, on both sides;
+- `floor:<suite>`   the candidate scores at least the suite's absolute floor;
+- `gain:<suite>`    on the policy's own suite the candidate's gain over the baseline is statistically
+  significant (exact McNemar test, two-sided p < `alpha`) and at least `min_effect` (absolute);
+- `guard:<suite>`   on every guard suite the candidate is non-inferior: the two-sided (1 - `alpha`) confidence
+  interval of its difference from the baseline lies above `-guard_margin` (a one-sided score test of
+  H0: difference <= -guard_margin at level alpha/2, the CONSORT convention).
 
-With no champion yet (a policy's first revision) only the sample counts and floors are checked, and the
-decision's reasons say so. A suite the gate needs but one side was not evaluated on fails its check: the gate
-says no when it cannot tell.
+Every comparison is paired: item i of a suite is the same prompt for both revisions, so what carries the
+evidence is the discordant items, b (only the candidate right) and c (only the baseline right). The effect is
+the difference in accuracy, (b - c) / n. Its confidence interval is Tango's score interval for a difference of
+paired proportions (Tango 1998, Stat Med 17:891), which keeps close to nominal coverage down to a handful of
+discordant items; the guards' p-value is the same score test, so a guard passes exactly when its interval
+clears the margin.
+
+Each compared check also reports the minimum detectable effect (MDE) of its suite: the smallest true gain
+(own suite; Connor's formula, see `required_n`) or non-inferiority margin (guard; `detectable_margin`) that
+its n items detect at `alpha` with `power` (0.8), at the discordance observed between the two revisions. The
+decision warns when that is larger than `min_effect` (or the guard's margin).
+
+How the eval sizes were chosen (alpha 0.05, power 0.8; planning discordance 0.2, i.e. the two revisions
+disagree on one item in five, an assumption until real runs measure it: every check reports its own):
+
+| what | needs n >= |
+| --- | --- |
+| own suite, true gain 0.10 | 155 (194 at discordance 0.25): **200 items per task suite** |
+| own suite, true gain 0.05 (= `min_effect`) | 626 |
+| guard, margin 0.10 | 157 |
+| guard, margin 0.05 (= `guard_margin`) | 628 (the guard group holds 2 x limit items, 400 at limit 200) |
+
+So 200 items per task suite detect the +0.10 a training round is meant to bring. `min_effect` 0.05 is the
+practical floor every promotion must clear besides significance, not the effect the suites are sized for: an
+observed-gain threshold as large as the design effect would halve the power for it. Smaller suites still gate
+correctly (a false promotion stays below alpha); they only reject more real gains, and the decision warns.
+
+With no baseline scores at all (`champion=None`) or with `compare=False`, only the sample counts and floors
+are checked and the reasons say so. A suite the gate needs but one side was not evaluated on (or not on the
+same items) fails its check: the gate says no when it cannot tell.
 """
 
 from __future__ import annotations
@@ -20,7 +49,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from typing import Literal
+from statistics import NormalDist
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.table import Table
@@ -29,8 +59,16 @@ GATE_TAG = "mint.gate"
 """Model-version tag holding the decision as compact JSON."""
 _TAG_MAX_CHARS = 5000  # the smallest tag-value limit among MLflow backends
 _SLACK = 1e-9  # scores are ratios of counts: 0.7 must pass ">= 0.6 + 0.1" despite rounding
+_NORMAL = NormalDist()
 
-Significance = Literal["none", "auto", "paired", "two_proportion"]
+Baseline = Literal["champion", "base"]
+"""What the candidate is compared with: the policy's champion, or the bare base (a first revision)."""
+
+_RENAMED = {
+    "margin": "`margin` (a raw own-suite margin) is gone: use `min_effect` (the gain must also be significant)",
+    "guard_tolerance": "`guard_tolerance` is gone: guards are non-inferiority tests, use `guard_margin`",
+    "significance": "`significance` is gone: the paired test always runs (`compare=False` turns comparing off)",
+}
 
 
 class SuiteScore(BaseModel):
@@ -46,7 +84,8 @@ class SuiteScore(BaseModel):
     """Number of samples scored."""
     correct: list[bool] | None = None
     """Per-sample correctness in the suite's fixed sample order (the same order for every revision, so a
-    candidate's and a champion's lists pair up); None when only the aggregate is known."""
+    candidate's and a champion's lists pair up); None when only the aggregate is known, which the gate's paired
+    checks cannot use."""
 
     @model_validator(mode="after")
     def _correct_has_n_entries(self) -> SuiteScore:
@@ -61,32 +100,44 @@ class SuiteScore(BaseModel):
 
 
 class GatePolicy(BaseModel):
-    """When a candidate revision may replace the champion of its policy."""
+    """When a candidate revision may replace the champion of its policy (or, first, the bare base)."""
 
     model_config = ConfigDict(extra="forbid")
 
     suite: str = Field(min_length=1)
     """The policy's own suite: the one its training is meant to improve."""
-    margin: float = Field(0.0, ge=0.0, le=1.0)
-    """The candidate's own-suite score must be at least the champion's plus this."""
     guard_suites: list[str] = Field(default_factory=list)
-    """Other suites (other tasks, general ability) on which the candidate must not regress."""
-    guard_tolerance: float = Field(0.02, ge=0.0, le=1.0)
-    """A guard suite fails when the candidate scores below the champion's score minus this."""
+    """Other suites (other tasks, general ability) on which the candidate must be non-inferior."""
+    alpha: float = Field(0.05, gt=0.0, lt=1.0)
+    """Significance level: the own-suite gain needs an exact two-sided McNemar p below it, and every
+    confidence interval reported (and a guard's) has coverage 1 - alpha."""
+    min_effect: float = Field(0.05, ge=0.0, lt=1.0)
+    """Smallest own-suite gain (absolute accuracy, candidate minus baseline) worth a promotion: the observed
+    gain must reach it besides being significant."""
+    guard_margin: float = Field(0.05, gt=0.0, lt=1.0)
+    """Non-inferiority margin of the guards: a guard passes when the confidence interval of the candidate's
+    difference from the baseline lies above -guard_margin. Positive: with 0 a guard would have to improve."""
+    power: float = Field(0.8, gt=0.0, lt=1.0)
+    """Power at which the minimum detectable effect is reported (and suites are sized)."""
     floors: dict[str, float] = Field(default_factory=dict)
-    """Absolute minimum score per suite; checked whether or not there is a champion."""
+    """Absolute minimum score per suite; checked whether or not there is a baseline."""
     min_samples: int = Field(1, ge=1)
-    """Fewest samples each suite the gate reads may have, on the candidate's and the champion's side alike;
+    """Fewest samples each suite the gate reads may have, on the candidate's and the baseline's side alike;
     below it a score is noise and the check fails."""
     min_samples_by_suite: dict[str, int] = Field(default_factory=dict)
     """Per-suite overrides of `min_samples` (suite name -> fewest samples)."""
-    significance: Significance = "none"
-    """One-sided test that the candidate beats the champion on its own suite (H0: it does not). "paired": an
-    exact sign test (McNemar) on the samples where the two disagree, from per-sample correctness;
-    "two_proportion": a pooled two-proportion z-test from counts; "auto": paired when both sides carry
-    per-sample correctness of the same length, else two-proportion; "none": no test."""
-    alpha: float = Field(0.05, gt=0.0, lt=1.0)
-    """Significance level: the test passes when its p-value is below alpha."""
+    compare: bool = True
+    """False: check only sample counts and floors, as for a revision with no baseline (plumbing tests, a
+    manual promotion). The default compares every revision with its baseline."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            old = [_RENAMED[k] for k in data if k in _RENAMED]
+            if old:
+                raise ValueError("; ".join(old))
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> GatePolicy:
@@ -98,6 +149,8 @@ class GatePolicy(BaseModel):
         small = {k: v for k, v in self.min_samples_by_suite.items() if v < 1}
         if small:
             raise ValueError(f"min_samples_by_suite values must be >= 1: {small}")
+        if self.power <= self.alpha:
+            raise ValueError(f"power {self.power:g} must exceed alpha {self.alpha:g}")
         return self
 
     def suites(self) -> list[str]:
@@ -108,15 +161,52 @@ class GatePolicy(BaseModel):
         return self.min_samples_by_suite.get(suite, self.min_samples)
 
 
+class PairedStats(BaseModel):
+    """The numbers behind one paired comparison of a candidate with its baseline on one suite."""
+
+    model_config = ConfigDict(frozen=True)
+
+    n: int
+    """Items compared (the same items on both sides)."""
+    b: int
+    """Items only the candidate got right."""
+    c: int
+    """Items only the baseline got right."""
+    candidate: float
+    """The candidate's score on the suite."""
+    baseline: float
+    """The baseline's score on the suite."""
+    effect: float
+    """Candidate minus baseline accuracy, (b - c) / n."""
+    ci: tuple[float, float]
+    """Two-sided (1 - alpha) score confidence interval of the effect (Tango)."""
+    p_value: float
+    """Own suite: exact two-sided McNemar. Guard: one-sided score test of H0 effect <= -margin."""
+    mde: float | None
+    """Smallest true effect (own suite) or margin (guard) this many items detect at the policy's alpha and
+    power, at the observed discordance; None when no effect that discordance allows is detectable."""
+
+    @property
+    def discordance(self) -> float:
+        """Share of items on which the two revisions disagree, (b + c) / n."""
+        return (self.b + self.c) / self.n if self.n else 0.0
+
+    def summary(self, confidence: float) -> str:
+        ci = f"{confidence:.0%} CI [{self.ci[0]:+.3f}, {self.ci[1]:+.3f}]"
+        return f"{self.effect:+.3f} ({self.baseline:.3f} -> {self.candidate:.3f}), {ci}, p={self.p_value:.3g}, n={self.n}"
+
+
 class Check(BaseModel):
     """One named test of the gate and its outcome."""
 
     name: str
-    """`<kind>:<suite>`, kind one of samples, floor, margin, guard, significance."""
+    """`<kind>:<suite>`, kind one of samples, floor, gain, guard."""
     passed: bool
     """Whether this check passed."""
     detail: str
-    """The numbers compared, readable on their own."""
+    """The numbers compared and, when it failed, what fell short and by how much; readable on its own."""
+    stats: PairedStats | None = None
+    """For gain and guard checks: effect, confidence interval, p-value, n and MDE."""
 
 
 class GateDecision(BaseModel):
@@ -125,55 +215,92 @@ class GateDecision(BaseModel):
     passed: bool
     """True when every check passed."""
     reasons: list[str]
-    """Why: the detail of every failed check (or a one-line summary when all passed), plus a note when there
-    was no champion to compare with."""
+    """Why: what the candidate was compared with, the detail of every failed check (or a summary when all
+    passed), then warnings (`warning: ...`, e.g. a suite too small for `min_effect`)."""
     checks: list[Check]
     """Every check run, in order."""
     first_revision: bool = False
-    """True when there was no champion, so only sample counts and floors were checked."""
+    """True when there was no champion (the candidate was compared with the base, or with nothing)."""
+    baseline: Baseline | None = "champion"
+    """What the paired checks compared with; None when nothing was compared (floors and samples only)."""
+    warnings: list[str] = Field(default_factory=list)
+    """Suites too small for the effect (or margin) they are meant to detect; also at the end of `reasons`."""
+    alpha: float = 0.05
+    """The policy's alpha: the confidence intervals are 1 - alpha."""
 
     def failed(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
+    def check(self, name: str) -> Check | None:
+        """The check called `name` (e.g. `gain:add`), if it ran."""
+        return next((c for c in self.checks if c.name == name), None)
+
+    def _columns(self, c: Check) -> list[str]:
+        s = c.stats
+        if s is None:
+            return ["", "", "", "", ""]
+        mde = "-" if s.mde is None else f"{s.mde:.3f}"
+        return [f"{s.effect:+.3f}", f"[{s.ci[0]:+.3f}, {s.ci[1]:+.3f}]", f"{s.p_value:.3g}", str(s.n), mde]
+
+    def _header(self) -> list[str]:
+        return ["check", "result", "effect", f"{1 - self.alpha:.0%} CI", "p", "n", "MDE", "detail"]
+
     def table(self, title: str | None = None) -> Table:
         """The checks as a rich table (for the CLI and logs)."""
         verdict = "[green]passed[/]" if self.passed else "[red]failed[/]"
-        table = Table("check", "result", "detail", title=title or f"gate {verdict}")
+        table = Table(*self._header(), title=title or f"gate {verdict}")
         for c in self.checks:
-            table.add_row(c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", c.detail)
+            table.add_row(
+                c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", *self._columns(c), c.detail
+            )
         return table
 
     def markdown(self) -> str:
         """The decision as markdown (a Prefect artifact): verdict, reasons, then a table of checks."""
+        head = self._header()
         lines = [f"**Gate: {'passed' if self.passed else 'failed'}**", ""]
         lines += [f"- {_md(r)}" for r in self.reasons]
-        lines += ["", "| check | result | detail |", "| --- | --- | --- |"]
-        lines += [
-            f"| {_md(c.name)} | {'pass' if c.passed else 'FAIL'} | {_md(c.detail)} |" for c in self.checks
-        ]
+        lines += ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for c in self.checks:
+            row = [c.name, "pass" if c.passed else "FAIL", *self._columns(c), c.detail]
+            lines.append("| " + " | ".join(_md(x) for x in row) + " |")
         return "\n".join(lines) + "\n"
 
     def tag_value(self) -> str:
-        """Compact JSON for the `mint.gate` model-version tag: the verdict, the reasons and the failed checks;
-        trailing reasons (then failed names) are dropped, with `"truncated": true`, to fit an MLflow tag."""
+        """Compact JSON for the `mint.gate` model-version tag: the verdict, the baseline, the reasons, the failed
+        checks and the paired checks' numbers (`stats`: effect, CI, p, n, MDE). To fit an MLflow tag, trailing
+        stats, then reasons, then failed names are dropped, with `"truncated": true`."""
         reasons, failed = list(self.reasons), [c.name for c in self.failed()]
+        stats = [(c.name, _compact(c.stats)) for c in self.checks if c.stats is not None]
 
         def dump(truncated: bool) -> str:
             doc: dict[str, object] = {
                 "passed": self.passed,
                 "first_revision": self.first_revision,
+                "baseline": self.baseline,
                 "reasons": reasons,
                 "failed": failed,
+                "stats": dict(stats),
             }
             if truncated:
                 doc["truncated"] = True
             return json.dumps(doc, separators=(",", ":"))
 
         text = dump(False)
-        while len(text) > _TAG_MAX_CHARS and (reasons or failed):
-            (reasons or failed).pop()
+        while len(text) > _TAG_MAX_CHARS and (stats or reasons or failed):
+            (stats or reasons or failed).pop()
             text = dump(True)
         return text
+
+
+def _compact(s: PairedStats) -> dict[str, object]:
+    return {
+        "effect": round(s.effect, 4),
+        "ci": [round(s.ci[0], 4), round(s.ci[1], 4)],
+        "p": float(f"{s.p_value:.4g}"),
+        "n": s.n,
+        "mde": None if s.mde is None else round(s.mde, 4),
+    }
 
 
 def _md(text: str) -> str:
@@ -189,90 +316,263 @@ def _by_name(scores: Iterable[SuiteScore], side: str) -> dict[str, SuiteScore]:
     return out
 
 
-def paired_p_value(candidate: list[bool], champion: list[bool]) -> float:
-    """One-sided exact sign test (McNemar) that the candidate is right more often than the champion on the
-    same samples: P(X >= b) for X ~ Binomial(b + c, 1/2), where b counts samples only the candidate gets right
-    and c those only the champion gets right. 1.0 when the two never disagree."""
-    if len(candidate) != len(champion):
-        raise ValueError(f"paired test needs equal lengths, got {len(candidate)} and {len(champion)}")
-    b = sum(x and not y for x, y in zip(candidate, champion, strict=True))
-    c = sum(y and not x for x, y in zip(candidate, champion, strict=True))
-    n = b + c
+# ---- paired statistics --------------------------------------------------------------------------------------
+
+
+def discordant(candidate: list[bool], baseline: list[bool]) -> tuple[int, int]:
+    """(b, c): items only the candidate gets right, items only the baseline gets right."""
+    if len(candidate) != len(baseline):
+        raise ValueError(f"paired results need equal lengths, got {len(candidate)} and {len(baseline)}")
+    b = sum(x and not y for x, y in zip(candidate, baseline, strict=True))
+    c = sum(y and not x for x, y in zip(candidate, baseline, strict=True))
+    return b, c
+
+
+def mcnemar_p(b: int, c: int, alternative: Literal["two-sided", "greater"] = "two-sided") -> float:
+    """Exact McNemar test on b and c discordant items: under H0 (equal accuracy) b ~ Binomial(b + c, 1/2).
+    "two-sided": 2 P(X <= min(b, c)), capped at 1 (as statsmodels' `mcnemar(exact=True)`); "greater" (the
+    candidate is better): P(X >= b). Exact integer arithmetic, so thousands of disagreements stay accurate.
+    1.0 when the two never disagree."""
+    if b < 0 or c < 0:
+        raise ValueError(f"discordant counts must be >= 0, got b={b}, c={c}")
+    m = b + c
+    if m == 0:
+        return 1.0
+    if alternative == "greater":
+        tail = sum(math.comb(m, k) for k in range(b, m + 1))
+        return min(1.0, tail / 2**m)
+    tail = sum(math.comb(m, k) for k in range(min(b, c) + 1))
+    return min(1.0, 2 * tail / 2**m)
+
+
+def score_z(b: int, c: int, n: int, delta0: float) -> float:
+    """Tango's score statistic for H0: effect = delta0 on n paired items, (b - c - n delta0) / sqrt(n (2 q +
+    delta0 (1 - delta0))), q the maximum-likelihood P(only the baseline right) under H0. Decreasing in delta0."""
+    num = b - c - n * delta0
     if n == 0:
-        return 1.0
-    # in log space: comb(n, k) / 2**n overflows floats for a few thousand disagreements
-    log_half_n = n * math.log(0.5)
-    terms = (
-        math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + log_half_n for k in range(b, n + 1)
-    )
-    return min(1.0, math.fsum(math.exp(t) for t in terms))
+        return 0.0
+    a2, b2 = 2.0 * n, -(b + c) + delta0 * (2 * n - b + c)
+    c2 = -c * delta0 * (1.0 - delta0)
+    q = (-b2 + math.sqrt(max(b2 * b2 - 4.0 * a2 * c2, 0.0))) / (2.0 * a2)
+    var = n * (2.0 * q + delta0 * (1.0 - delta0))
+    if var <= 1e-12:
+        return 0.0 if abs(num) < 1e-12 else math.copysign(math.inf, num)
+    return num / math.sqrt(var)
 
 
-def two_proportion_p_value(x1: int, n1: int, x2: int, n2: int) -> float:
-    """One-sided pooled two-proportion z-test that x1/n1 > x2/n2. 1.0 when a side has no samples or the pooled
-    proportion is 0 or 1 (no variance, so no evidence of a difference)."""
-    if n1 == 0 or n2 == 0:
-        return 1.0
-    pooled = (x1 + x2) / (n1 + n2)
-    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n1 + 1.0 / n2))
-    if se == 0.0:
-        return 1.0
-    z = (x1 / n1 - x2 / n2) / se
-    return 0.5 * math.erfc(z / math.sqrt(2.0))
+def paired_ci(b: int, c: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Tango's score confidence interval for the effect (b - c) / n: every delta0 whose two-sided score test
+    does not reject at 1 - confidence. Solved by bisection (80 halvings: far below any printed digit)."""
+    if n == 0:
+        return (-1.0, 1.0)
+    z = _NORMAL.inv_cdf(0.5 + confidence / 2.0)
+    est = (b - c) / n
+
+    def solve(lo: float, hi: float, target: float) -> float:
+        # score_z(lo) > target >= score_z(hi)
+        for _ in range(80):
+            mid = (lo + hi) / 2.0
+            if score_z(b, c, n, mid) > target:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2.0
+
+    low = -1.0 if score_z(b, c, n, -1.0) <= z else solve(-1.0, est, z)
+    high = 1.0 if score_z(b, c, n, 1.0) >= -z else solve(est, 1.0, -z)
+    return (low, high)
 
 
-def _significance(policy: GatePolicy, cand: SuiteScore, champ: SuiteScore) -> Check:
-    name = f"significance:{policy.suite}"
-    pairable = (
-        cand.correct is not None and champ.correct is not None and len(cand.correct) == len(champ.correct)
-    )
-    mode = policy.significance
-    if mode == "auto":
-        mode = "paired" if pairable else "two_proportion"
-    if mode == "paired":
-        if not pairable:
-            return Check(
-                name=name,
-                passed=False,
-                detail="paired test needs per-sample correctness of equal length from both revisions",
-            )
-        assert cand.correct is not None and champ.correct is not None
-        p = paired_p_value(cand.correct, champ.correct)
-        test = "paired sign test"
+def noninferiority_p(b: int, c: int, n: int, margin: float) -> float:
+    """One-sided score test p-value of H0: effect <= -margin (the candidate worse by the margin or more)."""
+    return 0.5 * math.erfc(score_z(b, c, n, -margin) / math.sqrt(2.0))
+
+
+def _z_pair(alpha: float, power: float) -> tuple[float, float]:
+    return _NORMAL.inv_cdf(1.0 - alpha / 2.0), _NORMAL.inv_cdf(power)
+
+
+def required_n(effect: float, discordance: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Items a two-sided paired test at alpha needs to detect a true `effect` with `power`, when a share
+    `discordance` of items is discordant (Connor 1987, Biometrics 43:207):
+    n = (z_{1-alpha/2} sqrt(d) + z_{power} sqrt(d - effect^2))^2 / effect^2.
+    An effect can be no larger than the discordance (|b - c| <= b + c)."""
+    if not 0.0 < effect <= discordance <= 1.0:
+        raise ValueError(
+            f"need 0 < effect <= discordance <= 1, got effect={effect}, discordance={discordance}"
+        )
+    za, zb = _z_pair(alpha, power)
+    root = za * math.sqrt(discordance) + zb * math.sqrt(discordance - effect * effect)
+    return math.ceil((root / effect) ** 2 - 1e-9)
+
+
+def mde(n: int, discordance: float, alpha: float = 0.05, power: float = 0.8) -> float | None:
+    """The smallest true effect n items detect with `power` (the inverse of `required_n`); None when even an
+    effect as large as the discordance is not detectable."""
+    if n < 1 or not 0.0 < discordance <= 1.0:
+        return None
+    za, zb = _z_pair(alpha, power)
+
+    def need(effect: float) -> float:  # decreasing in effect
+        return (
+            (za * math.sqrt(discordance) + zb * math.sqrt(max(discordance - effect * effect, 0.0))) / effect
+        ) ** 2
+
+    if need(discordance) > n:
+        return None
+    lo, hi = 0.0, discordance
+    for _ in range(80):
+        mid = (lo + hi) / 2.0
+        if need(mid) > n:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def detectable_margin(n: int, discordance: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest non-inferiority margin n items can show with `power` when the true effect is 0:
+    (z_{1-alpha/2} + z_{power}) sqrt(d / n), the variance of (b - c) / n being about d / n (Nam 1997,
+    Biometrics 53:1422, to first order); a guard needs n >= (z_{1-alpha/2} + z_{power})^2 d / margin^2."""
+    za, zb = _z_pair(alpha, power)
+    return (za + zb) * math.sqrt(discordance / n) if n >= 1 else math.inf
+
+
+def paired_stats(
+    candidate: list[bool], baseline: list[bool], policy: GatePolicy, guard: bool = False
+) -> PairedStats:
+    """The paired statistics of one suite: own-suite superiority (exact McNemar) or, with `guard`,
+    non-inferiority within `policy.guard_margin` (score test)."""
+    b, c = discordant(candidate, baseline)
+    n = len(candidate)
+    d = (b + c) / n if n else 0.0
+    if guard:
+        p = noninferiority_p(b, c, n, policy.guard_margin)
+        power_of: float | None = detectable_margin(n, d, policy.alpha, policy.power)
     else:
-        p = two_proportion_p_value(cand.successes, cand.n, champ.successes, champ.n)
-        test = "two-proportion z-test"
-    ok = p < policy.alpha
-    return Check(
-        name=name, passed=ok, detail=f"{test}: p={p:.4g} {'<' if ok else '>='} alpha={policy.alpha:g}"
+        p = mcnemar_p(b, c)
+        power_of = mde(n, d, policy.alpha, policy.power) if d > 0 else None
+    return PairedStats(
+        n=n,
+        b=b,
+        c=c,
+        candidate=sum(candidate) / n if n else 0.0,
+        baseline=sum(baseline) / n if n else 0.0,
+        effect=(b - c) / n if n else 0.0,
+        ci=paired_ci(b, c, n, 1.0 - policy.alpha),
+        p_value=p,
+        mde=power_of,
     )
+
+
+# ---- the decision -------------------------------------------------------------------------------------------
+
+
+def _paired_check(
+    policy: GatePolicy, suite: str, cand: SuiteScore, base: SuiteScore, baseline: Baseline, guard: bool
+) -> tuple[Check, str | None]:
+    """One gain or guard check, and a warning when the suite is too small for what it must detect."""
+    name = f"{'guard' if guard else 'gain'}:{suite}"
+    if cand.correct is None or base.correct is None or len(cand.correct) != len(base.correct):
+        sides = (
+            f"candidate {'n=' + str(cand.n) if cand.correct is not None else 'without per-sample results'}"
+        )
+        sides += (
+            f", {baseline} {'n=' + str(base.n) if base.correct is not None else 'without per-sample results'}"
+        )
+        detail = f"the paired test needs per-sample results on the same items from both sides ({sides})"
+        return Check(name=name, passed=False, detail=detail), None
+    s = paired_stats(cand.correct, base.correct, policy, guard=guard)
+    conf = 1.0 - policy.alpha
+    head = f"{s.summary(conf)} vs {baseline}"
+    shortfalls: list[str] = []
+    if guard:
+        floor = -policy.guard_margin
+        ok = s.ci[0] > floor + _SLACK
+        if not ok:
+            shortfalls.append(
+                f"CI lower bound {s.ci[0]:+.3f} is {floor - s.ci[0]:.3f} below -margin {floor:+.3f} "
+                f"(p >= alpha/2 = {policy.alpha / 2:g}): cannot rule out a regression beyond the margin"
+            )
+        verdict = f"non-inferior: CI above -margin {floor:+.3f}"
+        too_small = s.mde is not None and s.mde > policy.guard_margin + _SLACK  # observed CI too wide
+        warning = (
+            f"warning: guard {suite} with n={s.n} shows non-inferiority only within a margin of {s.mde:.3f} "
+            f"(power {policy.power:g}, discordance {s.discordance:.2f}), wider than guard_margin "
+            f"{policy.guard_margin:g}: about {_guard_n(policy, s.discordance)} items needed"
+            if too_small and s.mde is not None
+            else None
+        )
+    else:
+        significant = s.p_value < policy.alpha and s.effect > 0
+        big_enough = s.effect >= policy.min_effect - _SLACK
+        if not significant:
+            shortfalls.append(
+                f"not significant (exact McNemar p={s.p_value:.3g} >= alpha {policy.alpha:g}, "
+                f"{s.b} items gained vs {s.c} lost)"
+                if s.p_value >= policy.alpha
+                else f"significantly worse ({s.b} items gained vs {s.c} lost)"
+            )
+        if not big_enough:
+            shortfalls.append(f"{policy.min_effect - s.effect:.3f} short of min_effect {policy.min_effect:g}")
+        ok = significant and big_enough
+        verdict = f"significant at {policy.alpha:g} and >= min_effect {policy.min_effect:g}"
+        # with fewer discordant items than min_effect the effect itself falls short: more items would not help
+        too_small = 0.0 < policy.min_effect <= s.discordance and (
+            s.mde is None or s.mde > policy.min_effect + _SLACK
+        )
+        warning = None
+        if too_small:
+            detects = "no gain" if s.mde is None else f"gains >= {s.mde:.3f}"
+            need = f"about {required_n(policy.min_effect, s.discordance, policy.alpha, policy.power)} items needed"
+            warning = (
+                f"warning: suite {suite} with n={s.n} detects {detects} (power {policy.power:g}, alpha "
+                f"{policy.alpha:g}, discordance {s.discordance:.2f}): too small for min_effect "
+                f"{policy.min_effect:g}, {need}"
+            )
+    mde_text = "none" if s.mde is None else f"{s.mde:.3f}"
+    detail = f"{head}, MDE {mde_text}: " + ("; ".join(shortfalls) if shortfalls else verdict)
+    return Check(name=name, passed=ok, detail=detail, stats=s), warning
+
+
+def _guard_n(policy: GatePolicy, discordance: float) -> int:
+    za, zb = _z_pair(policy.alpha, policy.power)
+    return math.ceil((za + zb) ** 2 * discordance / policy.guard_margin**2)
 
 
 def decide(
-    policy: GatePolicy, candidate: Iterable[SuiteScore], champion: Iterable[SuiteScore] | None = None
+    policy: GatePolicy,
+    candidate: Iterable[SuiteScore],
+    champion: Iterable[SuiteScore] | None = None,
+    *,
+    baseline: Baseline = "champion",
 ) -> GateDecision:
-    """Run the gate on a candidate's suite scores against the champion's (None: there is no champion yet)."""
+    """Run the gate on a candidate's suite scores against its baseline's, on the same items: the champion's,
+    or with `baseline="base"` the bare base's (a first revision). `champion=None`: nothing to compare with,
+    so only the sample counts and floors are checked."""
     cand = _by_name(candidate, "candidate")
-    champ = _by_name(champion, "champion") if champion is not None else None
+    base = _by_name(champion, baseline) if champion is not None and policy.compare else None
+    side: Baseline | None = baseline if base is not None else None
     checks: list[Check] = []
+    warnings: list[str] = []
 
-    compared = {policy.suite, *policy.guard_suites}  # the suites read on the champion's side too
+    compared = {policy.suite, *policy.guard_suites}  # the suites read on the baseline's side too
     readable: set[str] = set()  # suites every side the gate compares on has, with enough samples
     for suite in policy.suites():
         need = policy.min_samples_for(suite)
         sides = [("candidate", cand)]
-        if champ is not None and suite in compared:
-            sides.append(("champion", champ))
+        if base is not None and suite in compared:
+            sides.append((baseline, base))
         problems: list[str] = []
         counts: list[str] = []
-        for side, scores in sides:
+        for who, scores in sides:
             s = scores.get(suite)
             if s is None:
-                problems.append(f"{side} was not evaluated on it")
+                problems.append(f"{who} was not evaluated on it")
             else:
-                counts.append(f"{side} n={s.n}")
+                counts.append(f"{who} n={s.n}")
                 if s.n < need:
-                    problems.append(f"{side} has {s.n} < {need} samples")
+                    problems.append(f"{who} has {s.n} < {need} samples")
         ok = not problems
         detail = (", ".join(counts) + f" (need >= {need})") if ok else "; ".join(problems)
         checks.append(Check(name=f"samples:{suite}", passed=ok, detail=detail))
@@ -284,31 +584,40 @@ def decide(
             score = cand[suite].score
             ok = score >= floor - _SLACK
             detail = f"candidate {score:.4g} {'>=' if ok else '<'} floor {floor:.4g}"
+            if not ok:
+                detail += f" (short by {floor - score:.3f})"
             checks.append(Check(name=f"floor:{suite}", passed=ok, detail=detail))
 
-    if champ is not None:
-        if policy.suite in readable:
-            c, h = cand[policy.suite].score, champ[policy.suite].score
-            ok = c >= h + policy.margin - _SLACK
-            detail = f"candidate {c:.4g} {'>=' if ok else '<'} champion {h:.4g} + margin {policy.margin:.4g}"
-            checks.append(Check(name=f"margin:{policy.suite}", passed=ok, detail=detail))
-        for suite in policy.guard_suites:
+    if base is not None:
+        for suite, guard in [(policy.suite, False), *((g, True) for g in policy.guard_suites)]:
             if suite in readable:
-                c, h = cand[suite].score, champ[suite].score
-                ok = c >= h - policy.guard_tolerance - _SLACK
-                detail = (
-                    f"candidate {c:.4g} {'>=' if ok else '<'} champion {h:.4g} "
-                    f"- tolerance {policy.guard_tolerance:.4g}"
-                )
-                checks.append(Check(name=f"guard:{suite}", passed=ok, detail=detail))
-        if policy.significance != "none" and policy.suite in readable:
-            checks.append(_significance(policy, cand[policy.suite], champ[policy.suite]))
+                check, warning = _paired_check(policy, suite, cand[suite], base[suite], baseline, guard)
+                checks.append(check)
+                if warning:
+                    warnings.append(warning)
 
     failed = [c for c in checks if not c.passed]
     reasons: list[str] = []
-    if champ is None:
-        reasons.append("no champion yet (first revision): compared to floors only")
+    if side == "base":
+        reasons.append("first revision: compared with the bare base (revision 0) on the same items")
+    elif side is None:
+        why = (
+            "comparing is off (compare=False)"
+            if not policy.compare
+            else f"no {baseline} scores to compare with"
+        )
+        reasons.append(f"{why}: checked sample counts and floors only")
     reasons += [f"{c.name}: {c.detail}" for c in failed]
     if not failed:
-        reasons.append(f"all {len(checks)} checks passed")
-    return GateDecision(passed=not failed, reasons=reasons, checks=checks, first_revision=champ is None)
+        gain = next((c for c in checks if c.name == f"gain:{policy.suite}"), None)
+        reasons.append(f"all {len(checks)} checks passed" + (f"; {gain.name}: {gain.detail}" if gain else ""))
+    reasons += warnings
+    return GateDecision(
+        passed=not failed,
+        reasons=reasons,
+        checks=checks,
+        first_revision=baseline != "champion" or champion is None,
+        baseline=side,
+        warnings=warnings,
+        alpha=policy.alpha,
+    )
