@@ -63,8 +63,9 @@ class PolicyRun(BaseModel):
     spec: PolicySpec
     """Name (the MLflow registered model), task, reward, rank, alpha, learning rate, targets."""
     gate: GatePolicy | None = None
-    """When its candidate may replace its champion; default: at least as good on its own task's suite, no
-    worse than 0.02 on the guard suite. The suites evaluated are the ones the gate reads."""
+    """When its candidate may replace its champion; default: a significant gain of at least 0.05 on its own
+    task's suite (exact McNemar, alpha 0.05) and non-inferior within 0.05 on the guard suite. The suites
+    evaluated are the ones the gate reads."""
     served_name: str | None = None
     """Adapter name the champion is served under (default: the policy's name)."""
 

@@ -643,8 +643,9 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             console.print(
                 f"  {cfg.steps} GRPO steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per policy, "
                 "all policies in one batched rollout and update per step; then per policy: evaluate the "
-                "candidate and the champion (lm-eval through the server), gate (own suite >= champion, guard "
-                "suite within 0.02), promote + refresh serving + smoke check in one transaction"
+                "candidate and the champion (lm-eval through the server), gate (paired test: a significant own-suite "
+                "gain >= 0.05, guard non-inferior within 0.05), promote + refresh serving + smoke check in one "
+                "transaction"
             )
             main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
             runs.append(("wave", run_id))
