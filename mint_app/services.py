@@ -591,13 +591,14 @@ def _deployments_for(config: ServicesConfig) -> str:
 
 
 def _fingerprint(config: ServicesConfig, api: str, deployments: str) -> str:
-    """What the registered deployments are made of: the file, the code behind their parameter forms (flows/,
-    tasks/, mint_core/), the server and the directory runs start in."""
+    """What the registered deployments are made of: the file (with its workspace), the flows' code (their
+    signatures make the parameter forms), the server and the directory runs start in. Not the library's config
+    models under them, which change far more often than the forms: after changing one of those, delete
+    <state_dir>/deployments.json and `mint up` registers again."""
     h = hashlib.sha256(f"{api}\n{Path.cwd()}\n".encode())
     h.update(deployments.encode())
-    for package in ("flows", "tasks", "mint_core"):
-        for path in sorted(Path(package).rglob("*.py")):
-            h.update(str(path).encode() + b"\0" + path.read_bytes())
+    for path in sorted(Path("flows").glob("*.py")):
+        h.update(str(path).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
