@@ -1,0 +1,156 @@
+"""The MLflow UI path in a real browser (headless Chromium through Selenium): a person moves `champion` to an
+older version with the UI's own alias editor, and serving answers with that revision within 3 s (MLflow's
+webhook -> mint's receiver, no reconcile flow running). The test also opens a version page and the training-runs
+link the main job prints, and fails on any 5xx in the MLflow server's log.
+
+Needs Debian's `chromium` and `chromium-driver` (scripts/bootstrap.sh installs them); without them the test
+skips, except under CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+
+import pytest
+from mlflow import MlflowClient
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service as ChromeService
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import WebDriverWait
+
+from mint_app.main_job import training_runs_url
+from mint_core.registry.runs import log_training_run
+from tasks.registry import EXPERIMENT
+from tests.integration.alias_stack import BOUND_S, Stack, alias_stack
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+HTTP_5XX = re.compile(r'"[A-Z]+ (\S+) HTTP/[\d.]+" (5\d\d)')
+UI_WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with alias_stack(tmp_path_factory.mktemp("ui")) as s:
+        # one training run in the lifecycle's experiment, as the lifecycle logs it
+        log_training_run(
+            s.ws.registry().client,
+            EXPERIMENT,
+            s.policy,
+            "k" * 24,
+            {"steps": 3},
+            [{"reward": 0.1}, {"reward": 0.4}],
+        )
+        yield s
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium and chromium-driver are missing (scripts/bootstrap.sh installs them)")
+        pytest.skip("chromium / chromedriver not installed (apt-get install chromium chromium-driver)")
+    options = Options()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=ChromeService(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver: WebDriver, what: str, find: object, timeout: float = UI_WAIT_S) -> object:
+    """`find(driver)` once it returns something truthy; a TimeoutException naming `what` and the page text."""
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(find)  # type: ignore[arg-type]
+    except Exception as e:
+        text = driver.find_element(By.TAG_NAME, "body").text[:1500]
+        raise AssertionError(f"{what} not found in {timeout} s at {driver.current_url}:\n{text}") from e
+
+
+def version_row(driver: WebDriver, version: int) -> WebElement | None:
+    rows = driver.find_elements(By.CSS_SELECTOR, '[data-testid="model-version-table"] [role="row"]')
+    return next((r for r in rows if r.text.startswith(f"Version {version}\n")), None)
+
+
+def server_errors(stack: Stack) -> list[str]:
+    log = (stack.config.state_dir / "mlflow.log").read_text(errors="replace")
+    errors = [line for line in log.splitlines() if HTTP_5XX.search(line)]
+    return errors + [line for line in log.splitlines() if "Traceback" in line or "ERROR" in line]
+
+
+def test_champion_moved_in_the_ui_alias_editor_is_served_within_seconds(
+    stack: Stack, browser: WebDriver
+) -> None:
+    newest, older = max(stack.digests), sorted(stack.digests)[-2]
+    MlflowClient(stack.mlflow).set_registered_model_alias(stack.policy, "champion", str(newest))
+    stack.wait_served(newest)
+
+    browser.get(f"{stack.mlflow}/#/models/{stack.policy}")
+    row = wait_for(browser, f"the row of version {older}", lambda d: version_row(d, older))
+    assert isinstance(row, WebElement)
+    # the Aliases cell: "Add" when the version has none, a pencil otherwise; both open the alias editor
+    row.find_element(By.CSS_SELECTOR, 'button[data-component-id*="modelversiontablealiasescell"]').click()
+    title = f"alias for model version {older}"
+
+    def editor_open(d: WebDriver) -> WebElement | None:
+        return next((e for e in d.find_elements(By.CSS_SELECTOR, '[role="dialog"]') if title in e.text), None)
+
+    editor = wait_for(browser, "the alias editor", editor_open)
+    assert isinstance(editor, WebElement)
+    box = editor.find_element(By.CSS_SELECTOR, 'input[role="combobox"]')
+    box.send_keys("champion")
+    box.send_keys(Keys.ENTER)
+    # the editor warns that the alias leaves the version holding it
+    wait_for(browser, "the reassignment warning", lambda d: f"used on version {newest}" in editor.text)
+    save = editor.find_element(
+        By.CSS_SELECTOR, 'button[data-component-id="mlflow.edit-aliases-modal.save-button"]'
+    )
+    t0 = time.perf_counter()
+    save.click()
+    took = stack.wait_served(older)
+    assert took < BOUND_S
+    assert MlflowClient(stack.mlflow).get_registered_model(stack.policy).aliases["champion"] == str(older)
+    with stack.ws.client() as serving:
+        out = serving.complete(stack.policy, "add: 1+1 =", max_tokens=2, temperature=0.0)
+    assert str(out["system_fingerprint"]).removeprefix("sha256:") == stack.digests[older].removeprefix(
+        "sha256:"
+    )
+    print(f"UI save -> served in {time.perf_counter() - t0:.2f} s")
+
+
+def test_a_version_page_loads(stack: Stack, browser: WebDriver) -> None:
+    version = min(stack.digests)
+    browser.get(f"{stack.mlflow}/#/models/{stack.policy}/versions/{version}")
+    digest = stack.digests[version].removeprefix("sha256:")
+    wait_for(
+        browser, "the version's mint.digest tag", lambda d: digest in d.find_element(By.TAG_NAME, "body").text
+    )
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert f"Version {version}" in body and "mint.base" in body
+    time.sleep(1.0)  # the page's last requests (the version's artifacts) land in the log
+    assert server_errors(stack) == []
+
+
+def test_the_training_runs_link_opens_the_runs_view(stack: Stack, browser: WebDriver) -> None:
+    url = training_runs_url(stack.ws, stack.mlflow)
+    assert re.search(r"/#/experiments/\d+/runs$", url), url
+    browser.get(url)
+    run_name = f"{stack.policy}-{'k' * 8}"
+    wait_for(browser, "the training run", lambda d: run_name in d.find_element(By.TAG_NAME, "body").text)
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert EXPERIMENT in body and "Training runs" in body
+    assert "/overview" not in browser.current_url  # not MLflow 3's GenAI overview ("Traces 0")
+    time.sleep(1.0)
+    assert server_errors(stack) == []
