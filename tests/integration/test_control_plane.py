@@ -60,12 +60,12 @@ class Plane:
     def evaluation(self) -> EvalConfig:
         return EvalConfig(limit=4, batch_size=16, suites_dir=self.suites)
 
-    def params(self, **extra: Any) -> dict[str, Any]:
-        return {
-            "evaluation": self.evaluation().model_dump(mode="json"),
-            "workspace": self.ws.model_dump(mode="json"),
-            **extra,
-        }
+    def params(self, workspace: bool = True, **extra: Any) -> dict[str, Any]:
+        """A run's parameters; without `workspace`, the deployment's default (the services' state dir) holds."""
+        out = {"evaluation": self.evaluation().model_dump(mode="json"), **extra}
+        if workspace:
+            out["workspace"] = self.ws.model_dump(mode="json")
+        return out
 
 
 def training(round: str, steps: int = 1) -> dict[str, Any]:
@@ -104,7 +104,7 @@ def plane(
         base=base_dir,
         serving_url=url,
         admin_token_file=token,
-        work_dir=root / "work",
+        work_dir=root / "lifecycle",
         lock_hold_s=60,
     )
     # the shipped deployments, on a pool of this module's own and without schedules
@@ -121,6 +121,9 @@ def plane(
             "mlflow_port": port_of(mlflow_server),
             "prefect_port": port_of(prefect_server),
             "worker_port": free_port(),
+            "serve_port": port_of(url),
+            "serve_base": str(base_dir),
+            "serve_adapter_root": store,
             "deployments": deployments,
         }
     )
@@ -158,6 +161,7 @@ def artifacts(run: FlowRun) -> dict[str, str]:
 
 def test_the_second_start_reuses_worker_and_registration(plane: Plane, worker: ServicesConfig) -> None:
     (svc,) = start(worker, ["worker"])
+    # (flows/ edited meanwhile in a shared checkout would register again: the fingerprint includes them)
     assert svc.reused and svc.detail == "7 deployments unchanged"
     (st,) = status(worker, ["worker"])
     assert st.state == "running" and st.pid == svc.pid
@@ -183,11 +187,11 @@ class DashboardRun:
 
 @pytest.fixture(scope="module")
 def dashboard_wave(plane: Plane, worker: ServicesConfig) -> DashboardRun:
-    """A wave of one policy (2 GRPO steps) started like the dashboard's Run button, run on the worker."""
+    """A wave of one policy (2 GRPO steps) started like the dashboard's Run button, run on the worker, with the
+    workspace the deployment was registered with (the services' state dir: this module's servers and folders)."""
     t0 = time.perf_counter()
-    run = dashboard_run(
-        "wave/wave", plane.params(policies=[policy(CHAMPION)], training=training("d1", steps=2))
-    )
+    params = plane.params(workspace=False, policies=[policy(CHAMPION)], training=training("d1", steps=2))
+    run = dashboard_run("wave/wave", params)
     return DashboardRun(run, time.perf_counter() - t0)
 
 
@@ -290,3 +294,37 @@ def test_retrain_skips_a_policy_being_trained(plane: Plane, dashboard_wave: Dash
     finally:
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(busy.id, Cancelled(), force=True)
+
+
+def test_worker_stopped_mid_run_then_restarted_finishes_with_one_version(
+    plane: Plane, worker: ServicesConfig
+) -> None:
+    """`mint down` (the worker stopped, SIGTERM to its process group) while a wave trains: the run goes back to
+    Scheduled (PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=reschedule in the pool's job variables), the restarted
+    worker runs it again, the lifecycle resumes from its checkpoint, and the policy gets exactly one version."""
+    name = "cp-stopped"
+    checkpoints = plane.ws.work_dir / "checkpoints"
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name("wave/wave")
+        params = plane.params(policies=[policy(name)], training=training("k1", steps=6))
+        fr = client.create_flow_run_from_deployment(dep.id, parameters=params)
+        deadline = time.monotonic() + 300
+        while not any(p.is_file() for p in checkpoints.rglob("*")):  # step 1 is checkpointed
+            state = client.read_flow_run(fr.id).state
+            assert state is not None and not state.is_final(), state
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        stop(worker, ["worker"])
+        after_stop = client.read_flow_run(fr.id).state
+        (svc,) = start(worker, ["worker"])
+        assert svc.state == "running" and not svc.reused
+        while not (state := client.read_flow_run(fr.id).state) or not state.is_final():
+            assert time.monotonic() < deadline + 300, state
+            time.sleep(1)
+        history = [
+            s.type.value for s in sorted(client.read_flow_run_states(fr.id), key=lambda s: s.timestamp)
+        ]
+    assert state.is_completed(), (state, history)
+    assert after_stop is not None and after_stop.type.value in ("SCHEDULED", "PENDING"), (after_stop, history)
+    assert [r.version for r in plane.ws.registry().revisions(name)] == [1]
+    print(f"\nworker stopped mid-run: state after the stop {after_stop.name}; run states {history}")

@@ -1,5 +1,6 @@
-"""The Prefect lifecycle end to end against real servers: a Prefect server, an MLflow registry, Redis (the
-promotion lock) and a `mint serve` subprocess on a tiny base, with a few GRPO steps and a tiny evaluation.
+"""The Prefect lifecycle end to end against real servers, all started by the fixtures: a Prefect server, an MLflow
+registry and a `mint serve` subprocess on a tiny base (promotions lock through the catalog: no Redis), with a few
+GRPO steps and a tiny evaluation.
 
 Faults: a run killed (SIGKILL) during the update or during the promotion and then rerun, a serving refresh that
 fails, a smoke check that fails, a gate that says no, two promotions of one policy racing, and an alias moved in
@@ -30,7 +31,6 @@ from flows.lifecycle import PolicyRun, Training, WaveFailed, lifecycle, wave
 from flows.prefetch import prefetch
 from flows.promotion import promote_flow, rollback_flow
 from flows.reconcile import reconcile
-from mint_app.main_job import redis_up
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.errors import DataCheckError
@@ -85,8 +85,6 @@ class Stack:
 def stack(
     mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    if not redis_up():
-        pytest.skip("Redis is not running at 127.0.0.1:6379 (the promotion lock)")
     root = tmp_path_factory.mktemp("lifecycle")
     base_dir = root / "base"
     tiny = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())

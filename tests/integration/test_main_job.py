@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import free_port, mint_cli
+from mint_app.services import SERVICES
+from tests.integration.conftest import free_port, mint_cli, require
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,11 +25,14 @@ def mint(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
     return mint_cli(*args, timeout=timeout, cwd=ROOT, unset=("MINT_SERVE_ADMIN_TOKEN",))
 
 
-def test_main_job_end_to_end(tmp_path: Path) -> None:
-    if not (ROOT / "data" / "base" / "config.json").is_file() or not (ROOT / "eval_suites" / "data").is_dir():
-        pytest.skip("the built-in base and eval suites are not built (dvc repro)")
+def test_main_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built = (ROOT / "data" / "base" / "config.json").is_file() and (ROOT / "eval_suites" / "data").is_dir()
+    require(built, "the built-in base and eval suites are not built (dvc repro)")
     state = tmp_path / "mint"
     ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}
+    # the worker's and the webhook receiver's ports: free ones too (environment: `mint run` has no flag for them)
+    monkeypatch.setenv("MINT_RUN_WORKER_PORT", str(free_port()))
+    monkeypatch.setenv("MINT_SERVICES_HOOKS_PORT", str(free_port()))
     # --no-build: the DVC step would rewrite the checkout's dvc.lock; the outputs are checked above
     flags = ["--state-dir", str(state), "--no-build", *(f"--{n}-port={p}" for n, p in ports.items())]
     serve = f"http://127.0.0.1:{ports['serve']}"
@@ -38,7 +42,7 @@ def test_main_job_end_to_end(tmp_path: Path) -> None:
         assert first.returncode == 0, out[-6000:] + first.stderr[-4000:]
 
         # the servers were started, the policies had no champion: a first wave, then the wave
-        assert out.count("started in") == 3, out[:3000]
+        assert out.count("started in") == len(SERVICES), out[:3000]
         assert "3a. wave: first revisions of add, sort, reverse" in out
         for p in POLICIES:
             assert re.search(rf"│ {p}\s+│ {p}/v1 .*│ promoted │ - -> {p}/v1", out), (p, out)
@@ -72,7 +76,7 @@ def test_main_job_end_to_end(tmp_path: Path) -> None:
         # again: the servers and the champions are reused, so no first wave
         again = mint("run", *flags, "--steps", "2")
         assert again.returncode == 0, again.stdout[-6000:] + again.stderr[-4000:]
-        assert again.stdout.count("already running") == 3
+        assert again.stdout.count("already running") == len(SERVICES)
         assert "first revisions" not in again.stdout
         assert "3b. wave: add, sort, reverse trained from their champions" in again.stdout
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,12 @@ from prefect import flow
 
 from mint_app import services
 from mint_app.main_job import redis_up
-from mint_app.services import REDIS_PIDFILE, ServicesConfig, stop, stop_started_redis
+from mint_app.services import REDIS_PIDFILE, SERVICES, ServicesConfig, stop, stop_started_redis
 from tests.integration.conftest import PG_ADMIN_URL, free_port, mint_cli
 
 pytestmark = pytest.mark.integration
+FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch")
+"""A deployment of each, registered by `mint up` from infra/prefect.yaml."""
 
 
 def mint(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -41,14 +44,14 @@ def gone(pid: int) -> bool:
 
 def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
     state = tmp_path / "run"
-    ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}
+    ports = {name: free_port() for name in SERVICES}
     flags = ["--state-dir", str(state), "--serve-adapter-root", str(tmp_path / "store")]
     flags += [f"--{name}-port={port}" for name, port in ports.items()]
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     try:
         up = mint("up", *flags)
         assert up.returncode == 0, up.stdout + up.stderr
-        assert up.stdout.count("started in") == 3, up.stdout
+        assert up.stdout.count("started in") == len(SERVICES), up.stdout
         pids = {name: int((state / f"{name}.pid").read_text()) for name in ports}
 
         assert httpx.get(urls["mlflow"] + "/health", trust_env=False).status_code == 200
@@ -69,16 +72,28 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         status = mint("status", "--state-dir", str(state))
         assert status.returncode == 0, status.stderr
         rows = [line for line in status.stdout.splitlines() if "running" in line]
-        assert len(rows) == 3, status.stdout
+        assert len(rows) == len(SERVICES), status.stdout
         for name, url in urls.items():
             assert str(pids[name]) in status.stdout
             assert url in status.stdout
         assert f"{urls['serve']}/v1/models" in status.stdout
         assert f"{urls['prefect']}/api" in status.stdout
 
-        again = mint("up", *flags)  # idempotent: reuses all three
+        # the worker's deployments: every flow, registered once, with this state dir's workspace
+        assert re.search(r"registered 7 deployments in \d", up.stdout), up.stdout
+        api = urls["prefect"] + "/api"
+        found = httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()
+        assert {d["name"] for d in found} == {*FLOWS}, found
+        for d in found:
+            assert d["description"] and d["work_pool_name"] == "mint-process", d
+            assert d["parameters"]["workspace"]["serving_url"] == urls["serve"], d
+            assert d["parameter_openapi_schema"]["properties"], d
+
+        again = mint("up", *flags)  # idempotent: reuses every service, registers nothing again
         assert again.returncode == 0, again.stdout + again.stderr
-        assert again.stdout.count("already running") == 3, again.stdout
+        assert again.stdout.count("already running") == len(SERVICES), again.stdout
+        assert "7 deployments unchanged" in again.stdout, again.stdout
+        assert len(httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()) == 7
         assert {name: int((state / f"{name}.pid").read_text()) for name in ports} == pids
 
         down = mint("down", "--state-dir", str(state))
@@ -86,7 +101,7 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         assert not list(state.glob("*.pid"))
         assert all(gone(pid) for pid in pids.values())
         after = mint("status", "--state-dir", str(state))
-        assert after.stdout.count("stopped") == 3, after.stdout
+        assert after.stdout.count("stopped") == len(SERVICES), after.stdout
     finally:
         stop(ServicesConfig(state_dir=state))  # whatever an assertion left running
 
