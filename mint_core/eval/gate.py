@@ -509,9 +509,9 @@ def _paired_check(
         if not significant:
             shortfalls.append(
                 f"not significant (exact McNemar p={s.p_value:.3g} >= alpha {policy.alpha:g}, "
-                f"{s.b} items gained vs {s.c} lost)"
+                f"items gained {s.b}, lost {s.c})"
                 if s.p_value >= policy.alpha
-                else f"significantly worse ({s.b} items gained vs {s.c} lost)"
+                else f"significantly worse (items gained {s.b}, lost {s.c})"
             )
         if not big_enough:
             shortfalls.append(f"{policy.min_effect - s.effect:.3f} short of min_effect {policy.min_effect:g}")

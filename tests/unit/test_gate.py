@@ -180,7 +180,7 @@ def test_plus_one_item_is_not_a_promotion() -> None:
     assert (gain.stats.b, gain.stats.c, gain.stats.n) == (1, 0, 100)
     assert gain.stats.effect == pytest.approx(0.01) and gain.stats.p_value == 1.0
     assert gain.stats.ci[0] < 0 < gain.stats.ci[1]
-    assert "not significant (exact McNemar p=1 >= alpha 0.05, 1 items gained vs 0 lost)" in gain.detail
+    assert "not significant (exact McNemar p=1 >= alpha 0.05, items gained 1, lost 0)" in gain.detail
     assert "0.040 short of min_effect 0.05" in gain.detail
 
 
