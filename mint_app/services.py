@@ -500,6 +500,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         return cmd, env
     if name == "prefect":
         env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
+        # the dashboard's API calls go here: left unset, the UI calls port 4200 whatever port the server is on
+        env["PREFECT_UI_API_URL"] = config.url("prefect") + "/api"
         database = config.prefect_database()
         if database is not None:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
