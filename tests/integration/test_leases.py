@@ -27,7 +27,9 @@ from prefect.transactions import IsolationLevel, transaction
 from pydantic import ValidationError
 
 from mint_core.lifecycle import Workspace
+from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig, locks
+from mint_core.registry.index import registry_lock
 from mint_core.registry.leases import (
     LOCK_URL_ENV,
     CatalogLeases,
@@ -37,12 +39,14 @@ from mint_core.registry.leases import (
     held,
     leases_for,
 )
+from mint_core.types import Site
 from tasks.common import LeaseLocks
 
 pytestmark = pytest.mark.integration
 
 PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("MINT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+SITES = {"model.layers.0.self_attn.q_proj": Site("model.layers.0.self_attn.q_proj", 16, 16)}
 
 
 def unreachable(what: str) -> None:
@@ -315,6 +319,45 @@ def test_prefect_and_registry_leases_are_one_mechanism(backend: Backend) -> None
     prefect_locks.release_lock(promote, "flow")
     assert registry_leases.release(registry, "writer")
     catalog.close()
+
+
+# ---- registry writes ----
+
+
+def test_registry_writes_wait_for_the_lease_where_lock_url_says(
+    backend: Backend, mlflow_server: str, tmp_path: Path
+) -> None:
+    """The workspace's registry takes `registry/<policy>` from the backend `lock_url` names: a write waits while
+    another holder has it there, and goes on once it is released."""
+    ws = Workspace(
+        tracking_uri=mlflow_server,
+        store=str(tmp_path / "store"),
+        catalog_url=backend.catalog_url,
+        lock_url=backend.lock_url,
+    )
+    reg = ws.registry()
+    assert isinstance(ws.leases(), RedisLeases if backend.kind == "redis" else CatalogLeases)
+    out = tmp_path / "adapter"
+    save_adapter(random_adapter(SITES, ["q_proj"], rank=2, seed=0, base_fingerprint="f" * 64), out, SITES)
+    digest = reg.store.put_dir(out)
+    policy = backend.name("leased")
+    other = backend.open()
+    assert other.acquire(registry_lock(policy), "someone", acquire_timeout=0)
+    done: list[int] = []
+    writer = threading.Thread(
+        target=lambda: done.append(reg.create_revision(policy, digest, base="f" * 64, rank=2).version)
+    )
+    writer.start()
+    time.sleep(1.0)
+    assert writer.is_alive() and not done  # waiting for the lease
+    assert other.release(registry_lock(policy), "someone")
+    writer.join(60)
+    assert done == [1]
+    assert other.holder(registry_lock(policy)) is None
+    with reg.catalog.engine.connect() as conn:  # one mechanism: with Redis named, the catalog held no lease
+        rows = conn.execute(sa.select(sa.func.count()).select_from(locks)).scalar_one()
+    assert rows == (0 if backend.kind == "redis" else 1)
+    _close(other)
 
 
 # ---- the workspace setting ----
