@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 
 from mint_app.services import start, status
 from mint_app.webhooks import WEBHOOK_PATH
+from mint_core.lifecycle import policy_lock
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
 from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
 from tests.integration.conftest import mint_cli
@@ -199,3 +200,17 @@ def test_events_with_nothing_to_do_are_ignored_with_2xx(stack: Stack, tmp_path: 
         assert stack.served() == before, case
     log = (stack.config.state_dir / "hooks.log").read_text()
     assert "ignored" in log and "not a mint revision" in log
+
+
+def test_the_receiver_waits_for_a_promotion_holding_the_policy_s_lease(stack: Stack) -> None:
+    client = MlflowClient(stack.mlflow)
+    before = stack.served()
+    current = next(v for v, d in stack.digests.items() if d == before)
+    target = next(v for v in stack.digests if v != current)
+    with policy_lock(stack.ws, stack.policy, "a-promotion"):  # what a promote/rollback/reconcile flow holds
+        client.set_registered_model_alias(stack.policy, "champion", str(target))
+        time.sleep(1.5)
+        assert stack.served() == before  # the delivery waits for the lease
+        held_until = time.perf_counter()
+    stack.wait_served(target)
+    assert time.perf_counter() - held_until < BOUND_S
