@@ -94,7 +94,8 @@ def plane(
     tiny.tokenizer.save_pretrained(base_dir)
     store = root / "store"
     store.mkdir()
-    token = root / "serve.token"
+    (root / "run").mkdir()
+    token = root / "run" / "serve.token"  # where the worker's runs read it: the services' state dir
     token.write_text(ADMIN + "\n")
     proc, url = start_server(store, "--base", str(base_dir), env={"MINT_SERVE_TORCH_THREADS": "1"})
     ws = Workspace(
