@@ -84,7 +84,7 @@ def _policies_of(parameters: dict[str, Any]) -> set[str]:
 @task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
 def being_trained(ws: Workspace, names: list[str]) -> dict[str, str]:
     """Of `names`, those another run is training now (policy -> what holds it): a Pending or Running `wave` or
-    `lifecycle` flow run on the Prefect server that names it, or its promotion lease held in the catalog."""
+    `lifecycle` flow run on the Prefect server that names it, or its promotion lease held (`workspace.leases()`)."""
     busy: dict[str, str] = {}
     with get_client(sync_client=True) as client:
         active = client.read_flow_runs(
