@@ -666,6 +666,45 @@ def register_deployments(config: ServicesConfig) -> str:
     return f"registered {len(names)} deployments in {seconds:.1f} s"
 
 
+def requeue_orphaned_runs(config: ServicesConfig) -> int:
+    """Flow runs of the worker's pool left Pending or Running by a worker that is gone (killed, or stopped while
+    their process died with it) go back to Scheduled, so the worker about to start runs them again: the lifecycle
+    resumes from its checkpoint and, keyed by its idempotency key, makes no second version. Called only when no
+    worker of this state dir runs (one worker per pool here); returns how many."""
+    api = config.url("prefect") + "/api"
+    query = {
+        "work_pools": {"name": {"any_": [work_pool(config)]}},
+        "flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING"]}}},
+        "limit": 200,
+        "offset": 0,
+    }
+    found = httpx.post(f"{api}/flow_runs/filter", json=query, timeout=10, trust_env=False)
+    if found.status_code != 200:
+        return 0
+    n = 0
+    for run in found.json():
+        state = {
+            "type": "SCHEDULED",
+            "name": "Rescheduled",
+            "message": "its worker was gone; mint up requeued it",
+        }
+        done = httpx.post(
+            f"{api}/flow_runs/{run['id']}/set_state",
+            json={"state": state, "force": True},
+            timeout=10,
+            trust_env=False,
+        )
+        if done.status_code in (200, 201):
+            n += 1
+            logger.info(
+                "requeued flow run %s (%s), left %s by a stopped worker",
+                run["name"],
+                run["id"],
+                run["state_type"],
+            )
+    return n
+
+
 def _prepare(name: ServiceName, config: ServicesConfig) -> None:
     """Create what a service needs before its first start (PostgreSQL databases)."""
     if name == "mlflow" and config.mlflow_backend_url and config.mlflow_backend().startswith("postgresql"):
@@ -732,6 +771,8 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
         return [first[n] for n in names]
     detail = register_deployments(config) if names == ["worker"] else None
     found = {s.name: s for s in status(config, names)}
+    if detail is not None and found["worker"].state == "stopped" and (n := requeue_orphaned_runs(config)):
+        detail += f"; requeued {n} run(s) a stopped worker had left Running"
     launched: dict[ServiceName, tuple[subprocess.Popen[bytes] | None, float]] = {}
     errors: list[str] = []
     for name in names:
