@@ -170,7 +170,7 @@ def test_the_second_start_reuses_worker_and_registration(plane: Plane, worker: S
         deps = {d.name: d for d in client.read_deployments()}
     for name in ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch"):
         d = deps[name]
-        assert d.description and d.parameter_openapi_schema["properties"], name
+        assert d.description and (d.parameter_openapi_schema or {}).get("properties"), name
         assert d.enforce_parameter_schema, name
     retrain_dep = deps["retrain"]
     assert (
@@ -300,9 +300,10 @@ def test_retrain_skips_a_policy_being_trained(plane: Plane, dashboard_wave: Dash
 def test_worker_stopped_mid_run_then_restarted_finishes_with_one_version(
     plane: Plane, worker: ServicesConfig
 ) -> None:
-    """`mint down` (the worker stopped, SIGTERM to its process group) while a wave trains: the run goes back to
-    Scheduled (PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=reschedule in the pool's job variables), the restarted
-    worker runs it again, the lifecycle resumes from its checkpoint, and the policy gets exactly one version."""
+    """`mint down` (the worker stopped, SIGTERM to its process group, its run's process with it) while a wave
+    trains: the run is left Running (or Scheduled, if Prefect's reschedule-on-SIGTERM got there first); the next
+    worker start requeues it, runs it again, the lifecycle resumes from its checkpoint, and the policy gets
+    exactly one version."""
     name = "cp-stopped"
     checkpoints = plane.ws.work_dir / "checkpoints"
     with get_client(sync_client=True) as client:
@@ -319,6 +320,9 @@ def test_worker_stopped_mid_run_then_restarted_finishes_with_one_version(
         after_stop = client.read_flow_run(fr.id).state
         (svc,) = start(worker, ["worker"])
         assert svc.state == "running" and not svc.reused
+        assert after_stop is not None
+        if after_stop.is_running():
+            assert "requeued 1 run" in str(svc.detail), svc.detail
         while not (state := client.read_flow_run(fr.id).state) or not state.is_final():
             assert time.monotonic() < deadline + 300, state
             time.sleep(1)
@@ -326,6 +330,6 @@ def test_worker_stopped_mid_run_then_restarted_finishes_with_one_version(
             s.type.value for s in sorted(client.read_flow_run_states(fr.id), key=lambda s: s.timestamp)
         ]
     assert state.is_completed(), (state, history)
-    assert after_stop is not None and after_stop.type.value in ("SCHEDULED", "PENDING"), (after_stop, history)
+    assert history.count("RUNNING") >= 2, history  # it ran again
     assert [r.version for r in plane.ws.registry().revisions(name)] == [1]
     print(f"\nworker stopped mid-run: state after the stop {after_stop.name}; run states {history}")

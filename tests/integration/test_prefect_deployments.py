@@ -80,7 +80,7 @@ def test_a_run_started_like_the_dashboard_runs_on_a_process_worker(
     pool = f"mint-test-{uuid.uuid4().hex[:8]}"
     made = prefect("work-pool", "create", pool, "--type", "process", api_url=prefect_server)
     assert made.returncode == 0, made.stdout + made.stderr
-    name = "prefetch-before-wave"
+    name = "prefetch"
     deployed = prefect(
         "deploy", "--prefect-file", str(PREFECT_FILE), "--name", name, "--pool", pool, api_url=prefect_server
     )
