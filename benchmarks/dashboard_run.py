@@ -111,6 +111,7 @@ def main() -> None:
 
 def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str, Any]]:
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -157,6 +158,7 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
                 "wave/wave", parameters=parameters, timeout=900, poll_interval=0.5, as_subflow=False
             )
             dashboard = time.perf_counter() - t0
+            assert isinstance(fr, FlowRun)
             assert fr.state is not None and fr.state.is_completed(), fr.state
             with get_client(sync_client=True) as client:
                 states = sorted(client.read_flow_run_states(fr.id), key=lambda s: s.timestamp)

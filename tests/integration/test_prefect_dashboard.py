@@ -14,6 +14,7 @@ import pytest
 import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.client.schemas.objects import FlowRun
 from selenium import webdriver
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.service import Service as ChromeService
@@ -103,7 +104,7 @@ def test_quick_run_from_the_dashboard_creates_a_flow_run(browser: webdriver.Chro
         )
     ).click()
     deadline = time.monotonic() + 30
-    runs = []
+    runs: list[FlowRun] = []
     submitted = False
     while not runs:
         # a flow with a required parameter (prefetch's `policies`) opens its form, filled with the deployment's
