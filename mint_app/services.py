@@ -518,6 +518,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
         env["PREFECT_WORKER_WEBSERVER_HOST"] = host
         env["PREFECT_WORKER_WEBSERVER_PORT"] = port
+        # a run created from the dashboard waits for the worker's next poll: every 2 s, not Prefect's 10
+        env.setdefault("PREFECT_WORKER_QUERY_SECONDS", os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"))
         env["MLFLOW_TRACKING_URI"] = config.url("mlflow")
         token = config.state_dir / "serve.token"
         if token.is_file() and "MINT_SERVE_ADMIN_TOKEN" not in os.environ:
