@@ -117,7 +117,7 @@ def test_start_reports_a_service_that_dies_with_the_tail_of_its_log(
     with pytest.raises(services.ServiceError, match=r"(?s)serve exited with status 3 .*no base at /nowhere"):
         services.start(config, ["serve"])
     assert not (tmp_path / "run" / "serve.pid").exists()
-    assert [s.state for s in services.status(config)] == ["stopped"] * 3
+    assert [s.state for s in services.status(config)] == ["stopped"] * len(SERVICES)
 
     # a pid file left by a process that is gone is stale: reported stopped, and removed
     exited = subprocess.Popen(["true"])
