@@ -114,9 +114,16 @@ def stack(
             stop_server(proc)
 
 
+# These tests check the plumbing of promotion (transactions, idempotency, faults, rollback) on a few eval items,
+# far too few for the gate's paired test: they gate on floors and sample counts (`compare=False`). The statistics
+# of the gate are tested in tests/unit/test_gate.py.
+PLUMBING = {"compare": False}
+
+
 def policy(name: str, gate: GatePolicy | None = None) -> PolicyRun:
     return PolicyRun(
-        spec=PolicySpec(name=name, task="add", rank=4, alpha=8), gate=gate or GatePolicy(suite="add")
+        spec=PolicySpec(name=name, task="add", rank=4, alpha=8),
+        gate=gate or GatePolicy(suite="add", **PLUMBING),
     )
 
 
@@ -262,7 +269,8 @@ def test_wave_trains_policies_together(stack: Stack) -> None:
     runs = [
         policy("wv-add"),
         PolicyRun(
-            spec=PolicySpec(name="wv-rev", task="reverse", rank=4, alpha=8), gate=GatePolicy(suite="reverse")
+            spec=PolicySpec(name="wv-rev", task="reverse", rank=4, alpha=8),
+            gate=GatePolicy(suite="reverse", **PLUMBING),
         ),
     ]
     report = wave(runs, training("w1", steps=2), stack.evaluation(), workspace=stack.ws)
@@ -331,7 +339,7 @@ def test_failed_refresh_leaves_alias_and_old_revision(
 def test_failed_gate_leaves_the_champion(stack: Stack) -> None:
     name = "lc-gate-no"
     old_version, old_digest = seed_champion(stack, name, seed=31)
-    strict = GatePolicy(suite="add", floors={"add": 1.0})
+    strict = GatePolicy(suite="add", floors={"add": 1.0}, **PLUMBING)
     report = lifecycle(policy(name, strict), training("g1"), stack.evaluation(), workspace=stack.ws)
     out = report.outcomes[0]
     assert out.status == "rejected" and any("floor:add" in r for r in out.reasons)
