@@ -53,12 +53,18 @@ def test_main_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         for p in POLICIES:
             assert re.search(rf"│ {p}\s+│ {p}: .*│ {p}/v[12] [0-9a-f]{{8}}", served), (p, served)
 
-        # a rollback of a policy the wave promoted, and a completion from the revision it restored
+        # a rollback of a policy the wave promoted, and a completion from the revision it restored; when the
+        # statistical gate kept every champion (a second wave's gain is often within noise) there is none
+        promoted = [p for p in POLICIES if re.search(rf"│ {p}\s+│ {p}/v2 .*│ promoted │", out)]
         m = re.search(r"rolled back (\w+)@champion: v(\d+) -> v(\d+)", out)
-        assert m, out[-4000:]
-        policy, from_v, to_v = m.group(1), int(m.group(2)), int(m.group(3))
-        assert policy in POLICIES and (from_v, to_v) == (2, 1)
-        assert re.search(rf"answered by {policy}/v1 [0-9a-f]{{8}}", out)
+        if not promoted:
+            assert m is None and "nothing to roll back" in out, out[-4000:]
+            policy = None
+        else:
+            assert m, out[-4000:]
+            policy, from_v, to_v = m.group(1), int(m.group(2)), int(m.group(3))
+            assert policy in promoted and (from_v, to_v) == (2, 1)
+            assert re.search(rf"answered by {policy}/v1 [0-9a-f]{{8}}", out)
 
         # timings and where to look
         assert re.search(r"│ total\s+│ \d+\.\d", out)
@@ -70,8 +76,9 @@ def test_main_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         models = {m["id"]: m for m in httpx.get(serve + "/v1/models", trust_env=False).json()["data"]}
         assert set(POLICIES) <= set(models)
         catalog = f"sqlite:///{state / 'catalog.db'}"
-        history = mint("registry", "history", policy, "--catalog", catalog, timeout=120)
-        assert history.returncode == 0 and "main job shows a rollback" in history.stdout, history.stdout
+        if policy is not None:
+            history = mint("registry", "history", policy, "--catalog", catalog, timeout=120)
+            assert history.returncode == 0 and "main job shows a rollback" in history.stdout, history.stdout
 
         # again: the servers and the champions are reused, so no first wave
         again = mint("run", *flags, "--steps", "2")
