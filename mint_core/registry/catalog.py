@@ -651,11 +651,12 @@ class Catalog:
                             .where(revisions.c.digest == reg.digest)
                             .values(base=reg.base, rank=reg.rank, location=reg.location)
                         )
-            indexed = dict(
-                conn.execute(
+            indexed: dict[int, str] = {
+                r.version: r.digest
+                for r in conn.execute(
                     sa.select(versions.c.version, versions.c.digest).where(versions.c.policy == policy)
-                ).all()
-            )
+                )
+            }
             for version, reg in sorted(rows.items()):
                 assert reg is not None
                 was = indexed.get(version)
@@ -683,11 +684,12 @@ class Catalog:
                     conn.execute(
                         versions.delete().where(versions.c.policy == policy, versions.c.version == version)
                     )
-            pointed = dict(
-                conn.execute(
+            pointed: dict[str, int] = {
+                r.alias: r.version
+                for r in conn.execute(
                     sa.select(aliases.c.alias, aliases.c.version).where(aliases.c.policy == policy)
-                ).all()
-            )
+                )
+            }
             for alias in sorted(set(pointed) | set(alias_truth)):
                 before, after = pointed.get(alias), alias_truth.get(alias)
                 if before == after:
