@@ -110,6 +110,15 @@ def require(available: bool, what: str) -> None:
     pytest.skip(what)
 
 
+def save_tiny_base(base_dir: Path) -> Path:
+    """The tiny dense test base (seed 0, byte tokenizer) written as a local Hugging Face model directory."""
+    tiny = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+    tiny.model.save_pretrained(base_dir)
+    assert tiny.tokenizer is not None
+    tiny.tokenizer.save_pretrained(base_dir)
+    return base_dir
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

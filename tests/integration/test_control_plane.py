@@ -30,8 +30,6 @@ from prefect.states import Cancelled, Running
 from flows.lifecycle import PolicyRun, Training
 from flows.retrain import being_trained, retrain
 from mint_app.services import ServicesConfig, start, status, stop
-from mint_core.engine.base import build_tiny_base
-from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
@@ -39,7 +37,7 @@ from mint_core.lifecycle import Workspace
 from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
-from tests.integration.conftest import free_port, start_server, stop_server
+from tests.integration.conftest import free_port, save_tiny_base, start_server, stop_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -87,11 +85,7 @@ def plane(
     mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Plane]:
     root = tmp_path_factory.mktemp("control-plane")
-    base_dir = root / "base"
-    tiny = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
-    tiny.model.save_pretrained(base_dir)
-    assert tiny.tokenizer is not None
-    tiny.tokenizer.save_pretrained(base_dir)
+    base_dir = save_tiny_base(root / "base")
     store = root / "store"
     store.mkdir()
     (root / "run").mkdir()

@@ -31,8 +31,7 @@ from flows.lifecycle import PolicyRun, Training, WaveFailed, lifecycle, wave
 from flows.prefetch import prefetch
 from flows.promotion import promote_flow, rollback_flow
 from flows.reconcile import reconcile
-from mint_core.engine.base import build_tiny_base, load_base
-from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.engine.base import load_base
 from mint_core.errors import DataCheckError
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
@@ -44,7 +43,7 @@ from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
 from mint_core.serving.client import ServingError
 from tasks.common import is_transient
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import save_tiny_base, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -86,11 +85,7 @@ def stack(
     mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("lifecycle")
-    base_dir = root / "base"
-    tiny = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
-    tiny.model.save_pretrained(base_dir)
-    assert tiny.tokenizer is not None
-    tiny.tokenizer.save_pretrained(base_dir)
+    base_dir = save_tiny_base(root / "base")
     store = root / "store"
     store.mkdir()
     suites = standalone_suites(root, limit=20)
