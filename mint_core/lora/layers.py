@@ -317,6 +317,17 @@ class LoRAModel:
         return sum((b.A[0].numel() + b.B[0].numel()) * b.A.element_size() for b in self.banks.values())
 
 
+def slot_banks(
+    sites: Iterable[Site], num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+) -> LoRAModel:
+    """The slot banks of `sites` with no model around them: a working set's storage alone, for measuring the
+    adapter load path at a real base's shape without holding the base's weights."""
+    if num_slots < 1 or max_rank < 1:
+        raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots} and {max_rank}")
+    banks = {s.name: _SlotBank(s, num_slots, max_rank, dtype, torch.device(device)) for s in sites}
+    return LoRAModel(LoRAContext(num_slots), banks, max_rank)
+
+
 def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, child, new)
