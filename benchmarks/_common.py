@@ -33,3 +33,53 @@ def report(result: dict[str, Any]) -> None:
     """The last line a benchmark prints: one JSON object."""
     sys.stdout.flush()
     print(json.dumps(result, sort_keys=True))
+
+
+# Real bases' shapes, for the benchmarks that measure the adapter path at them (`--shape`). Qwen2-0.5B ties its
+# embeddings; Qwen3-4B does too (vocab 151,936 x hidden 2560).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    ),
+}
+
+
+def shape_config(shape: str, **overrides: Any) -> Any:
+    """The transformers config of a named shape (SHAPES), with overrides."""
+    from transformers import AutoConfig  # deferred: most benchmarks never name a shape
+
+    kw = {**SHAPES[shape], "max_position_embeddings": 512, **overrides}
+    return AutoConfig.for_model(kw.pop("model_type"), **kw)
+
+
+def shape_sites(shape: str) -> dict[str, Any]:
+    """Every LoRA site (linear of the decoder layers) of a named shape, from a model on the meta device: the
+    shapes without a byte of the base's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mint_core.engine.base import discover_sites
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape_config(shape))
+    return discover_sites(model)

@@ -53,6 +53,9 @@ class AdapterWeights:
     use_rslora: bool = False
     digest: Digest | None = None
     extra_config: dict[str, object] = field(default_factory=dict)
+    load_s: dict[str, float] = field(default_factory=dict, compare=False)
+    """Seconds its read from files spent per step (`read`, `validate`, `digest`); empty for weights made in
+    memory. For profiles and the load benchmark."""
 
     @property
     def scale(self) -> float:

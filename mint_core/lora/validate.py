@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +157,7 @@ def read_adapter(
         if problems:
             raise fail()
 
+    t0 = time.perf_counter()
     config_bytes: bytes | None = None
     if not (path / CONFIG_FILE).is_file():
         problems.append(f"{CONFIG_FILE} is missing")
@@ -173,7 +175,10 @@ def read_adapter(
             problems.append(f"{WEIGHTS_FILE} is missing")
     else:
         weights_bytes = weights.read_bytes()
-    return validate_bytes(config_bytes, weights_bytes, spec, label, str(path), problems)
+    read_s = time.perf_counter() - t0
+    out = validate_bytes(config_bytes, weights_bytes, spec, label, str(path), problems)
+    out.load_s["read"] = read_s
+    return out
 
 
 def validate_bytes(
@@ -186,6 +191,7 @@ def validate_bytes(
 ) -> AdapterWeights:
     """Validate an adapter given as PEFT's two files' bytes (None: the file is missing, already reported in
     `problems`); raise a single AdapterError listing every problem."""
+    t0 = time.perf_counter()
     problems = [] if problems is None else problems
     config: dict = {}
     parsed = False
@@ -238,12 +244,17 @@ def validate_bytes(
     if problems:
         raise AdapterError(label, where, problems)
     assert config_bytes is not None and weights_bytes is not None
+    tensors = {k: (a.float(), b.float()) for k, (a, b) in tensors.items()}
+    t1 = time.perf_counter()
+    digest = digest_files(config_bytes, weights_bytes)
+    t2 = time.perf_counter()
     return AdapterWeights(
         rank=int(rank),  # type: ignore[arg-type]
         alpha=float(alpha),  # type: ignore[arg-type]
-        tensors={k: (a.float(), b.float()) for k, (a, b) in tensors.items()},
+        tensors=tensors,
         base_fingerprint=spec.fingerprint,
         base_name=config.get("base_model_name_or_path"),
         use_rslora=bool(config.get("use_rslora", False)),
-        digest=digest_files(config_bytes, weights_bytes),
+        digest=digest,
+        load_s={"validate": t1 - t0, "digest": t2 - t1},
     )
