@@ -59,16 +59,16 @@ def version() -> None:
 @base_app.command("build-tiny")
 def build_tiny(
     out: Annotated[Path, typer.Argument(help="Directory to write the Hugging Face model into.")],
-    family: Annotated[str, typer.Option(help="dense, moe or mla")] = "dense",
+    family: Annotated[str, typer.Option(help="dense, moe, mla or dsa")] = "dense",
     seed: int = 0,
 ) -> None:
     """Write a tiny random base of one family (with a byte-level tokenizer) as a local HF model directory."""
     # deferred: torch and transformers, which `mint --help` need not load
-    from mint_core.engine.base import build_tiny_base
+    from mint_core.engine.base import FAMILIES, build_tiny_base
     from mint_core.engine.tokenizer import byte_tokenizer
 
-    if family not in ("dense", "moe", "mla"):
-        raise typer.BadParameter(f"family must be dense, moe or mla, not {family!r}")
+    if family not in FAMILIES:
+        raise typer.BadParameter(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")
     base = build_tiny_base(family, seed=seed, tokenizer=byte_tokenizer())  # type: ignore[arg-type]
     base.model.save_pretrained(out)
     assert base.tokenizer is not None
@@ -243,7 +243,9 @@ def serve(
     config: Annotated[
         Path | None, typer.Option(help="YAML or JSON settings file (ServingConfig fields).")
     ] = None,
-    base: Annotated[str | None, typer.Option(help="Model directory or tiny-dense|tiny-moe|tiny-mla.")] = None,
+    base: Annotated[
+        str | None, typer.Option(help="Model directory or tiny-dense|tiny-moe|tiny-mla|tiny-dsa.")
+    ] = None,
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
     adapter_root: Annotated[

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mint_core.engine.base import FAMILIES as ALL_FAMILIES
 from mint_core.engine.base import Base, Family, build_tiny_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.types import Site
 
-FAMILIES: list[Family] = ["dense", "moe", "mla"]
+FAMILIES: list[Family] = list(ALL_FAMILIES)
 
 # Short names targeted per family in tests. On MoE models PEFT 0.21 rewrites target_modules named
 # gate_proj/up_proj/down_proj into fused expert parameters, so dense-MLP and shared-expert linears of MoE
@@ -22,6 +23,8 @@ TARGETS: dict[str, list[str]] = {
     "dense": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
     "mla": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_up_proj", "down_proj"],
+    # DSA: MLA's projections; its indexer is frozen (mint_core.engine.base.FROZEN_MODULES)
+    "dsa": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
 
 

@@ -25,7 +25,18 @@ from mint_core.types import EXPERT_PARAMS, Site
 
 logger = logging.getLogger(__name__)
 
-Family = Literal["dense", "moe", "mla"]
+Family = Literal["dense", "moe", "mla", "dsa"]
+FAMILIES: tuple[Family, ...] = ("dense", "moe", "mla", "dsa")
+"""The architectures of the tiny test bases: dense (Llama), MoE (Qwen3-MoE), MLA (DeepSeek-V3), DSA (DeepSeek-V3.2,
+MLA with DeepSeek sparse attention)."""
+
+FROZEN_MODULES = ("indexer",)
+"""Submodules whose linears get no LoRA site. DSA's lightning indexer (DeepSeek-V3.2, `self_attn.indexer`: wq_b,
+wk, weights_proj) only chooses which keys each query attends to: transformers runs it under `torch.no_grad` and
+hands on a discrete top-k, so a LoRA there would get no gradient from any loss and would never train. The
+attention projections around it (q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj) are MLA's and are
+sites as in the MLA family; an adapter on q_a_proj still moves the indexer's queries (it reads q_a_proj's
+normalised output), so a policy steers which tokens it attends to through the frozen indexer."""
 
 
 @dataclass
@@ -76,10 +87,11 @@ def fingerprint(model: PreTrainedModel) -> str:
 
 
 def discover_sites(model: nn.Module) -> dict[str, Site]:
-    """Every linear layer and fused expert parameter under the decoder layers (not embeddings or lm_head)."""
+    """Every linear layer and fused expert parameter under the decoder layers (not embeddings or lm_head, nor
+    the `FROZEN_MODULES`)."""
     sites: dict[str, Site] = {}
     for name, module in model.named_modules():
-        if ".layers." not in f".{name}":
+        if ".layers." not in f".{name}" or any(f".{frozen}." in f".{name}." for frozen in FROZEN_MODULES):
             continue
         if isinstance(module, nn.Linear):
             sites[name] = Site(name, module.in_features, module.out_features)
@@ -121,7 +133,7 @@ def load_base(path: str | Path, dtype: torch.dtype | str = "float32", device: st
 
 
 def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
-    """Small random configs of the three families mint supports, for tests and demos."""
+    """Small random configs of the families mint supports (`FAMILIES`), for tests and demos."""
     common: dict[str, Any] = dict(
         vocab_size=300,
         hidden_size=64,
@@ -144,10 +156,10 @@ def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
             decoder_sparse_step=1,
             norm_topk_prob=True,
         )
-    elif family == "mla":
+    elif family in ("mla", "dsa"):
         kw = dict(
             common,
-            model_type="deepseek_v3",
+            model_type="deepseek_v3" if family == "mla" else "deepseek_v32",
             intermediate_size=128,
             moe_intermediate_size=32,
             num_key_value_heads=4,
@@ -164,8 +176,14 @@ def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
             v_head_dim=16,
             rope_scaling=None,
         )
+        if family == "dsa":
+            # Each query attends to the 4 keys the lightning indexer scores highest: sparse from the fifth token
+            # on, so tests of a dozen tokens exercise the selection. Eight indexer heads, because with two the
+            # ReLU'd scores of several keys were often exactly 0, and torch.topk breaks such ties by position
+            # in a tensor whose length differs between a full forward and a decode step (tests/unit/test_dsa.py).
+            kw.update(index_topk=4, index_n_heads=8, index_head_dim=16)
     else:
-        raise ValueError(f"unknown family {family!r}; expected dense, moe or mla")
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
     kw.update(overrides)
     model_type = kw.pop("model_type")
     return AutoConfig.for_model(model_type, **kw)

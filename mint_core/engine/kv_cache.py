@@ -6,6 +6,10 @@ and hands attention a view of the filled part. Rows of different lengths share t
 attention mask hides the padding), so a sequence can join a running batch between two decode steps:
 `join` pads the shorter side on the left and stacks the rows; `select` drops finished rows; `trim_left`
 drops leading columns that every row pads.
+
+DSA layers (DeepSeek-V3.2's sparse attention) also cache the lightning indexer's keys, [B, T, D] beside the
+attention's latent keys; `RaggedIndexedLayer` keeps them in a second buffer moved by the same joins, selects
+and trims, so a decode step's indexer scores the same keys, in the same columns, as its attention.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
 
 class RaggedLayer(DynamicLayer):
@@ -90,17 +94,80 @@ class RaggedLayer(DynamicLayer):
         self.is_initialized = False
 
 
+class RaggedIndexedLayer(RaggedLayer):
+    """A RaggedLayer that also holds a DSA layer's indexer keys, [B, T, D], column for column with its keys.
+
+    The attention writes its keys first, then the indexer its own for the same tokens (`update_indexer`), so the
+    indexer has its own length, equal to the attention's once both wrote a step."""
+
+    def __init__(self, capacity: int = 0):
+        super().__init__(capacity)
+        self.indexer_length = 0
+        self._ik: torch.Tensor | None = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        t = indexer_key_states.shape[1]
+        if self._ik is None:
+            cap = max(self.capacity, t)
+            self._ik = indexer_key_states.new_empty(
+                indexer_key_states.shape[0], cap, indexer_key_states.shape[2]
+            )
+            self.indexer_length = 0
+        if self.indexer_length + t > self._ik.shape[1]:
+            cap = max(self.indexer_length + t, 2 * self._ik.shape[1], 16)
+            self._ik = F.pad(self._ik[:, : self.indexer_length], (0, 0, 0, cap - self.indexer_length))
+        self._ik[:, self.indexer_length : self.indexer_length + t] = indexer_key_states
+        self.indexer_length += t
+        return self._ik[:, : self.indexer_length]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self._ik is not None:
+            self._ik = self._ik.index_select(0, indices)
+
+    def trim_left(self, n: int) -> None:
+        super().trim_left(n)
+        if self._ik is not None and n > 0:
+            self._ik = self._ik[:, n:]
+            self.indexer_length -= n
+
+    def join(self, other: RaggedLayer, room: int) -> None:
+        assert isinstance(other, RaggedIndexedLayer)
+        mine, theirs = (self._ik, self.indexer_length), (other._ik, other.indexer_length)
+        super().join(other, room)  # takes other's state whole when this layer is empty
+        if mine[0] is None or theirs[0] is None:
+            return
+        length = max(mine[1], theirs[1])
+        cap = length + room
+
+        def aligned(buf: torch.Tensor, n: int) -> torch.Tensor:
+            return F.pad(buf[:, :n], (0, 0, length - n, cap - length))
+
+        self._ik = torch.cat([aligned(*mine), aligned(*theirs)], dim=0)
+        self.indexer_length = length
+
+    def reset(self) -> None:
+        super().reset()
+        self._ik = None
+        self.indexer_length = 0
+
+
 class RaggedCache(DynamicCache):
-    """A DynamicCache of RaggedLayers (full attention only)."""
+    """A DynamicCache of RaggedLayers: full attention, and DSA's indexed attention (`RaggedIndexedLayer`)."""
 
     def __init__(self, config: PretrainedConfig, capacity: int = 0):
         super().__init__(config=config)
+        layers: list[RaggedLayer] = []
         for layer in self.layers:
-            if type(layer) is not DynamicLayer:
+            if type(layer) is DynamicLayer:
+                layers.append(RaggedLayer(capacity))
+            elif type(layer) is DynamicIndexedLayer:
+                layers.append(RaggedIndexedLayer(capacity))
+            else:
                 raise NotImplementedError(
-                    f"{type(layer).__name__} (sliding-window attention) is not supported"
+                    f"{type(layer).__name__} (sliding-window or linear attention) is not supported"
                 )
-        self.layers = [RaggedLayer(capacity) for _ in self.layers]
+        self.layers = layers  # type: ignore[assignment]
 
     def _ragged(self) -> list[RaggedLayer]:
         return self.layers  # type: ignore[return-value]

@@ -52,7 +52,18 @@ logger = logging.getLogger(__name__)
 # Model types whose causal LM ends in a plain linear projection to the vocabulary (no scaling or soft-capping of
 # the logits after it): the update fuses that projection with its log-softmax (see `_output_mode`).
 PLAIN_HEAD_FAMILIES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "mixtral",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v32",
+    }
 )
 
 # The default of `fused_head_min_bytes`: the update fuses the output projection with its log-softmax

@@ -7,6 +7,7 @@ Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one
   POST /v1/unload_lora_adapter {"lora_name"}                               (admin bearer token)
   GET  /health, GET /metrics
   POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
+  /api/v1/...  Tinker's training API (the `tinker` SDK), on by default (`tinker`): see serving/tinker/routes.py
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's types and codes.
 """
 
@@ -28,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from mint_core.engine.base import Base, build_tiny_base, load_base
+from mint_core.engine.base import FAMILIES, Base, build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.serving.config import ServingConfig
@@ -37,7 +38,7 @@ from mint_core.serving.routes import completions, extensions, health, models
 from mint_core.serving.server import Server
 
 logger = logging.getLogger(__name__)
-BUILTIN = {"tiny-dense": "dense", "tiny-moe": "moe", "tiny-mla": "mla"}
+BUILTIN = {f"tiny-{family}": family for family in FAMILIES}
 
 
 def load_serving_base(config: ServingConfig) -> Base:
@@ -80,6 +81,8 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
         server.loop.start()
         logger.info("serving %s with %d adapter slots", base_name, engine.config.max_loras)
         yield
+        if tinker is not None:
+            await run_in_threadpool(tinker.close)
         await run_in_threadpool(server.close)  # finish what is queued and running
 
     app = FastAPI(title="mint", lifespan=lifespan)
@@ -88,6 +91,11 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
     for routes in (completions, models, health, extensions):
         app.include_router(routes.router)
+    tinker = None
+    if config.tinker:
+        from mint_core.serving.tinker.mount import mount
+
+        tinker = mount(app, server, config)
     return app
 
 

@@ -26,7 +26,7 @@ class ServingConfig(Settings):
     port: int = Field(8000, ge=0, le=65535)
     """Port to bind (0: any free port)."""
     base: str = "tiny-dense"
-    """A local Hugging Face model directory, or a built-in random base: tiny-dense, tiny-moe, tiny-mla."""
+    """A local Hugging Face model directory, or a built-in random base: tiny-dense, tiny-moe, tiny-mla, tiny-dsa."""
     served_model_name: str | None = None
     """The base's name in the API (`model` for requests with no adapter); default: the directory's name."""
     adapter_root: Path = Path(".mint/store")
@@ -59,6 +59,31 @@ class ServingConfig(Settings):
     other busy processes, where OpenMP's spinning threads stall each other."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Server log level."""
+    tinker: bool = True
+    """Also serve Tinker's training API (/api/v1/..., the `tinker` SDK) on the same engine."""
+    tinker_api_keys: SecretStr | None = None
+    """Comma-separated API keys (`tml-...`) of the Tinker API; keys of `tinker_api_keys_file` count too. Neither
+    set: one key is generated and printed at start."""
+    tinker_api_keys_file: Path | None = None
+    """A file of Tinker API keys, one per line (optionally followed by an owner name)."""
+    tinker_window_ms: float = Field(10.0, ge=0, le=10_000)
+    """forward_backward calls of different training clients that arrive within this window run as one step."""
+    tinker_lora_alpha: float = Field(32.0, gt=0)
+    """LoRA alpha of the adapters trained through the Tinker API (scale = alpha / rank)."""
+    tinker_state_dir: Path | None = None
+    """Where the Tinker API keeps checkpoint indexes and optimizer states (default: <adapter_root>/../tinker)."""
+    tinker_registry_uri: str | None = None
+    """MLflow tracking URI: a named save_weights_for_sampler also becomes an MLflow version of its policy. Unset:
+    saves go to the adapter store and the engine only."""
+    tinker_catalog_url: str | None = None
+    """Catalog that registered versions are indexed in (default: catalog_url, else a SQLite file in the
+    Tinker state dir)."""
+
+    def tinker_keys(self) -> SecretStr:
+        """The Tinker API keys as configured, or one generated now when none is."""
+        if self.tinker_api_keys is None and self.tinker_api_keys_file is None:
+            self.tinker_api_keys = SecretStr("tml-" + secrets.token_urlsafe(24))
+        return self.tinker_api_keys or SecretStr("")
 
     def admin_secret(self) -> str:
         if self.admin_token is None:

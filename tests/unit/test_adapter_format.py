@@ -22,7 +22,7 @@ from mint_core.lora.adapter import (
 from tests.conftest import FAMILIES, TARGETS, peft_loadable_sites
 
 RANK = 4
-EXPERT_FAMILIES = ["moe", "mla"]
+EXPERT_FAMILIES = ["moe", "mla", "dsa"]
 
 
 def _assert_same_tensors(got, want):  # type: ignore[no-untyped-def]

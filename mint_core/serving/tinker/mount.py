@@ -1,0 +1,89 @@
+"""Mount Tinker's training API on the embedded server's app: the same process, engine and base as `mint serve`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from mint_core.serving.config import ServingConfig
+from mint_core.serving.server import Server
+from mint_core.serving.tinker import routes
+from mint_core.serving.tinker.service import Checkpoint, TinkerError, TinkerService, TrainModel, read_keys
+
+logger = logging.getLogger(__name__)
+
+
+def state_dir(config: ServingConfig) -> Path:
+    return config.tinker_state_dir or Path(config.adapter_root).resolve().parent / "tinker"
+
+
+def registrar(config: ServingConfig, server: Server) -> Any:
+    """`register(model, checkpoint, name)` for TinkerService: the saved revision as the next MLflow version of the
+    model's policy (alias candidate, `mint.parent`, the session as `tinker.session`); None without a registry."""
+    if not config.tinker_registry_uri:
+        return None
+    registry: list[Any] = []
+
+    def register(m: TrainModel, ck: Checkpoint, name: str) -> str:
+        if not registry:  # MLflow is imported only when the first revision is registered
+            from mint_core.registry.catalog import Catalog, CatalogConfig
+            from mint_core.registry.mlflow_registry import Registry, RegistryConfig
+
+            url = (
+                config.tinker_catalog_url
+                or config.catalog_url
+                or f"sqlite:///{state_dir(config) / 'catalog.db'}"
+            )
+            catalog = (
+                server.catalog
+                if server.catalog is not None and url == config.catalog_url
+                else Catalog(CatalogConfig(url=url))
+            )
+            registry.append(
+                Registry(server.store, catalog, RegistryConfig(tracking_uri=config.tinker_registry_uri))
+            )
+        rev = registry[0].create_revision(
+            m.policy,
+            ck.digest,
+            base=server.engine.base.fingerprint,
+            rank=m.rank,
+            parent=m.parent,
+            tags={"tinker.session": m.session_id, "tinker.model_id": m.id, "tinker.path": ck.path},
+            reason=f"tinker save_weights_for_sampler {name!r}",
+        )
+        # the version's address serves it too, as the rest of mint names revisions
+        server.engine.load_adapter(rev.address, server.store.local_dir(ck.digest), replace=True)
+        return str(rev.address)
+
+    return register
+
+
+def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
+    keys = read_keys(config.tinker_keys().get_secret_value(), config.tinker_api_keys_file)
+    if not keys:
+        raise ValueError(
+            "the Tinker API is on but no API key is configured (tinker_api_keys / tinker_api_keys_file)"
+        )
+    svc = TinkerService(
+        server.engine,
+        server.store,
+        server.base_name,
+        state_dir(config),
+        keys,
+        window_ms=config.tinker_window_ms,
+        lora_alpha=config.tinker_lora_alpha,
+        register=registrar(config, server),
+    )
+    app.state.tinker = svc
+    app.state.tinker_tasks = set()
+    app.add_exception_handler(TinkerError, _tinker_error)  # type: ignore[arg-type]
+    app.include_router(routes.router)
+    return svc
+
+
+async def _tinker_error(request: Request, e: TinkerError) -> JSONResponse:
+    return routes.error(e)
