@@ -264,6 +264,11 @@ def serve(
     console.print(f"mint serving [bold]{cfg.base}[/] at http://{cfg.host}:{cfg.port}/v1  (metrics: /metrics)")
     console.print(f"adapter store: {cfg.adapter_root.resolve()}")
     console.print(f"admin token (load/unload): {token}")
+    if cfg.tinker:
+        configured = cfg.tinker_api_keys is not None or cfg.tinker_api_keys_file is not None
+        key = cfg.tinker_keys().get_secret_value()  # generated now when none is configured
+        shown = "the configured keys" if configured else f"generated key {key}"
+        console.print(f"Tinker training API at http://{cfg.host}:{cfg.port} (api_key: {shown})")
     run_server(cfg)
 
 

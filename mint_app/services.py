@@ -534,9 +534,23 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         cmd += ["--adapter-root", str(config.serve_adapter_root.resolve())]
     # a token from the environment or the serving config wins; else one kept in the state dir, so the admin
     # routes of a server started by `mint up` have a token that can be read back
-    if ServingConfig.load(config.serve_config).admin_token is None:
+    serving = ServingConfig.load(config.serve_config)
+    if serving.admin_token is None:
         env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
+    # the Tinker training API: a key kept in the state dir (unless keys are configured), and a named
+    # save_weights_for_sampler becomes an MLflow version indexed in the flows' catalog
+    if serving.tinker_api_keys is None and serving.tinker_api_keys_file is None:
+        env["MINT_SERVE_TINKER_API_KEYS_FILE"] = str(tinker_keys_file(config).resolve())
+    if serving.tinker_registry_uri is None:
+        env["MINT_SERVE_TINKER_REGISTRY_URI"] = config.url("mlflow")
+        env["MINT_SERVE_TINKER_CATALOG_URL"] = hooks_workspace(config)["catalog_url"]
     return cmd, env
+
+
+def tinker_keys_file(config: ServicesConfig) -> Path:
+    """The Tinker API key of `mint serve` under this state dir (`tml-...`, made once, readable by its owner)."""
+    _state_secret(config, "tinker.keys", lambda: "tml-" + secrets.token_urlsafe(24))
+    return config.state_dir / "tinker.keys"
 
 
 # ---------------------------------------------------------------------------------------------------------

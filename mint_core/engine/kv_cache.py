@@ -133,17 +133,17 @@ class RaggedIndexedLayer(RaggedLayer):
 
     def join(self, other: RaggedLayer, room: int) -> None:
         assert isinstance(other, RaggedIndexedLayer)
-        mine, theirs = (self._ik, self.indexer_length), (other._ik, other.indexer_length)
+        mine, n_mine, theirs, n_theirs = self._ik, self.indexer_length, other._ik, other.indexer_length
         super().join(other, room)  # takes other's state whole when this layer is empty
-        if mine[0] is None or theirs[0] is None:
+        if mine is None or theirs is None:
             return
-        length = max(mine[1], theirs[1])
+        length = max(n_mine, n_theirs)
         cap = length + room
 
         def aligned(buf: torch.Tensor, n: int) -> torch.Tensor:
             return F.pad(buf[:, :n], (0, 0, length - n, cap - length))
 
-        self._ik = torch.cat([aligned(*mine), aligned(*theirs)], dim=0)
+        self._ik = torch.cat([aligned(mine, n_mine), aligned(theirs, n_theirs)], dim=0)
         self.indexer_length = length
 
     def reset(self) -> None:
