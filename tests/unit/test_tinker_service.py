@@ -1,0 +1,395 @@
+"""The Tinker API's service in process, over the tiny dense base: losses and gradients against a direct computation,
+one batched step for many models, each model's calls in order, refusals that change nothing, and the protobuf
+bodies against the SDK's own encoders and decoders."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+from mint_core.engine.base import build_tiny_base
+from mint_core.engine.engine import Engine, EngineConfig
+from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.registry.store import AdapterStore
+from mint_core.serving.tinker import losses
+from mint_core.serving.tinker.service import TinkerError, TinkerService, TrainModel, read_keys
+from mint_core.serving.tinker.wire import (
+    Datum,
+    Sampled,
+    read_forward_backward,
+    write_forward_backward_output,
+    write_sample_response,
+)
+
+VOCAB = 300
+KEYS = {"tml-alice-key-0000": "alice", "tml-bob-key-00000": "bob"}
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[TinkerService]:
+    base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+    engine = Engine(base, EngineConfig(max_loras=4, max_lora_rank=8))
+    service = TinkerService(
+        engine, AdapterStore(tmp_path / "store"), "tiny-dense", tmp_path / "tinker", KEYS, window_ms=50
+    )
+    yield service
+    service.close()
+
+
+def new_model(svc: TinkerService, owner: str = "alice", rank: int = 4, seed: int = 0) -> TrainModel:
+    sid = svc.create_session(owner)
+    return svc.create_model(owner, sid, 0, "tiny-dense", rank, seed)
+
+
+def datum(n: int, seed: int, loss_fn: str = "cross_entropy") -> Datum:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, n)
+    inputs: dict[str, np.ndarray] = {"target_tokens": rng.integers(0, 256, n)}
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = rng.uniform(0.0, 1.0, n).astype(np.float32)
+    else:
+        # sampler logprobs near the tiny base's (about log 1/300), so the ratios land on both sides of PPO's clip
+        inputs["logprobs"] = (np.log(1 / VOCAB) + rng.uniform(-0.5, 0.5, n)).astype(np.float32)
+        inputs["advantages"] = rng.normal(0.0, 1.0, n).astype(np.float32)
+    return Datum(tokens, inputs)
+
+
+def loss_of(result: Any) -> tuple[float, list[np.ndarray]]:
+    out = deserialize_forward_backward_output(result.proto)
+    return out.metrics["loss:sum"], [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def step(svc: TinkerService, m: TrainModel, lr: float = 0.05) -> None:
+    svc.call(m, lambda: svc.optim_step(m, lr, 0.9, 0.95, 1e-8, 0.0, 0.0)).result(30)
+
+
+def direct(
+    svc: TinkerService, m: TrainModel, data: list[Datum], loss_fn: str
+) -> tuple[float, list[np.ndarray], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The loss, target logprobs and slot gradients of `data` under `m`, written out by hand: one unpadded forward
+    per datum, log_softmax + gather, the loss formula as the SDK documents it."""
+    eng = svc.engine
+    banks = eng.lora.banks
+    for b in banks.values():
+        b.A.grad = b.B.grad = None
+        b.A.requires_grad_(True)
+        b.B.requires_grad_(True)
+    total = torch.zeros(())
+    lps = []
+    try:
+        for d in data:
+            eng.lora.ctx.set_rows([m.slot])
+            logits = eng.base.model(input_ids=torch.from_numpy(d.tokens)[None]).logits[0]
+            eng.lora.ctx.clear()
+            tgt = torch.from_numpy(d.inputs["target_tokens"])
+            lp = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tgt)), tgt]
+            lps.append(lp.detach().numpy())
+            if loss_fn == "cross_entropy":
+                loss = -(lp * torch.from_numpy(d.inputs["weights"])).sum()
+            else:
+                ratio = torch.exp(lp - torch.from_numpy(d.inputs["logprobs"]))
+                adv = torch.from_numpy(d.inputs["advantages"])
+                if loss_fn == "importance_sampling":
+                    loss = -(ratio * adv).sum()
+                else:
+                    loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv).sum()
+            total = total + loss
+        total.backward()
+        grads = {s: (banks[s].A.grad[m.slot].clone(), banks[s].B.grad[m.slot].clone()) for s in m.sites}  # type: ignore[index]
+    finally:
+        for b in banks.values():
+            b.A.grad = b.B.grad = None
+            b.A.requires_grad_(False)
+            b.B.requires_grad_(False)
+    return float(total.detach()), lps, grads
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo"])
+def test_losses_and_gradients_match_a_direct_computation_in_one_batched_step(
+    svc: TinkerService, loss_fn: str
+) -> None:
+    a, b = new_model(svc, rank=4, seed=1), new_model(svc, rank=8, seed=2)
+    for m in (a, b):  # one step first, so B is nonzero and A gets a gradient too
+        svc.forward_backward(m, [datum(5, 99)], "cross_entropy", {}, False).result(30)
+        step(svc, m)
+    data_a = [datum(6, 1, loss_fn), datum(3, 2, loss_fn)]
+    data_b = [datum(9, 3, loss_fn)]
+    before = len(svc.batches)
+    fa = svc.forward_backward(a, data_a, loss_fn, {}, False)
+    fb = svc.forward_backward(b, data_b, loss_fn, {}, False)
+    res_a, res_b = fa.result(30), fb.result(30)
+    assert svc.batches[before:] == [2]  # both calls ran as one forward/backward
+    banks = svc.engine.lora.banks
+    got = {
+        m.id: {s: (banks[s].A.grad[m.slot].clone(), banks[s].B.grad[m.slot].clone()) for s in m.sites}
+        for m in (a, b)
+    }  # type: ignore[index]
+    for m, data, res in ((a, data_a, res_a), (b, data_b, res_b)):
+        loss, lps = loss_of(res)
+        want_loss, want_lps, want_grads = direct(svc, m, data, loss_fn)
+        assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-5)
+        for lp, want in zip(lps, want_lps, strict=True):
+            np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-5)
+        for s, (gA, gB) in want_grads.items():
+            assert gA.abs().sum() > 0 and gB.abs().sum() > 0
+            torch.testing.assert_close(got[m.id][s][0], gA, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got[m.id][s][1], gB, rtol=1e-4, atol=1e-6)
+
+
+def test_each_models_calls_run_in_order_while_other_models_batch_with_them(svc: TinkerService) -> None:
+    a, b = new_model(svc, seed=1), new_model(svc, seed=2)
+    data = [datum(8, 5)]
+    before = len(svc.batches)
+    first = svc.forward_backward(a, data, "cross_entropy", {}, False)
+    other = svc.forward_backward(b, data, "cross_entropy", {}, False)
+    opt = svc.call(a, lambda: svc.optim_step(a, 0.005, 0.9, 0.95, 1e-8, 0.0, 0.0))
+    second = svc.forward_backward(a, data, "cross_entropy", {}, True)
+    loss1, _ = loss_of(first.result(30))
+    loss_other, _ = loss_of(other.result(30))
+    opt.result(30)
+    loss2, _ = loss_of(second.result(30))
+    # round 1: a's first call batched with b's; round 2: a's optim_step alone; round 3: a's forward after it
+    assert svc.batches[before:] == [2, 1]
+    assert loss_other == pytest.approx(loss1, rel=0.02)  # two fresh models, same data: near-equal losses
+    assert loss2 < loss1  # the step ran between a's two calls
+    # and a forward now, with no step since, sees exactly the weights the second call saw
+    again, _ = loss_of(svc.forward_backward(a, data, "cross_entropy", {}, True).result(30))
+    assert again == pytest.approx(loss2, rel=1e-6)
+
+
+def test_a_model_trains_only_its_own_slot(svc: TinkerService) -> None:
+    a, b = new_model(svc, seed=1), new_model(svc, seed=2)
+    banks = svc.engine.lora.banks
+    before_b = {s: banks[s].B.data[b.slot].clone() for s in b.sites}
+    base = {n: p.detach().clone() for n, p in svc.engine.base.model.named_parameters() if "bank" not in n}
+    svc.forward_backward(a, [datum(6, 1)], "cross_entropy", {}, False).result(30)
+    step(svc, a)
+    assert any(banks[s].B.data[a.slot].abs().sum() > 0 for s in a.sites)
+    for s in b.sites:
+        assert torch.equal(banks[s].B.data[b.slot], before_b[s])
+    for n, p in svc.engine.base.model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), n
+
+
+def test_save_weights_for_sampler_serves_the_trained_revision_by_its_path(svc: TinkerService) -> None:
+    a = new_model(svc, seed=1)
+    svc.forward_backward(a, [datum(6, 1)], "cross_entropy", {}, False).result(30)
+    step(svc, a)
+    out = svc.call(a, lambda: svc.save_for_sampler(a, "v1")).result(30)
+    path = out["path"]
+    assert path == f"tinker://{a.id}/sampler_weights/v1"
+    digest = svc.engine.working_set.get(path)
+    assert digest is not None and svc.store.exists(digest)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    served = svc.engine.logits(ids, [path])
+    with svc.engine._forward_lock:
+        svc.engine.lora.ctx.set_rows([a.slot])
+        trained = svc.engine.base.model(input_ids=ids).logits.detach()
+        svc.engine.lora.ctx.clear()
+    torch.testing.assert_close(served, trained, rtol=1e-5, atol=1e-5)
+    # another key cannot sample it
+    with pytest.raises(TinkerError, match="no checkpoint"):
+        svc.create_sampler("bob", svc.create_session("bob"), path, None)
+
+
+def test_save_and_load_weights_restore_weights_and_optimizer(svc: TinkerService) -> None:
+    a = new_model(svc, seed=1)
+    data = [datum(6, 1)]
+    svc.forward_backward(a, data, "cross_entropy", {}, False).result(30)
+    step(svc, a)
+    path = svc.call(a, lambda: svc.save_weights(a, "ck")).result(30)["path"]
+    saved, _ = loss_of(svc.forward_backward(a, data, "cross_entropy", {}, True).result(30))
+    svc.forward_backward(a, data, "cross_entropy", {}, False).result(30)
+    step(svc, a)
+    moved, _ = loss_of(svc.forward_backward(a, data, "cross_entropy", {}, True).result(30))
+    assert moved != pytest.approx(saved)
+    svc.call(a, lambda: svc.load_weights(a, path, True)).result(30)
+    back, _ = loss_of(svc.forward_backward(a, data, "cross_entropy", {}, True).result(30))
+    assert back == pytest.approx(saved, rel=1e-6)
+    assert a.steps == 1
+
+
+CASES = [
+    (
+        "unknown model id",
+        lambda s, a: s.model("alice", "nope:train:0"),
+        404,
+        "unknown model_id 'nope:train:0'",
+    ),
+    ("another key's model", lambda s, a: s.model("bob", a.id), 404, "unknown model_id"),
+    (
+        "loss not supported",
+        lambda s, a: s.forward_backward(a, [datum(3, 1)], "dro", {}, False),
+        400,
+        "loss_fn 'dro' is not supported by this server; supported: cross_entropy, importance_sampling, ppo",
+    ),
+    (
+        "input token outside the vocabulary",
+        lambda s, a: s.forward_backward(
+            a, [Datum(np.array([1, 300]), {"target_tokens": np.array([1, 2])})], "cross_entropy", {}, False
+        ),
+        400,
+        "datum 0: model_input token ids must be in [0, 300)",
+    ),
+    (
+        "target outside the vocabulary",
+        lambda s, a: s.forward_backward(
+            a, [Datum(np.array([1, 2]), {"target_tokens": np.array([1, -3])})], "cross_entropy", {}, False
+        ),
+        400,
+        "datum 0: target_tokens must be token ids in [0, 300)",
+    ),
+    (
+        "mismatched shapes",
+        lambda s, a: s.forward_backward(
+            a,
+            [
+                Datum(
+                    np.array([1, 2, 3]),
+                    {"target_tokens": np.array([1, 2, 3]), "weights": np.ones(2, dtype=np.float32)},
+                )
+            ],
+            "cross_entropy",
+            {},
+            False,
+        ),
+        400,
+        "datum 0: loss_fn_inputs['weights'] has shape [2]; the model input has 3 tokens, so it must be [3]",
+    ),
+    (
+        "missing input",
+        lambda s, a: s.forward_backward(
+            a,
+            [
+                Datum(
+                    np.array([1, 2]),
+                    {"target_tokens": np.array([1, 2]), "logprobs": np.zeros(2, dtype=np.float32)},
+                )
+            ],
+            "importance_sampling",
+            {},
+            False,
+        ),
+        400,
+        "datum 0: loss_fn_inputs has no 'advantages', which importance_sampling needs",
+    ),
+    (
+        "unknown config key",
+        lambda s, a: s.forward_backward(a, [datum(3, 1, "ppo")], "ppo", {"clip": 0.1}, False),
+        400,
+        "loss_fn_config key 'clip' is not a parameter of ppo",
+    ),
+    (
+        "rank above the engine's maximum",
+        lambda s, a: s.create_model("alice", a.session_id, 7, "tiny-dense", 64, 0),
+        400,
+        "LoRA rank 64 is outside [1, 8] (the engine's maximum rank is 8)",
+    ),
+    (
+        "another base",
+        lambda s, a: s.create_model("alice", a.session_id, 7, "Qwen/Qwen3-8B", 4, 0),
+        400,
+        "base_model 'Qwen/Qwen3-8B' is not served here; this server's base is 'tiny-dense'",
+    ),
+    (
+        "another key's session",
+        lambda s, a: s.create_model("bob", a.session_id, 7, "tiny-dense", 4, 0),
+        404,
+        "no session",
+    ),
+    (
+        "unknown checkpoint",
+        lambda s, a: s.checkpoint("alice", "tinker://x/weights/y"),
+        404,
+        "no checkpoint at 'tinker://x/weights/y'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "call", "status", "message"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_a_clear_error_and_changes_nothing(
+    svc: TinkerService, case: str, call: Any, status: int, message: str
+) -> None:
+    a = new_model(svc, seed=1)
+    banks = svc.engine.lora.banks
+    slots_before = svc.engine.working_set.slot_table()
+    weights_before = {s: banks[s].B.data.clone() for s in a.sites}
+    batches_before = list(svc.batches)
+    with pytest.raises(TinkerError) as e:
+        call(svc, a)
+    assert e.value.status == status
+    assert message in e.value.message
+    assert list(svc.models) == [a.id]
+    assert not a.queue and svc.batches == batches_before
+    assert svc.engine.working_set.slot_table() == slots_before
+    assert all(banks[s].A.grad is None for s in a.sites)
+    for s in a.sites:
+        assert torch.equal(banks[s].B.data, weights_before[s])
+
+
+def test_api_keys_from_a_list_and_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# keys\ntml-file-key-123456 carol\n\n")
+    assert read_keys("tml-listed-key-1234", f) == {
+        "tml-listed-key-1234": read_keys("tml-listed-key-1234", None)["tml-listed-key-1234"],
+        "tml-file-key-123456": "carol",
+    }
+    with pytest.raises(ValueError, match="must start with 'tml-'"):
+        read_keys("secret-123456789", None)
+
+
+def test_the_wire_format_round_trips_with_the_sdks_own_encoders_and_decoders() -> None:
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[
+                types.Datum(
+                    model_input=types.ModelInput.from_ints([3, 4, 5]),
+                    loss_fn_inputs={
+                        "target_tokens": [4, 5, 6],
+                        "advantages": [0.5, -1.0, 2.0],
+                        "logprobs": [-1.0, -2.0, -3.0],
+                    },
+                )
+            ],
+            loss_fn="ppo",
+            loss_fn_config={"clip_low_threshold": 0.9},
+        ),
+        model_id="s:train:0",
+        seq_id=3,
+    )
+    msg = forward_backward_request_to_proto(req)
+    msg.forward_only = True
+    fb = read_forward_backward(msg.SerializeToString())
+    assert (fb.model_id, fb.seq_id, fb.loss_fn, fb.forward_only) == ("s:train:0", 3, "ppo", True)
+    assert fb.config == {"clip_low_threshold": 0.9}
+    assert fb.data[0].tokens.tolist() == [3, 4, 5]
+    assert fb.data[0].inputs["target_tokens"].tolist() == [4, 5, 6]
+    np.testing.assert_allclose(fb.data[0].inputs["advantages"], [0.5, -1.0, 2.0])
+    losses.check(fb.loss_fn, fb.config, [fb.data[0].tokens], [fb.data[0].inputs], VOCAB)
+
+    out = deserialize_forward_backward_output(
+        write_forward_backward_output(
+            [{"logprobs": np.array([-1.0, -2.0])}, {"logprobs": np.array([-3.0])}], {"loss:sum": 6.0}
+        )
+    )
+    assert out.metrics == {"loss:sum": 6.0}
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0], [-3.0]]
+
+    sample = deserialize_sample_response(
+        write_sample_response(
+            [Sampled([7, 8], [-0.5, -0.25], True), Sampled([9], [-1.0], False)], [None, -2.0]
+        )
+    )
+    assert [s.tokens for s in sample.sequences] == [[7, 8], [9]]
+    assert [s.stop_reason for s in sample.sequences] == ["stop", "length"]
+    assert sample.sequences[0].logprobs == [-0.5, -0.25]
+    assert sample.prompt_logprobs is not None and sample.prompt_logprobs[1] == -2.0
