@@ -56,6 +56,16 @@ def version() -> None:
     console.print(__version__)
 
 
+def _check_device(name: str, what: str = "--device") -> None:
+    """Refuse a device that is not cpu, cuda or cuda:N, or a CUDA device not visible here, before any work."""
+    from mint_core.engine.device import DeviceError, check_device
+
+    try:
+        check_device(name, what)
+    except DeviceError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 @base_app.command("build-tiny")
 def build_tiny(
     out: Annotated[Path, typer.Argument(help="Directory to write the Hugging Face model into.")],
@@ -252,14 +262,21 @@ def serve(
         Path | None, typer.Option(help="Adapter store: load requests may only name paths here.")
     ] = None,
     max_loras: Annotated[int | None, typer.Option()] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(help="cpu, cuda or cuda:N: where the base, its adapter slots and every forward run."),
+    ] = None,
 ) -> None:
     """Serve the base and its adapters over the OpenAI/vLLM HTTP contract (settings: file, then MINT_SERVE_*)."""
     from mint_core.serving.app import serve as run_server
     from mint_core.serving.config import ServingConfig
 
+    if device is not None:
+        _check_device(device)  # before the settings file is read, which would name the field, not the flag
     cfg = ServingConfig.load(
-        config, base=base, host=host, port=port, adapter_root=adapter_root, max_loras=max_loras
+        config, base=base, host=host, port=port, adapter_root=adapter_root, max_loras=max_loras, device=device
     )
+    _check_device(cfg.device, "device")  # from the file or MINT_SERVE_DEVICE
     token = cfg.admin_secret()
     console.print(f"mint serving [bold]{cfg.base}[/] at http://{cfg.host}:{cfg.port}/v1  (metrics: /metrics)")
     console.print(f"adapter store: {cfg.adapter_root.resolve()}")
@@ -289,6 +306,10 @@ def train(
         "runs/train"
     ),
     seed: int = 0,
+    device: Annotated[
+        str,
+        typer.Option(help="cpu, cuda or cuda:N: where the base, the adapters and the update run."),
+    ] = "cpu",
     deepspeed: Annotated[
         Path | None,
         typer.Option(
@@ -322,6 +343,7 @@ def train(
     from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer
     from mint_core.rl.trainer import PolicySpec
 
+    _check_device(device)  # before any work, as an unknown task below
     names = [t.strip() for t in policies.split(",") if t.strip()]
     for t in names:
         task(t)  # unknown task: a clear error before any work
@@ -342,7 +364,7 @@ def train(
         ) from None
     specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
     trainer = load_trainer(
-        base, specs, GRPOConfig(group_size=group, learning_rate=lr), seed, deepspeed=deepspeed
+        base, specs, GRPOConfig(group_size=group, learning_rate=lr), seed, deepspeed=deepspeed, device=device
     )
     lead = is_lead_process()  # the process that prints and exports (rank 0 under DeepSpeed)
     if not resume and checkpoints(ckpt_dir) and lead:

@@ -8,13 +8,32 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import AfterValidator
 from pydantic_core import core_schema
 
 # Parameters of fused MoE expert modules (transformers 5 stores all experts of a layer as one 3D tensor,
 # [experts, out, in], applied with F.linear(x, W[e])).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+# ---- the device switch ------------------------------------------------------------------------------------
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def parse_device(text: str) -> str:
+    """`text` if it names a device mint runs a base on (cpu, cuda, cuda:N); ValueError naming it otherwise. Whether
+    a CUDA device is visible is `mint_core.engine.device.check_device`'s to say (it needs torch)."""
+    if not _DEVICE.fullmatch(text):
+        raise ValueError(f"{text}: not a device; expected cpu, cuda or cuda:N")
+    return text
+
+
+Device = Annotated[str, AfterValidator(parse_device)]
+"""A settings field naming the device of the base, the engine and the trainer: cpu, cuda (the current CUDA
+device) or cuda:N."""
 
 
 @dataclass(frozen=True)

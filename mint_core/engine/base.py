@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from mint_core.engine.device import check_device
 from mint_core.types import EXPERT_PARAMS, Site
 
 logger = logging.getLogger(__name__)
@@ -116,14 +117,16 @@ def from_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
 
 
 def load_base(path: str | Path, dtype: torch.dtype | str = "float32", device: str = "cpu") -> Base:
-    """Load a local Hugging Face causal-LM directory (never a hub id), frozen and fingerprinted."""
+    """Load a local Hugging Face causal-LM directory (never a hub id), frozen and fingerprinted, onto `device`
+    (cpu, cuda, cuda:N; a CUDA device that is not visible is refused before anything is read)."""
     path = Path(path)
+    where = check_device(device)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"base model directory {path} has no config.json")
     t0 = time.perf_counter()
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-    model.to(device)  # type: ignore[arg-type]
+    model.to(where)  # type: ignore[arg-type]
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -190,10 +193,17 @@ def tiny_config(family: Family, **overrides: Any) -> PretrainedConfig:
 
 
 def build_tiny_base(
-    family: Family, seed: int = 0, tokenizer: PreTrainedTokenizerBase | None = None, **overrides: Any
+    family: Family,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    device: str = "cpu",
+    **overrides: Any,
 ) -> Base:
-    """A randomly initialised base of one family, frozen and fingerprinted (no download)."""
+    """A randomly initialised base of one family on `device`, frozen and fingerprinted (no download). The weights
+    are drawn on the CPU, so a seed gives the same base (and fingerprint) on every device."""
+    where = check_device(device)
     torch.manual_seed(seed)
     cfg = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.to(where)  # type: ignore[arg-type]
     return from_model(model, tokenizer, f"tiny-{family}")

@@ -51,13 +51,14 @@ def load_trainer(
     seed: int = 0,
     parents: dict[str, Path | None] | None = None,
     deepspeed: Path | None = None,
+    device: str = "cpu",
 ) -> MultiPolicyTrainer:
-    """Load the base once and a trainer of `specs` over it. A policy with a parent revision (a directory) starts
-    from it, unless its rank or alpha differ from the spec (then from a fresh adapter, with a warning). With a
-    DeepSpeed config the process joins DeepSpeed's group, loads the base where its rank trains, and the trainer
-    is a `DeepSpeedTrainer`."""
+    """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
+    parent revision (a directory) starts from it, unless its rank or alpha differ from the spec (then from a fresh
+    adapter, with a warning). With a DeepSpeed config the process joins DeepSpeed's group, loads the base where
+    its rank trains (its own GPU; `device` is not used), and the trainer is a `DeepSpeedTrainer`."""
     if deepspeed is None:
-        base = load_base(base_dir)
+        base = load_base(base_dir, device=device)
     else:
         # only a DeepSpeed run imports deepspeed: seconds to import, and it picks an accelerator when it does
         from mint_core.rl import distributed

@@ -43,7 +43,12 @@ BUILTIN = {f"tiny-{family}": family for family in FAMILIES}
 
 def load_serving_base(config: ServingConfig) -> Base:
     if config.base in BUILTIN:
-        return build_tiny_base(BUILTIN[config.base], seed=0, tokenizer=byte_tokenizer())  # type: ignore[arg-type]
+        return build_tiny_base(
+            BUILTIN[config.base],  # type: ignore[arg-type]
+            seed=0,
+            tokenizer=byte_tokenizer(),
+            device=config.device,
+        )
     path = Path(config.base)
     if not path.is_dir():
         raise FileNotFoundError(

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from mint_core.settings import Settings
+from mint_core.types import Device
 
 ENV_PREFIX = "MINT_SERVE_"
 
@@ -52,8 +53,8 @@ class ServingConfig(Settings):
     """Most requests decoded together in one batch."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights dtype of the base."""
-    device: str = "cpu"
-    """torch device of the base."""
+    device: Device = "cpu"
+    """Where the base, its adapter slots and every forward run: cpu, cuda or cuda:N (`mint serve --device`)."""
     torch_threads: int | None = Field(None, ge=1)
     """CPU threads for torch (default: torch's own choice). 1 keeps decode steady when the cores are shared with
     other busy processes, where OpenMP's spinning threads stall each other."""
