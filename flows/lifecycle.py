@@ -32,13 +32,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
 from mint_core.data.tasks import TASKS
-from mint_core.eval.gate import GatePolicy
+from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
-from mint_core.lifecycle import Workspace, data_revision, idempotency_key
+from mint_core.eval.results import EVAL_LIMIT
+from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import RevisionRef, cached_in
-from tasks.evaluation import evaluate
+from tasks.evaluation import BaseScores, evaluate, evaluate_base
 from tasks.registry import current_champion, export, find_revision, gate
 from tasks.training import (
     PromptSet,
@@ -100,7 +101,8 @@ class Training(BaseModel):
     grpo: GRPOConfig = GRPOConfig(learning_rate=1e-3)
     """Sampling, loss and optimiser settings."""
     seed: int = 0
-    """Seeds the prompts (when generated), the adapters' initialisation and the rollouts."""
+    """With the round, seeds the draw of the prompts, the adapters' initialisation and the rollouts
+    (`mint_core.lifecycle.round_seed`): each round trains on new prompts and samples."""
     data_dir: Path | None = Path("data/tasks")
     """The DVC `task_data` output (train/<task>.jsonl); None generates the prompts from `seed`."""
     round: str | None = None
@@ -134,6 +136,10 @@ class PolicyOutcome(BaseModel):
     reused: bool = False
     """The candidate came from an earlier run with the same idempotency key (nothing was trained)."""
     reasons: list[str] = Field(default_factory=list)
+    decision: GateDecision | None = None
+    """The gate's decision, every check with its effect, CI, p-value and n (None: the gate did not run)."""
+    scores: dict[str, dict[str, SuiteScore]] = Field(default_factory=dict)
+    """Suite scores by side: "candidate", and "champion" or "base" (what it was compared with)."""
 
 
 class WaveReport(BaseModel):
@@ -156,7 +162,7 @@ class WaveFailed(RuntimeError):
 def lifecycle(
     policy: PolicyRun,
     training: Training = Training(),
-    evaluation: EvalConfig = EvalConfig(limit=50),
+    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT),
     checks: CheckParams = CheckParams(),
     workspace: Workspace = Workspace(),
 ) -> WaveReport:
@@ -168,7 +174,7 @@ def lifecycle(
 def wave(
     policies: list[PolicyRun],
     training: Training = Training(),
-    evaluation: EvalConfig = EvalConfig(limit=50),
+    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT),
     checks: CheckParams = CheckParams(),
     workspace: Workspace = Workspace(),
 ) -> WaveReport:
@@ -195,7 +201,9 @@ def run_wave(
     # what each policy starts from, its prompts, and the identity of this run
     champions = {p.name: clock(current_champion, ws, p.name) for p in policies}
     prompts = {
-        p.name: clock(validate_data, p.spec, n, training.seed, training.data_dir, checks.prompts)
+        p.name: clock(
+            validate_data, p.spec, n, training.seed, training.data_dir, checks.prompts, training.round_name()
+        )
         for p in policies
     }
     data_rev = data_revision(training.data_dir, [ps.source for ps in prompts.values()])
@@ -230,14 +238,21 @@ def run_wave(
         )
         candidates.update(trained)
 
-    # per policy: evaluate the candidate against the champion, gate, promote
+    # the bare base is revision 0: a policy without a champion is gated against it, on the same suites; every
+    # report shows it (evaluated once per base and suites, then read from the cache)
+    suites = sorted({s for p in policies for s in p.gate_policy().suites()})
+    base = clock(
+        cached_in(evaluate_base, ws), ws, evaluation.model_copy(update={"suites": suites}), checks.eval
+    )
+
+    # per policy: evaluate the candidate against the champion (or the base), gate, promote
     outcomes = []
     for i, p in enumerate(policies):
         cand = candidates[p.name]
         assert cand is not None
         try:
             outcome = _evaluate_gate_promote(
-                p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock
+                p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock, base
             )
         except Exception as e:
             log.error("%s: %s: %s", p.name, type(e).__name__, e)
@@ -298,7 +313,7 @@ def train(
         [p.spec for p in to_train],
         parents,
         training.grpo,
-        training.seed,
+        round_seed(training.seed, training.round_name()),
         quote({p.name: prompts[p.name].examples for p in to_train}),
         training.steps,
         training.prompts_per_step,
@@ -329,15 +344,17 @@ def train(
     curve = run.history
     for p in to_train:
         # a step where the policy took no update has no loss
-        own = [
-            {k: c[k] for k in ("reward", "loss") if c[k] is not None} for c in curve if c["policy"] == p.name
-        ]
+        rows = [c for c in curve if c["policy"] == p.name]
+        own = [_curve_point(c) for c in rows]
+        times = [c["time"] for c in rows] if rows and all(c.get("time") for c in rows) else None
+        started = times[0] - float(rows[0]["seconds"]) if times else None
         params = {
             "policy": p.spec.model_dump_json(),
             "grpo": training.grpo.model_dump_json(),
             "steps": str(training.steps),
             "prompts_per_step": str(training.prompts_per_step),
             "seed": str(training.seed),
+            "round_seed": str(round_seed(training.seed, training.round_name())),
             "round": training.round_name(),
             "data_rev": data_rev,
             "resumed_from_step": str(run.resumed_step),
@@ -353,6 +370,8 @@ def train(
             keys[p.name],
             own,
             params,
+            times,
+            started,
         )
     shutil.rmtree(run_dir, ignore_errors=True)  # exported: the checkpoints have done their job
     if curve:
@@ -371,9 +390,12 @@ def _evaluate_gate_promote(
     checks: CheckParams,
     ws: Workspace,
     clock: Clock,
+    base: BaseScores | None = None,
 ) -> PolicyOutcome:
     log = get_run_logger()
     before = champ.address if champ else None
+    decision: GateDecision | None = None
+    scores: dict[str, dict[str, SuiteScore]] = {}
 
     def outcome(status: Status, after: str | None, reasons: list[str]) -> PolicyOutcome:
         return PolicyOutcome(
@@ -383,6 +405,8 @@ def _evaluate_gate_promote(
             champion_before=before,
             champion_after=after,
             reasons=reasons,
+            decision=decision,
+            scores=scores,
         )
 
     if champ is not None and champ.version == cand.version:
@@ -400,10 +424,17 @@ def _evaluate_gate_promote(
     config = evaluation.model_copy(update={"suites": gate_policy.suites()})
     scored = cached_in(evaluate, ws)
     cand_scores = clock(scored, ws, cand, "candidate", config, checks.eval)
-    champ_scores = clock(scored, ws, champ, "champion", config, checks.eval) if champ else None
-    decision = clock(
-        gate, ws, cand, gate_policy, cand_scores.scores, champ_scores.scores if champ_scores else None
-    )
+    scores["candidate"] = cand_scores.scores
+    if base is not None:
+        scores["base"] = {s: base.scores[s] for s in gate_policy.suites() if s in base.scores}
+    if champ is not None:
+        champ_scores = clock(scored, ws, champ, "champion", config, checks.eval)
+        scores["champion"] = champ_scores.scores
+        decision = clock(gate, ws, cand, gate_policy, cand_scores.scores, champ_scores.scores)
+    elif base is not None:
+        decision = clock(gate, ws, cand, gate_policy, cand_scores.scores, scores["base"], "base")
+    else:
+        decision = clock(gate, ws, cand, gate_policy, cand_scores.scores, None)
     if not decision.passed:
         log.info("%s rejected: %s", cand.address, "; ".join(decision.reasons))
         return outcome("rejected", before, decision.reasons)
@@ -448,6 +479,13 @@ def _parents_tag(parents: dict[str, str | None]) -> str:
 
 def _digest(rev: RevisionRef | None) -> str | None:
     return None if rev is None else rev.digest
+
+
+def _curve_point(row: dict[str, Any]) -> dict[str, float]:
+    """A step of the run's curve as the MLflow run's metrics: every number but the step's bookkeeping (a
+    step where the policy took no update has no loss and no update metrics)."""
+    skip = {"step", "policy", "kept_groups", "time"}
+    return {k: float(v) for k, v in row.items() if k not in skip and isinstance(v, int | float)}
 
 
 def _fmt(values: dict[str, float]) -> str:

@@ -306,6 +306,9 @@ def train(
         "runs/train"
     ),
     seed: int = 0,
+    heldout: Annotated[
+        int, typer.Option(min=20, help="Held-out prompts per policy, scored before and after (paired test).")
+    ] = 200,
     device: Annotated[
         str,
         typer.Option(help="cpu, cuda or cuda:N: where the base, the adapters and the update run."),
@@ -355,11 +358,11 @@ def train(
     if resume and latest_checkpoint(ckpt_dir) is None:
         raise typer.BadParameter(f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume")
     try:
-        data = {t: split(t, prompts * steps, 64, seed) for t in names}
+        data = {t: split(t, prompts * steps, heldout, seed) for t in names}
     except ValueError as e:  # a task with fewer distinct prompts than the run asks for
         raise typer.BadParameter(
             f"{e}: --steps {steps} x --prompts {prompts} asks for {steps * prompts} distinct train prompts per "
-            "policy, and 64 more held out",
+            f"policy, and {heldout} more held out",
             param_hint="--steps",
         ) from None
     specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
@@ -439,20 +442,55 @@ def train(
 def _train_results(run: TrainingRun, out: Path) -> None:
     """Print held-out exact match before and after and the first and last step's reward; write curve.csv and
     summary.json to `out`, and each policy's revision to out/revisions."""
+    from mint_core.eval.gate import discordant, mcnemar_p
+    from mint_core.rl.evaluate import heldout_correct
+
     names = list(run.trainer.policies)
-    before, after = run.heldout_before, run.heldout_scores()
+    assert run.heldout is not None
+    engine = run.trainer.engine
     reward_at = {(int(h["step"]), str(h["policy"])): h["reward"] or 0.0 for h in run.history}
-    table = Table("policy", "held-out exact match before", "after", "train reward first step", "last step")
+    table = Table(
+        "policy",
+        "held-out exact match: base",
+        "after",
+        "+ / - items",
+        "p (McNemar)",
+        "train reward first step",
+        "last step",
+        title=f"held-out, {len(next(iter(run.heldout.values())))} items per policy, greedy",
+    )
+    summary = {}
     for t in names:
+        # every `mint train` policy starts from a fresh adapter (B = 0), i.e. from the base itself
+        base = heldout_correct(engine, None, run.heldout[t])
+        now = heldout_correct(engine, t, run.heldout[t])
+        gained, lost = discordant(now, base)
+        p = mcnemar_p(gained, lost)
+        before, after = sum(base) / len(base), sum(now) / len(now)
         first, last = reward_at.get((1, t), 0.0), reward_at.get((run.steps, t), 0.0)
-        table.add_row(t, f"{before[t]:.3f}", f"{after[t]:.3f}", f"{first:.3f}", f"{last:.3f}")
+        table.add_row(
+            t,
+            f"{before:.3f}",
+            f"{after:.3f}",
+            f"+{gained} / -{lost}",
+            f"{p:.2g}",
+            f"{first:.3f}",
+            f"{last:.3f}",
+        )
+        summary[t] = {
+            "heldout_before": before,
+            "heldout_after": after,
+            "n": len(base),
+            "gained": gained,
+            "lost": lost,
+            "p_value": p,
+        }
     console.print(table)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "curve.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "policy", "reward", "loss", "kept_groups", "seconds"])
+        writer = csv.DictWriter(f, fieldnames=list(run.history[0]) if run.history else ["step"])
         writer.writeheader()
         writer.writerows(run.history)
-    summary = {t: {"heldout_before": before[t], "heldout_after": after[t]} for t in names}
     (out / "summary.json").write_text(json.dumps({"steps": run.steps, "policies": summary}, indent=2) + "\n")
     console.print(f"learning curves: {out / 'curve.csv'}; held-out before/after: {out / 'summary.json'}")
     for t in names:

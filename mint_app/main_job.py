@@ -39,17 +39,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from flows.lifecycle import PolicyRun, Training, WaveFailed, WaveReport, wave
+from flows.lifecycle import PolicyOutcome, PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
 from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, start
 from mint_core.data.tasks import read_jsonl
+from mint_core.engine.device import check_device
 from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
+from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import Workspace
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
 from mint_core.settings import Settings
+from mint_core.types import Device
 from tasks.registry import EXPERIMENT
 
 STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
@@ -85,9 +88,9 @@ class MainJobConfig(Settings):
     """AdamW learning rate of every policy's adapter."""
     rank: int = Field(8, ge=1)
     """LoRA rank of the policies (alpha = 2 x rank)."""
-    eval_limit: int = Field(100, ge=20)
-    """Items per lm-eval task in the evaluation the gate reads (the suites hold 100; params.yaml checks.eval
-    wants >= 20)."""
+    eval_limit: int = Field(EVAL_LIMIT, ge=20)
+    """Items per lm-eval task in the evaluation the gate reads (the suites hold 200, params.yaml
+    eval_suites.limit; checks.eval wants >= 20). Why 200: mint_core.eval.results.EVAL_LIMIT."""
     seed: int = 0
     """Seeds the adapters' initialisation and the rollouts."""
     round: str | None = None
@@ -115,6 +118,9 @@ class MainJobConfig(Settings):
     """CPU threads of torch in this process (the trainer) and in a `mint serve` started here; None: torch's
     choice. 1 because on a 2-core machine shared with other busy processes OpenMP's spinning threads stall each
     other: a wave's GRPO step measured 1.2-2.2 s with 1 thread and 8-14 s with 2."""
+    device: Device = "cpu"
+    """Where the base, the adapters and the GRPO updates of the waves run, and what `mint serve` serves on: cpu,
+    cuda or cuda:N; a CUDA device that is not visible stops the job before it starts anything."""
 
 
 class Timer:
@@ -275,6 +281,7 @@ def services_config(cfg: MainJobConfig) -> ServicesConfig:
         worker_port=cfg.worker_port,
         serve_base=str(cfg.base.resolve()),
         serve_adapter_root=cfg.state_dir / "store",
+        serve_device=cfg.device,
     )
 
 
@@ -289,6 +296,7 @@ def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Wo
         serving_url=services["serve"].api_url,
         admin_token_file=state / "run" / "serve.token",
         work_dir=state / "lifecycle",
+        device=cfg.device,
     )
 
 
@@ -336,35 +344,28 @@ def run_wave(
     return report, flow_run_id
 
 
-def suite_scores(ws: Workspace, address: str | None) -> dict[str, float]:
-    """A revision's evaluation scores per suite, from its training run in MLflow (`eval/<suite>/score`, logged
-    when it was evaluated as a candidate); {} when unknown."""
-    if not address:
-        return {}
-    policy, version = address.rsplit("/v", 1)
-    reg = ws.registry()
-    run_id = reg.revision(policy, int(version)).run_id
-    if not run_id:
-        return {}
-    metrics = reg.client.get_run(run_id).data.metrics
-    return {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/score")}
+def _score(o: PolicyOutcome, side: str, suite: str) -> str:
+    got = o.scores.get(side, {}).get(suite)
+    return "-" if got is None else f"{got.score:.3f}"
 
 
-def _pair(champ: dict[str, float], cand: dict[str, float], suite: str) -> str:
-    def fmt(scores: dict[str, float]) -> str:
-        return f"{scores[suite]:.3g}" if suite in scores else "-"
+def _p(o: PolicyOutcome, suite: str) -> str:
+    """The paired test's p-value on the own suite (gain check), '-' when nothing was compared."""
+    check = o.decision.check(f"gain:{suite}") if o.decision else None
+    return "-" if check is None or check.stats is None else f"{check.stats.p_value:.2g}"
 
-    return f"{fmt(champ)} -> {fmt(cand)}"
 
-
-def print_outcomes(report: WaveReport, ws: Workspace, title: str, console: Console) -> None:
-    """Each policy's outcome with the scores the gate compared, then the gate's reasons verbatim (`Text`: no
+def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
+    """Each policy's outcome with the scores the gate compared (base -> champion -> candidate on its own
+    suite, the guard suite beside), the paired test's p-value, then the gate's reasons verbatim (`Text`: no
     markup, no emoji codes such as `:guard:`)."""
     table = Table(
         "policy",
         "candidate",
-        "own suite",
-        "guard suite",
+        "vs",
+        "own suite: base / champion / candidate",
+        "p",
+        "guard: baseline -> candidate",
         "gate",
         "champion",
         title=title,
@@ -372,25 +373,126 @@ def print_outcomes(report: WaveReport, ws: Workspace, title: str, console: Conso
     )
     style = {"promoted": "green", "rejected": "yellow", "failed": "red", "unchanged": "dim"}
     for o in report.outcomes:
-        cand = suite_scores(ws, o.candidate)
-        champ = suite_scores(ws, o.champion_before)
-
         task = o.policy  # the main job names each policy after its task
+        versus = o.decision.baseline if o.decision and o.decision.baseline else "-"
+        side = "champion" if "champion" in o.scores else "base"
         moved = o.champion_before or "-"
         if o.champion_after != o.champion_before:
             moved += f" -> {o.champion_after}"
         table.add_row(
             o.policy,
             o.candidate or "",
-            _pair(champ, cand, task),
-            _pair(champ, cand, "guard"),
+            versus,
+            f"{_score(o, 'base', task)} / {_score(o, 'champion', task)} / {_score(o, 'candidate', task)}",
+            _p(o, task),
+            f"{_score(o, side, 'guard')} -> {_score(o, 'candidate', 'guard')}",
             Text(o.status, style=style.get(o.status, "")),
             moved,
         )
-    table.caption = "scores: champion -> candidate (lm-eval through the server, greedy, exact match)"
+    table.caption = (
+        "scores: lm-eval through the server, greedy, exact match; p: exact McNemar on the same items, "
+        "candidate vs what it was compared with (vs)"
+    )
     console.print(table)
     for o in report.outcomes:
         console.print(Text(f"  gate {o.candidate}: " + "; ".join(o.reasons)))
+
+
+def _outcome_doc(o: PolicyOutcome) -> dict[str, Any]:
+    checks = []
+    for c in o.decision.checks if o.decision else []:
+        row: dict[str, Any] = {"check": c.name, "passed": c.passed}
+        if c.stats is not None:
+            st = c.stats
+            row |= {
+                "effect": st.effect,
+                "ci": list(st.ci),
+                "p_value": st.p_value,
+                "n": st.n,
+                "candidate_only": st.b,
+                "baseline_only": st.c,
+                "mde": st.mde,
+            }
+        checks.append(row)
+    return {
+        "candidate": o.candidate,
+        "status": o.status,
+        "compared_with": o.decision.baseline if o.decision else None,
+        "gate_passed": o.decision.passed if o.decision else None,
+        "champion_before": o.champion_before,
+        "champion_after": o.champion_after,
+        "reused": o.reused,
+        "scores": {
+            side: {suite: {"score": sc.score, "n": sc.n} for suite, sc in by_suite.items()}
+            for side, by_suite in o.scores.items()
+        },
+        "checks": checks,
+        "reasons": o.reasons,
+    }
+
+
+def write_summary(cfg: MainJobConfig, round_name: str, waves: list[tuple[str, WaveReport]]) -> Path:
+    """`<state dir>/runs/<round>/summary.json`: per policy, the base's scores and each wave's candidate with
+    its scores, n, the gate's checks (effect, CI, p-value, n) and verdict; for scripts and dashboards."""
+    policies: dict[str, dict[str, Any]] = {}
+    for wave_name, report in waves:
+        for o in report.outcomes:
+            entry = policies.setdefault(o.policy, {"base": None, "waves": {}})
+            base = o.scores.get("base")
+            if base and entry["base"] is None:
+                entry["base"] = {suite: {"score": sc.score, "n": sc.n} for suite, sc in base.items()}
+            entry["waves"][wave_name] = _outcome_doc(o)
+    doc = {
+        "round": round_name,
+        "written": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "policies": policies,
+    }
+    path = cfg.state_dir / "runs" / round_name / "summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def final_table(waves: list[tuple[str, WaveReport]]) -> Table:
+    """Per policy: the base, the first revision (with its p-value against the base), the champion the main
+    wave started from, its candidate (with its p-value against that champion) and the verdicts."""
+    by: dict[str, dict[str, PolicyOutcome]] = {}
+    for wave_name, report in waves:
+        for o in report.outcomes:
+            by.setdefault(o.policy, {})[wave_name] = o
+    table = Table(
+        "policy",
+        "base",
+        "first revision (p vs base)",
+        "champion",
+        "candidate (p vs champion)",
+        "verdict",
+        "serves",
+        title="base -> champion -> candidate (own suite, exact match)",
+    )
+    for policy, got in by.items():
+        first, main = got.get("first"), got.get("main")
+        any_o = main or first
+        assert any_o is not None
+        first_cell = "-"
+        if first is not None:
+            first_cell = f"{_score(first, 'candidate', policy)} (p={_p(first, policy)}, {first.status})"
+        champ_cell = "-"
+        if main is not None and main.champion_before:
+            champ_cell = f"{_score(main, 'champion', policy)} ({main.champion_before})"
+        cand_cell = f"{_score(main, 'candidate', policy)} (p={_p(main, policy)})" if main is not None else "-"
+        table.add_row(
+            policy,
+            _score(any_o, "base", policy),
+            first_cell,
+            champ_cell,
+            cand_cell,
+            main.status if main is not None else "-",
+            any_o.champion_after or "-",
+        )
+    return table
 
 
 def rewards_line(report: WaveReport) -> str:
@@ -592,6 +694,7 @@ def run_main_job(cfg: MainJobConfig, console: Console) -> None:
 
 
 def _run(cfg: MainJobConfig, console: Console) -> None:
+    check_device(cfg.device, "device")  # before anything is built or started
     timer = Timer(console)
     round_name = cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")
 
@@ -623,6 +726,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
 
     prefect_url = started["prefect"].url
     runs: list[tuple[str, str]] = []
+    waves: list[tuple[str, WaveReport]] = []
     with _prefect_api(started["prefect"].api_url):
         reg = ws.registry()
         fresh = [t for t in cfg.policies if reg.alias_version(t, "champion") is None]
@@ -630,11 +734,13 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             with timer.step(f"3a. wave: first revisions of {', '.join(fresh)}") as note:
                 console.print(
                     f"  no champion yet for {', '.join(fresh)}: {cfg.first_steps} GRPO steps from the base, "
-                    "evaluate, gate (floors and sample counts only: nothing to compare with), promote, serve"
+                    "evaluate the candidate and the bare base (revision 0) on the same suites, gate (paired "
+                    "test against the base), promote, serve"
                 )
                 first, run_id = run_wave(cfg, ws, fresh, cfg.first_steps, round_name + "-first")
+                waves.append(("first", first))
                 runs.append(("wave (first revisions)", run_id))
-                print_outcomes(first, ws, "first revisions", console)
+                print_outcomes(first, "first revisions (gated against the base)", console)
                 console.print(f"  mean rollout reward, first -> last step: {rewards_line(first)}")
                 console.print(timings_table(first, "inside the wave"))
                 note.append(_count(first))
@@ -648,8 +754,11 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 "transaction"
             )
             main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
+            waves.append(("main", main))
+            summary_file = write_summary(cfg, round_name, waves)
+            console.print(f"  summary: {summary_file}")
             runs.append(("wave", run_id))
-            print_outcomes(main, ws, "the wave", console)
+            print_outcomes(main, "the wave", console)
             console.print(f"  mean rollout reward, first -> last step: {rewards_line(main)}")
             console.print(timings_table(main, "inside the wave"))
             note.append(_count(main))
@@ -678,6 +787,8 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 runs.append(("rollback", run_id))
                 note.append(summary)
 
+    console.print(final_table(waves))
+    console.print(f"  (every number, with n and each check's effect, CI and p-value: {summary_file})")
     console.print(timer.table())
     where(cfg, started, prefect_url, runs, console, training_runs_url(ws, started["mlflow"].url))
 

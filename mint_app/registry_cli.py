@@ -265,7 +265,7 @@ def registry_ls(
             ", ".join(r.aliases) or "-",
             r.digest[:16],
             str(r.rank),
-            r.parent or "-",
+            r.parent or f"base ({r.base[:12]})",
             (r.data_rev or "-")[:12],
             gate_text,
             _when(r.created_ms / 1000),
@@ -278,7 +278,8 @@ def registry_lineage(
     address: Annotated[str, typer.Argument(help="policy/vN")],
     tracking_uri: TrackingOpt = DEFAULT_TRACKING,
 ) -> None:
-    """A revision and its ancestors through mint.parent, newest first."""
+    """A revision and its ancestors through mint.parent, newest first, down to the bare base: revision 0 of
+    every policy, what its first revision was trained from and gated against."""
     policy, _, version = address.partition("/")
     if not version:
         raise typer.BadParameter(f"expected policy/vN, got {address!r}")
@@ -291,6 +292,9 @@ def registry_lineage(
         table.add_column(col)
     for r in chain:
         table.add_row(r.address, r.digest[:16], (r.data_rev or "-")[:12], r.run_id or "-")
+    root = chain[-1]
+    if not root.parent:  # a first revision: its parent is the base it was trained on
+        table.add_row(f"base (v0 of {root.policy})", f"{root.base[:16]} (fingerprint)", "-", "-")
     console.print(table)
 
 

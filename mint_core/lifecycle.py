@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from mint_core.registry.mlflow_registry import Registry, RegistryConfig, Revisio
 from mint_core.registry.runs import IDEMPOTENCY_TAG
 from mint_core.registry.store import AdapterStore
 from mint_core.serving.client import ServingClient, ServingError
+from mint_core.types import Device
 
 if TYPE_CHECKING:  # annotations only: the webhook receiver reconciles through this module and loads no torch
     from mint_core.rl.grpo import GRPOConfig
@@ -86,6 +88,8 @@ class Workspace(BaseModel):
     work_dir: Path = Path(".mint/lifecycle")
     """Training checkpoints (a killed run resumes from them) and Prefect's persisted task results (the cache of
     exports and evaluations)."""
+    device: Device = "cpu"
+    """Where training loads the base and runs its updates: cpu, cuda or cuda:N."""
     lock_url: str | None = Field(
         default_factory=lambda: os.environ.get(LOCK_URL_ENV) or None, pattern=r"^rediss?://"
     )
@@ -158,9 +162,23 @@ def _default_base() -> Path:
 # ---- data --------------------------------------------------------------------------------------------------
 
 
-def load_prompts(task: str, n: int, seed: int, data_dir: Path | None) -> tuple[list[Example], str]:
-    """The first `n` training examples of a task and where they came from: `data_dir/train/<task>.jsonl` (the
-    DVC `task_data` output) when given, else generated from `seed`."""
+def round_seed(seed: int, round_name: str | None) -> int:
+    """The seed of one training round: derived from the run's seed and the round's name, so every round draws
+    its own prompts, adapter initialisation and rollout samples, and rerunning a round draws the same again.
+    Without a round, the seed itself."""
+    if round_name is None:
+        return seed
+    digest = hashlib.sha256(f"{seed}:{round_name}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def load_prompts(
+    task: str, n: int, seed: int, data_dir: Path | None, round_name: str | None = None
+) -> tuple[list[Example], str]:
+    """`n` training examples of a task and where they came from: `data_dir/train/<task>.jsonl` (the DVC
+    `task_data` output) when given, else generated from `seed`. Without a round, the first `n`; with one, `n`
+    drawn without replacement by the round's seed (`round_seed`), in the order drawn: a new round trains on new
+    prompts, the same round on the same ones."""
     if data_dir is not None:
         path = Path(data_dir) / "train" / f"{task}.jsonl"
         if not path.is_file():
@@ -168,8 +186,14 @@ def load_prompts(task: str, n: int, seed: int, data_dir: Path | None) -> tuple[l
         rows = read_jsonl(path)
         if len(rows) < n:
             raise LifecycleError(f"{path} has {len(rows)} examples; the run needs {n}")
-        return rows[:n], str(path)
-    return split(task, n, 0, seed)[0], f"generated:{task}:seed={seed}"
+        if round_name is None:
+            return rows[:n], str(path)
+        picked = random.Random(round_seed(seed, round_name)).sample(range(len(rows)), n)
+        return [rows[i] for i in picked], f"{path}#round={round_name}"
+    if round_name is None:
+        return split(task, n, 0, seed)[0], f"generated:{task}:seed={seed}"
+    rs = round_seed(seed, round_name)
+    return split(task, n, 0, rs)[0], f"generated:{task}:seed={rs}"
 
 
 def data_revision(data_dir: Path | None, sources: list[str], repo_root: Path = Path(".")) -> str:
@@ -228,13 +252,34 @@ def champion(registry: Registry, policy: str) -> Revision | None:
 # ---- training ----------------------------------------------------------------------------------------------
 
 
+CURVE_PANELS = (
+    ("reward", "mean rollout reward (band: ± its std)"),
+    ("kl", "KL to the base (k3)"),
+    ("entropy", "entropy (mean -logprob of samples)"),
+    ("grad_norm", "gradient norm (before clipping)"),
+)
+
+
 def curve_figure(policy: str, curve: list[dict[str, float]]) -> Any:
-    """The reward curve of one policy's training, as a matplotlib figure for its MLflow run."""
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(range(1, len(curve) + 1), [p.get("reward", float("nan")) for p in curve], marker="o")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean rollout reward")
-    ax.set_title(policy)
+    """One policy's training as a matplotlib figure for its MLflow run: its reward (with its spread), its KL to
+    the base, its entropy and its gradient norm, per GRPO step."""
+    fig, axes = plt.subplots(2, 2, figsize=(8, 5), sharex=True)
+    steps = list(range(1, len(curve) + 1))
+    for ax, (key, title) in zip(axes.flat, CURVE_PANELS, strict=True):
+        ys = [float("nan") if p.get(key) is None else p[key] for p in curve]
+        ax.plot(steps, ys, marker="o", markersize=2)
+        if key == "reward" and any(p.get("reward_std") is not None for p in curve):
+            sd = [p.get("reward_std") or 0.0 for p in curve]
+            ax.fill_between(
+                steps,
+                [y - d for y, d in zip(ys, sd, strict=True)],
+                [y + d for y, d in zip(ys, sd, strict=True)],
+                alpha=0.2,
+            )
+        ax.set_title(title, fontsize=9)
+    for ax in axes[1]:
+        ax.set_xlabel("GRPO step")
+    fig.suptitle(policy)
     fig.tight_layout()
     plt.close(fig)
     return fig

@@ -44,6 +44,60 @@ def _eval_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return f"eval-{rev.digest[:32]}-{hashlib.sha256(doc).hexdigest()[:16]}"
 
 
+class BaseScores(Timed):
+    """The bare base's evaluation: revision 0 of every policy, what a first revision is gated against."""
+
+    scores: dict[str, SuiteScore]
+    eval_s: float
+
+
+def _base_identity(base: Path) -> bytes:
+    """The base directory's config and the size and time of each weights file: what its scores depend on,
+    without reading gigabytes of weights."""
+    parts = [str(base.resolve()).encode()]
+    config = base / "config.json"
+    if config.is_file():
+        parts.append(config.read_bytes())
+    for f in sorted(base.glob("*.safetensors")):
+        st = f.stat()
+        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return b"|".join(parts)
+
+
+def _base_eval_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    ws: Workspace = parameters["ws"]
+    config: EvalConfig = parameters["config"]
+    manifest = Path(config.suites_dir) / "data" / "manifest.json"
+    data = manifest.read_bytes() if manifest.is_file() else b""
+    doc = f"{config.model_dump_json()}|{ws.serving_url}".encode() + _base_identity(ws.base) + data
+    return f"eval-base-{hashlib.sha256(doc).hexdigest()[:32]}"
+
+
+@task(
+    cache_key_fn=_base_eval_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=transient,
+)
+def evaluate_base(ws: Workspace, config: EvalConfig, bounds: EvalBounds) -> BaseScores:
+    """Score the bare base (no adapter) on the served API, as revision 0 of every policy, then check the
+    scores. Cached per base and suites: every first revision of a wave, and of later waves, reads the same."""
+    t0 = time.perf_counter()
+    fault("evaluate")
+    target = ServedModel(url=ws.serving_url, tokenizer=ws.base)
+    result = evaluate_served(target, config)
+    check(eval_frame(result.suites), "eval", CheckParams(eval=bounds), source=f"the base {ws.base}")
+    scores = result.gate_scores()
+    rows = "\n".join(f"| {s.name} | {s.score:.3f} | {s.n} |" for s in scores.values())
+    create_markdown_artifact(
+        f"### the base (revision 0)\n\n| suite | score | n |\n| --- | --- | --- |\n{rows}\n",
+        key="eval-base",
+        description=f"evaluation of the bare base {ws.base.name}: what first revisions are gated against",
+    )
+    return BaseScores(scores=scores, eval_s=result.wall_s, work_s=time.perf_counter() - t0)
+
+
 @task(
     cache_key_fn=_eval_cache_key,
     persist_result=True,

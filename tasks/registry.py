@@ -57,6 +57,8 @@ def export(
     key: str,
     curve: list[dict[str, float]],
     params: dict[str, str],
+    times: list[float] | None = None,
+    started: float | None = None,
 ) -> RevisionRef:
     """Store the policy's revision, log its training run, and register it as the next version (alias candidate)."""
     t0 = time.perf_counter()
@@ -64,7 +66,7 @@ def export(
     trainer = session.trainer
     digest = reg.store.put_weights(trainer.weights(policy), trainer.engine.sites)
     figure = curve_figure(policy, curve) if curve else None
-    run_id = log_training_run(reg.client, EXPERIMENT, policy, key, params, curve, figure)
+    run_id = log_training_run(reg.client, EXPERIMENT, policy, key, params, curve, figure, times, started)
     rev = reg.create_revision(
         policy,
         digest,
@@ -77,6 +79,14 @@ def export(
         reason=f"trained: {len(curve)} GRPO steps (run {key[:8]})",
     )
     fault("export")
+    exp = reg.client.get_experiment_by_name(EXPERIMENT)
+    if exp is not None:
+        create_link_artifact(
+            f"{ws.tracking_uri.rstrip('/')}/#/experiments/{exp.experiment_id}/runs/{run_id}",
+            link_text=f"training run of {rev.address}: reward, KL, entropy curves and their plot",
+            key=artifact_key("training", policy),
+            description=f"{rev.address}: the MLflow run of its {len(curve)} GRPO steps",
+        )
     create_link_artifact(
         f"{ws.tracking_uri.rstrip('/')}/#/models/{policy}/versions/{rev.version}",
         link_text=f"{rev.address} in MLflow",

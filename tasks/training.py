@@ -91,11 +91,17 @@ class StepResult(Timed):
 
 @task(cache_policy=NO_CACHE)
 def validate_data(
-    spec: PolicySpec, n: int, seed: int, data_dir: Path | None, bounds: PromptBounds
+    spec: PolicySpec,
+    n: int,
+    seed: int,
+    data_dir: Path | None,
+    bounds: PromptBounds,
+    round_name: str | None = None,
 ) -> PromptSet:
-    """Load a policy's training prompts and check them with the prompts suite (Great Expectations)."""
+    """Load a policy's training prompts (the round's draw, see `load_prompts`) and check them with the prompts
+    suite (Great Expectations)."""
     t0 = time.perf_counter()
-    examples, source = load_prompts(spec.task, n, seed, data_dir)
+    examples, source = load_prompts(spec.task, n, seed, data_dir, round_name)
     with _stored_on_failure(f"prompts {spec.name}"):
         report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
     return PromptSet(
@@ -123,7 +129,7 @@ def start_training(
     """Load the base, put every policy's parent (digest; None: fresh) in its slot, resume from a checkpoint."""
     store = ws.registry().store
     dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
-    trainer = load_trainer(ws.base, specs, grpo, seed, dirs)
+    trainer = load_trainer(ws.base, specs, grpo, seed, dirs, device=ws.device)
     return TrainingRun.start(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every)
 
 

@@ -29,6 +29,14 @@ class EvalError(MintError):
 # ---- configuration -----------------------------------------------------------------------------------------
 
 
+EVAL_LIMIT = 200
+"""Items per own-task suite the lifecycle evaluates by default: the smallest size at which the gate's paired test
+has 80% power to detect a +0.10 gain at alpha 0.05 when the two revisions disagree on up to a quarter of the
+items (`gate.required_n(0.10, 0.25)` = 194; trained revisions disagree with their baseline on 15-25%). A +0.05
+gain (the gate's default `min_effect`) needs about 470-780 items at that disagreement, so the gate warns that
+it cannot see one at this size; there a gain is promoted only when it is large enough to be significant."""
+
+
 class EvalConfig(BaseModel):
     """What to evaluate on, the same for both paths."""
 

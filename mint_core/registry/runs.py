@@ -39,30 +39,42 @@ def log_training_run(
     params: Mapping[str, Any],
     curve: list[dict[str, float]],
     figure: Any | None = None,
+    times: list[float] | None = None,
+    started: float | None = None,
 ) -> str:
     """The MLflow run of one policy's training: params, the curve as `train/<name>` metrics by step, and a plot.
-    A rerun with the same idempotency key finds the run it made before instead of making another."""
+    `times` (epoch seconds, one per point: when its step ended) stamp the metrics, and with `started` the run
+    spans the training it records (start to the last step) rather than the moment it was logged. A rerun with
+    the same idempotency key finds the run it made before instead of making another."""
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(experiment)
     found = client.search_runs([exp_id], filter_string=f"tags.`{IDEMPOTENCY_TAG}` = '{key}'", max_results=1)
     if found:
         return str(found[0].info.run_id)
+    if times is not None and len(times) != len(curve):
+        raise ValueError(f"{len(times)} times for {len(curve)} curve points")
+    now = time.time()
+    stamps = [int(t * 1000) for t in times] if times else [int(now * 1000)] * len(curve)
+    begin = int((started if started is not None else now) * 1000)
     run = client.create_run(
-        exp_id, run_name=f"{policy}-{key[:8]}", tags={IDEMPOTENCY_TAG: key, "mint.policy": policy}
+        exp_id,
+        start_time=begin,
+        run_name=f"{policy}-{key[:8]}",
+        tags={IDEMPOTENCY_TAG: key, "mint.policy": policy},
     )
     run_id = str(run.info.run_id)
-    now = int(time.time() * 1000)
     metrics = [
-        Metric(f"train/{name}", float(value), now, i)
+        Metric(f"train/{name}", float(value), stamps[i], i)
         for i, point in enumerate(curve)
         for name, value in point.items()
+        if math.isfinite(value)
     ]
     flat = [Param(k, str(v)[:6000]) for k, v in params.items()]
     for start in range(0, max(len(metrics), 1), _BATCH):
         client.log_batch(run_id, metrics=metrics[start : start + _BATCH], params=flat if start == 0 else [])
     if figure is not None:
         client.log_figure(run_id, figure, "reward_curve.png")
-    client.set_terminated(run_id)
+    client.set_terminated(run_id, end_time=max(stamps) if stamps and times else None)
     return run_id
 
 

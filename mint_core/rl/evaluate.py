@@ -8,6 +8,23 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.rl.rewards import reward as reward_fn
 
 
+def heldout_correct(
+    engine: Engine,
+    adapter: str | None,
+    examples: list[Example],
+    reward: str = "exact_match",
+    max_new_tokens: int = 12,
+) -> list[bool]:
+    """Whether each greedy answer to `examples` under `adapter` (None: the bare base) earns the full reward,
+    in the examples' order (so two adapters' lists pair up for a paired test); one batch."""
+    if not examples:
+        raise ValueError("no examples to score")
+    params = SamplingParams(max_tokens=max_new_tokens)
+    out = engine.generate([Request(ex.prompt, adapter, params) for ex in examples])
+    fn = reward_fn(reward)
+    return [fn(ex, c.text) >= 1.0 for ex, c in zip(examples, out, strict=True)]
+
+
 def heldout_scores(
     engine: Engine,
     adapter: str | None,

@@ -41,6 +41,9 @@ class GRPOConfig(BaseModel):
     batch (DAPO, long answers weigh by their length); "seq_mean_token_sum" sums each row then averages rows;
     "seq_mean_token_mean" averages each row then averages rows (original GRPO). Rows with no token count
     in none of them."""
+    track_kl: bool = True
+    """Measure the KL to the base every step even when kl_coef is 0 (for the run's metrics): one extra forward
+    without gradient, under the bare base, over the update's rows."""
     drop_zero_variance: bool = True
     """Groups whose rewards are all equal have zero advantage; True masks their rows out entirely, so they
     neither contribute nor dilute the token/row counts of the other groups (DAPO's dynamic sampling filter)."""
@@ -103,9 +106,11 @@ def grpo_loss(
     masked positions never reach the result (not even as inf/NaN through the gradient), and a batch with
     no unmasked token gives a loss of 0 that still backpropagates (zero gradient).
 
-    Stats (plain floats, averaged over unmasked tokens, 0 when there are none): loss, clip_frac (tokens
-    whose clip is active, so they get no gradient), clip_frac_low, clip_frac_high, ratio_mean, kl (mean
-    k3; 0 without reference logprobs), n_tokens.
+    Stats (plain floats, averaged over unmasked tokens, 0 when there are none): loss, pg_objective (the
+    clipped surrogate the update raises, before the KL term), clip_frac (tokens whose clip is active, so they
+    get no gradient), clip_frac_low, clip_frac_high, ratio_mean, kl (mean k3; 0 without reference logprobs),
+    entropy (mean -logprob of the sampled tokens: an estimate of the policy's per-token entropy when the
+    tokens were sampled from it at temperature 1), n_tokens.
     """
     if logprobs_BT.ndim != 2:
         raise ValueError(f"logprobs_BT must be [rows, tokens], got shape {tuple(logprobs_BT.shape)}")
@@ -157,11 +162,13 @@ def grpo_loss(
         low_BT = m_BT & (A_BT < 0) & (ratio_BT < 1.0 - config.eps_low)
         stats = {
             "loss": float(loss.detach()),
+            "pg_objective": float(torch.where(m_BT, objective_BT.detach(), zeros_BT).sum()) / denom,
             "clip_frac": float((high_BT | low_BT).sum()) / denom,
             "clip_frac_low": float(low_BT.sum()) / denom,
             "clip_frac_high": float(high_BT.sum()) / denom,
             "ratio_mean": float(torch.where(m_BT, ratio_BT, zeros_BT).sum()) / denom,
             "kl": 0.0 if kl_BT is None else float(torch.where(m_BT, kl_BT, zeros_BT).sum()) / denom,
+            "entropy": -float(torch.where(m_BT, logprobs_BT.detach(), zeros_BT).sum()) / denom,
             "n_tokens": float(n_tokens),
         }
     return loss, stats

@@ -40,6 +40,13 @@ KEEP_CHECKPOINTS = 2
 """A run resumes from its newest checkpoint; the one before it is kept in case the newest is damaged."""
 
 
+STEP_METRICS = ("reward_std", "no_signal", "pg_objective", "kl", "entropy", "clip_frac", "grad_norm")
+"""What a step adds to the curve per policy beside its reward and loss (None where it took no update):
+the spread of its rollout rewards, the share of its groups with no signal (all rewards equal), the clipped
+surrogate objective, the k3 KL to the base, the mean -logprob of its sampled tokens (its entropy, estimated),
+the share of clipped tokens and its gradient's norm before clipping (mint_core.rl.grpo, .trainer)."""
+
+
 class ResumeError(MintError):
     """A checkpoint this run cannot continue from; names the checkpoint and what differs."""
 
@@ -114,7 +121,8 @@ class TrainingRun:
         self.heldout = heldout
         self.identity = self._identity()
         self.history: list[dict[str, Any]] = []
-        """One row per step and policy: step, policy, reward, loss (None: no update), kept_groups, seconds."""
+        """One row per step and policy: step, policy, reward, loss (None: no update), kept_groups, seconds,
+        time (when the step ended, epoch seconds) and the `STEP_METRICS`."""
         self.heldout_before: dict[str, float] = {}
         """Each policy's held-out exact match before its first step (with `heldout`)."""
         self.resumed_step = 0
@@ -182,7 +190,9 @@ class TrainingRun:
         if self._rollout_t0 is not None:
             stats.seconds = time.perf_counter() - self._rollout_t0
             self._rollout_t0 = None
+        now = time.time()
         for name in self.trainer.policies:
+            extra = stats.extra.get(name, {})
             self.history.append(
                 {
                     "step": stats.step,
@@ -191,6 +201,8 @@ class TrainingRun:
                     "loss": stats.loss.get(name),
                     "kept_groups": stats.kept_groups.get(name, 0),
                     "seconds": round(stats.seconds, 4),
+                    "time": round(now, 3),
+                    **{k: round(extra[k], 6) if k in extra else None for k in STEP_METRICS},
                 }
             )
         return stats

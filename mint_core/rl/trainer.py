@@ -155,9 +155,11 @@ class SlotAdamW:
         )
 
     @torch.no_grad()
-    def step(self, policies: Sequence[PolicyState]) -> None:
-        """One AdamW step of each of `policies` whose sites all have a gradient in the banks."""
+    def step(self, policies: Sequence[PolicyState]) -> dict[str, float]:
+        """One AdamW step of each of `policies` whose sites all have a gradient in the banks; the global norm of
+        each stepping policy's gradient, before clipping."""
         stepping = [p for p in policies if all(self._has_grad(s) for s in p.sites)]
+        norms: dict[str, float] = {}
         try:
             for p in stepping:
                 params = []
@@ -166,8 +168,9 @@ class SlotAdamW:
                     assert bank_A.grad is not None and bank_B.grad is not None
                     A.grad, B.grad = bank_A.grad[p.slot], bank_B.grad[p.slot]
                     params += [A, B]
-                if self.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+                limit = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+                norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
+                norms[p.spec.name] = float(norm)
                 p.optimizer_steps += 1
             if stepping:
                 self.optimizer.step()
@@ -175,6 +178,7 @@ class SlotAdamW:
             for p in stepping:
                 for A, B in self.views[p.spec.name].values():
                     A.grad = B.grad = None
+        return norms
 
     def _has_grad(self, site: str) -> bool:
         bank = self.banks[site]
@@ -362,7 +366,9 @@ class MultiPolicyTrainer:
                 part_losses.append(losses)
                 part_extra.append(extra)
             losses, extra = _merge_parts(part_losses, part_extra)
-            self.adamw.step([self.policies[name] for name in losses])
+            norms = self.adamw.step([self.policies[name] for name in losses]) or {}
+            for name, norm in norms.items():
+                extra[name]["grad_norm"] = norm
         finally:
             for b in banks:
                 b.A.grad = None
@@ -436,8 +442,9 @@ class MultiPolicyTrainer:
         return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots, prompt_lens)
 
     def _reference(self, batch: _Batch) -> torch.Tensor | None:
-        """Token logprobs of the bare base (slot -1) for the KL term; None when kl_coef is 0."""
-        if self.config.kl_coef <= 0:
+        """Token logprobs of the bare base (slot -1) for the KL term and the KL metric; None when kl_coef is 0
+        and the KL is not tracked."""
+        if self.config.kl_coef <= 0 and not self.config.track_kl:
             return None
         with torch.no_grad(), self.engine._forward_lock:
             return self._logprobs(batch, [-1] * len(batch.slots))
@@ -674,11 +681,20 @@ class MultiPolicyTrainer:
     ) -> StepStats:
         # every policy that rolled out, also one whose groups all lacked variance (it took no step)
         rolled = dict.fromkeys(r.policy for r in rows)
-        reward = {p: float(torch.tensor([r.reward for r in rows if r.policy == p]).mean()) for p in rolled}
+        rewards = {p: torch.tensor([r.reward for r in rows if r.policy == p]) for p in rolled}
+        reward = {p: float(r.mean()) for p, r in rewards.items()}
+        keep = batch.keep.tolist()
         kept = {
-            p: len({r.group for r, k in zip(rows, batch.keep.tolist(), strict=True) if r.policy == p and k})
-            for p in losses
+            p: len({r.group for r, k in zip(rows, keep, strict=True) if r.policy == p and k}) for p in losses
         }
+        group_rewards: dict[tuple[str, int], set[float]] = {}
+        for row in rows:
+            group_rewards.setdefault((row.policy, row.group), set()).add(row.reward)
+        for p, values in rewards.items():
+            groups = [len(v) > 1 for (q, _), v in group_rewards.items() if q == p]
+            st = extra.setdefault(p, {})
+            st["reward_std"] = float(values.std(correction=0))
+            st["no_signal"] = 1.0 - sum(groups) / len(groups)  # groups whose rewards are all equal
         return StepStats(self.steps, 0.0, reward, losses, kept, extra)
 
     # ---- out ----------------------------------------------------------------------------------------

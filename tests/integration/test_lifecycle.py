@@ -207,6 +207,20 @@ def test_lifecycle_end_to_end_then_rerun_then_next_round(stack: Stack) -> None:
     assert v1.gate is not None and v1.gate["passed"]
     run = reg.client.get_run(v1.run_id)
     assert "train/reward" in run.data.metrics and run.data.params["steps"] == "2"
+    # every step's learning metrics, as a history (the update's own only for steps that took one)
+    for metric in ("reward", "reward_std", "no_signal"):
+        assert [m.step for m in reg.client.get_metric_history(v1.run_id, f"train/{metric}")] == [0, 1]
+    updated = len(reg.client.get_metric_history(v1.run_id, "train/loss"))
+    for metric in ("kl", "entropy", "grad_norm", "pg_objective", "clip_frac"):
+        assert len(reg.client.get_metric_history(v1.run_id, f"train/{metric}")) == updated, metric
+    assert all(m.value > 0 for m in reg.client.get_metric_history(v1.run_id, "train/entropy"))
+    trained_s = sum(c["seconds"] for c in report.curve)
+    assert run.info.end_time - run.info.start_time >= 0.9 * trained_s * 1000
+    # the bare base is revision 0: it was scored on the same suites and sits beside the candidate's scores
+    assert (
+        set(out.scores) == {"candidate", "base"}
+        and out.scores["base"].keys() == out.scores["candidate"].keys()
+    )
     assert stack.served(name) == f"sha256:{v1.digest}"
     assert stack.answered_by(name) == v1.digest
     assert [t.step for t in report.timings].count("rollout") == 2

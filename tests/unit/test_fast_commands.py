@@ -109,5 +109,8 @@ def test_read_commands_import_no_torch_transformers_or_mlflow(env: dict[str, str
     outputs = {cmd: output for cmd, (_, output) in got["outputs"].items()}
     assert "champion" in outputs["registry ls"] and "v2" in outputs["registry ls"]
     assert "p/v1" in outputs["registry lineage p/v2"] and D1[:16] in outputs["registry lineage p/v2"]
+    # the bare base is the root of every lineage (revision 0), and the parent of a first revision
+    assert "base (v0 of p)" in outputs["registry lineage p/v2"]
+    assert "base (" in outputs["registry ls p"]
     assert f"sha256:{D2}" in outputs["catalog resolve p"]
     assert got["heavy"] == [], f"read commands imported {got['heavy']}"
