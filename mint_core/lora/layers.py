@@ -137,22 +137,37 @@ class _SlotBank(nn.Module):
 
     def prepare(self, A: torch.Tensor, B: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A revision's factors in slot layout (A [.., r, in], B [.., r, out] with the scale folded in, the bank's
-        dtype, contiguous), so that putting it into a slot later is one plain copy per factor."""
-        A_RI = A.detach().to(self.A.dtype).contiguous()
-        B_RO = B.detach().transpose(-1, -2).to(self.B.dtype)
-        B_RO = (B_RO * scale if scale != 1.0 else B_RO).contiguous()
-        return A_RI, B_RO
+        dtype, contiguous, in host memory), so that putting it into a slot later is one plain copy per factor.
+
+        An A already in that form is kept as it is, not copied. For CUDA banks both are in pinned memory, so the
+        slot write can run without blocking the host (`write_prepared`)."""
+        pin = self.A.is_cuda
+        A = A.detach()
+        if pin or A.dtype != self.A.dtype or not A.is_contiguous() or A.device.type != "cpu":
+            A = torch.empty(A.shape, dtype=self.A.dtype, pin_memory=pin).copy_(A)
+        # one pass writing B transposed into a contiguous buffer (`.transpose().contiguous()` after the
+        # scale made it two)
+        B_RO = torch.empty((*B.shape[:-2], B.shape[-1], B.shape[-2]), dtype=self.B.dtype, pin_memory=pin)
+        B_RO.copy_(B.detach().transpose(-1, -2))
+        if scale != 1.0:
+            B_RO.mul_(scale)
+        return A, B_RO
 
     @torch.no_grad()
     def write_prepared(self, slot: int, A_RI: torch.Tensor, B_RO: torch.Tensor) -> None:
-        """`write` of factors already in slot layout (`prepare`)."""
+        """`write` of factors already in slot layout (`prepare`).
+
+        Into CUDA banks the copies do not block the host: they come from pinned memory (`prepare`) and are
+        queued on the current stream ahead of any forward that reads the slot, and the caching host allocator
+        keeps a pinned block from reuse until copies queued from it have run, even if the host cache drops it."""
         r = A_RI.shape[-2]
         before = self._rank[slot]
         if before is not None and before > r:
             self.A[slot][..., r:before, :].zero_()
             self.B[slot][..., r:before, :].zero_()
-        self.A[slot][..., :r, :].copy_(A_RI)
-        self.B[slot][..., :r, :].copy_(B_RO)
+        async_ = self.A.is_cuda and A_RI.is_pinned() and B_RO.is_pinned()
+        self.A[slot][..., :r, :].copy_(A_RI, non_blocking=async_)
+        self.B[slot][..., :r, :].copy_(B_RO, non_blocking=async_)
         self._rank[slot] = r
         self.filled += before is None
 
