@@ -13,8 +13,10 @@ Two setups:
 first (the first of each is a warm-up).
 
 One load, timed alone: from the revision's content address to a device slot, the steps of the server's load
-path: `AdapterStore.local_dir` (`store`), `read_adapter` (`read` the files, `validate` them, `digest` them: the
-split `read_adapter` reports in `AdapterWeights.load_s`), the digest compared with the content address,
+path: `AdapterStore.path` (`store`: the revision's directory), `read_adapter` (`read` the files, `validate`
+them, `digest` them: the split `read_adapter` reports in `AdapterWeights.load_s`), the digest compared with the
+content address (as `AdapterManager` checks a catalog load, so the bytes are hashed once, not once more by a
+verifying `AdapterStore.local_dir`),
 `WorkingSet.add` (`register`: the revision in slot layout in the host cache) and the first `WorkingSet.acquire`
 (`slot_write`). Then, untimed, the slot is released and the adapter unloaded. Ranks and target sets are
 interleaved round-robin. The files were just written, so they come from the page cache. With 30 repeats, p99
@@ -158,7 +160,7 @@ def measure(args: argparse.Namespace, ranks: list[int], store: AdapterStore) -> 
         ws = sink.working_set
         name = f"r{r}-{i}"
         t0 = time.perf_counter()
-        path = store.local_dir(digest)
+        path = Path(store.path(digest))  # the read below verifies the digest, as AdapterManager's does
         t1 = time.perf_counter()
         weights = read_adapter(path, sink.spec, name=name)
         if weights.digest != digest:
@@ -228,11 +230,14 @@ def main() -> None:
         help="default float32 tiny, bfloat16 a shape",
     )
     ap.add_argument("--device", default="cpu", help="where the slots live: cpu, cuda, cuda:1, ...")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument(
         "--all-linear", action=argparse.BooleanOptionalAction, default=True, help="tiny shape only"
     )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.dtype is None:
         args.dtype = "float32" if args.shape == "tiny" else "bfloat16"
     ranks = [int(r) for r in (args.ranks or ("1,8,64" if args.shape == "tiny" else "8")).split(",")]

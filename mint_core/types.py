@@ -104,13 +104,21 @@ class Digest(str):
         return str.__new__(cls, hex_)
 
     @classmethod
-    def of_files(cls, config_bytes: bytes, weights_bytes: bytes) -> Digest:
+    def of_files(cls, config_bytes: bytes, weights_bytes: bytes | bytearray | memoryview) -> Digest:
         """The digest of a revision's two files: both files' names and bytes in a fixed order."""
+        h = cls.hasher(config_bytes, len(weights_bytes))
+        h.update(weights_bytes)
+        return cls.trusted(h.hexdigest())
+
+    @staticmethod
+    def hasher(config_bytes: bytes, weights_size: int) -> hashlib._Hash:
+        """A sha256 fed with everything of `of_files` but the weights file's bytes: feed those (in pieces, as
+        they are read) and `Digest.trusted(h.hexdigest())` is the revision's digest, with no second pass."""
         h = hashlib.sha256()
-        for name, data in ((CONFIG_FILE, config_bytes), (WEIGHTS_FILE, weights_bytes)):
-            h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
-            h.update(data)
-        return str.__new__(cls, h.hexdigest())
+        h.update(CONFIG_FILE.encode() + b"\0" + len(config_bytes).to_bytes(8, "little"))
+        h.update(config_bytes)
+        h.update(WEIGHTS_FILE.encode() + b"\0" + weights_size.to_bytes(8, "little"))
+        return h
 
     @property
     def hex(self) -> str:

@@ -31,6 +31,15 @@ from mint_core.types import CONFIG_FILE, EXPERT_PARAMS, WEIGHTS_FILE, Digest, Si
 
 PREFIX = "base_model.model."
 FINGERPRINT_KEY = "mint.base_fingerprint"
+DTYPE_KEY = "torch_dtype"
+"""adapter_config.json key naming the dtype the revision's tensors are written in (as config.json does for a
+transformers model); PEFT and vLLM ignore keys they do not know."""
+DTYPE_NAMES = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
 Layout = Literal["packed", "unpacked"]
 
 _KEY = re.compile(
@@ -67,7 +76,7 @@ class AdapterWeights:
         )
 
 
-def digest_files(config_bytes: bytes, weights_bytes: bytes) -> Digest:
+def digest_files(config_bytes: bytes, weights_bytes: bytes | bytearray | memoryview) -> Digest:
     """sha256 of a revision: both files' names and bytes in a fixed order (`Digest.of_files`)."""
     return Digest.of_files(config_bytes, weights_bytes)
 

@@ -10,24 +10,30 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import queue
 import struct
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import load as load_safetensors
 
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import (
     CONFIG_FILE,
+    DTYPE_KEY,
+    DTYPE_NAMES,
     FINGERPRINT_KEY,
     WEIGHTS_FILE,
     AdapterWeights,
     digest_files,
     from_peft_state,
 )
-from mint_core.types import Site
+from mint_core.types import Digest, Site
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -44,6 +50,8 @@ _DTYPE_BYTES = {
     "BOOL": 1,
 }
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_CHUNK = 1 << 20  # bytes read (and hashed while still in cache) at a time
 _UNSUPPORTED = {
     "use_dora": "DoRA",
     "rank_pattern": "per-module ranks (rank_pattern)",
@@ -70,34 +78,61 @@ def _within(path: Path, roots: list[Path]) -> bool:
     return any(real == r or r in real.parents for r in (root.resolve() for root in roots))
 
 
-def check_safetensors_header(data: bytes) -> list[str]:
-    """Problems with a safetensors file's framing, found without parsing any tensor."""
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a safetensors header, its byte range relative to the start of the data."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class _Header:
+    """A parsed safetensors header: where the data starts, its tensors (only those whose entry is sane) and
+    metadata."""
+
+    data_start: int
+    entries: list[_Entry]
+    metadata: dict[str, str]
+
+
+def _parse_header(data: bytes | bytearray | memoryview) -> tuple[_Header | None, list[str]]:
+    """The header of a safetensors file and the problems with its framing, found without reading any tensor."""
     if len(data) < 8:
-        return [f"{WEIGHTS_FILE} is truncated ({len(data)} bytes; no header length)"]
+        return None, [f"{WEIGHTS_FILE} is truncated ({len(data)} bytes; no header length)"]
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER_BYTES or n > len(data) - 8:
-        return [
+        return None, [
             f"{WEIGHTS_FILE} header length {n} exceeds the file ({len(data)} bytes): truncated or not safetensors"
         ]
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(bytes(data[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [
+        return None, [
             f"{WEIGHTS_FILE} header is not valid JSON ({e.__class__.__name__}): garbage or not safetensors"
         ]
     if not isinstance(header, dict):
-        return [f"{WEIGHTS_FILE} header is not a JSON object"]
+        return None, [f"{WEIGHTS_FILE} header is not a JSON object"]
     problems = []
     beyond: list[str] = []
     body = len(data) - 8 - n
+    entries: list[_Entry] = []
+    metadata: dict[str, str] = {}
     for key, info in header.items():
         if key == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 problems.append(f"{WEIGHTS_FILE} __metadata__ is not an object of strings")
+            else:
+                metadata = info
             continue
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            numel = math.prod(int(s) for s in shape)
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise TypeError(key)
+            numel = math.prod(shape)
             if not isinstance(dtype, str) or not isinstance(begin, int) or not isinstance(end, int):
                 raise TypeError(key)
         except (KeyError, TypeError, ValueError):
@@ -109,6 +144,8 @@ def check_safetensors_header(data: bytes) -> list[str]:
             problems.append(f"tensor {key!r}: dtype {dtype} is not floating point")
         elif end - begin != numel * _DTYPE_BYTES[dtype]:
             problems.append(f"tensor {key!r}: byte range {end - begin} does not fit shape {shape} of {dtype}")
+        elif end <= body and begin >= 0:
+            entries.append(_Entry(key, dtype, tuple(shape), begin, end))
         if end > body or begin < 0:
             beyond.append(key)
     if beyond:
@@ -116,6 +153,70 @@ def check_safetensors_header(data: bytes) -> list[str]:
             f"{WEIGHTS_FILE} is truncated: {len(beyond)} tensor(s) end beyond its {body} data bytes "
             f"(first: {beyond[0]!r})"
         )
+    if not problems:
+        # safetensors' own rule: the tensors tile the data exactly, in order, with no gap or overlap
+        at = 0
+        for ent in sorted(entries, key=lambda x: (x.begin, x.end)):
+            if ent.begin != at:
+                problems.append(
+                    f"tensor {ent.key!r}: data starts at byte {ent.begin}, expected {at} (tensors overlap or leave "
+                    "a gap): not a valid safetensors file"
+                )
+                break
+            at = ent.end
+        else:
+            if at != body:
+                problems.append(f"{WEIGHTS_FILE} has {body - at} bytes after its last tensor")
+    return _Header(8 + n, entries, metadata), problems
+
+
+def check_safetensors_header(data: bytes | bytearray | memoryview) -> list[str]:
+    """Problems with a safetensors file's framing, found without parsing any tensor."""
+    return _parse_header(data)[1]
+
+
+def _tensor(data: memoryview, start: int, e: _Entry) -> torch.Tensor:
+    """The tensor of entry `e`, a view of `data` (a copy when its bytes are not aligned for its dtype)."""
+    dtype, size = _TORCH_DTYPES[e.dtype], _DTYPE_BYTES[e.dtype]
+    numel = (e.end - e.begin) // size
+    if numel == 0:
+        return torch.empty(e.shape, dtype=dtype)
+    offset = start + e.begin
+    if offset % size:
+        return torch.frombuffer(bytearray(data[offset : offset + e.end - e.begin]), dtype=dtype).view(e.shape)
+    return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(e.shape)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite: its min and max are, since both propagate NaN (one pass, no
+    temporary; `isfinite(t).all()` writes a bool per value, 18x slower on bfloat16 on CPU)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _nonfinite(data: memoryview, header: _Header, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems naming each tensor with NaN or inf. Checked over runs of adjacent tensors of one dtype at
+    once (the whole data of a single-dtype file is one run), so a file of 500 tensors costs a few calls; a run
+    that is not all finite is then searched tensor by tensor for the names."""
+    runs: list[list[_Entry]] = []
+    for e in sorted(header.entries, key=lambda e: e.begin):
+        if runs and runs[-1][-1].dtype == e.dtype and runs[-1][-1].end == e.begin:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    problems = []
+    for run in runs:
+        begin, end, dtype = run[0].begin, run[-1].end, run[0].dtype
+        whole = _Entry("", dtype, ((end - begin) // _DTYPE_BYTES[dtype],), begin, end)
+        if _all_finite(_tensor(data, header.data_start, whole)):
+            continue
+        for e in run:
+            t = tensors[e.key]
+            if not _all_finite(t):
+                bad = int((~torch.isfinite(t)).sum())
+                problems.append(f"tensor {e.key!r} has {bad} non-finite value(s) (NaN or inf)")
     return problems
 
 
@@ -164,7 +265,8 @@ def read_adapter(
     else:
         config_bytes = (path / CONFIG_FILE).read_bytes()
     weights = path / WEIGHTS_FILE
-    weights_bytes: bytes | None = None
+    weights_bytes: memoryview | None = None
+    hashing: _Hashing | None = None
     if not weights.is_file():
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -174,23 +276,86 @@ def read_adapter(
         else:
             problems.append(f"{WEIGHTS_FILE} is missing")
     else:
-        weights_bytes = weights.read_bytes()
+        weights_bytes, hashing = _read_hashed(weights, config_bytes)
     read_s = time.perf_counter() - t0
-    out = validate_bytes(config_bytes, weights_bytes, spec, label, str(path), problems)
+    digest = None if hashing is None else hashing.finish()
+    out = validate_bytes(config_bytes, weights_bytes, spec, label, str(path), problems, digest=digest)
     out.load_s["read"] = read_s
+    if hashing is not None:
+        out.load_s["digest"] = hashing.busy_s
     return out
+
+
+class _Hashing:
+    """The revision's digest, hashed on a thread of its own from the pieces of the weights file as they are read,
+    so that hashing overlaps the rest of the read and the validation (sha256 releases the GIL) instead of
+    following them. `result()` waits for it; `busy_s` is the time spent hashing."""
+
+    def __init__(self, config_bytes: bytes, weights_size: int):
+        self._h = Digest.hasher(config_bytes, weights_size)
+        self._pieces: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._done: Future[Digest] = Future()
+        self.busy_s = 0.0
+        threading.Thread(target=self._run, name="mint-digest", daemon=True).start()
+
+    def feed(self, piece: memoryview) -> None:
+        self._pieces.put(piece)
+
+    def finish(self) -> Future[Digest]:
+        self._pieces.put(None)
+        return self._done
+
+    def _run(self) -> None:
+        try:
+            while (piece := self._pieces.get()) is not None:
+                t = time.perf_counter()
+                self._h.update(piece)
+                self.busy_s += time.perf_counter() - t
+            self._done.set_result(Digest.trusted(self._h.hexdigest()))
+        except BaseException as e:  # reported to whoever waits for the digest
+            self._done.set_exception(e)
+
+
+def _read_hashed(path: Path, config_bytes: bytes | None) -> tuple[memoryview, _Hashing | None]:
+    """The file's bytes in fresh, writable memory (tensors view it without a copy; not zero-filled first, since
+    the read overwrites every byte), and the revision's digest being hashed from them as they arrive (None
+    without a config to hash first, or when the file changed size while it was read)."""
+    with path.open("rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = np.empty(size, dtype=np.uint8).data
+        hashing = None if config_bytes is None else _Hashing(config_bytes, size)
+        at = 0
+        while at < size:
+            n = f.readinto(data[at : at + _CHUNK])
+            if not n:
+                break
+            if hashing is not None:
+                hashing.feed(data[at : at + n])
+            at += n
+        whole = at == size and not f.read(1)
+    if hashing is not None:
+        hashing.finish()
+    if whole:
+        return data, hashing
+    # written to while we read: take it whole as it is now; the caller's digest covers those bytes
+    return memoryview(bytearray(path.read_bytes())), None
 
 
 def validate_bytes(
     config_bytes: bytes | None,
-    weights_bytes: bytes | None,
+    weights_bytes: bytes | bytearray | memoryview | None,
     spec: BaseSpec,
     label: str,
     where: str | None = None,
     problems: list[str] | None = None,
+    digest: Digest | Future[Digest] | None = None,
 ) -> AdapterWeights:
     """Validate an adapter given as PEFT's two files' bytes (None: the file is missing, already reported in
-    `problems`); raise a single AdapterError listing every problem."""
+    `problems`); raise a single AdapterError listing every problem.
+
+    The tensors returned are views of `weights_bytes` in the file's dtype when it is writable memory (immutable
+    `bytes` are copied once first). `digest`, when the caller hashes the files while reading them (a future:
+    still being hashed, waited for once the checks pass), is taken as theirs; otherwise it is computed here."""
     t0 = time.perf_counter()
     problems = [] if problems is None else problems
     config: dict = {}
@@ -219,35 +384,41 @@ def validate_bytes(
         for key, what in _UNSUPPORTED.items():
             if config.get(key):
                 problems.append(f"{what} is not supported ({key}={config[key]!r})")
+        named = config.get(DTYPE_KEY)
+        if named is not None and named not in DTYPE_NAMES.values():
+            problems.append(f"{DTYPE_KEY} is {named!r}, expected one of {sorted(DTYPE_NAMES.values())}")
 
     state: dict[str, torch.Tensor] = {}
     if weights_bytes is not None:
-        header_problems = check_safetensors_header(weights_bytes)
+        data = memoryview(weights_bytes)
+        if data.readonly:
+            data = memoryview(bytearray(data))
+        header, header_problems = _parse_header(data)
         problems += header_problems
-        if not header_problems:
-            try:
-                state = load_safetensors(weights_bytes)
-            except Exception as e:
-                problems.append(f"{WEIGHTS_FILE} could not be read: {e}")
-            n = struct.unpack("<Q", weights_bytes[:8])[0]
-            meta = json.loads(weights_bytes[8 : 8 + n]).get("__metadata__") or {}
-            fp = meta.get(FINGERPRINT_KEY)
+        if header is not None and not header_problems:
+            state = {e.key: _tensor(data, header.data_start, e) for e in header.entries}
+            fp = header.metadata.get(FINGERPRINT_KEY)
             if fp is not None and fp != spec.fingerprint:
                 problems.append(f"made for base {fp[:12]}, but this engine's base is {spec.fingerprint[:12]}")
-    for key, t in state.items():
-        if not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            problems.append(f"tensor {key!r} has {bad} non-finite value(s) (NaN or inf)")
+            problems += _nonfinite(data, header, state)
+            named = config.get(DTYPE_KEY)
+            dtypes = sorted({DTYPE_NAMES[t.dtype] for t in state.values()})
+            if isinstance(named, str) and named in DTYPE_NAMES.values() and dtypes and dtypes != [named]:
+                problems.append(f"{CONFIG_FILE} names {DTYPE_KEY} {named!r}, but the tensors are {dtypes}")
     tensors = from_peft_state(state, spec.sites, rank, problems, spec.base_modules) if state and rank else {}
     if rank and not tensors and not problems:
         problems.append("no LoRA tensors found")
     if problems:
         raise AdapterError(label, where, problems)
     assert config_bytes is not None and weights_bytes is not None
-    tensors = {k: (a.float(), b.float()) for k, (a, b) in tensors.items()}
     t1 = time.perf_counter()
-    digest = digest_files(config_bytes, weights_bytes)
-    t2 = time.perf_counter()
+    load_s = {"validate": t1 - t0}
+    if isinstance(digest, Future):
+        digest = digest.result()
+        load_s["digest_wait"] = time.perf_counter() - t1
+    elif digest is None:
+        digest = digest_files(config_bytes, weights_bytes)
+        load_s["digest"] = time.perf_counter() - t1
     return AdapterWeights(
         rank=int(rank),  # type: ignore[arg-type]
         alpha=float(alpha),  # type: ignore[arg-type]
@@ -256,5 +427,5 @@ def validate_bytes(
         base_name=config.get("base_model_name_or_path"),
         use_rslora=bool(config.get("use_rslora", False)),
         digest=digest,
-        load_s={"validate": t1 - t0, "digest": t2 - t1},
+        load_s=load_s,
     )
