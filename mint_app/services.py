@@ -37,6 +37,7 @@ from pydantic_settings import SettingsConfigDict
 from mint_core.errors import MintError
 from mint_core.serving.config import ServingConfig
 from mint_core.settings import Settings
+from mint_core.types import Device
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class ServicesConfig(Settings):
     serve_adapter_root: Path | None = None
     """Adapter store of `mint serve` (load requests may only name paths inside it). Default: the serving
     config's adapter_root (.mint/store)."""
+    serve_device: Device | None = None
+    """Device of `mint serve` (`--device`: cpu, cuda or cuda:N), and of the training of the flows it registers.
+    Default: the serving config's device (cpu)."""
     hooks_port: int = Field(8001, ge=1, le=65535)
     """Port of the receiver of MLflow's alias webhook (`mint_app.webhooks`): serving follows `champion` moves."""
     catalog_url: str | None = None
@@ -532,6 +536,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         cmd += ["--config", str(config.serve_config.resolve())]
     if config.serve_adapter_root is not None:
         cmd += ["--adapter-root", str(config.serve_adapter_root.resolve())]
+    if config.serve_device is not None:
+        cmd += ["--device", config.serve_device]
     # a token from the environment or the serving config wins; else one kept in the state dir, so the admin
     # routes of a server started by `mint up` have a token that can be read back
     serving = ServingConfig.load(config.serve_config)
@@ -594,6 +600,7 @@ def workspace_defaults(config: ServicesConfig) -> dict[str, str]:
         "catalog_url": f"sqlite:///{home / 'catalog.db'}",
         "work_dir": str(home / "lifecycle"),
         "base": str(Path(serve_base(config)).resolve()),
+        "device": config.serve_device or ServingConfig.load(config.serve_config).device,
     }
 
 

@@ -28,6 +28,17 @@ TARGETS: dict[str, list[str]] = {
 }
 
 
+NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+"""Parametrise a test with `device` over these: the cheap cpu run in every suite, the same check on CUDA where a GPU
+is visible (skipped with the reason elsewhere, CI included: a skip, never a failure)."""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+
+
 def peft_loadable_sites(family: str, sites: dict[str, Site]) -> dict[str, Site]:
     if family == "dense":
         return dict(sites)
@@ -48,22 +59,23 @@ def tokenizer():  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def make_base(tokenizer) -> Callable[..., Base]:  # type: ignore[no-untyped-def]
-    """make_base(family, seed=0): a fresh tiny base (same seed -> same weights and fingerprint)."""
+    """make_base(family, seed=0, device="cpu"): a fresh tiny base (same seed -> same weights and fingerprint, on
+    any device)."""
 
-    def make(family: Family = "dense", seed: int = 0, **overrides) -> Base:  # type: ignore[no-untyped-def]
-        return build_tiny_base(family, seed=seed, tokenizer=tokenizer, **overrides)
+    def make(family: Family = "dense", seed: int = 0, device: str = "cpu", **overrides) -> Base:  # type: ignore[no-untyped-def]
+        return build_tiny_base(family, seed=seed, tokenizer=tokenizer, device=device, **overrides)
 
     return make
 
 
 @pytest.fixture
 def make_engine(make_base) -> Callable[..., Engine]:  # type: ignore[no-untyped-def]
-    """make_engine(family="dense", seed=0, **EngineConfig fields)."""
+    """make_engine(family="dense", seed=0, device="cpu", **EngineConfig fields)."""
 
-    def make(family: Family = "dense", seed: int = 0, **config) -> Engine:  # type: ignore[no-untyped-def]
+    def make(family: Family = "dense", seed: int = 0, device: str = "cpu", **config) -> Engine:  # type: ignore[no-untyped-def]
         config.setdefault("max_loras", 4)
         config.setdefault("max_lora_rank", 16)
-        return Engine(make_base(family, seed), EngineConfig(**config))
+        return Engine(make_base(family, seed, device), EngineConfig(**config))
 
     return make
 

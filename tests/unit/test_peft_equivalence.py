@@ -1,5 +1,6 @@
 """The engine's logits for a batch mixing adapters of different ranks (and the bare base) equal PEFT's
-PeftModel with each adapter applied alone, within 1e-4 relative in float32, for every family."""
+PeftModel with each adapter applied alone, within 1e-4 relative in float32, for every family, on the CPU and (marked
+cuda, skipped where no GPU is visible) on a CUDA device."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import torch
 from peft import PeftModel
 
 from mint_core.lora.adapter import random_adapter, save_adapter
-from tests.conftest import FAMILIES, TARGETS, peft_loadable_sites
+from tests.conftest import DEVICES, FAMILIES, TARGETS, peft_loadable_sites
 
 RTOL = 1e-4
 RANKS = [1, 4, 8, 16]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_batch_matches_peft_per_adapter(family, make_engine, make_base, adapter_dir):
-    engine = make_engine(family, seed=1)
+def test_mixed_batch_matches_peft_per_adapter(family, device, make_engine, make_base, adapter_dir):
+    engine = make_engine(family, seed=1, device=device)
     sites = peft_loadable_sites(family, engine.sites)
     for i, rank in enumerate(RANKS):
         # adapter 1 targets only two module kinds: sites it leaves out must stay bare in its slot
@@ -27,20 +29,21 @@ def test_mixed_batch_matches_peft_per_adapter(family, make_engine, make_base, ad
         save_adapter(a, adapter_dir / f"a{i}", engine.sites)
         assert engine.load_adapter(f"a{i}", adapter_dir / f"a{i}")
 
-    ids = torch.randint(0, 256, (6, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (6, 12), generator=torch.Generator().manual_seed(0)).to(device)
     names = ["a0", "a1", None, "a2", "a3", "a0"]
     got = engine.logits(ids, names)
+    assert got.device.type == device  # the slots and the forward ran where the base is
 
     for row, name in enumerate(names):
-        reference = make_base(family, seed=1).model
+        reference = make_base(family, seed=1, device=device).model
         if name is not None:
-            reference = PeftModel.from_pretrained(reference, adapter_dir / name)
+            reference = PeftModel.from_pretrained(reference, adapter_dir / name).to(device)
         with torch.no_grad():
             want = reference(input_ids=ids[row : row + 1]).logits
         rel = ((got[row : row + 1] - want).abs().max() / want.abs().max()).item()
-        assert rel < RTOL, f"{family} row {row} ({name}): relative error {rel:.2e}"
+        assert rel < RTOL, f"{family} on {device}, row {row} ({name}): relative error {rel:.2e}"
         if name is not None:  # the adapter really changed the output, so the comparison means something
-            bare = make_base(family, seed=1).model(input_ids=ids[row : row + 1]).logits
+            bare = make_base(family, seed=1, device=device).model(input_ids=ids[row : row + 1]).logits
             assert (want - bare).abs().max() > 1e-3
 
 

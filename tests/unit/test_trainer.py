@@ -9,13 +9,13 @@ from mint_core.data.tasks import split
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
-from tests.conftest import FAMILIES
+from tests.conftest import DEVICES, FAMILIES
 
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
 
 
-def make_trainer(make_engine, family="dense", **cfg):  # type: ignore[no-untyped-def]
-    engine = make_engine(family, seed=0, max_loras=4, max_lora_rank=8)
+def make_trainer(make_engine, family="dense", device="cpu", **cfg):  # type: ignore[no-untyped-def]
+    engine = make_engine(family, seed=0, device=device, max_loras=4, max_lora_rank=8)
     specs = [
         PolicySpec(name="adder", task="add", rank=4, alpha=8),
         PolicySpec(name="rev", task="reverse", rank=8, alpha=8, learning_rate=5e-3),
@@ -42,8 +42,10 @@ def rows_for(trainer, policy: str, rewards: list[float], group: int, pad: int = 
     return out
 
 
-def test_step_changes_the_adapter_and_never_the_base(make_engine):
-    trainer = make_trainer(make_engine)
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_changes_the_adapter_and_never_the_base(make_engine, device):
+    trainer = make_trainer(make_engine, device=device)
+    assert trainer.engine.base.device.type == device
     base_before = {
         k: v.clone() for k, v in trainer.engine.base.model.state_dict().items() if ".bank." not in k
     }

@@ -13,15 +13,17 @@ from mint_core.engine.engine import EngineConfig, Request
 from mint_core.engine.working_set import AdapterExists, WorkingSet
 from mint_core.errors import UnknownAdapter, WorkingSetFull
 from mint_core.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
-from tests.conftest import TARGETS
+from tests.conftest import DEVICES, TARGETS
 
 SITE = "model.layers.0.self_attn.q_proj"
 IDS = torch.tensor([[5, 17, 99, 3, 42, 7]])
 
 
 @pytest.fixture
-def engine(make_engine):  # type: ignore[no-untyped-def]
-    return make_engine("dense", max_loras=2, max_cpu_loras=3)
+def engine(make_engine, request):  # type: ignore[no-untyped-def]
+    """A dense engine with 2 slots and 3 host-cache entries; on the CPU unless parametrised (indirect) with a
+    device."""
+    return make_engine("dense", device=getattr(request, "param", "cpu"), max_loras=2, max_cpu_loras=3)
 
 
 @pytest.fixture
@@ -62,8 +64,8 @@ def refs(ws: WorkingSet) -> list[int]:
 def assert_slot_holds(engine, slot: int, weights: AdapterWeights) -> None:  # type: ignore[no-untyped-def]
     for site, (A, B) in weights.tensors.items():
         got_A, got_B = engine.lora.banks[site].read(slot, weights.rank, weights.scale)
-        torch.testing.assert_close(got_A, A, msg=f"slot {slot} {site} A")
-        torch.testing.assert_close(got_B, B, msg=f"slot {slot} {site} B")
+        torch.testing.assert_close(got_A.cpu(), A, msg=f"slot {slot} {site} A")
+        torch.testing.assert_close(got_B.cpu(), B, msg=f"slot {slot} {site} B")
 
 
 def assert_slot_empty(engine, slot: int) -> None:  # type: ignore[no-untyped-def]
@@ -275,6 +277,7 @@ def test_cold_reload_of_a_changed_file_raises(engine, load, save, adapter_dir):
     engine.logits(IDS, ["a1", "a2"])  # the rest of the working set is unharmed
 
 
+@pytest.mark.parametrize("engine", DEVICES, indirect=True)
 def test_in_place_replace_leaves_running_request_on_old_revision(engine, save):
     ws = engine.working_set
     p1, v1 = save("v1", 0)
