@@ -55,6 +55,12 @@ class GRPOConfig(BaseModel):
     """Clip the global gradient norm to this before each step; None: no clipping."""
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of the rollouts; must be > 0, since greedy groups are identical and teach nothing."""
+    greedy_in_group: bool = False
+    """Make each group's first completion the greedy one, the rest sampled at `temperature`. The group's mean,
+    the baseline of its advantages, then includes the answer a greedy request gets (in the spirit of
+    self-critical sequence training, which baselines samples on the greedy decode): where the greedy answer is
+    wrong and a sample is right, the update lowers the one and raises the other, which is what moves greedy
+    accuracy, the score served and evaluated."""
     max_new_tokens: int = Field(16, ge=1)
     """Most tokens generated per completion."""
     adam_betas: tuple[_Beta, _Beta] = (0.9, 0.999)

@@ -31,8 +31,11 @@ def rollout(
     max_new_tokens: int,
     temperature: float = 1.0,
     seed: int | None = None,
+    greedy_in_group: bool = False,
 ) -> list[RolloutRow]:
-    """`group_size` samples of every prompt of every policy (adapter name -> its examples), one engine batch."""
+    """`group_size` samples of every prompt of every policy (adapter name -> its examples), one engine batch.
+    With `greedy_in_group`, each group's first completion is the greedy one (what a served greedy request
+    answers) and the others are sampled at `temperature`."""
     requests: list[Request] = []
     meta: list[tuple[str, int, Example]] = []
     group = 0
@@ -41,7 +44,7 @@ def rollout(
             for g in range(group_size):
                 params = SamplingParams(
                     max_tokens=max_new_tokens,
-                    temperature=temperature,
+                    temperature=0.0 if greedy_in_group and g == 0 else temperature,
                     logprobs=True,
                     seed=None if seed is None else hash((seed, group, g)) & 0x7FFFFFFF,
                 )

@@ -338,6 +338,7 @@ class MultiPolicyTrainer:
             cfg.max_new_tokens,
             cfg.temperature,
             seed=rollout_seed(self.seed, self.steps),
+            greedy_in_group=cfg.greedy_in_group,
         )
 
     def update(self, rows: list[RolloutRow]) -> StepStats:

@@ -1,0 +1,100 @@
+"""What a training step reports and draws: per-step learning metrics, the greedy completion in each group, and
+each round's own prompts and seed (issue #16's "learning you can see" and "every round is new training")."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from mint_core.data.tasks import Example, split, write_jsonl
+from mint_core.engine.engine import Request
+from mint_core.engine.sampling import SamplingParams
+from mint_core.lifecycle import load_prompts, round_seed
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.recipe import STEP_METRICS, TrainingRun
+from mint_core.rl.rollout import RolloutRow
+from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+
+CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
+
+
+def _trainer(make_engine, **cfg) -> MultiPolicyTrainer:  # type: ignore[no-untyped-def]
+    engine = make_engine("dense", seed=0, max_loras=2, max_lora_rank=4)
+    specs = [PolicySpec(name="adder", task="add", rank=4, alpha=8)]
+    return MultiPolicyTrainer(engine, CFG.model_copy(update=cfg), specs, seed=0)
+
+
+def _rows(trainer: MultiPolicyTrainer, groups: list[list[float]]) -> list[RolloutRow]:
+    """Hand-made rows: one prompt per group, completions of distinct tokens with the given rewards."""
+    examples = split("add", len(groups), 1, 0)[0]
+    out = []
+    for g, (ex, rewards) in enumerate(zip(examples, groups, strict=True)):
+        prompt = trainer.engine._encode(ex.prompt)
+        for i, r in enumerate(rewards):
+            comp = [ord(c) % 250 for c in f"{i}{g}ab"]
+            out.append(RolloutRow("adder", g, ex, prompt, comp, [0.0] * len(comp), "", r, "length"))
+    return out
+
+
+def test_a_step_reports_spread_signal_kl_entropy_and_grad_norm(make_engine) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(make_engine)
+    # two groups with signal, one without: a third of the groups teach nothing
+    stats = trainer.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]))
+    st = stats.extra["adder"]
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    mean = sum(rewards) / len(rewards)
+    assert st["reward_std"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)))
+    assert st["no_signal"] == pytest.approx(1 / 3)
+    assert st["grad_norm"] > 0 and st["entropy"] > 0
+    # the first update starts from B = 0: the policy is the base, so the KL to it is zero
+    assert st["kl"] == pytest.approx(0.0, abs=1e-6)
+    again = trainer.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]))
+    assert again.extra["adder"]["kl"] > 0, "after a step the policy differs from the base"
+
+
+def test_kl_is_measured_only_when_asked(make_engine) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(make_engine, track_kl=False)
+    trainer.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0]]))
+    stats = trainer.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0]]))
+    assert stats.extra["adder"]["kl"] == 0.0
+
+
+def test_the_curve_carries_every_step_metric(make_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(make_engine)
+    prompts = {"adder": split("add", 4, 1, 0)[0]}
+    run = TrainingRun.start(trainer, prompts, 2, 2, tmp_path / "ckpt", checkpoint_every=0)
+    run.run()
+    assert [row["step"] for row in run.history] == [1, 2]
+    for row in run.history:
+        assert set(STEP_METRICS) <= set(row) and row["time"] > 0
+        assert row["reward_std"] is not None and row["no_signal"] is not None
+
+
+def test_greedy_in_group_puts_the_greedy_answer_first(make_engine) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(make_engine, greedy_in_group=True, temperature=1.0)
+    examples = split("add", 3, 1, 0)[0]
+    rows = trainer.rollout({"adder": examples})
+    greedy = trainer.engine.generate(
+        [Request(ex.prompt, "adder", SamplingParams(max_tokens=CFG.max_new_tokens)) for ex in examples]
+    )
+    firsts = [rows[g * CFG.group_size] for g in range(len(examples))]
+    assert [r.text for r in firsts] == [c.text for c in greedy]
+    # the others are sampled: over three groups of a random base, some differ from the greedy answer
+    assert any(r.text != firsts[r.group].text for r in rows if r not in firsts)
+
+
+def test_each_round_draws_its_own_prompts_and_seed(tmp_path: Path) -> None:
+    rows = [Example(id=f"add-{i}", task="add", prompt=f"add: {i}+1 =", answer=str(i + 1)) for i in range(50)]
+    write_jsonl(tmp_path / "train" / "add.jsonl", rows)
+    first, _ = load_prompts("add", 10, 0, tmp_path)
+    assert first == rows[:10]  # no round: the first n, as before
+    r1, src = load_prompts("add", 10, 0, tmp_path, "r1")
+    assert load_prompts("add", 10, 0, tmp_path, "r1")[0] == r1, "the same round draws the same prompts"
+    r2, _ = load_prompts("add", 10, 0, tmp_path, "r2")
+    assert r1 != r2 and len({e.id for e in r1}) == 10 and "round=r1" in src
+    assert round_seed(0, "r1") == round_seed(0, "r1") != round_seed(0, "r2") != round_seed(1, "r2")
+    assert round_seed(7, None) == 7
+    with pytest.raises(Exception, match="needs 60"):
+        load_prompts("add", 60, 0, tmp_path, "r1")
