@@ -135,9 +135,14 @@ def server_log(proc: subprocess.Popen[str]) -> str:
 
 
 def start_server(
-    store: Path, *extra: str, env: dict[str, str] | None = None, port: int | None = None
+    store: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    healthy_within_s: float = 90,
 ) -> tuple[subprocess.Popen[str], str]:
-    """`mint serve` on the built-in tiny dense base; returns the process and its URL once healthy."""
+    """`mint serve` on the built-in tiny dense base; returns the process and its URL once healthy (within
+    `healthy_within_s`: a benchmark's multi-GB base takes longer to load and fingerprint)."""
     port = port or free_port()
     # Output goes to a file: a pipe nobody reads would block the server once its buffer fills.
     log = tempfile.NamedTemporaryFile("w", prefix=f"mint-serve-{port}-", suffix=".log", delete=False)  # noqa: SIM115 (the server owns it)
@@ -162,7 +167,7 @@ def start_server(
     LOGS[proc.pid] = Path(log.name)
     url = f"http://127.0.0.1:{port}"
     client = ServingClient(url)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + healthy_within_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mint serve exited with {proc.returncode}:\n{server_log(proc)}")
@@ -170,7 +175,7 @@ def start_server(
             return proc, url
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("mint serve did not become healthy in 90 s")
+    raise RuntimeError(f"mint serve did not become healthy in {healthy_within_s:g} s")
 
 
 def stop_server(proc: subprocess.Popen[str], timeout: float = 30) -> int:
