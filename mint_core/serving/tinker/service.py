@@ -5,10 +5,11 @@ there while it lives, with its own AdamW over views of that slot (as the multi-p
 Its gradient accumulates in the banks' `.grad` at its slot row until `optim_step` applies it, so many models
 train over one base and each one's gradient stays in its own slot.
 
-Calls queue per model and one worker thread runs them. It waits `window_ms` after a call arrives, then works in
-rounds: each round takes the oldest call of every model; the forward/forward_backward calls among them run as ONE
-batched forward/backward over the base (each datum's row routed to its model's slot), the rest (optim_step,
-saves, loads) one by one. A model's calls therefore run in the order it sent them, whatever else is batched.
+Calls queue per model and one worker thread runs them. When a forward_backward arrives while other models are idle,
+the worker waits `window_ms` for theirs, then works in rounds: each round takes the oldest call of every model; the
+forward/forward_backward calls among them run as ONE batched forward/backward over the base (each datum's row
+routed to its model's slot), the rest (optim_step, saves, loads) one by one. A model's calls therefore run in the
+order it sent them, whatever else is batched.
 
 Saving for the sampler writes a content-addressed revision to the adapter store, loads it into the engine under
 the Tinker path the SDK returns (so `/v1/completions` serves it by that name at once), and, with a registry,
@@ -487,7 +488,14 @@ class TinkerService:
                 s: tuple(t.clone() for t in self.engine.lora.banks[s].read(m.slot, m.rank, m.scale))
                 for s in m.sites
             }
-        return AdapterWeights(m.rank, m.alpha, tensors, self.engine.base.fingerprint, self.base_name)  # type: ignore[arg-type]
+        return AdapterWeights(
+            m.rank,
+            m.alpha,
+            tensors,  # type: ignore[arg-type]
+            self.engine.base.fingerprint,
+            self.base_name,
+            dtype=self.engine.base.dtype,
+        )
 
     # ---- queueing ---------------------------------------------------------------------------------------
 
@@ -544,7 +552,12 @@ class TinkerService:
                     self._cv.wait()
                 if self._stopping:
                     return
-            time.sleep(self.window_s)  # let the other clients' calls of this step arrive
+            with self._cv:
+                first = [m.queue[0].kind for m in self.models.values() if m.queue]
+                others = len(self.models) > len(first)
+            if others and self.window_s > 0 and "other" not in first:
+                # a forward_backward is waiting and other models could send theirs in this step: let them arrive
+                time.sleep(self.window_s)
             while True:
                 with self._cv:
                     heads = [(m, m.queue[0]) for m in self.models.values() if m.queue]
