@@ -62,6 +62,10 @@ class AdapterWeights:
     use_rslora: bool = False
     digest: Digest | None = None
     extra_config: dict[str, object] = field(default_factory=dict)
+    dtype: torch.dtype | None = None
+    """The dtype its files are written in: the base's, for a revision made over a base (a trainer's export casts
+    its factors to it, so files and every copy of them are as small as the base's precision allows); None writes
+    each tensor in its own dtype."""
     load_s: dict[str, float] = field(default_factory=dict, compare=False)
     """Seconds its read from files spent per step (`read`, `validate`, `digest`); empty for weights made in
     memory. For profiles and the load benchmark."""
@@ -349,10 +353,12 @@ def save_adapter(
 def adapter_bytes(
     adapter: AdapterWeights, sites: dict[str, Site], layout: Layout = "packed"
 ) -> tuple[bytes, bytes]:
-    """PEFT's two files as bytes: (adapter_config.json, adapter_model.safetensors). The same weights always
-    give the same bytes, so the same digest."""
+    """PEFT's two files as bytes: (adapter_config.json, adapter_model.safetensors), the tensors in
+    `adapter.dtype` (when set) and adapter_config.json naming their dtype (`torch_dtype`). The same weights
+    always give the same bytes, so the same digest."""
     state = {
-        k: v.detach().to("cpu").contiguous() for k, v in to_peft_state(adapter.tensors, sites, layout).items()
+        k: v.detach().to("cpu", adapter.dtype).contiguous()
+        for k, v in to_peft_state(adapter.tensors, sites, layout).items()
     }
     meta = {"format": "pt"}
     if adapter.base_fingerprint:
@@ -366,7 +372,11 @@ def adapter_bytes(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     weights_bytes = len(raw).to_bytes(8, "little") + raw + data[8 + n :]
-    config_bytes = (json.dumps(peft_config(adapter, sites, layout), indent=2, sort_keys=True) + "\n").encode()
+    config = peft_config(adapter, sites, layout)
+    dtypes = {DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in state.values()}
+    if len(dtypes) == 1:
+        config[DTYPE_KEY] = dtypes.pop()
+    config_bytes = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     return config_bytes, weights_bytes
 
 

@@ -701,14 +701,20 @@ class MultiPolicyTrainer:
     # ---- out ----------------------------------------------------------------------------------------
 
     def weights(self, name: str) -> AdapterWeights:
-        """The policy's current adapter, read from its slot (scale taken back out of B)."""
+        """The policy's current adapter, read from its slot (scale taken back out of B); exported in the base's
+        dtype."""
         p = self.policies[name]
         tensors = {}
         for s in p.sites:
             A, B = self.engine.lora.banks[s].read(p.slot, p.spec.rank, p.scale)
             tensors[s] = (A.detach().cpu().clone(), B.detach().cpu().clone())
         return AdapterWeights(
-            p.spec.rank, p.spec.alpha, tensors, self.engine.base.fingerprint, self.engine.base.name
+            p.spec.rank,
+            p.spec.alpha,
+            tensors,
+            self.engine.base.fingerprint,
+            self.engine.base.name,
+            dtype=self.engine.base.dtype,
         )
 
     def export(self, name: str, path: Path) -> Digest:

@@ -242,6 +242,37 @@ def _no_lora_b(d: Path, tmp: Path) -> Path:
     return d
 
 
+def _overlapping_tensors(d: Path, tmp: Path) -> Path:
+    # two keys on one byte range: every offset inside the file, but not a valid safetensors file
+    def edit(header: dict) -> None:
+        header[f"{K1}.lora_A.weight"]["data_offsets"] = header[f"{Q0}.lora_A.weight"]["data_offsets"]
+
+    _edit_header(d, edit)
+    return d
+
+
+def _nan_among_dtypes(d: Path, tmp: Path) -> Path:
+    # tensors of several dtypes (finiteness is checked per run of one dtype): the bad one is still named
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        for k in list(state)[::3]:
+            state[k] = state[k].to(torch.bfloat16)
+        state[f"{K1}.lora_B.weight"] = state[f"{K1}.lora_B.weight"].to(torch.float16)
+        state[f"{K1}.lora_B.weight"][1, 2] = float("nan")
+
+    _edit_weights(d, edit)
+    return d
+
+
+def _dtype_not_the_tensors(d: Path, tmp: Path) -> Path:
+    _edit_config(d, torch_dtype="bfloat16")  # the tensors are float32
+    return d
+
+
+def _dtype_unknown(d: Path, tmp: Path) -> Path:
+    _edit_config(d, torch_dtype="int8")
+    return d
+
+
 def _no_tensors(d: Path, tmp: Path) -> Path:
     save_file({}, str(d / WEIGHTS_FILE))
     return d
@@ -285,6 +316,18 @@ CASES = [
     ("DoRA", _dora, "DoRA is not supported"),
     ("lora_B missing", _no_lora_b, "module model.layers.0.self_attn.q_proj: lora_B is missing"),
     ("no tensors", _no_tensors, "no LoRA tensors found"),
+    (
+        "tensors overlap",
+        _overlapping_tensors,
+        "(tensors overlap or leave a gap): not a valid safetensors file",
+    ),
+    ("NaN among dtypes", _nan_among_dtypes, f"tensor '{K1}.lora_B.weight' has 1 non-finite value(s)"),
+    (
+        "torch_dtype not the tensors'",
+        _dtype_not_the_tensors,
+        "names torch_dtype 'bfloat16', but the tensors are",
+    ),
+    ("torch_dtype unknown", _dtype_unknown, "torch_dtype is 'int8', expected one of"),
 ]
 
 

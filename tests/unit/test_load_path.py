@@ -1,0 +1,148 @@
+"""The adapter load path reads each byte about once: exported revisions are in the base's dtype (half the bytes
+of float32 for a bfloat16 base) and name it in adapter_config.json, re-exporting them is idempotent, PEFT loads
+them, the tensors a read returns stay in the file's dtype and view the bytes read, and the slot the working set
+writes from them serves what PEFT computes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+
+from mint_core.lora.adapter import (
+    CONFIG_FILE,
+    DTYPE_KEY,
+    WEIGHTS_FILE,
+    digest_dir,
+    random_adapter,
+    save_adapter,
+)
+from mint_core.lora.layers import slot_banks
+from mint_core.lora.validate import read_adapter
+from mint_core.types import Site
+from tests.conftest import DEVICES, TARGETS
+
+RANK = 4
+
+
+def _file_dtypes(d: Path) -> set[torch.dtype]:
+    with safe_open(str(d / WEIGHTS_FILE), "pt") as f:
+        return {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def test_export_in_the_base_dtype_halves_the_files_and_names_the_dtype(make_engine, adapter_dir):
+    engine = make_engine("dense")
+    a = random_adapter(engine.sites, TARGETS["dense"], RANK, seed=1, base_fingerprint=engine.base.fingerprint)
+    assert all(A.dtype == torch.float32 for A, _ in a.tensors.values())  # the trainer's float32 factors
+    save_adapter(a, adapter_dir / "f32", engine.sites)
+    a.dtype = torch.bfloat16  # as exported over a bfloat16 base
+    save_adapter(a, adapter_dir / "bf16", engine.sites)
+
+    assert _file_dtypes(adapter_dir / "f32") == {torch.float32}
+    assert _file_dtypes(adapter_dir / "bf16") == {torch.bfloat16}
+    config = json.loads((adapter_dir / "bf16" / CONFIG_FILE).read_text())
+    assert config[DTYPE_KEY] == "bfloat16"
+    assert json.loads((adapter_dir / "f32" / CONFIG_FILE).read_text())[DTYPE_KEY] == "float32"
+    payload = a.num_bytes()  # the factors in float32
+    size = {n: (adapter_dir / n / WEIGHTS_FILE).stat().st_size for n in ("f32", "bf16")}
+    assert size["f32"] > payload and size["bf16"] < payload // 2 + 16 * 1024  # header only on top
+
+    # the same weights give the same bytes again; and a revision read back and exported is the same revision
+    assert save_adapter(a, adapter_dir / "again", engine.sites) == digest_dir(adapter_dir / "bf16")
+    back = read_adapter(adapter_dir / "bf16", engine.spec)
+    assert {A.dtype for A, _ in back.tensors.values()} == {torch.bfloat16}
+    assert back.digest == digest_dir(adapter_dir / "bf16")
+    assert save_adapter(back, adapter_dir / "re-exported", engine.sites) == back.digest
+
+
+def test_trainer_exports_in_the_base_dtype(make_base, adapter_dir):
+    from mint_core.engine.engine import Engine, EngineConfig
+    from mint_core.rl.grpo import GRPOConfig
+    from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+
+    base = make_base("dense")
+    base.model.to(torch.bfloat16)
+    engine = Engine(base, EngineConfig(max_loras=1, max_lora_rank=RANK))
+    spec = PolicySpec(name="p", task="add", rank=RANK, alpha=8)
+    trainer = MultiPolicyTrainer(engine, GRPOConfig(), [spec], seed=0)
+    digest = trainer.export("p", adapter_dir / "p")
+    assert _file_dtypes(adapter_dir / "p") == {torch.bfloat16}
+    assert json.loads((adapter_dir / "p" / CONFIG_FILE).read_text())[DTYPE_KEY] == "bfloat16"
+    # nothing trained in between: the same revision
+    assert trainer.export("p", adapter_dir / "again") == digest
+    assert engine.load_adapter("p-served", adapter_dir / "p")
+
+
+def test_peft_loads_a_bfloat16_export_and_the_engine_matches_it(make_engine, make_base, adapter_dir):
+    engine = make_engine("dense", seed=1)
+    a = random_adapter(engine.sites, TARGETS["dense"], RANK, seed=2, base_fingerprint=engine.base.fingerprint)
+    a.dtype = torch.bfloat16
+    save_adapter(a, adapter_dir / "a", engine.sites)
+    assert engine.load_adapter("a", adapter_dir / "a")
+
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    got = engine.logits(ids, ["a"])
+    peft = PeftModel.from_pretrained(make_base("dense", seed=1).model, adapter_dir / "a")
+    with torch.no_grad():
+        want = peft(input_ids=ids).logits
+        bare = make_base("dense", seed=1).model(input_ids=ids).logits
+    # both run the same bfloat16-rounded factors in float32: float32 agreement, not bfloat16's
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert (want - bare).abs().max() > 1e-3  # the adapter changes the output
+
+
+def test_read_tensors_keep_the_file_dtype_and_view_one_buffer(make_engine, adapter_dir):
+    engine = make_engine("dense")
+    a = random_adapter(engine.sites, TARGETS["dense"], RANK, seed=1, base_fingerprint=engine.base.fingerprint)
+    a.dtype = torch.bfloat16
+    save_adapter(a, adapter_dir / "a", engine.sites)
+    got = read_adapter(adapter_dir / "a", engine.spec)
+    tensors = [t for pair in got.tensors.values() for t in pair]
+    assert {t.dtype for t in tensors} == {torch.bfloat16}
+    # views of the bytes read, not copies: each tensor sits where its bytes sit in the file, relative to the others
+    data = (adapter_dir / "a" / WEIGHTS_FILE).read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    begin = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    at = {}
+    for name, (A, B) in got.tensors.items():
+        at[f"base_model.model.{name}.lora_A.weight"] = A.data_ptr()
+        at[f"base_model.model.{name}.lora_B.weight"] = B.data_ptr()
+    first = min(begin, key=begin.__getitem__)
+    assert {k: p - at[first] for k, p in at.items()} == {k: b - begin[first] for k, b in begin.items()}
+    assert set(got.load_s) >= {"read", "validate", "digest"}
+    for name, (A, B) in a.tensors.items():
+        assert torch.equal(got.tensors[name][0], A.to(torch.bfloat16))
+        assert torch.equal(got.tensors[name][1], B.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_write_from_the_host_cache_holds_the_revision(device):
+    """prepare + write_prepared put the revision (B transposed, scale folded in) into the slot; on CUDA the host
+    copy is pinned and the write does not block, and what the slot holds is the same."""
+    sites = {
+        "l0": Site("l0", in_features=24, out_features=40),
+        "e0": Site("e0.gate_up_proj", in_features=16, out_features=12, experts=3),
+    }
+    lora = slot_banks(sites.values(), num_slots=2, max_rank=8, dtype=torch.bfloat16, device=device)
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "l0": (torch.randn(4, 24, generator=g), torch.randn(40, 4, generator=g)),
+        "e0": (torch.randn(3, 4, 16, generator=g), torch.randn(3, 12, 4, generator=g)),
+    }
+    lora.banks = {"l0": lora.banks["l0"], "e0": lora.banks["e0.gate_up_proj"]}
+    prepared = lora.prepare(tensors, scale=0.5)
+    for A_RI, B_RO in prepared.values():
+        assert A_RI.device.type == "cpu" and A_RI.is_contiguous() and B_RO.is_contiguous()
+        if device == "cuda":
+            assert A_RI.is_pinned() and B_RO.is_pinned()
+    lora.write_prepared(1, prepared)
+    for name, (A, B) in tensors.items():
+        bank = lora.banks[name]
+        got_A, got_B = bank.read(1, 4, scale=0.5)
+        assert torch.equal(got_A.cpu(), A.to(torch.bfloat16))
+        assert torch.allclose(got_B.cpu().float(), B.to(torch.bfloat16).float(), rtol=1e-2, atol=0)
+        assert not bank.A[0].any() and not bank.B[0].any()  # the other slot untouched
