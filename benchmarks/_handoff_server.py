@@ -11,7 +11,7 @@ Routes (loopback only, one request at a time):
                                                                          into the parameter of the same name
   POST /generate {"prompt": [token ids], "max_tokens": n}               greedy; answers {"token_ids", "revision"}
 
-    python benchmarks/_handoff_server.py --base DIR --port PORT [--dtype bfloat16] [--threads 2]
+    python benchmarks/_handoff_server.py --base DIR --port PORT [--dtype bfloat16] [--threads 2] [--device cpu]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from mint_core.engine.sampling import SamplingParams
 
 
 class Receiver:
-    def __init__(self, base: str, dtype: torch.dtype):
-        b = load_base(base, dtype=dtype)
+    def __init__(self, base: str, dtype: torch.dtype, device: str = "cpu"):
+        b = load_base(base, dtype=dtype, device=device)
         # state_dict() shares storage with the parameters (tied lm_head included): copying into it updates the
         # model. Taken before the engine wraps the linears (the wrappers keep these same weight tensors).
         self.params = b.model.state_dict()
@@ -112,9 +112,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    receiver = Receiver(args.base, getattr(torch, args.dtype))
+    receiver = Receiver(args.base, getattr(torch, args.dtype), args.device)
     httpd = HTTPServer(("127.0.0.1", args.port), make_handler(receiver))
     print(f"handoff receiver on http://127.0.0.1:{args.port}", file=sys.stderr, flush=True)
     try:

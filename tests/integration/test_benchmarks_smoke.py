@@ -72,6 +72,57 @@ def test_adapter_load_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -
         assert result[f"{prefix}slot_bytes"] == result[f"{prefix}host_bytes_r4"]
 
 
+def test_adapter_load_runs_at_a_real_shape(run_benchmark: Callable[..., dict[str, Any]]) -> None:
+    """--shape: the LoRA sites of Qwen2-0.5B (every linear, rank 8, bf16) with no base weights; every step of the
+    split is reported and the revision is the size that shape gives."""
+    result = run_benchmark(
+        "adapter_load.py", *("--shape", "qwen2-0.5b", "--repeats", "2", "--slots", "1", "--device", "cpu")
+    )
+    assert (result["shape"], result["dtype"], result["device"]) == ("qwen2-0.5b", "bfloat16", "cpu")
+    for key in ("load_p50_ms", "load_p99_ms", "floor_ms", "floor_ratio", "read_p50_ms", "validate_p50_ms"):
+        assert result[f"{key}_r8"] > 0, key
+    for key in ("digest_p50_ms", "register_p50_ms", "slot_write_p50_ms", "store_p50_ms"):
+        assert result[f"{key}_r8"] >= 0, key
+    # 24 layers x 7 linears, (in + out) x rank 8 x 2 bytes: 8.8 MB, one slot's worth, in the host cache
+    assert (
+        result["host_bytes_r8"]
+        == result["slot_bytes"]
+        == 24 * 2 * 8 * ((896 + 896) * 2 + (896 + 128) * 2 + (896 + 4864) * 3)
+    )
+    assert result["disk_bytes_r8"] > result["host_bytes_r8"]
+
+
+@pytest.mark.parametrize("adapter_only", [False, True], ids=["both paths", "adapter only"])
+def test_handoff_runs_small(run_benchmark: Callable[..., dict[str, Any]], adapter_only: bool) -> None:
+    """Both servers start, every handoff answers with the new revision (the script checks), and the adapter's
+    file is in the base's dtype: bf16, half the float32 factors' bytes."""
+    result = run_benchmark(
+        "handoff.py",
+        *(
+            "--shape",
+            "small",
+            "--device",
+            "cpu",
+            "--adapter-rounds",
+            "1",
+            "--merged-rounds",
+            "1",
+            "--gap",
+            "0",
+        ),
+        *(["--adapter-only"] if adapter_only else []),
+    )
+    assert (result["shape"], result["device"], result["adapter_only"]) == ("small", "cpu", adapter_only)
+    for key in ("adapter_s", "adapter_s_rank1", "adapter_ready_s", "adapter_load_s", "adapter_answer_only_s"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    # 2 layers x 7 linears at hidden 128, MLP 512, 2 of 4 heads for k/v (64 wide): bf16 factors plus a header
+    payload = 2 * 8 * 2 * ((128 + 128) * 2 + (128 + 64) * 2 + (128 + 512) * 3)
+    assert payload < result["adapter_bytes"] < payload + 32 * 1024
+    assert ("speedup" in result) != adapter_only
+    if not adapter_only:
+        assert result["merged_s"] > 0 and result["speedup"] > 0
+
+
 def test_update_memory_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -> None:
     """All three ways out of the model train the same adapter (the script checks and exits otherwise)."""
     result = run_benchmark(
