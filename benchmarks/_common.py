@@ -83,3 +83,41 @@ def shape_sites(shape: str) -> dict[str, Any]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape_config(shape))
     return discover_sites(model)
+
+
+def add_device(ap: Any) -> None:
+    """The benchmarks' one device switch, `--device` (cpu by default): where the base, the engine's slots and the
+    trainer run. Check it with `checked_device` right after parsing."""
+    ap.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N: where the base, the engine and the trainer run"
+    )
+
+
+def checked_device(ap: Any, device: str) -> str:
+    """`device` when it is cpu, cuda or cuda:N and visible here; otherwise the parser's error naming it (exit 2),
+    before any work."""
+    from mint_core.engine.device import DeviceError, check_device  # deferred: torch
+
+    try:
+        check_device(device, "--device")
+    except DeviceError as e:
+        ap.error(str(e))
+    return device
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so a wall-clock timing covers it (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def synced(fn: Callable[[], Any], device: str) -> Callable[[], None]:
+    """`fn`, then a wait for `device` (see `synchronize`): what `interleaved` times on a GPU."""
+
+    def run() -> None:
+        fn()
+        synchronize(device)
+
+    return run

@@ -3,7 +3,8 @@
 
 Layout: the trainer's own banks (`_SlotBank`, A [slots, r, in], B [slots, r, out]) for the LoRA sites of a
 Qwen2-0.5B-shaped base (24 layers x q/k/v/o/gate/up/down, hidden 896, intermediate 4864, 2 KV heads of 64) or
-of the built-in base, `--policies` policies at rank `--rank` in `--rank`-wide slots, on the CPU. Each timed
+of the built-in base, `--policies` policies at rank `--rank` in `--rank`-wide slots, on `--device` (cpu by
+default; on CUDA each timing waits for the device). Each timed
 step is one AdamW step of every policy from gradients already in the banks (per-policy clipping on, as in
 the trainer's default GRPOConfig), with both implementations run round-robin (`interleaved`) so drift in
 machine speed hits both alike.
@@ -13,6 +14,7 @@ torch_adamw_ms / foreach_ms (below 1: torch's is faster), `max_abs_diff` between
 steps from the same start (they compute the same update up to float rounding).
 
     python benchmarks/adamw_slots.py [--layout qwen2-0.5b|builtin] [--policies 4] [--rank 8] [--rounds 15]
+                                     [--device cpu]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, report
+from _common import add_device, checked_device, interleaved, report, synced
 
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -111,16 +113,19 @@ class ForeachAdamW:
         torch._foreach_addcdiv_(params, m_hat, denom, [-lr for lr in lrs])
 
 
-def setup(sites: list[Site], n: int, rank: int) -> tuple[dict[str, _SlotBank], list[PolicyState], GRPOConfig]:
-    """Banks with random A/B in every policy's slot and a fixed random gradient in the banks."""
+def setup(
+    sites: list[Site], n: int, rank: int, device: str = "cpu"
+) -> tuple[dict[str, _SlotBank], list[PolicyState], GRPOConfig]:
+    """Banks on `device` with random A/B in every policy's slot and a fixed random gradient in the banks (drawn
+    on the CPU: the same numbers on every device)."""
     g = torch.Generator().manual_seed(0)
-    banks = {s.name: _SlotBank(s, n, rank, torch.float32, torch.device("cpu")) for s in sites}
+    banks = {s.name: _SlotBank(s, n, rank, torch.float32, torch.device(device)) for s in sites}
     for bank in banks.values():
         with torch.no_grad():
-            bank.A.normal_(0, 0.02, generator=g)
-            bank.B.normal_(0, 0.02, generator=g)
-        bank.A.grad = torch.randn(bank.A.shape, generator=g) * 1e-3
-        bank.B.grad = torch.randn(bank.B.shape, generator=g) * 1e-3
+            bank.A.copy_(torch.empty(bank.A.shape).normal_(0, 0.02, generator=g))
+            bank.B.copy_(torch.empty(bank.B.shape).normal_(0, 0.02, generator=g))
+        bank.A.grad = (torch.randn(bank.A.shape, generator=g) * 1e-3).to(device)
+        bank.B.grad = (torch.randn(bank.B.shape, generator=g) * 1e-3).to(device)
     policies = [
         PolicyState(PolicySpec(name=f"p{i}", task="add", rank=rank, alpha=2 * rank), i, list(banks))
         for i in range(n)
@@ -135,13 +140,15 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    add_device(ap)
     args = ap.parse_args()
+    device = checked_device(ap, args.device)
     torch.set_num_threads(args.threads)
     sites = qwen2_05b_sites() if args.layout == "qwen2-0.5b" else builtin_sites()
 
     # the same update: three steps of each from the same start end at the same weights, up to rounding
-    banks_t, pols_t, cfg = setup(sites, args.policies, args.rank)
-    banks_f, pols_f, _ = setup(sites, args.policies, args.rank)
+    banks_t, pols_t, cfg = setup(sites, args.policies, args.rank, device)
+    banks_f, pols_f, _ = setup(sites, args.policies, args.rank, device)
     torch_adamw, foreach = SlotAdamW(banks_t, pols_t, cfg), ForeachAdamW(banks_f, pols_f, cfg)
     for _ in range(3):
         torch_adamw.step(pols_t)
@@ -151,7 +158,11 @@ def main() -> None:
         for s in banks_t
     )
     times = interleaved(
-        {"torch_adamw": lambda: torch_adamw.step(pols_t), "foreach": foreach.step}, rounds=args.rounds
+        {
+            "torch_adamw": synced(lambda: torch_adamw.step(pols_t), device),
+            "foreach": synced(foreach.step, device),
+        },
+        rounds=args.rounds,
     )
     floats = sum(b.A[0].numel() + b.B[0].numel() for b in banks_t.values()) * args.policies
     report(
@@ -162,6 +173,7 @@ def main() -> None:
             "policies": args.policies,
             "rank": args.rank,
             "threads": args.threads,
+            "device": device,
             "trainable_params": floats,
             "torch_adamw_ms": round(1000 * times["torch_adamw"], 2),
             "foreach_ms": round(1000 * times["foreach"], 2),

@@ -13,7 +13,10 @@ with that version's digest. Nothing but the webhook moves serving here (no recon
 Figures: p50_s, p95_s, max_s over the moves (the issue's target: p95 <= 3 s), moves, timeouts (moves not served
 within `--timeout` s), seconds (each move), and the receiver's own reconcile time from its log when present.
 
-    python benchmarks/alias_to_serving.py [--moves 20] [--versions 3] [--state-dir DIR]
+`--device` (cpu by default) is that of the `mint serve` this benchmark starts (with `--state-dir`, services
+already running there keep theirs).
+
+    python benchmarks/alias_to_serving.py [--moves 20] [--versions 3] [--state-dir DIR] [--device cpu]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import httpx
 from mlflow import MlflowClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report
+from _common import add_device, checked_device, report
 
 from mint_app.services import ServicesConfig, hooks_workspace, start, stop
 from mint_core.engine.base import build_tiny_base
@@ -64,7 +67,9 @@ def main() -> None:
     ap.add_argument("--poll-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds one move may take to be served")
     ap.add_argument("--state-dir", type=Path, default=None, help="use (or start) the services of this dir")
+    add_device(ap)
     args = ap.parse_args()
+    checked_device(ap, args.device)
     logging.basicConfig(level=logging.WARNING)
 
     tmp = Path(tempfile.mkdtemp(prefix="mint-alias-bench-"))
@@ -78,6 +83,7 @@ def main() -> None:
             "hooks_port": free_port() if own else 8001,
             "serve_base": "tiny-dense",
             "serve_adapter_root": tmp / "store" if own else None,
+            "serve_device": args.device,
             "stop_timeout": 10,
         }
     )
@@ -129,6 +135,7 @@ def main() -> None:
     report(
         {
             "benchmark": "alias_to_serving",
+            "device": args.device,
             "moves": len(seconds),
             "versions": args.versions,
             "p50_s": round(statistics.median(seconds), 3),

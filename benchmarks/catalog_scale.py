@@ -24,7 +24,10 @@ cold_load_p50_ms, cold_load_p99_ms (`--cold` single cold loads of non-resident a
 resolve + read + check + add + into a device slot), zipf_rps,
 resident_rps, zipf_vs_resident, zipf_hit_rate, disk_bytes (packs + catalog), peak_rss_bytes.
 
-    python benchmarks/catalog_scale.py --adapters 1000000 [--out DIR]
+    python benchmarks/catalog_scale.py --adapters 1000000 [--out DIR] [--device cpu]
+
+`--device` (cpu by default) is where the base and the engine's slots are: on cuda a load's last step, into a
+slot, is a host-to-GPU copy.
 
 `--out DIR` keeps the packs and the catalog; a later run with `--reuse` over the same N starts from them (no
 build; `register_s` and `build_s` are then null), and `--no-sweep` leaves the sweep out (its keys null), for
@@ -49,7 +52,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import peak_rss_bytes, report
+from _common import add_device, checked_device, peak_rss_bytes, report
 
 from mint_core.data.tasks import split
 from mint_core.engine.base import build_tiny_base, load_base
@@ -80,14 +83,15 @@ def zipf_indices(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
     return np.searchsorted(cdf, rng.random(size))
 
 
-def load_builtin(notes: list[str]):  # type: ignore[no-untyped-def]
+def load_builtin(notes: list[str], device: str = "cpu"):  # type: ignore[no-untyped-def]
     path = Path("data/base")
     if (path / "config.json").is_file():
-        return load_base(path)
+        return load_base(path, device=device)
     notes.append("data/base not built (run `dvc repro`): a random base of the built-in base's shape")
     return build_tiny_base(
         "dense",
         tokenizer=byte_tokenizer(),
+        device=device,
         hidden_size=128,
         num_hidden_layers=4,
         num_attention_heads=4,
@@ -225,7 +229,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep --out afterwards")
     ap.add_argument("--reuse", action="store_true", help="start from the packs and catalog in --out")
     ap.add_argument("--no-sweep", action="store_true", help="leave the sweep out")
+    add_device(ap)
     args = ap.parse_args()
+    device = checked_device(ap, args.device)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     notes: list[str] = []
@@ -233,7 +239,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     n = args.adapters
     try:
-        base = load_builtin(notes)
+        base = load_builtin(notes, device)
         config = EngineConfig(
             max_loras=args.slots, max_cpu_loras=args.host_cache, max_lora_rank=8, target_modules=list(TARGETS)
         )
@@ -321,6 +327,7 @@ def main() -> None:
                 "threads": args.threads,
                 "cpus": os.cpu_count(),
                 "notes": notes,
+                "device": device,
             }
         )
     finally:

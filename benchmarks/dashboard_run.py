@@ -8,7 +8,10 @@ Completed, the states in between (Scheduled -> Pending: the worker's poll; Pendi
 process start and imports; Running -> Completed: the flow), the in-process wall time of the same wave, and
 Prefect's overhead (the difference). Last line: one JSON object.
 
-    .venv/bin/python benchmarks/dashboard_run.py [--rounds 2] [--steps 2]
+`--device` (cpu by default): where `mint serve` holds the base and where the waves train (the deployments'
+workspace and the in-process run's alike).
+
+    .venv/bin/python benchmarks/dashboard_run.py [--rounds 2] [--steps 2] [--device cpu]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ os.chdir(ROOT)  # flow runs start in the repository (the deployments' pull step)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _common import report  # noqa: E402
+from _common import add_device, checked_device, report  # noqa: E402
 
 
 def free_port() -> int:
@@ -46,7 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
+    add_device(ap)
     args = ap.parse_args()
+    checked_device(ap, args.device)
 
     from mint_app.services import ServicesConfig, start, stop
 
@@ -66,6 +71,7 @@ def main() -> None:
             "worker_port": free_port(),
             "serve_base": "tiny-dense",
             "serve_adapter_root": tmp / "store",
+            "serve_device": args.device,
             "deployments": tmp / "prefect.yaml",
         }
     )
@@ -99,6 +105,7 @@ def main() -> None:
         "policies": 1,
         "steps": args.steps,
         "rounds": args.rounds,
+        "device": args.device,
         "services_startup_s": round(startup_s, 1),
         "worker": worker_detail,
         "created_to_completed_s": round(statistics.median(dash), 2),

@@ -14,7 +14,9 @@ that store. Then:
   agree                     every policy's scores and per-sample answers on [its suite, guard] are the same by
                             both paths (and the timed revision's on all suites)
 
-    python benchmarks/eval_revision.py [--base data/base] [--steps 30] [--limit N] [--threads 1]
+`--device` (cpu by default) puts the training, the server's base and the in-process evaluation's model there.
+
+    python benchmarks/eval_revision.py [--base data/base] [--steps 30] [--limit N] [--threads 1] [--device cpu]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import report
+from _common import add_device, checked_device, report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +48,8 @@ def train_policies(
     from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
     engine = Engine(
-        load_base(base_dir), EngineConfig(max_loras=len(tasks), max_lora_rank=args.rank, max_model_len=128)
+        load_base(base_dir, device=args.device),
+        EngineConfig(max_loras=len(tasks), max_lora_rank=args.rank, max_model_len=128),
     )
     specs = [PolicySpec(name=t, task=t, rank=args.rank, alpha=2 * args.rank) for t in tasks]
     cfg = GRPOConfig(group_size=args.group, learning_rate=args.lr, max_new_tokens=12)
@@ -78,7 +81,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed runs per path")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
+    add_device(ap)
     args = ap.parse_args()
+    checked_device(ap, args.device)
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("lm_eval", "lm-eval", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -132,6 +137,8 @@ def main() -> None:
             str(base_dir),
             "--max-loras",
             str(len(tasks) + 1),
+            "--device",
+            args.device,
             env={"MINT_SERVE_TORCH_THREADS": str(args.threads), "MINT_SERVE_LOG_LEVEL": "warning"},
         )
 
@@ -148,7 +155,8 @@ def main() -> None:
 
         def local(adapter: str | None, suites: list[str] | None) -> EvalResult:
             return evaluate_in_process(
-                LocalModel(base=base_dir, adapter=store / adapter if adapter else None), cfg(suites)
+                LocalModel(base=base_dir, adapter=store / adapter if adapter else None, device=args.device),
+                cfg(suites),
             )
 
         # timing: one revision on every suite by each path (one warm-up each, then interleaved rounds)
@@ -200,6 +208,7 @@ def main() -> None:
             "train_s": round(timing["train_s"], 1),
             "limit": args.limit,
             "threads": args.threads,
+            "device": args.device,
             "tasks": {
                 t: {k: {m: round(x, 4) for m, x in v[k].items()} for k in ("base", "policy")}
                 for t, v in per_task.items()

@@ -1,6 +1,7 @@
 """One GRPO step in mint vs TRL's GRPOTrainer with PEFT: same model, same batch, same run.
 
-Model: the 6-layer, 256-wide Llama of mixed_adapter_decode.py (random weights, float32, CPU, sdpa) with the
+Model: the 6-layer, 256-wide Llama of mixed_adapter_decode.py (random weights, float32, sdpa; on `--device`, cpu
+by default: on cuda both sides run on the GPU, TRL where accelerate puts it, hence cuda and not cuda:N) with the
 byte tokenizer's 259-token vocabulary; both sides get their own copy built from the same seed. Policy: LoRA rank 8,
 alpha 16, on q,k,v,o (no dropout). Batch: 4 prompts of the "add" task x group 8 = 32 completions of at most 8
 new tokens, temperature 1, no top-k/top-p. Reward: mint_core.rl.rewards `char_overlap` on both sides.
@@ -30,7 +31,7 @@ Keys: `speedup` = TRL s/step / mint s/step, wall clock (target >= 2), `mint_step
 `cpu_speedup` and `*_step_cpu_s` the same in CPU time, and the mean
 completion length of each over all steps (tokens per row, EOS included) to show both generated as much.
 
-    python benchmarks/grpo_vs_trl.py [--steps 8] [--warmup 2] [--threads 1]
+    python benchmarks/grpo_vs_trl.py [--steps 8] [--warmup 2] [--threads 1] [--device cpu]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from transformers import LlamaForCausalLM, PrinterCallback, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mixed_adapter_decode
-from _common import report
+from _common import add_device, checked_device, report, synchronize
 from mixed_adapter_decode import TARGETS
 
 from mint_core.data.tasks import split
@@ -85,7 +86,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=MintGRPOConfig().learning_rate)
     ap.add_argument("--threads", type=int, default=1)
+    add_device(ap)
     args = ap.parse_args()
+    device = checked_device(ap, args.device)
+    if device not in ("cpu", "cuda"):
+        ap.error(
+            f"--device {device}: TRL runs on accelerate's GPU; choose it with CUDA_VISIBLE_DEVICES and --device cuda"
+        )
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     import trl
@@ -103,7 +110,7 @@ def main() -> None:
 
     # ---- mint: one policy of the multi-policy trainer over its engine
     engine = Engine(
-        from_model(build_model(0, tok), tok, "bench-llama"),
+        from_model(build_model(0, tok).to(device), tok, "bench-llama"),
         EngineConfig(max_loras=1, max_lora_rank=8, target_modules=TARGETS, max_model_len=256),
     )
     mint_cfg = MintGRPOConfig(
@@ -121,6 +128,7 @@ def main() -> None:
     def mint_step(i: int) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
         stats = mint.step({"policy": examples[i * args.prompts : (i + 1) * args.prompts]})
+        synchronize(device)
         mint_times.append(time.perf_counter() - t0)
         mint_cpu.append(time.process_time() - c0)
         mint_tokens.append(stats.extra["policy"]["n_tokens"] / (args.prompts * args.group))
@@ -159,7 +167,7 @@ def main() -> None:
         num_iterations=1,
         shuffle_dataset=False,
         gradient_checkpointing=False,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         bf16=False,
         fp16=False,
         logging_strategy="no",
@@ -184,12 +192,14 @@ def main() -> None:
             self.mean_length = float("nan")
 
         def on_step_begin(self, *a: Any, **k: Any) -> None:
+            synchronize(device)
             self.begin, self.begin_cpu = time.perf_counter(), time.process_time()
             if self.after is not None:
                 self.gap_s.append(self.begin - self.after[0])
                 self.gap_cpu.append(self.begin_cpu - self.after[1])
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
+            synchronize(device)
             self.step_s.append(time.perf_counter() - self.begin)
             self.step_cpu.append(time.process_time() - self.begin_cpu)
             mint_step(len(self.step_s) - 1)
@@ -244,6 +254,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "steps": args.steps,
             "trl_version": trl.__version__,
+            "device": device,
         }
     )
 

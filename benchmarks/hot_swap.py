@@ -24,7 +24,7 @@ Targets: failed = 0, wrong_revision = 0 (and stale = 0).
 The server gets `--server-threads` torch threads (default 1; see serving_load.py). All traffic goes to the
 server this script started; every loop is bounded in count and in time.
 
-    python benchmarks/hot_swap.py [--swaps 100] [--clients 4] [--time-limit 120]
+    python benchmarks/hot_swap.py [--swaps 100] [--clients 4] [--time-limit 120] [--device cpu]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report
+from _common import add_device, checked_device, report
 from serving_load import ADMIN, TARGETS, Server, local_base, server_log
 
 from mint_core.lora.adapter import digest_dir, random_adapter, save_adapter
@@ -91,14 +91,18 @@ def ask(client: httpx.Client, stream: bool, max_tokens: int) -> tuple[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="tiny-dense", help="tiny-dense|tiny-moe|tiny-mla or a model directory")
+    ap.add_argument(
+        "--base", default="tiny-dense", help="tiny-dense|tiny-moe|tiny-mla|tiny-dsa or a model directory"
+    )
     ap.add_argument("--swaps", type=int, default=100)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--per-swap", type=int, default=2, help="answers sent after a swap before the next")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the server process")
     ap.add_argument("--time-limit", type=float, default=120.0, help="seconds for the swapping, at most")
+    add_device(ap)  # the server's
     args = ap.parse_args()
+    checked_device(ap, args.device)
 
     base, _ = local_base(args.base)
     store = Path(tempfile.mkdtemp(prefix="mint-hot-swap-"))
@@ -114,7 +118,7 @@ def main() -> None:
     server: Server | None = None
     t_start = time.perf_counter()
     try:
-        server = Server(store, args.base, 8, 64, args.server_threads)
+        server = Server(store, args.base, 8, 64, args.server_threads, args.device)
         url = server.url
         admin = httpx.Client(base_url=url, headers=ADMIN, timeout=60)
 
@@ -248,6 +252,7 @@ def main() -> None:
             "revisions_seen": len(seen),
             "clients": args.clients,
             "server_threads": args.server_threads,
+            "device": args.device,
         }
     )
 

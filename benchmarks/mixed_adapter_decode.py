@@ -1,6 +1,6 @@
 """Mixed-adapter decode throughput: 32 requests, each with its own rank-8 adapter on q,k,v,o.
 
-Model: a 6-layer, 256-wide Llama with random weights, float32 on CPU; vocab 4096 by default (`--vocab`: at
+Model: a 6-layer, 256-wide Llama with random weights, float32 on `--device` (cpu by default); vocab 4096 by default (`--vocab`: at
 Llama's 32000 the lm_head is most of every step for all three paths, which compresses every ratio).
 Each request: 32 prompt tokens, 32 new tokens (greedy, EOS ignored). Tokens/s of generated tokens for
   engine      the mint engine, every row with its own adapter (32 distinct slots in one batch)
@@ -10,6 +10,7 @@ Each request: 32 prompt tokens, 32 new tokens (greedy, EOS ignored). Tokens/s of
 and the ratios `vs_base` = engine/base, `vs_peft` = engine/peft. Targets: vs_base >= 0.8, vs_peft >= 4.
 
     python benchmarks/mixed_adapter_decode.py [--requests 32] [--repeats 5] [--vocab 4096] [--attn sdpa|eager]
+                                              [--device cpu]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, report
+from _common import add_device, checked_device, interleaved, report, synced
 
 from mint_core.engine.base import from_model
 from mint_core.engine.engine import Engine, EngineConfig, Request
@@ -63,12 +64,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
+    add_device(ap)
     args = ap.parse_args()
+    device = checked_device(ap, args.device)
     logging.basicConfig(level=logging.WARNING)
     n = args.requests
 
     engine = Engine(
-        from_model(build_model(0, args.vocab, args.attn), byte_tokenizer(), "bench-llama"),
+        from_model(build_model(0, args.vocab, args.attn).to(device), byte_tokenizer(), "bench-llama"),
         EngineConfig(max_loras=n, max_lora_rank=args.rank, target_modules=TARGETS, max_model_len=256),
     )
     tmp = Path(tempfile.mkdtemp(prefix="mint-bench-"))
@@ -93,8 +96,8 @@ def main() -> None:
     )
     for name in names[1:]:
         peft_model.load_adapter(tmp / name, adapter_name=name)
-    peft_model.eval()
-    ids = torch.tensor(prompts)
+    peft_model.to(device).eval()
+    ids = torch.tensor(prompts, device=device)
 
     def run_peft() -> None:
         with torch.no_grad():
@@ -120,10 +123,10 @@ def main() -> None:
 
     t = interleaved(
         {
-            "engine": lambda: run_engine(list(names)),
-            "base": lambda: run_engine([None] * n),
-            "peft": run_peft,
-            "hf_base": run_hf_base,
+            "engine": synced(lambda: run_engine(list(names)), device),
+            "base": synced(lambda: run_engine([None] * n), device),
+            "peft": synced(run_peft, device),
+            "hf_base": synced(run_hf_base, device),
         },
         rounds=args.repeats,
     )
@@ -160,6 +163,7 @@ def main() -> None:
             "peft_vs_own_base": round(tps["peft"] / tps["hf_base"], 3),
             "vocab": args.vocab,
             "peft_agree": agree,
+            "device": device,
         }
     )
 

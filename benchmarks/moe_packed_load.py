@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, report
+from _common import add_device, checked_device, interleaved, report
 
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.engine import Engine, EngineConfig
@@ -136,12 +136,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=50, help="host-memory timings per variant")
     ap.add_argument("--disk-rounds", type=int, default=15, help="store-to-servable timings per layout")
-    ap.add_argument(
-        "--device", default="cpu", help="where the slots live (the revision stays in host memory)"
-    )
+    add_device(ap)  # the base and the slots; the revision stays in host memory
     args = ap.parse_args()
+    device = torch.device(checked_device(ap, args.device))
     logging.basicConfig(level=logging.WARNING)
-    device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     base = build_tiny_base(
@@ -154,8 +152,8 @@ def main() -> None:
         num_hidden_layers=args.layers,
         num_attention_heads=4,
         head_dim=args.hidden // 4,
+        device=args.device,
     )
-    base.model.to(device)  # type: ignore[arg-type]
     engine = Engine(
         base, EngineConfig(max_loras=2, max_lora_rank=args.rank, target_modules=TARGETS, max_model_len=64)
     )

@@ -23,7 +23,9 @@ time, `peak_rss_ratio` = concurrent / sequential peak RSS (targets: speedup >= 2
 `micro_batched_*` the same for micro_batched; `*_setup_rss_bytes`: RSS before the first step (base, engine,
 libraries), the same in every mode.
 
-    python benchmarks/multi_policy_grpo.py [--base data/base] [--steps 8] [--threads 1] [--modes ...]
+On `--device cuda` each child holds its base on the GPU (the RSS figures stay the processes' host memory).
+
+    python benchmarks/multi_policy_grpo.py [--base data/base] [--steps 8] [--threads 1] [--modes ...] [--device cpu]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import peak_rss_bytes, report
+from _common import add_device, checked_device, peak_rss_bytes, report, synchronize
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sequential", "concurrent", "micro_batched")
@@ -59,9 +61,9 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     b = (
-        load_base(args.base)
+        load_base(args.base, device=args.device)
         if Path(args.base).is_dir()
-        else build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+        else build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer(), device=args.device)
     )
     n = args.policies
     engine = Engine(b, EngineConfig(max_loras=n, max_lora_rank=8, max_model_len=128))
@@ -90,6 +92,7 @@ def child(args: argparse.Namespace) -> None:
                     trainer.step({name: exs})
             else:
                 trainer.step(batch(step))
+            synchronize(args.device)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             print(json.dumps({"seconds": seconds, "cpu_seconds": cpu}), flush=True)
         else:
@@ -127,8 +130,10 @@ def main() -> None:
         help="micro_batched mode's rows (default: prompts x group)",
     )
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    add_device(ap)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    checked_device(ap, args.device)
     if args.micro_batch_rows is None:
         args.micro_batch_rows = args.prompts * args.group
     if args.child:
@@ -139,7 +144,17 @@ def main() -> None:
         ap.error(f"--modes must include sequential and name only {MODES}")
     if not Path(args.base).is_dir():
         print(f"note: {args.base} not found (run `dvc repro`); using a random tiny base", file=sys.stderr)
-    forwarded = ("base", "steps", "policies", "prompts", "group", "new_tokens", "threads", "micro_batch_rows")
+    forwarded = (
+        "base",
+        "steps",
+        "policies",
+        "prompts",
+        "group",
+        "new_tokens",
+        "threads",
+        "micro_batch_rows",
+        "device",
+    )
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in forwarded]
     procs: dict[str, subprocess.Popen] = {}
     with contextlib.ExitStack() as stack:
@@ -193,6 +208,7 @@ def main() -> None:
         "micro_batch_rows": args.micro_batch_rows,
         "threads": args.threads,
         "base": args.base,
+        "device": args.device,
     }
     for m, prefix in (("concurrent", ""), ("micro_batched", "micro_batched_")):
         if m in modes:

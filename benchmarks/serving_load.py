@@ -22,7 +22,7 @@ The server gets `--server-threads` torch threads (default 1): the load generator
 torch's OpenMP workers, preempted by it mid-step, stall decode steps when they oversubscribe the cores. All
 traffic goes to the server this script started; every loop is bounded in count and in time.
 
-    python benchmarks/serving_load.py [--base tiny-dense|DIR] [--waves 3] [--server-threads 1]
+    python benchmarks/serving_load.py [--base tiny-dense|DIR] [--waves 3] [--server-threads 1] [--device cpu]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
-from _common import report
+from _common import add_device, checked_device, report
 
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -58,13 +58,17 @@ ADMIN = {"Authorization": "Bearer admin-secret"}  # the token tests.integration.
 class Server:
     """A `mint serve` subprocess on loopback (its log goes to a file; see `tail`)."""
 
-    def __init__(self, store: Path, base: str, max_loras: int, max_num_seqs: int, threads: int):
+    def __init__(
+        self, store: Path, base: str, max_loras: int, max_num_seqs: int, threads: int, device: str = "cpu"
+    ):
         env = {
             "OMP_NUM_THREADS": str(threads),
             "MINT_SERVE_MAX_NUM_SEQS": str(max_num_seqs),
             "MINT_SERVE_LOG_LEVEL": "warning",
         }
-        self.proc, self.url = start_server(store, "--base", base, "--max-loras", str(max_loras), env=env)
+        self.proc, self.url = start_server(
+            store, "--base", base, "--max-loras", str(max_loras), "--device", device, env=env
+        )
 
     def stop(self) -> int:
         return stop_server(self.proc)
@@ -244,7 +248,9 @@ async def bench(args: argparse.Namespace, url: str, adapters: list[str], base_na
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="tiny-dense", help="tiny-dense|tiny-moe|tiny-mla or a model directory")
+    ap.add_argument(
+        "--base", default="tiny-dense", help="tiny-dense|tiny-moe|tiny-mla|tiny-dsa or a model directory"
+    )
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight in one wave")
@@ -253,7 +259,9 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=3, help="timed waves of each kind")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of the server process")
     ap.add_argument("--time-limit", type=float, default=150.0, help="seconds for the timed waves, at most")
+    add_device(ap)  # the server's
     args = ap.parse_args()
+    checked_device(ap, args.device)
 
     base, base_name = local_base(args.base)
     store = Path(tempfile.mkdtemp(prefix="mint-serving-load-"))
@@ -262,7 +270,7 @@ def main() -> None:
     try:
         adapters = write_adapters(base, store, args.adapters, args.rank)
         del base
-        server = Server(store, args.base, args.adapters, args.concurrency, args.server_threads)
+        server = Server(store, args.base, args.adapters, args.concurrency, args.server_threads, args.device)
         print(f"server up at {server.url} in {time.perf_counter() - t0:.1f} s", flush=True)
         res = asyncio.run(bench(args, server.url, adapters, base_name))
     except BaseException:
@@ -307,6 +315,7 @@ def main() -> None:
             "requests": a["requests"] + b["requests"],
             "timed_waves": res["timed_waves"],
             "server_threads": args.server_threads,
+            "device": args.device,
         }
     )
 

@@ -1,6 +1,6 @@
 """Memory of one GRPO update at a real vocabulary size: mint's selective log-softmax vs full-vocabulary logprobs.
 
-Setup: the benchmarks' 6-layer, 256-wide Llama (float32, CPU, sdpa) with Qwen2's 151,936-token vocabulary, one
+Setup: the benchmarks' 6-layer, 256-wide Llama (float32, sdpa, on `--device`: cpu by default) with Qwen2's 151,936-token vocabulary, one
 policy (rank 8 on q,k,v,o), one update over 4 prompts x group 8 with 64-token completions (random tokens: the
 update's cost does not depend on what the tokens say), the trainer's packed path (each prompt once per group).
 
@@ -21,7 +21,10 @@ an update, `speedup` = plain / mint update time, `logits_bytes_plain` the size o
 tensor, for scale, `mint_output` the way mint's update went ("hidden": fused; below the trainer's
 `fused_head_min_bytes` (512 MiB) of logits it makes them once, "logits", which is faster).
 
-    python benchmarks/update_memory.py [--vocab 151936] [--new-tokens 64] [--steps 3]
+On `--device cuda` the peaks are the GPU's allocated bytes (`torch.cuda.max_memory_allocated`) above what the
+setup allocated, instead of the process's RSS (`memory` says which).
+
+    python benchmarks/update_memory.py [--vocab 151936] [--new-tokens 64] [--steps 3] [--device cpu]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import peak_rss_bytes, report
+from _common import add_device, checked_device, peak_rss_bytes, report, synchronize
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 VARIANTS = ("mint", "logits", "plain")
@@ -58,6 +61,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     tok = byte_tokenizer()
     model = build_model(0, args.vocab, "sdpa", pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model.to(args.device)
     engine = Engine(
         from_model(model, tok, "bench-llama-big-vocab"),
         EngineConfig(max_loras=1, max_lora_rank=8, target_modules=TARGETS, max_model_len=256),
@@ -103,18 +107,25 @@ def child(args: argparse.Namespace) -> None:
                 )
         return out
 
-    setup = peak_rss_bytes()
+    # on a GPU the figure is the device's allocated memory (its high-water mark from here), else the process's RSS
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize(args.device)
+        torch.cuda.reset_peak_memory_stats(args.device)
+    setup = torch.cuda.memory_allocated(args.device) if cuda else peak_rss_bytes()
     times = []
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         trainer.update(rows(step))
+        synchronize(args.device)
         times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(args.device) if cuda else peak_rss_bytes()
     A, B = trainer.weights("policy").tensors["model.layers.0.self_attn.q_proj"]
     print(
         json.dumps(
             {
                 "setup": setup,
-                "peak": peak_rss_bytes(),
+                "peak": peak,
                 "update_s": statistics.median(times[1:]),
                 "output": trainer.last_output,
                 "check": [float(A.double().sum()), float(B.double().sum())],
@@ -137,8 +148,10 @@ def main() -> None:
         default=None,
         help="mint fuses the head from this many bytes of logits (default: the trainer's, 512 MiB)",
     )
+    add_device(ap)
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    checked_device(ap, args.device)
     if args.child:
         child(args)
         return
@@ -151,7 +164,7 @@ def main() -> None:
             v,
             *(
                 f"--{k}={getattr(args, k.replace('-', '_'))}"
-                for k in ("vocab", "prompts", "group", "new-tokens", "steps", "threads")
+                for k in ("vocab", "prompts", "group", "new-tokens", "steps", "threads", "device")
             ),
             *(
                 []
@@ -189,6 +202,8 @@ def main() -> None:
             "logits_bytes_plain": positions * args.vocab * 4,
             "vocab": args.vocab,
             "mint_output": out["mint"]["output"],
+            "device": args.device,
+            "memory": "cuda_allocated" if args.device.startswith("cuda") else "rss",
         }
     )
 
