@@ -547,6 +547,12 @@ def run_cmd(
     mlflow_port: Annotated[int | None, typer.Option(help="\\[default: 5000]")] = None,
     prefect_port: Annotated[int | None, typer.Option(help="\\[default: 4200]")] = None,
     serve_port: Annotated[int | None, typer.Option(help="\\[default: 8000]")] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            help="cpu, cuda or cuda:N: where the waves train and mint serve serves \\[default: cpu]."
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="YAML/JSON of MainJobConfig fields; then MINT_RUN_<FIELD> variables, then flags."),
@@ -570,10 +576,12 @@ def run_cmd(
             mlflow_port=mlflow_port,
             prefect_port=prefect_port,
             serve_port=serve_port,
+            device=device,
             build=None if build else False,  # --no-build wins; the default leaves the file's value
         )
     except ValueError as e:  # pydantic's ValidationError included
         raise typer.BadParameter(str(e)) from None
+    _check_device(cfg.device, "--device" if device is not None else "device")  # before anything starts
     try:
         run_main_job(cfg, console)
     except MainJobError as e:

@@ -98,3 +98,21 @@ def test_base_slots_and_forward_follow_the_device(device: str, make_engine) -> N
     assert engine.logits(torch.tensor([[1, 2, 3]]), [None]).device.type == device
     # the same seed is the same base on every device (weights drawn on the CPU)
     assert engine.base.fingerprint == make_engine("dense").base.fingerprint
+
+
+def test_mint_run_refuses_a_missing_device_from_its_flag_or_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ran: list[main_job.MainJobConfig] = []
+    monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: ran.append(cfg))
+    out = CliRunner().invoke(app, ["run", "--device", ABSENT])
+    assert out.exit_code == 2, out.output
+    assert f"--device {ABSENT}: {ABSENT_MESSAGE}" in " ".join(out.output.replace("│", " ").split())
+    monkeypatch.setenv("MINT_RUN_DEVICE", ABSENT)
+    out = CliRunner().invoke(app, ["run"])
+    assert out.exit_code == 2, out.output
+    assert f"device {ABSENT}: {ABSENT_MESSAGE}" in " ".join(out.output.replace("│", " ").split())
+    assert not ran  # refused before the job
+    out = CliRunner().invoke(app, ["run", "--device", "cpu", "--no-build"])
+    assert out.exit_code == 0, out.output
+    assert [cfg.device for cfg in ran] == ["cpu"]  # the flag wins over the environment
