@@ -123,17 +123,24 @@ def test_read_tensors_keep_the_file_dtype_and_view_one_buffer(make_engine, adapt
 def test_slot_write_from_the_host_cache_holds_the_revision(device):
     """prepare + write_prepared put the revision (B transposed, scale folded in) into the slot; on CUDA the host
     copy is pinned and the write does not block, and what the slot holds is the same."""
+    # out features a multiple of 64 (B transposed in blocks) and not (a plain transposed copy)
     sites = {
         "l0": Site("l0", in_features=24, out_features=40),
+        "l1": Site("l1", in_features=24, out_features=192),
         "e0": Site("e0.gate_up_proj", in_features=16, out_features=12, experts=3),
+        "e1": Site("e1.gate_up_proj", in_features=16, out_features=128, experts=3),
     }
     lora = slot_banks(sites.values(), num_slots=2, max_rank=8, dtype=torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(0)
     tensors = {
-        "l0": (torch.randn(4, 24, generator=g), torch.randn(40, 4, generator=g)),
-        "e0": (torch.randn(3, 4, 16, generator=g), torch.randn(3, 12, 4, generator=g)),
+        name: (
+            torch.randn(*lead, 4, site.in_features, generator=g),
+            torch.randn(*lead, site.out_features, 4, generator=g),
+        )
+        for name, site in sites.items()
+        for lead in [(site.experts,) if site.experts else ()]
     }
-    lora.banks = {"l0": lora.banks["l0"], "e0": lora.banks["e0.gate_up_proj"]}
+    lora.banks = {name: lora.banks[site.name] for name, site in sites.items()}
     prepared = lora.prepare(tensors, scale=0.5)
     for A_RI, B_RO in prepared.values():
         assert A_RI.device.type == "cpu" and A_RI.is_contiguous() and B_RO.is_contiguous()
