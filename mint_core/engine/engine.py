@@ -19,7 +19,7 @@ from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.layers import LoRAModel, inject
-from mint_core.lora.validate import BaseSpec, read_adapter
+from mint_core.lora.validate import BaseSpec, nonfinite_sites, read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class Engine:
             problems.append(
                 f"made for base {weights.base_fingerprint[:12]}, this engine's is {self.base.fingerprint[:12]}"
             )
+        fit = {}  # the sites whose tensors the engine would take: checked for NaN and inf below, all at once
         for site, (A, B) in weights.tensors.items():
             if site not in self.sites:
                 problems.append(f"target {site} is not a LoRA site of this engine")
@@ -149,8 +150,9 @@ class Engine:
                 problems.append(
                     f"target {site}: shapes A{tuple(A.shape)} B{tuple(B.shape)} do not fit the base at rank {weights.rank}"
                 )
-            elif not (torch.isfinite(A).all() and torch.isfinite(B).all()):
-                problems.append(f"target {site} has non-finite values")
+            else:
+                fit[site] = (A, B)
+        problems += [f"target {site} has non-finite values" for site in nonfinite_sites(fit)]
         if problems:
             raise AdapterError(name, None, problems)
         if (

@@ -196,6 +196,18 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
+def nonfinite_sites(tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """The sites of in-memory LoRA factors (a trainer's handoff) that hold NaN or inf: one max-abs pass over all
+    the tensors in a single call (`_foreach_norm` with ord inf, as `clip_grad_norm_` does; NaN propagates
+    through a max), and only if that finds one, a look at each site for the names."""
+    flat = [t.detach() for pair in tensors.values() for t in pair if t.numel()]
+    if not flat or bool(
+        torch.stack([n.float().cpu() for n in torch._foreach_norm(flat, math.inf)]).isfinite().all()
+    ):
+        return []
+    return [site for site, (A, B) in tensors.items() if not (_all_finite(A) and _all_finite(B))]
+
+
 def _nonfinite(data: memoryview, header: _Header, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Problems naming each tensor with NaN or inf. Checked over runs of adjacent tensors of one dtype at
     once (the whole data of a single-dtype file is one run), so a file of 500 tensors costs a few calls; a run

@@ -13,6 +13,7 @@ import torch
 from peft import PeftModel
 from safetensors import safe_open
 
+from mint_core.errors import AdapterError
 from mint_core.lora.adapter import (
     CONFIG_FILE,
     DTYPE_KEY,
@@ -153,3 +154,29 @@ def test_slot_write_from_the_host_cache_holds_the_revision(device):
         assert torch.equal(got_A.cpu(), A.to(torch.bfloat16))
         assert torch.allclose(got_B.cpu().float(), B.to(torch.bfloat16).float(), rtol=1e-2, atol=0)
         assert not bank.A[0].any() and not bank.B[0].any()  # the other slot untouched
+
+
+def test_in_memory_handoff_names_every_non_finite_site_and_changes_nothing(make_engine):
+    """Engine.add_adapter (a trainer's in-process handoff) checks all factors for NaN and inf in one pass, and on
+    a hit names each bad site, beside any other problem, before the working set changes."""
+    engine = make_engine("dense")
+    fp = engine.base.fingerprint
+    good = random_adapter(engine.sites, TARGETS["dense"], RANK, seed=1, base_fingerprint=fp)
+    good.dtype = torch.bfloat16
+    assert engine.add_adapter("good", good)
+    before = (engine.working_set.names(), engine.working_set.host_size())
+
+    bad = random_adapter(engine.sites, TARGETS["dense"], RANK, seed=2, base_fingerprint=fp)
+    sites = sorted(bad.tensors)
+    bad.tensors[sites[0]][0][1, 2] = float("nan")  # an A
+    bad.tensors[sites[5]][1][3, 0] = float("-inf")  # a B
+    A, B = bad.tensors[sites[9]]
+    bad.tensors[sites[9]] = (A[:, :-1], B)  # and a shape that does not fit
+    with pytest.raises(AdapterError) as info:
+        engine.add_adapter("bad", bad)
+    problems = info.value.problems
+    assert f"target {sites[0]} has non-finite values" in problems
+    assert f"target {sites[5]} has non-finite values" in problems
+    assert sum("non-finite" in p for p in problems) == 2
+    assert any(f"target {sites[9]}: shapes" in p for p in problems)
+    assert (engine.working_set.names(), engine.working_set.host_size()) == before
