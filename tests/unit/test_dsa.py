@@ -25,7 +25,7 @@ from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
-from tests.conftest import TARGETS, peft_loadable_sites
+from tests.conftest import DEVICES, TARGETS, peft_loadable_sites
 
 MLA_PROJECTIONS = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
 
@@ -82,8 +82,10 @@ def test_the_indexer_gets_no_gradient_so_a_lora_there_would_never_train():
     assert attn.q_b_proj.weight.grad is not None and attn.q_b_proj.weight.grad.abs().sum() > 0
 
 
-def test_a_training_step_changes_the_adapter_and_never_the_base(dsa_dir):
-    engine = Engine(load(dsa_dir), EngineConfig(max_loras=2, max_lora_rank=8))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_training_step_changes_the_adapter_and_never_the_base(dsa_dir, device):
+    engine = Engine(load(dsa_dir, device), EngineConfig(max_loras=2, max_lora_rank=8))
+    assert engine.base.device.type == device
     specs = [PolicySpec(name="p", task="add", rank=8, alpha=16, targets=TARGETS["dsa"])]
     trainer = MultiPolicyTrainer(engine, GRPOConfig(group_size=4, learning_rate=1e-2), specs, seed=0)
     base_before = {k: v.clone() for k, v in engine.base.model.state_dict().items() if not is_bank(k)}
