@@ -139,12 +139,11 @@ class _SlotBank(nn.Module):
         """A revision's factors in slot layout (A [.., r, in], B [.., r, out] with the scale folded in, the bank's
         dtype, contiguous, in host memory), so that putting it into a slot later is one plain copy per factor.
 
-        An A already in that form is kept as it is, not copied. For CUDA banks both are in pinned memory, so the
-        slot write can run without blocking the host (`write_prepared`)."""
+        Both are fresh tensors, so the host cache holds exactly its revision's bytes (an A kept as the view of a
+        file read that it often is would keep the whole read buffer alive with it). For CUDA banks both are in
+        pinned memory, so the slot write can run without blocking the host (`write_prepared`)."""
         pin = self.A.is_cuda
-        A = A.detach()
-        if pin or A.dtype != self.A.dtype or not A.is_contiguous() or A.device.type != "cpu":
-            A = torch.empty(A.shape, dtype=self.A.dtype, pin_memory=pin).copy_(A)
+        A = torch.empty(A.shape, dtype=self.A.dtype, pin_memory=pin).copy_(A.detach())
         B_RO = torch.empty((*B.shape[:-2], B.shape[-1], B.shape[-2]), dtype=self.B.dtype, pin_memory=pin)
         _transpose_into(B_RO, B.detach())
         if scale != 1.0:
