@@ -37,6 +37,7 @@ from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base
@@ -96,10 +97,10 @@ class Training(BaseModel):
 
     steps: int = Field(8, ge=1)
     """GRPO steps (k): rollout -> check -> update, for every policy at once (mint_core.rl.recipe)."""
-    prompts_per_step: int = Field(8, ge=1)
+    prompts_per_step: int = Field(BUILTIN_PROMPTS_PER_STEP, ge=1)
     """Prompts per policy per step (each sampled `grpo.group_size` times)."""
-    grpo: GRPOConfig = GRPOConfig(learning_rate=1e-3)
-    """Sampling, loss and optimiser settings."""
+    grpo: GRPOConfig = BUILTIN_RECIPE
+    """Sampling, loss and optimiser settings (default: what trains the built-in base, `rl.recipe.BUILTIN_RECIPE`)."""
     seed: int = 0
     """With the round, seeds the draw of the prompts, the adapters' initialisation and the rollouts
     (`mint_core.lifecycle.round_seed`): each round trains on new prompts and samples."""

@@ -293,14 +293,16 @@ def serve(
 def train(
     policies: Annotated[
         str, typer.Option(help="Comma-separated tasks, one policy per task (add,reverse,...).")
-    ] = "add,reverse,sort",
+    ] = "add,sort",
     base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
         "data/base"
     ),
-    steps: Annotated[int, typer.Option(min=1)] = 30,
-    prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 8,
+    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's (literals here: importing it would load torch)
+    steps: Annotated[int, typer.Option(min=1)] = 100,
+    prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 16,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="Learning rate (decays linearly to 0 over the run).")] = 1e-3,
+    temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")] = 0.7,
     rank: Annotated[int, typer.Option(min=1)] = 8,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
@@ -367,7 +369,12 @@ def train(
         ) from None
     specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
     trainer = load_trainer(
-        base, specs, GRPOConfig(group_size=group, learning_rate=lr), seed, deepspeed=deepspeed, device=device
+        base,
+        specs,
+        GRPOConfig(group_size=group, learning_rate=lr, lr_decay="linear", temperature=temperature),
+        seed,
+        deepspeed=deepspeed,
+        device=device,
     )
     lead = is_lead_process()  # the process that prints and exports (rank 0 under DeepSpeed)
     if not resume and checkpoints(ckpt_dir) and lead:
@@ -520,19 +527,19 @@ def demo(
 def run_cmd(
     policies: Annotated[
         str | None,
-        typer.Option(help="Comma-separated tasks, one policy per task \\[default: add,sort,reverse]."),
+        typer.Option(help="Comma-separated tasks, one policy per task \\[default: add,sort]."),
     ] = None,
     steps: Annotated[
-        int | None, typer.Option(min=1, help="GRPO steps of the wave from the champions \\[default: 25].")
+        int | None, typer.Option(min=1, help="GRPO steps of the wave from the champions \\[default: 40].")
     ] = None,
     first_steps: Annotated[
         int | None,
         typer.Option(
-            min=1, help="GRPO steps of the first wave, for policies with no champion \\[default: 15]."
+            min=1, help="GRPO steps of the first wave, for policies with no champion \\[default: 100]."
         ),
     ] = None,
     eval_limit: Annotated[
-        int | None, typer.Option(min=20, help="Items per lm-eval task the gate reads \\[default: 100].")
+        int | None, typer.Option(min=20, help="Items per lm-eval task the gate reads \\[default: 200].")
     ] = None,
     state_dir: Annotated[
         Path | None,

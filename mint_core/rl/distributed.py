@@ -346,8 +346,11 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
             prompts = {p: examples[self.rank :: self.world] for p, examples in prompts.items()}
         return super().rollout(prompts)
 
-    def update(self, rows: list[RolloutRow]) -> StepStats:
-        """One forward/backward under the DeepSpeed engine, one optimizer step per policy with kept tokens."""
+    def update(self, rows: list[RolloutRow], lr_scale: float = 1.0) -> StepStats:
+        """One forward/backward under the DeepSpeed engine, one optimizer step per policy with kept tokens, at
+        `lr_scale` times each policy's learning rate."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group.setdefault("base_lr", group["lr"]) * lr_scale
         batch = self._batch(rows)
         ref = self._reference(batch)
         with torch.enable_grad(), self.engine._forward_lock:

@@ -7,6 +7,7 @@ advantages are treated as constants.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, get_args
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 
 AdvantageMode = Literal["std", "mean"]
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+LrDecay = Literal["none", "linear", "cosine"]
 _Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
@@ -49,6 +51,10 @@ class GRPOConfig(BaseModel):
     neither contribute nor dilute the token/row counts of the other groups (DAPO's dynamic sampling filter)."""
     learning_rate: float = Field(1e-4, gt=0.0)
     """AdamW step size for the LoRA parameters."""
+    lr_decay: LrDecay = "none"
+    """The learning rate over a run of known length (`rl.recipe.TrainingRun`): "none" keeps it; "linear" and
+    "cosine" take it from `learning_rate` at the first step towards 0 after the last (`lr_factor`), so the late
+    steps, which only add noise once the gain is in, move the adapter less."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
     max_grad_norm: float | None = Field(1.0, gt=0.0)
@@ -67,6 +73,20 @@ class GRPOConfig(BaseModel):
     """AdamW (beta1, beta2), each in [0, 1)."""
     adam_eps: float = Field(1e-8, gt=0.0)
     """AdamW denominator epsilon."""
+
+
+def lr_factor(decay: LrDecay, step: int, steps: int) -> float:
+    """The learning rate's multiplier at update `step` (0-based) of a run of `steps` updates: 1 for "none";
+    1 - step/steps for "linear"; (1 + cos(pi step/steps)) / 2 for "cosine". Never 0 within the run."""
+    if steps < 1 or not 0 <= step < steps:
+        raise ValueError(f"step {step} is outside a run of {steps} steps")
+    if decay == "none":
+        return 1.0
+    if decay == "linear":
+        return 1.0 - step / steps
+    if decay == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    raise ValueError(f"unknown lr_decay {decay!r}; known: {', '.join(get_args(LrDecay))}")
 
 
 def group_advantages(rewards_NG: Tensor, mode: AdvantageMode, eps: float = 1e-6) -> tuple[Tensor, Tensor]:

@@ -145,6 +145,7 @@ class SlotAdamW:
             self.views[p.spec.name] = views
             groups.append({"params": [A for A, _ in views.values()], "lr": lr})
             groups.append({"params": [B for _, B in views.values()], "lr": lr * p.scale})
+        self.base_lrs = [float(g["lr"]) for g in groups]  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(
             groups,
             lr=config.learning_rate,
@@ -155,11 +156,13 @@ class SlotAdamW:
         )
 
     @torch.no_grad()
-    def step(self, policies: Sequence[PolicyState]) -> dict[str, float]:
-        """One AdamW step of each of `policies` whose sites all have a gradient in the banks; the global norm of
-        each stepping policy's gradient, before clipping."""
+    def step(self, policies: Sequence[PolicyState], lr_scale: float = 1.0) -> dict[str, float]:
+        """One AdamW step of each of `policies` whose sites all have a gradient in the banks, at `lr_scale` times
+        each one's learning rate; the global norm of each stepping policy's gradient, before clipping."""
         stepping = [p for p in policies if all(self._has_grad(s) for s in p.sites)]
         norms: dict[str, float] = {}
+        for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = lr * lr_scale
         try:
             for p in stepping:
                 params = []
@@ -341,8 +344,9 @@ class MultiPolicyTrainer:
             greedy_in_group=cfg.greedy_in_group,
         )
 
-    def update(self, rows: list[RolloutRow]) -> StepStats:
-        """One GRPO update of every policy that has rows."""
+    def update(self, rows: list[RolloutRow], lr_scale: float = 1.0) -> StepStats:
+        """One GRPO update of every policy that has rows, at `lr_scale` times each one's learning rate (a run's
+        schedule: `grpo.lr_factor`)."""
         eng = self.engine
         batch = self._batch(rows)
         parts = self._parts(batch)
@@ -367,7 +371,7 @@ class MultiPolicyTrainer:
                 part_losses.append(losses)
                 part_extra.append(extra)
             losses, extra = _merge_parts(part_losses, part_extra)
-            norms = self.adamw.step([self.policies[name] for name in losses]) or {}
+            norms = self.adamw.step([self.policies[name] for name in losses], lr_scale) or {}
             for name, norm in norms.items():
                 extra[name]["grad_norm"] = norm
         finally:

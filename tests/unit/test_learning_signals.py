@@ -3,6 +3,7 @@ each round's own prompts and seed (issue #16's "learning you can see" and "every
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from mint_core.data.tasks import Example, split, write_jsonl
 from mint_core.engine.engine import Request
 from mint_core.engine.sampling import SamplingParams
 from mint_core.lifecycle import load_prompts, round_seed
-from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.recipe import STEP_METRICS, TrainingRun
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
@@ -98,3 +99,32 @@ def test_each_round_draws_its_own_prompts_and_seed(tmp_path: Path) -> None:
     assert round_seed(7, None) == 7
     with pytest.raises(Exception, match="needs 60"):
         load_prompts("add", 60, 0, tmp_path, "r1")
+
+
+def test_lr_factor_schedules() -> None:
+    assert [lr_factor("none", s, 4) for s in range(4)] == [1.0] * 4
+    assert [lr_factor("linear", s, 4) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    cos = [lr_factor("cosine", s, 4) for s in range(4)]
+    assert cos[0] == 1.0 and cos[2] == pytest.approx(0.5) and all(a > b > 0 for a, b in itertools.pairwise(cos))
+    with pytest.raises(ValueError, match="outside a run of 4 steps"):
+        lr_factor("linear", 4, 4)
+
+
+def test_a_decaying_run_steps_at_the_scheduled_rate(make_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    trainer = _trainer(make_engine, lr_decay="linear")
+    seen: list[float] = []
+    step = trainer.adamw.step
+
+    def recording(policies, lr_scale=1.0):  # type: ignore[no-untyped-def]
+        seen.append(lr_scale)
+        return step(policies, lr_scale)
+
+    trainer.adamw.step = recording  # type: ignore[method-assign]
+    run = TrainingRun.start(
+        trainer, {"adder": split("add", 8, 1, 0)[0]}, 4, 2, tmp_path / "c", checkpoint_every=0
+    )
+    for _ in range(4):
+        run.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0]]))
+    assert seen == [1.0, 0.75, 0.5, 0.25]
+    groups = trainer.adamw.optimizer.param_groups
+    assert [g["lr"] for g in groups] == pytest.approx([lr * 0.25 for lr in trainer.adamw.base_lrs])

@@ -100,10 +100,10 @@ def test_slot_adamw_is_torch_adamw_per_policy(make_engine):
     grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     original = trainer.adamw.step
 
-    def keep_grads(policies):  # type: ignore[no-untyped-def]
+    def keep_grads(policies, lr_scale=1.0):  # type: ignore[no-untyped-def]
         for s in p.sites:
             grads[s] = (banks[s].A.grad[p.slot].clone(), banks[s].B.grad[p.slot].clone())
-        original(policies)
+        return original(policies, lr_scale)
 
     trainer.adamw.step = keep_grads  # type: ignore[method-assign]
     trainer.update(rows)
