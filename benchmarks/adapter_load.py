@@ -13,14 +13,20 @@ Two setups:
 first (the first of each is a warm-up).
 
 One load, timed alone: from the revision's content address to a device slot, the steps of the server's load
-path: `AdapterStore.path` (`store`: the revision's directory), `read_adapter` (`read` the files, `validate`
-them, `digest` them: the split `read_adapter` reports in `AdapterWeights.load_s`), the digest compared with the
-content address (as `AdapterManager` checks a catalog load, so the bytes are hashed once, not once more by a
-verifying `AdapterStore.local_dir`),
-`WorkingSet.add` (`register`: the revision in slot layout in the host cache) and the first `WorkingSet.acquire`
-(`slot_write`). Then, untimed, the slot is released and the adapter unloaded. Ranks and target sets are
-interleaved round-robin. The files were just written, so they come from the page cache. With 30 repeats, p99
-is close to the slowest load.
+path, `Engine.read_adapter` then `WorkingSet.add` and the first `WorkingSet.acquire`:
+  store        `AdapterStore.path`: the revision's directory (the read verifies the digest against the content
+               address, as `AdapterManager` does for a catalog load, so the bytes are hashed once, not once more
+               by a verifying `AdapterStore.local_dir`)
+  read         the two files into memory
+  validate     config, header, finiteness, shapes
+  prepare      the tensors into slot layout for the host cache (while the digest is still being hashed)
+  digest_wait  the wait for the digest after that; `digest` is the time the hashing took on its own thread,
+               from the first piece read on, so it overlaps read, validate and prepare
+  register     `WorkingSet.add`
+  slot_write   the first `WorkingSet.acquire`: the copy into a slot
+(`read_adapter`'s split is its `AdapterWeights.load_s`.) Then, untimed, the slot is released and the adapter
+unloaded. Ranks and target sets are interleaved round-robin. The files were just written, so they come from the
+page cache. With 30 repeats, p99 is close to the slowest load.
 
 The floor, measured in the same run on the same bytes: what the issue budgets a load at, two passes over
 the weights file's bytes (its read from the page cache into memory, and one copy of that size) plus one
@@ -28,7 +34,7 @@ sha256 pass; `floor_ratio_r<r>` = load p50 / floor.
 
 Figures, per rank r and target set:
   load_p50_ms_r<r>, load_p99_ms_r<r>   store-to-servable latency
-  <step>_p50_ms_r<r>                   its steps: store, read, validate, digest, register, slot_write
+  <step>_p50_ms_r<r>                   its steps, as above
   floor_ms_r<r>, floor_ratio_r<r>      the floor above, and the load's p50 over it
   host_bytes_r<r>                      the revision in the host cache (its tensors at its own rank)
   disk_bytes_r<r>                      its two files in the store
@@ -69,7 +75,7 @@ from mint_core.registry.store import AdapterStore
 from mint_core.types import WEIGHTS_FILE, Site
 
 ALL_LINEAR = [*TARGETS, "gate_proj", "up_proj", "down_proj"]
-STEPS = ("store", "read", "validate", "digest", "register", "slot_write")
+STEPS = ("store", "read", "validate", "prepare", "digest_wait", "register", "slot_write", "digest")
 
 
 @dataclass
@@ -162,7 +168,7 @@ def measure(args: argparse.Namespace, ranks: list[int], store: AdapterStore) -> 
         t0 = time.perf_counter()
         path = Path(store.path(digest))  # the read below verifies the digest, as AdapterManager's does
         t1 = time.perf_counter()
-        weights = read_adapter(path, sink.spec, name=name)
+        weights = read_adapter(path, sink.spec, name=name, prepare=ws.lora.prepare)  # as Engine.read_adapter
         if weights.digest != digest:
             raise RuntimeError(f"{name}: read {weights.digest}, the store names {digest}")
         t2 = time.perf_counter()
@@ -173,7 +179,8 @@ def measure(args: argparse.Namespace, ranks: list[int], store: AdapterStore) -> 
         ws.release(slot)
         ws.remove(name)
         steps = {"total": t4 - t0, "store": t1 - t0, "register": t3 - t2, "slot_write": t4 - t3}
-        return steps | {k: weights.load_s.get(k, float("nan")) for k in ("read", "validate", "digest")}
+        read_steps = ("read", "validate", "prepare", "digest_wait", "digest")
+        return steps | {k: weights.load_s.get(k, 0.0) for k in read_steps}
 
     times: dict[tuple[str, int], list[dict[str, float]]] = {key: [] for key in digests}
     for i in range(args.repeats + 1):

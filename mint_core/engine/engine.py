@@ -118,7 +118,9 @@ class Engine:
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
         """Read the adapter at `path` and check it against this engine's base; one AdapterError naming `name`
         and every problem otherwise. Changes nothing."""
-        return read_adapter(path, self.spec, name=name, allowed_roots=self.config.allowed_roots)
+        return read_adapter(
+            path, self.spec, name=name, allowed_roots=self.config.allowed_roots, prepare=self.lora.prepare
+        )
 
     def load_adapter(self, name: str, path: str | Path, replace: bool = False) -> bool:
         """Validate the adapter at `path`, then register it as `name`. False if `name` already is that revision.

@@ -118,10 +118,9 @@ class WorkingSet:
                 return False
             rev = self._revs.get(weights.digest)
             if rev is None:
-                prepared = self.lora.prepare(weights.tensors, weights.scale)
-                rev = self._revs[weights.digest] = _Revision(weights.digest, prepared, source)
+                rev = self._revs[weights.digest] = _Revision(weights.digest, self._prepared(weights), source)
             elif rev.weights is None:
-                rev.weights = self.lora.prepare(weights.tensors, weights.scale)
+                rev.weights = self._prepared(weights)
             rev.names.add(name)
             self._touch_host(weights.digest)
             self._names[name] = weights.digest
@@ -129,6 +128,12 @@ class WorkingSet:
                 self._detach(name, current)
             self._shrink_host()
             return True
+
+    def _prepared(self, weights: AdapterWeights) -> Prepared:
+        """The revision in slot layout: as the read prepared it (`Engine.read_adapter`), or prepared now."""
+        if weights.prepared is not None:
+            return weights.prepared
+        return self.lora.prepare(weights.tensors, weights.scale)
 
     def remove(self, name: str) -> bool:
         """Forget `name`; its slot is freed now, or when the last request using it ends. False if unknown."""
@@ -286,7 +291,7 @@ class WorkingSet:
                 raise ValueError(
                     f"adapter {name!r} at {rev.source} changed on disk: digest {read.digest} != {digest}"
                 )
-            weights = rev.weights = self.lora.prepare(read.tensors, read.scale)
+            weights = rev.weights = self._prepared(read)
         self._touch_host(digest)
         # may drop this very revision again (when the rest of the cache cannot leave), so return the local
         self._shrink_host()

@@ -66,6 +66,11 @@ class AdapterWeights:
     """The dtype its files are written in: the base's, for a revision made over a base (a trainer's export casts
     its factors to it, so files and every copy of them are as small as the base's precision allows); None writes
     each tensor in its own dtype."""
+    prepared: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, compare=False, repr=False
+    )
+    """Its tensors already in an engine's slot layout (`LoRAModel.prepare`), when the read made them while the
+    digest was still being hashed; the working set then keeps these instead of preparing again."""
     load_s: dict[str, float] = field(default_factory=dict, compare=False)
     """Seconds its read from files spent per step (`read`, `validate`, `digest`); empty for weights made in
     memory. For profiles and the load benchmark."""

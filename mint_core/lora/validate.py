@@ -15,6 +15,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,13 +233,22 @@ def _nonfinite(data: memoryview, header: _Header, tensors: dict[str, torch.Tenso
     return problems
 
 
+Prepare = Callable[
+    [dict[str, tuple[torch.Tensor, torch.Tensor]], float], dict[str, tuple[torch.Tensor, torch.Tensor]]
+]
+
+
 def read_adapter(
     path: str | Path,
     spec: BaseSpec,
     name: str | None = None,
     allowed_roots: list[Path] | None = None,
+    prepare: Prepare | None = None,
 ) -> AdapterWeights:
-    """Read and validate one adapter directory; raise a single AdapterError listing every problem."""
+    """Read and validate one adapter directory; raise a single AdapterError listing every problem.
+
+    `prepare` (an engine's `LoRAModel.prepare`) is run on the tensors once they pass every check, while the
+    digest is still being hashed, into `AdapterWeights.prepared`."""
     path = Path(path)
     label = name or path.name
     problems: list[str] = []
@@ -291,7 +301,9 @@ def read_adapter(
         weights_bytes, hashing = _read_hashed(weights, config_bytes)
     read_s = time.perf_counter() - t0
     digest = None if hashing is None else hashing.finish()
-    out = validate_bytes(config_bytes, weights_bytes, spec, label, str(path), problems, digest=digest)
+    out = validate_bytes(
+        config_bytes, weights_bytes, spec, label, str(path), problems, digest=digest, prepare=prepare
+    )
     out.load_s["read"] = read_s
     if hashing is not None:
         out.load_s["digest"] = hashing.busy_s
@@ -361,6 +373,7 @@ def validate_bytes(
     where: str | None = None,
     problems: list[str] | None = None,
     digest: Digest | Future[Digest] | None = None,
+    prepare: Prepare | None = None,
 ) -> AdapterWeights:
     """Validate an adapter given as PEFT's two files' bytes (None: the file is missing, already reported in
     `problems`); raise a single AdapterError listing every problem.
@@ -425,19 +438,25 @@ def validate_bytes(
     assert config_bytes is not None and weights_bytes is not None
     t1 = time.perf_counter()
     load_s = {"validate": t1 - t0}
-    if isinstance(digest, Future):
-        digest = digest.result()
-        load_s["digest_wait"] = time.perf_counter() - t1
-    elif digest is None:
-        digest = digest_files(config_bytes, weights_bytes)
-        load_s["digest"] = time.perf_counter() - t1
-    return AdapterWeights(
+    out = AdapterWeights(
         rank=int(rank),  # type: ignore[arg-type]
         alpha=float(alpha),  # type: ignore[arg-type]
         tensors=tensors,
         base_fingerprint=spec.fingerprint,
         base_name=config.get("base_model_name_or_path"),
         use_rslora=bool(config.get("use_rslora", False)),
-        digest=digest,
         load_s=load_s,
     )
+    if prepare is not None:
+        out.prepared = prepare(out.tensors, out.scale)
+        load_s["prepare"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+    if isinstance(digest, Future):
+        out.digest = digest.result()
+        load_s["digest_wait"] = time.perf_counter() - t1
+    elif digest is None:
+        out.digest = digest_files(config_bytes, weights_bytes)
+        load_s["digest"] = time.perf_counter() - t1
+    else:
+        out.digest = digest
+    return out
