@@ -130,9 +130,13 @@ class WorkingSet:
             return True
 
     def _prepared(self, weights: AdapterWeights) -> Prepared:
-        """The revision in slot layout: as the read prepared it (`Engine.read_adapter`), or prepared now."""
-        if weights.prepared is not None:
-            return weights.prepared
+        """The revision in slot layout: as the read prepared it (`Engine.read_adapter`, for these banks), or
+        prepared now."""
+        banks, prepared = self.lora.banks, weights.prepared
+        if prepared is not None and all(
+            n in banks and A.dtype == banks[n].A.dtype for n, (A, _) in prepared.items()
+        ):
+            return prepared
         return self.lora.prepare(weights.tensors, weights.scale)
 
     def remove(self, name: str) -> bool:
