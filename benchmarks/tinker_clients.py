@@ -82,6 +82,25 @@ def start(
     raise RuntimeError("mint serve did not start")
 
 
+def builtin_shape(tmp: Path) -> str:
+    if (ROOT / "data" / "base" / "config.json").is_file():
+        return str(ROOT / "data" / "base")
+    import torch
+    import yaml
+    from transformers import LlamaForCausalLM
+
+    from mint_core.engine.pretrain import PretrainParams, model_config
+    from mint_core.engine.tokenizer import byte_tokenizer
+
+    params = PretrainParams(**yaml.safe_load((ROOT / "params.yaml").read_text())["base"])
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    out = tmp / "builtin-shape"
+    LlamaForCausalLM(model_config(params, tok)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
 def batch(seed: int, n: int, tokens: int, vocab: int) -> list[types.Datum]:
     rng = np.random.default_rng(seed)
     out = []
@@ -106,7 +125,12 @@ def sdk_step(tc: Any, data: list[types.Datum]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", default="tiny-dense", help="tiny-dense or a model directory (data/base)")
+    ap.add_argument(
+        "--base",
+        default="tiny-dense",
+        help="tiny-dense, a model directory, or builtin-shape: data/base if built, else a random Llama of its shape "
+        "(params.yaml base:), which costs the same per step",
+    )
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6, help="steps per client in each phase")
     ap.add_argument("--batch", type=int, default=4, help="data per forward_backward")
@@ -117,6 +141,8 @@ def main() -> None:
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-"))
+    if args.base == "builtin-shape":
+        args.base = builtin_shape(tmp)
     proc, url = start(args.base, args.window_ms, args.clients, args.torch_threads, tmp)
     try:
         service = [tinker.ServiceClient(base_url=url, api_key=KEY) for _ in range(args.clients)]

@@ -123,8 +123,9 @@ def test_losses_and_gradients_match_a_direct_computation_in_one_batched_step(
     data_a = [datum(6, 1, loss_fn), datum(3, 2, loss_fn)]
     data_b = [datum(9, 3, loss_fn)]
     before = len(svc.batches)
-    fa = svc.forward_backward(a, data_a, loss_fn, {}, False)
-    fb = svc.forward_backward(b, data_b, loss_fn, {}, False)
+    with svc._cv:  # the worker takes nothing until both calls are queued
+        fa = svc.forward_backward(a, data_a, loss_fn, {}, False)
+        fb = svc.forward_backward(b, data_b, loss_fn, {}, False)
     res_a, res_b = fa.result(30), fb.result(30)
     assert svc.batches[before:] == [2]  # both calls ran as one forward/backward
     banks = svc.engine.lora.banks
@@ -148,10 +149,11 @@ def test_each_models_calls_run_in_order_while_other_models_batch_with_them(svc: 
     a, b = new_model(svc, seed=1), new_model(svc, seed=2)
     data = [datum(8, 5)]
     before = len(svc.batches)
-    first = svc.forward_backward(a, data, "cross_entropy", {}, False)
-    other = svc.forward_backward(b, data, "cross_entropy", {}, False)
-    opt = svc.call(a, lambda: svc.optim_step(a, 0.005, 0.9, 0.95, 1e-8, 0.0, 0.0))
-    second = svc.forward_backward(a, data, "cross_entropy", {}, True)
+    with svc._cv:  # the worker takes nothing until all four calls are queued
+        first = svc.forward_backward(a, data, "cross_entropy", {}, False)
+        other = svc.forward_backward(b, data, "cross_entropy", {}, False)
+        opt = svc.call(a, lambda: svc.optim_step(a, 0.005, 0.9, 0.95, 1e-8, 0.0, 0.0))
+        second = svc.forward_backward(a, data, "cross_entropy", {}, True)
     loss1, _ = loss_of(first.result(30))
     loss_other, _ = loss_of(other.result(30))
     opt.result(30)
@@ -163,6 +165,18 @@ def test_each_models_calls_run_in_order_while_other_models_batch_with_them(svc: 
     # and a forward now, with no step since, sees exactly the weights the second call saw
     again, _ = loss_of(svc.forward_backward(a, data, "cross_entropy", {}, True).result(30))
     assert again == pytest.approx(loss2, rel=1e-6)
+
+
+def test_a_forward_backward_waits_the_window_only_while_another_model_is_training(svc: TinkerService) -> None:
+    a, b = new_model(svc, seed=1), new_model(svc, seed=2)
+    data = [datum(4, 5)]
+    svc.forward_backward(a, data, "cross_entropy", {}, False).result(30)  # b never called: no wait
+    svc.forward_backward(b, data, "cross_entropy", {}, False).result(30)  # a called just now: b waits for it
+    before = len(svc.batches)
+    fb = svc.forward_backward(b, data, "cross_entropy", {}, False)
+    fa = svc.forward_backward(a, data, "cross_entropy", {}, False)  # within b's 50 ms window
+    fb.result(30), fa.result(30)
+    assert svc.batches[before:] == [2]
 
 
 def test_a_model_trains_only_its_own_slot(svc: TinkerService) -> None:

@@ -5,10 +5,11 @@ there while it lives, with its own AdamW over views of that slot (as the multi-p
 Its gradient accumulates in the banks' `.grad` at its slot row until `optim_step` applies it, so many models
 train over one base and each one's gradient stays in its own slot.
 
-Calls queue per model and one worker thread runs them. When a forward_backward arrives while other models are idle,
-the worker waits `window_ms` for theirs, then works in rounds: each round takes the oldest call of every model; the
-forward/forward_backward calls among them run as ONE batched forward/backward over the base (each datum's row
-routed to its model's slot), the rest (optim_step, saves, loads) one by one. A model's calls therefore run in the
+Calls queue per model and one worker thread runs them. When a forward_backward arrives while other models are
+training (they called in the last second) but have nothing queued, the worker waits `window_ms` for theirs, then
+works in rounds: each round takes the oldest call of every model; the forward/forward_backward calls among them
+run as ONE batched forward/backward over the base (each datum's row routed to its model's slot), the rest
+(optim_step, saves, loads) one by one. A model's calls therefore run in the
 order it sent them, whatever else is batched.
 
 Saving for the sampler writes a content-addressed revision to the adapter store, loads it into the engine under
@@ -63,6 +64,9 @@ ATTN = frozenset(
     }
 )
 KEY_PREFIX = "tml-"
+# A model that queued a call this recently counts as training now: a forward_backward waits the batching window
+# for its next call only while another model does.
+ACTIVE_S = 1.0
 
 
 class TinkerError(MintError):
@@ -142,6 +146,7 @@ class TrainModel:
     parent: str | None = None  # the address its next registered version descends from
     steps: int = 0
     snapshots: int = 0
+    last_call: float = 0.0  # time.monotonic() of its last queued call
     queue: deque[_Op] = field(default_factory=deque)
     closed: bool = False
 
@@ -504,6 +509,7 @@ class TinkerService:
             if m.closed:
                 raise TinkerError(410, f"model {m.id} was closed with its session")
             m.queue.append(op)
+            m.last_call = time.monotonic()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="mint-tinker-trainer", daemon=True)
                 self._thread.start()
@@ -554,9 +560,10 @@ class TinkerService:
                     return
             with self._cv:
                 first = [m.queue[0].kind for m in self.models.values() if m.queue]
-                others = len(self.models) > len(first)
+                recent = time.monotonic() - ACTIVE_S
+                others = any(not m.queue and m.last_call > recent for m in self.models.values())
             if others and self.window_s > 0 and "other" not in first:
-                # a forward_backward is waiting and other models could send theirs in this step: let them arrive
+                # a forward_backward is waiting and models that are training now could send theirs in this step
                 time.sleep(self.window_s)
             while True:
                 with self._cv:
