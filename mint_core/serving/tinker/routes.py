@@ -58,7 +58,7 @@ NOT_SUPPORTED = (
 
 CLIENT_CONFIG = types.ClientConfigResponse(
     pjwt_auth_enabled=False,
-    use_pyqwest_transport=False,
+    use_pyqwest_transport=True,
     proto_compress_fwdbwd=False,
     sample_use_retrieve_futures=False,
     custom_loss_server_side=False,
