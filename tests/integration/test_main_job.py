@@ -16,12 +16,13 @@ import pytest
 from mint_app.services import SERVICES
 from tests.integration.conftest import free_port, mint_cli, require
 
-pytestmark = pytest.mark.slow
+# a fresh main job trains 100 steps per policy and evaluates 200-item suites: minutes, more beside other work
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ["add", "sort"]
 
 
-def mint(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
+def mint(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
     # the job's server gets the admin token kept in its state dir, not one from the environment
     return mint_cli(*args, timeout=timeout, cwd=ROOT, unset=("MINT_SERVE_ADMIN_TOKEN",))
 
