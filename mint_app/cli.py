@@ -343,8 +343,8 @@ def train(
     --checkpoint-every steps, at the end, and on Ctrl-C; --resume continues from the newest, drawing the same
     prompts and samples as an uninterrupted run would. The recipe is mint_core.rl.recipe, as in the flows."""
     # OpenMP threads that spin while they wait stall each other when other processes hold the cores: on this
-    # 2-core machine, beside a test run, a step of 5 policies took 30 s with spinning threads and 4 s with one
-    # thread; waiting passively keeps torch's threads without that (set before torch loads; the environment wins)
+    # 2-core machine, beside a test run, a step of 5 policies took 30 s with spinning threads, 4 s with one
+    # thread and 2.9 s with two passive ones (set before torch loads; the environment wins)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # deferred: torch and transformers load for this command only, so `mint --help` stays fast
     from mint_core.data.tasks import split, task
