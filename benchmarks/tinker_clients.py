@@ -8,11 +8,15 @@ both submitted before waiting. Concurrent: the clients' steps arrive together an
 forward_backward calls as one batched step; sequential: each client runs all its steps alone.
 
 Latency: one client's step, SDK call to result (median of `--latency-steps`), against the same step on a
-TinkerService built in this process over the same base with the same window (no HTTP, no SDK).
+TinkerService built in this process over the same base with the same window (no HTTP, no SDK). The in-process
+service also runs the clients one after another and at once: the batching gain without HTTP and the SDK.
 
-    .venv/bin/python benchmarks/tinker_clients.py [--base tiny-dense|DIR] [--clients 8] [--steps 6]
+    .venv/bin/python benchmarks/tinker_clients.py [--base tiny-dense|builtin-shape|DIR] [--clients 8] [--steps 6]
+        [--rounds 3] [--torch-threads 1]
 
-Prints a line per phase, then one JSON object.
+The four phases (SDK one after another, SDK at once, in process one after another, in process at once) run in
+`--rounds` rounds, so drift in the machine's load hits all alike; the rates reported are the medians. Prints a line
+per round, then one JSON object.
 """
 
 from __future__ import annotations
@@ -137,9 +141,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="tokens per datum")
     ap.add_argument("--window-ms", type=float, default=10.0)
     ap.add_argument("--latency-steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the four phases; rates are medians")
     ap.add_argument("--torch-threads", type=int, default=None)
     args = ap.parse_args()
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-"))
     if args.base == "builtin-shape":
         args.base = builtin_shape(tmp)
@@ -158,50 +167,39 @@ def main() -> None:
         for tc, d in zip(tcs, data, strict=True):  # warm up every client's path once
             sdk_step(tc, d)
 
-        t0 = time.perf_counter()
-        for tc, d in zip(tcs, data, strict=True):
-            for _ in range(args.steps):
-                sdk_step(tc, d)
-        seq_s = time.perf_counter() - t0
-        seq_rate = args.clients * args.steps / seq_s
-        print(
-            f"sequential: {args.clients} clients x {args.steps} steps in {seq_s:.2f} s = {seq_rate:.2f} steps/s",
-            flush=True,
-        )
-
-        barrier = threading.Barrier(args.clients)
-
-        def loop(tc: Any, d: list[types.Datum]) -> None:
-            barrier.wait()
-            for _ in range(args.steps):
-                sdk_step(tc, d)
-
-        threads = [threading.Thread(target=loop, args=(tc, d)) for tc, d in zip(tcs, data, strict=True)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        conc_s = time.perf_counter() - t0
-        conc_rate = args.clients * args.steps / conc_s
-        print(
-            f"concurrent: {args.clients} clients x {args.steps} steps in {conc_s:.2f} s = {conc_rate:.2f} steps/s",
-            flush=True,
-        )
-
-        lat_sdk = []
-        for _ in range(args.latency_steps):
-            t = time.perf_counter()
-            sdk_step(tcs[0], data[0])
-            lat_sdk.append(time.perf_counter() - t)
+        sdk_steps = [lambda tc=tc, d=d: sdk_step(tc, d) for tc, d in zip(tcs, data, strict=True)]
+        inproc = InProcess(args, data)  # built now, so the latency steps can alternate with the SDK's
+        seq_rates, conc_rates, seq_in, conc_in = [], [], [], []
+        for r in range(args.rounds):
+            seq_rates.append(sequential(sdk_steps, args.steps))
+            conc_rates.append(concurrent(sdk_steps, args.steps))
+            seq_in.append(sequential(inproc.steps, args.steps))
+            conc_in.append(concurrent(inproc.steps, args.steps))
+            print(
+                f"round {r}: SDK sequential {seq_rates[-1]:.2f}, concurrent {conc_rates[-1]:.2f} steps/s; "
+                f"in process sequential {seq_in[-1]:.2f}, concurrent {conc_in[-1]:.2f} steps/s",
+                flush=True,
+            )
+        time.sleep(1.5)  # the other clients are idle now: a lone step waits for no window
+        lat_sdk, lat_inproc = [], []
+        for _ in range(args.latency_steps):  # alternated, so load on the machine hits both alike
+            for fn, out in ((sdk_steps[0], lat_sdk), (inproc.steps[0], lat_inproc)):
+                t = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t)
+        inproc.svc.close()
         for s in service:
             s.close("success").result()
     finally:
         proc.terminate()
         proc.wait(30)
 
-    lat_inproc = in_process(args, data[0])
-    sdk_ms, inproc_ms = statistics.median(lat_sdk) * 1e3, statistics.median(lat_inproc) * 1e3
+    med = statistics.median
+    seq_rate, conc_rate = med(seq_rates), med(conc_rates)
+    sdk_ms, inproc_ms = med(lat_sdk) * 1e3, med(lat_inproc) * 1e3
+    print(
+        f"SDK: sequential {seq_rate:.2f} steps/s, concurrent {conc_rate:.2f} steps/s (x{conc_rate / seq_rate:.2f})"
+    )
     print(
         f"one step: SDK {sdk_ms:.1f} ms, in process {inproc_ms:.1f} ms, API overhead {sdk_ms - inproc_ms:.1f} ms"
     )
@@ -217,6 +215,10 @@ def main() -> None:
             "sequential_steps_per_s": round(seq_rate, 3),
             "concurrent_steps_per_s": round(conc_rate, 3),
             "speedup": round(conc_rate / seq_rate, 2),
+            "rounds": args.rounds,
+            "in_process_sequential_steps_per_s": round(med(seq_in), 3),
+            "in_process_concurrent_steps_per_s": round(med(conc_in), 3),
+            "in_process_speedup": round(med(conc_in) / med(seq_in), 2),
             "step_ms_sdk": round(sdk_ms, 1),
             "step_ms_in_process": round(inproc_ms, 1),
             "api_overhead_ms": round(sdk_ms - inproc_ms, 1),
@@ -224,46 +226,84 @@ def main() -> None:
     )
 
 
-def in_process(args: argparse.Namespace, data: list[types.Datum]) -> list[float]:
-    """The same step on a TinkerService in this process: the same queue, window, batched step and optimizer."""
-    import torch
+def sequential(steps: list[Any], n: int) -> float:
+    """Steps/s of the clients run one after another, `n` steps each. Between two clients the benchmark pauses
+    (untimed) until the previous one no longer counts as training, so no step of the baseline waits the batching
+    window for a client that will not come."""
+    from mint_core.serving.tinker.service import ACTIVE_S
 
-    from mint_core.engine.engine import Engine, EngineConfig
-    from mint_core.registry.store import AdapterStore
-    from mint_core.serving.app import load_serving_base
-    from mint_core.serving.config import ServingConfig
-    from mint_core.serving.tinker.service import TinkerService
-    from mint_core.serving.tinker.wire import Datum
+    total = 0.0
+    for step in steps:
+        time.sleep(ACTIVE_S + 0.1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        total += time.perf_counter() - t0
+    return len(steps) * n / total
 
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-inproc-"))
-    base = load_serving_base(ServingConfig(base=args.base))
-    engine = Engine(base, EngineConfig(max_loras=4, max_lora_rank=8))
-    name = args.base if "/" not in args.base else Path(args.base).name
-    svc = TinkerService(
-        engine, AdapterStore(tmp / "store"), name, tmp / "tinker", {KEY: "bench"}, window_ms=args.window_ms
-    )
-    m = svc.create_model("bench", svc.create_session("bench"), 0, name, 8, 0)
-    mine = [
-        Datum(np.asarray(d.model_input.to_ints()), {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
-        for d in data
-    ]
 
-    def step() -> None:
-        fb = svc.forward_backward(m, mine, "cross_entropy", {}, False)
-        opt = svc.call(m, lambda: svc.optim_step(m, 1e-3, 0.9, 0.95, 1e-12, 0.0, 0.0))
-        fb.result()
-        opt.result()
+def concurrent(steps: list[Any], n: int) -> float:
+    """Steps/s of the clients run at once, one thread each, `n` steps each."""
+    barrier = threading.Barrier(len(steps))
 
-    step()
-    times = []
-    for _ in range(args.latency_steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    svc.close()
-    return times
+    def loop(step: Any) -> None:
+        barrier.wait()
+        for _ in range(n):
+            step()
+
+    threads = [threading.Thread(target=loop, args=(step,)) for step in steps]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(steps) * n / (time.perf_counter() - t0)
+
+
+class InProcess:
+    """The same clients on a TinkerService in this process over the same base (the same queue, window, batched
+    step and optimizer; no HTTP, no SDK)."""
+
+    def __init__(self, args: argparse.Namespace, data: list[list[types.Datum]]):
+        from mint_core.engine.engine import Engine, EngineConfig
+        from mint_core.registry.store import AdapterStore
+        from mint_core.serving.app import load_serving_base
+        from mint_core.serving.config import ServingConfig
+        from mint_core.serving.tinker.service import TinkerService
+        from mint_core.serving.tinker.wire import Datum
+
+        tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-inproc-"))
+        base = load_serving_base(ServingConfig(base=args.base))
+        engine = Engine(base, EngineConfig(max_loras=args.clients + 2, max_lora_rank=8))
+        name = args.base if "/" not in args.base else Path(args.base).name
+        svc = self.svc = TinkerService(
+            engine,
+            AdapterStore(tmp / "store"),
+            name,
+            tmp / "tinker",
+            {KEY: "bench"},
+            window_ms=args.window_ms,
+        )
+        sid = svc.create_session("bench")
+        self.steps = []
+        for i, ds in enumerate(data):
+            m = svc.create_model("bench", sid, i, name, 8, i)
+            mine = [
+                Datum(
+                    np.asarray(d.model_input.to_ints()),
+                    {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()},
+                )
+                for d in ds
+            ]
+
+            def step(m: Any = m, mine: list[Datum] = mine) -> None:
+                fb = svc.forward_backward(m, mine, "cross_entropy", {}, False)
+                opt = svc.call(m, lambda: svc.optim_step(m, 1e-3, 0.9, 0.95, 1e-12, 0.0, 0.0))
+                fb.result()
+                opt.result()
+
+            step()
+            self.steps.append(step)
 
 
 if __name__ == "__main__":
