@@ -553,8 +553,14 @@ def base_model_name(ws: Workspace) -> str:
     return str(bare[0]) if bare else Path(ws.base).name
 
 
+SHOWN_PROMPTS = 3
+"""Held-out prompts per policy in the served-completions table: one answer says little about a policy that is
+right on three items in four."""
+
+
 def completions_table(cfg: MainJobConfig, ws: Workspace) -> tuple[Table, int]:
-    """One held-out prompt per policy: the base's answer, the champion's (served under the policy's name)."""
+    """The first `SHOWN_PROMPTS` held-out prompts of each policy (never trained on): the base's answer and the
+    champion's (served under the policy's name), with the revision that answered."""
     reg = ws.registry()
     base_name = base_model_name(ws)
     table = Table(
@@ -567,19 +573,19 @@ def completions_table(cfg: MainJobConfig, ws: Workspace) -> tuple[Table, int]:
             table.add_row(task, "", "", "", "[yellow]no champion[/]", "")
             continue
         rev = reg.revision(task, version)
-        prompt, expected = heldout_prompt(cfg, task)
-        base_text, _ = served_answer(ws, base_name, prompt)
-        text, fp = served_answer(ws, task, prompt)
-        ok = "[green]✓[/]" if text.strip() == expected.strip() else "[red]✗[/]"
-        who = _who(fp, rev.digest, f"{task}/v{version}")
-        table.add_row(
-            task,
-            Text(prompt),
-            Text(expected.strip()),
-            Text(base_text.strip()),
-            Text.from_markup(ok) + Text(f" {text.strip()}"),
-            who,
-        )
+        for i in range(SHOWN_PROMPTS):
+            prompt, expected = heldout_prompt(cfg, task, i)
+            base_text, _ = served_answer(ws, base_name, prompt)
+            text, fp = served_answer(ws, task, prompt)
+            ok = "[green]✓[/]" if text.strip() == expected.strip() else "[red]✗[/]"
+            table.add_row(
+                task,
+                Text(prompt),
+                Text(expected.strip()),
+                Text(base_text.strip()),
+                Text.from_markup(ok) + Text(f" {text.strip()}"),
+                _who(fp, rev.digest, f"{task}/v{version}"),
+            )
         n += 1
     return table, n
 
