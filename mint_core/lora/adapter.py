@@ -32,8 +32,10 @@ from mint_core.types import CONFIG_FILE, EXPERT_PARAMS, WEIGHTS_FILE, Digest, Si
 PREFIX = "base_model.model."
 FINGERPRINT_KEY = "mint.base_fingerprint"
 DTYPE_KEY = "torch_dtype"
-"""adapter_config.json key naming the dtype the revision's tensors are written in (as config.json does for a
-transformers model); PEFT and vLLM ignore keys they do not know."""
+"""adapter_config.json key that may name the dtype of a revision's tensors (as config.json does for a transformers
+model); checked against the tensors when present. mint does not write it: each tensor's dtype is in the
+safetensors header already, and PEFT 0.21 warns on every load of a config with a key it does not know, telling
+the user to upgrade PEFT."""
 DTYPE_NAMES = {
     torch.float64: "float64",
     torch.float32: "float32",
@@ -359,8 +361,8 @@ def adapter_bytes(
     adapter: AdapterWeights, sites: dict[str, Site], layout: Layout = "packed"
 ) -> tuple[bytes, bytes]:
     """PEFT's two files as bytes: (adapter_config.json, adapter_model.safetensors), the tensors in
-    `adapter.dtype` (when set) and adapter_config.json naming their dtype (`torch_dtype`). The same weights
-    always give the same bytes, so the same digest."""
+    `adapter.dtype` (when set; the safetensors header names it). The same weights always give the same bytes, so
+    the same digest."""
     state = {
         k: v.detach().to("cpu", adapter.dtype).contiguous()
         for k, v in to_peft_state(adapter.tensors, sites, layout).items()
@@ -378,9 +380,6 @@ def adapter_bytes(
     raw += b" " * (-len(raw) % 8)
     weights_bytes = len(raw).to_bytes(8, "little") + raw + data[8 + n :]
     config = peft_config(adapter, sites, layout)
-    dtypes = {DTYPE_NAMES.get(t.dtype, str(t.dtype)) for t in state.values()}
-    if len(dtypes) == 1:
-        config[DTYPE_KEY] = dtypes.pop()
     config_bytes = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     return config_bytes, weights_bytes
 

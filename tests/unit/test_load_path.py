@@ -35,7 +35,7 @@ def _file_dtypes(d: Path) -> set[torch.dtype]:
         return {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
 
 
-def test_export_in_the_base_dtype_halves_the_files_and_names_the_dtype(make_engine, adapter_dir):
+def test_export_in_the_base_dtype_halves_the_files(make_engine, adapter_dir):
     engine = make_engine("dense")
     a = random_adapter(engine.sites, TARGETS["dense"], RANK, seed=1, base_fingerprint=engine.base.fingerprint)
     assert all(A.dtype == torch.float32 for A, _ in a.tensors.values())  # the trainer's float32 factors
@@ -45,9 +45,8 @@ def test_export_in_the_base_dtype_halves_the_files_and_names_the_dtype(make_engi
 
     assert _file_dtypes(adapter_dir / "f32") == {torch.float32}
     assert _file_dtypes(adapter_dir / "bf16") == {torch.bfloat16}
-    config = json.loads((adapter_dir / "bf16" / CONFIG_FILE).read_text())
-    assert config[DTYPE_KEY] == "bfloat16"
-    assert json.loads((adapter_dir / "f32" / CONFIG_FILE).read_text())[DTYPE_KEY] == "float32"
+    # the safetensors header names the dtype; adapter_config.json does not (PEFT warns on keys it does not know)
+    assert DTYPE_KEY not in json.loads((adapter_dir / "bf16" / CONFIG_FILE).read_text())
     payload = a.num_bytes()  # the factors in float32
     size = {n: (adapter_dir / n / WEIGHTS_FILE).stat().st_size for n in ("f32", "bf16")}
     assert size["f32"] > payload and size["bf16"] < payload // 2 + 16 * 1024  # header only on top
@@ -72,7 +71,7 @@ def test_trainer_exports_in_the_base_dtype(make_base, adapter_dir):
     trainer = MultiPolicyTrainer(engine, GRPOConfig(), [spec], seed=0)
     digest = trainer.export("p", adapter_dir / "p")
     assert _file_dtypes(adapter_dir / "p") == {torch.bfloat16}
-    assert json.loads((adapter_dir / "p" / CONFIG_FILE).read_text())[DTYPE_KEY] == "bfloat16"
+    assert DTYPE_KEY not in json.loads((adapter_dir / "p" / CONFIG_FILE).read_text())
     # nothing trained in between: the same revision
     assert trainer.export("p", adapter_dir / "again") == digest
     assert engine.load_adapter("p-served", adapter_dir / "p")
