@@ -18,6 +18,7 @@ WITH_DEVICE = [
     "catalog_scale.py",
     "dashboard_run.py",
     "eval_revision.py",
+    "grpo_learning.py",
     "grpo_vs_trl.py",
     "hot_swap.py",
     "mixed_adapter_decode.py",
