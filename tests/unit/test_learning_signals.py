@@ -105,7 +105,9 @@ def test_lr_factor_schedules() -> None:
     assert [lr_factor("none", s, 4) for s in range(4)] == [1.0] * 4
     assert [lr_factor("linear", s, 4) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
     cos = [lr_factor("cosine", s, 4) for s in range(4)]
-    assert cos[0] == 1.0 and cos[2] == pytest.approx(0.5) and all(a > b > 0 for a, b in itertools.pairwise(cos))
+    assert (
+        cos[0] == 1.0 and cos[2] == pytest.approx(0.5) and all(a > b > 0 for a, b in itertools.pairwise(cos))
+    )
     with pytest.raises(ValueError, match="outside a run of 4 steps"):
         lr_factor("linear", 4, 4)
 
