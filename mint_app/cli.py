@@ -356,7 +356,10 @@ def train(
     _check_device(device)  # before any work, as an unknown task below
     names = [t.strip() for t in policies.split(",") if t.strip()]
     for t in names:
-        task(t)  # unknown task: a clear error before any work
+        try:
+            task(t)  # unknown task: a clear error before any work
+        except KeyError as e:
+            raise typer.BadParameter(str(e.args[0]), param_hint="--policies") from None
     if not (base / "config.json").is_file():
         raise typer.BadParameter(
             f"{base} is not a model directory (build the built-in base with `dvc repro`)"

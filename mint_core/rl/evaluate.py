@@ -8,6 +8,18 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.rl.rewards import reward as reward_fn
 
 
+def _greedy_rewards(
+    engine: Engine, adapter: str | None, examples: list[Example], reward: str, max_new_tokens: int
+) -> list[float]:
+    """The reward of each greedy answer to `examples` under `adapter` (None: the bare base), in one batch."""
+    if not examples:
+        raise ValueError("no examples to score")
+    params = SamplingParams(max_tokens=max_new_tokens)
+    out = engine.generate([Request(ex.prompt, adapter, params) for ex in examples])
+    fn = reward_fn(reward)
+    return [fn(ex, c.text) for ex, c in zip(examples, out, strict=True)]
+
+
 def heldout_correct(
     engine: Engine,
     adapter: str | None,
@@ -15,14 +27,9 @@ def heldout_correct(
     reward: str = "exact_match",
     max_new_tokens: int = 12,
 ) -> list[bool]:
-    """Whether each greedy answer to `examples` under `adapter` (None: the bare base) earns the full reward,
-    in the examples' order (so two adapters' lists pair up for a paired test); one batch."""
-    if not examples:
-        raise ValueError("no examples to score")
-    params = SamplingParams(max_tokens=max_new_tokens)
-    out = engine.generate([Request(ex.prompt, adapter, params) for ex in examples])
-    fn = reward_fn(reward)
-    return [fn(ex, c.text) >= 1.0 for ex, c in zip(examples, out, strict=True)]
+    """Whether each greedy answer earns the full reward, in the examples' order (so two adapters' lists pair up
+    for a paired test)."""
+    return [r >= 1.0 for r in _greedy_rewards(engine, adapter, examples, reward, max_new_tokens)]
 
 
 def heldout_scores(
@@ -32,10 +39,6 @@ def heldout_scores(
     reward: str = "exact_match",
     max_new_tokens: int = 12,
 ) -> float:
-    """Mean reward of greedy answers to `examples` under `adapter` (None: the bare base), in one batch."""
-    if not examples:
-        raise ValueError("no examples to score")
-    params = SamplingParams(max_tokens=max_new_tokens)
-    out = engine.generate([Request(ex.prompt, adapter, params) for ex in examples])
-    fn = reward_fn(reward)
-    return sum(fn(ex, c.text) for ex, c in zip(examples, out, strict=True)) / len(examples)
+    """Mean reward of greedy answers to `examples` under `adapter` (None: the bare base)."""
+    rewards = _greedy_rewards(engine, adapter, examples, reward, max_new_tokens)
+    return sum(rewards) / len(rewards)

@@ -130,3 +130,13 @@ def test_a_decaying_run_steps_at_the_scheduled_rate(make_engine, tmp_path: Path)
     assert seen == [1.0, 0.75, 0.5, 0.25]
     groups = trainer.adamw.optimizer.param_groups
     assert [g["lr"] for g in groups] == pytest.approx([lr * 0.25 for lr in trainer.adamw.base_lrs])
+
+
+def test_mint_train_refuses_an_unknown_task_before_any_work(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mint_app.cli import app
+
+    out = CliRunner().invoke(app, ["train", "--policies", "add,nope", "--out", str(tmp_path / "run")])
+    assert out.exit_code == 2, out.output
+    assert "unknown task 'nope'" in out.output and not (tmp_path / "run").exists()
