@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mint_core.lora import hostmem
 from mint_core.types import EXPERT_PARAMS, Site
 
 
@@ -150,6 +151,18 @@ class _SlotBank(nn.Module):
             B_RO.mul_(scale)
         return A, B_RO
 
+    def claim(self, slot: int, r: int) -> int:
+        """Make `slot` ready for a rank-`r` write (zero the rows a higher-rank occupant left) and record the rank;
+        returns `r`. The caller writes rows [:r] of A and B next."""
+        before = self._rank[slot]
+        if before is not None and before > r:
+            self.A[slot][..., r:before, :].zero_()
+            self.B[slot][..., r:before, :].zero_()
+        self._rank[slot] = r
+        if before is None:  # an nn.Module attribute set is slow enough to matter, 252 sites a write
+            self.filled += 1
+        return r
+
     @torch.no_grad()
     def write_prepared(self, slot: int, A_RI: torch.Tensor, B_RO: torch.Tensor) -> None:
         """`write` of factors already in slot layout (`prepare`).
@@ -157,16 +170,10 @@ class _SlotBank(nn.Module):
         Into CUDA banks the copies do not block the host: they come from pinned memory (`prepare`) and are
         queued on the current stream ahead of any forward that reads the slot, and the caching host allocator
         keeps a pinned block from reuse until copies queued from it have run, even if the host cache drops it."""
-        r = A_RI.shape[-2]
-        before = self._rank[slot]
-        if before is not None and before > r:
-            self.A[slot][..., r:before, :].zero_()
-            self.B[slot][..., r:before, :].zero_()
+        r = self.claim(slot, A_RI.shape[-2])
         async_ = self.A.is_cuda and A_RI.is_pinned() and B_RO.is_pinned()
         self.A[slot][..., :r, :].copy_(A_RI, non_blocking=async_)
         self.B[slot][..., :r, :].copy_(B_RO, non_blocking=async_)
-        self._rank[slot] = r
-        self.filled += before is None
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -183,6 +190,16 @@ class _SlotBank(nn.Module):
         A = self.A[slot][..., :rank, :]
         B = self.B[slot][..., :rank, :].transpose(-1, -2) / scale
         return A.contiguous(), B.contiguous()
+
+
+def _host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A 1-D host tensor for a revision in slot layout, contents undefined. Pinned memory comes from torch's
+    caching host allocator, plain memory from `hostmem` (both reuse blocks nothing refers to any more, instead of
+    faulting in fresh pages for every revision)."""
+    if pin:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(hostmem.take(numel * itemsize)).view(dtype)
 
 
 _TRANSPOSE_BLOCK = 64
@@ -325,18 +342,79 @@ class LoRAModel:
             else:
                 bank.clear(slot)
 
+    @torch.no_grad()
     def prepare(
         self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """A revision in slot layout, site by site (what the host cache keeps: see `_SlotBank.prepare`)."""
-        return {name: self.banks[name].prepare(A, B, scale) for name, (A, B) in tensors.items()}
+        """A revision in slot layout (what the host cache keeps: see `_SlotBank.prepare`), in one host buffer.
 
+        Every site's A and B (B transposed, scale folded in) is a view of one contiguous buffer (pinned for CUDA
+        banks), all A's first, then all B's, so it holds exactly the revision's bytes and is filled in a few calls
+        rather than several per site: linear sites are grouped by shape (a handful of groups: q, k and v, o,
+        gate and up, down), and each group's A's are one `cat` into an [n, r, in] block, its B's one transposing
+        `cat` into an [n, r, out] block, whose `unbind` gives the sites' views; then one multiply scales all B's.
+        At Qwen3-4B's shape (252 sites) that is ~10 calls instead of ~1,500."""
+        dtypes = {bank.A.dtype for bank in self.banks.values()}
+        if len(dtypes) != 1 or any(t.device.type != "cpu" for pair in tensors.values() for t in pair):
+            return {name: self.banks[name].prepare(A, B, scale) for name, (A, B) in tensors.items()}
+        (dtype,) = dtypes
+        pin = any(bank.A.is_cuda for bank in self.banks.values())
+        groups: dict[tuple[int, ...], list[str]] = {}  # linear sites by (r, in, out); experts one by one
+        for name, (A, B) in tensors.items():
+            key = (*A.shape, B.shape[0]) if A.dim() == 2 else (-len(groups) - 1,)
+            groups.setdefault(key, []).append(name)
+        n_A = sum(A.numel() for A, _ in tensors.values())
+        flat = _host_buffer(n_A + sum(B.numel() for _, B in tensors.values()), dtype, pin)
+        A_views: dict[str, torch.Tensor] = {}
+        B_views: dict[str, torch.Tensor] = {}
+        at_A, at_B = 0, n_A
+        for key, names in groups.items():
+            if len(key) == 1:  # experts: A [E, r, in], B [E, out, r] -> [E, r, out]
+                (name,) = names
+                A, B = tensors[name]
+                A_views[name] = flat[at_A : at_A + A.numel()].view(A.shape).copy_(A)
+                B_views[name] = flat[at_B : at_B + B.numel()].view(*B.shape[:-2], B.shape[-1], B.shape[-2])
+                _transpose_into(B_views[name], B)
+                at_A, at_B = at_A + A.numel(), at_B + B.numel()
+                continue
+            r, n_in, n_out = key
+            n = len(names)
+            A_NRI = flat[at_A : at_A + n * r * n_in].view(n, r, n_in)
+            B_NRO = flat[at_B : at_B + n * r * n_out].view(n, r, n_out)
+            torch.cat([tensors[name][0] for name in names], out=A_NRI.view(n * r, n_in))
+            torch.cat([tensors[name][1].t() for name in names], out=B_NRO.view(n * r, n_out))
+            A_views.update(zip(names, A_NRI.unbind(0), strict=True))
+            B_views.update(zip(names, B_NRO.unbind(0), strict=True))
+            at_A, at_B = at_A + A_NRI.numel(), at_B + B_NRO.numel()
+        if scale != 1.0:
+            flat[n_A:].mul_(scale)
+        return {name: (A_views[name], B_views[name]) for name in tensors}
+
+    @torch.no_grad()
     def write_prepared(self, slot: int, prepared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a revision in slot layout (`prepare`) into `slot`, clearing the banks it has no site in.
+
+        On the CPU the copies go in one `_foreach_copy_` call (one Python call instead of a few per site: the
+        copies are small, ~40-160 KB each, so per-call overhead was most of the write's time). Into CUDA banks
+        each copy is queued without blocking the host (see `_SlotBank.write_prepared`)."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for name, bank in self.banks.items():
-            if name in prepared:
-                bank.write_prepared(slot, *prepared[name])
-            else:
+            pair = prepared.get(name)
+            A_SRI, B_SRO = bank.A, bank.B
+            if pair is None:
                 bank.clear(slot)
+            elif A_SRI.is_cuda:
+                bank.write_prepared(slot, *pair)
+            else:
+                src += pair
+                r = bank.claim(slot, pair[0].shape[-2])
+                if r == bank.max_rank:  # the whole slot: a plain index, a third of a slice's cost
+                    dst += [A_SRI[slot], B_SRO[slot]]
+                else:
+                    dst += [A_SRI[slot].narrow(-2, 0, r), B_SRO[slot].narrow(-2, 0, r)]
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     def clear_slot(self, slot: int) -> None:
         for bank in self.banks.values():

@@ -20,10 +20,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mint_core.errors import AdapterError
+from mint_core.lora import hostmem
 from mint_core.lora.adapter import (
     CONFIG_FILE,
     DTYPE_KEY,
@@ -346,7 +346,7 @@ def _read_hashed(path: Path, config_bytes: bytes | None) -> tuple[memoryview, _H
     without a config to hash first, or when the file changed size while it was read)."""
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        data = np.empty(size, dtype=np.uint8).data
+        data = hostmem.take(size).data
         hashing = None if config_bytes is None else _Hashing(config_bytes, size)
         at = 0
         while at < size:

@@ -14,6 +14,7 @@ from peft import PeftModel
 from safetensors import safe_open
 
 from mint_core.errors import AdapterError
+from mint_core.lora import hostmem
 from mint_core.lora.adapter import (
     CONFIG_FILE,
     DTYPE_KEY,
@@ -179,3 +180,60 @@ def test_in_memory_handoff_names_every_non_finite_site_and_changes_nothing(make_
     assert sum("non-finite" in p for p in problems) == 2
     assert any(f"target {sites[9]}: shapes" in p for p in problems)
     assert (engine.working_set.names(), engine.working_set.host_size()) == before
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        ("a tensor", lambda buf: torch.from_numpy(buf)),
+        ("a view of a tensor", lambda buf: torch.from_numpy(buf).view(torch.bfloat16)[1:]),
+        ("a memoryview", lambda buf: buf.data),
+        ("a tensor over a memoryview", lambda buf: torch.frombuffer(buf.data, dtype=torch.uint8)),
+    ],
+    ids=lambda k: k[0],
+)
+def test_host_buffers_are_reused_only_once_nothing_refers_to_them(keep, monkeypatch):
+    """hostmem hands a large buffer out again (no fresh pages to fault in) only when no tensor, view or
+    memoryview of it is left: a buffer in use is never handed out twice."""
+    monkeypatch.setattr(hostmem, "_recent", [])
+    n = 3 * hostmem.MIN_BYTES
+    first = hostmem.take(n)
+    address = first.ctypes.data
+    held = keep[1](first)
+    del first
+    second = hostmem.take(n)
+    assert second.ctypes.data != address  # still referred to: a new buffer
+    del held
+    third = hostmem.take(n)
+    assert third.ctypes.data == address  # the first, free again
+    assert hostmem.take(n).ctypes.data not in (address, third.ctypes.data)  # third is in use
+    del second, third
+    assert hostmem.take(n // 2).nbytes == n // 2  # far smaller: not a remembered buffer cut down
+
+
+def test_prepared_revisions_use_one_buffer_each(monkeypatch):
+    """prepare puts every site of a revision into one buffer of exactly its bytes, and a revision dropped from
+    the host cache gives its buffer to the next one, while a revision still held keeps its own."""
+    monkeypatch.setattr(hostmem, "_recent", [])
+    sites = {f"l{i}": Site(f"l{i}", in_features=8192, out_features=256 * (1 + i % 3)) for i in range(12)}
+    lora = slot_banks(sites.values(), num_slots=2, max_rank=8, dtype=torch.bfloat16, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        n: (torch.randn(8, s.in_features, generator=g), torch.randn(s.out_features, 8, generator=g))
+        for n, s in sites.items()
+    }
+    nbytes = sum(A.numel() + B.numel() for A, B in tensors.values()) * 2
+    assert nbytes >= hostmem.MIN_BYTES  # large enough to be a remembered buffer
+    held = lora.prepare(tensors, scale=2.0)
+    storages = {t.untyped_storage().data_ptr() for pair in held.values() for t in pair}
+    assert len(storages) == 1 and next(iter(held.values()))[0].untyped_storage().nbytes() == nbytes
+    other = lora.prepare(tensors, scale=2.0)
+    assert other["l0"][0].data_ptr() != held["l0"][0].data_ptr()
+    address = other["l0"][0].data_ptr()
+    del other
+    again = lora.prepare(tensors, scale=2.0)
+    assert again["l0"][0].data_ptr() == address
+    for n, (A, B) in tensors.items():
+        for got in (held, again):
+            assert torch.equal(got[n][0], A.to(torch.bfloat16))
+            assert torch.equal(got[n][1], (B.to(torch.bfloat16).t() * 2.0))
