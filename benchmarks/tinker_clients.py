@@ -5,7 +5,8 @@ Starts `mint serve` (the Tinker API on, `--window-ms` batching window) on a free
 `tinker` SDK (`ServiceClient(base_url=..., api_key=...)` -> `create_lora_training_client`), and a step is what a
 training loop does: `forward_backward` (cross_entropy over `--batch` data of `--tokens` tokens) then `optim_step`,
 both submitted before waiting. Concurrent: the clients' steps arrive together and the server runs their
-forward_backward calls as one batched step; sequential: each client runs all its steps alone.
+forward_backward calls as one batched step and their optim_steps as one fused AdamW; sequential: each client runs
+all its steps alone.
 
 Latency: one client's step, SDK call to result (median of `--latency-steps`), against the same step on a
 TinkerService built in this process over the same base with the same window (no HTTP, no SDK). The in-process
@@ -269,7 +270,7 @@ class InProcess:
         from mint_core.registry.store import AdapterStore
         from mint_core.serving.app import load_serving_base
         from mint_core.serving.config import ServingConfig
-        from mint_core.serving.tinker.service import TinkerService
+        from mint_core.serving.tinker.service import AdamStep, TinkerService
         from mint_core.serving.tinker.wire import Datum
 
         tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-inproc-"))
@@ -298,7 +299,7 @@ class InProcess:
 
             def step(m: Any = m, mine: list[Datum] = mine) -> None:
                 fb = svc.forward_backward(m, mine, "cross_entropy", {}, False)
-                opt = svc.call(m, lambda: svc.optim_step(m, 1e-3, 0.9, 0.95, 1e-12, 0.0, 0.0))
+                opt = svc.optim(m, AdamStep(1e-3))
                 fb.result()
                 opt.result()
 

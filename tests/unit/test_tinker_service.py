@@ -4,6 +4,8 @@ bodies against the SDK's own encoders and decoders."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,8 @@ from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.registry.store import AdapterStore
 from mint_core.serving.tinker import losses
-from mint_core.serving.tinker.service import TinkerError, TinkerService, TrainModel, read_keys
+from mint_core.serving.tinker.mount import QuietPolls
+from mint_core.serving.tinker.service import AdamStep, TinkerError, TinkerService, TrainModel, read_keys
 from mint_core.serving.tinker.wire import (
     Datum,
     Sampled,
@@ -33,13 +36,17 @@ VOCAB = 300
 KEYS = {"tml-alice-key-0000": "alice", "tml-bob-key-00000": "bob"}
 
 
-@pytest.fixture
-def svc(tmp_path: Path) -> Iterator[TinkerService]:
+def make_service(root: Path) -> TinkerService:
     base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
     engine = Engine(base, EngineConfig(max_loras=4, max_lora_rank=8))
-    service = TinkerService(
-        engine, AdapterStore(tmp_path / "store"), "tiny-dense", tmp_path / "tinker", KEYS, window_ms=50
+    return TinkerService(
+        engine, AdapterStore(root / "store"), "tiny-dense", root / "tinker", KEYS, window_ms=50
     )
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[TinkerService]:
+    service = make_service(tmp_path)
     yield service
     service.close()
 
@@ -93,7 +100,8 @@ def direct(
             lp = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tgt)), tgt]
             lps.append(lp.detach().numpy())
             if loss_fn == "cross_entropy":
-                loss = -(lp * torch.from_numpy(d.inputs["weights"])).sum()
+                w = d.inputs.get("weights")
+                loss = -(lp * torch.from_numpy(w)).sum() if w is not None else -lp.sum()
             else:
                 ratio = torch.exp(lp - torch.from_numpy(d.inputs["logprobs"]))
                 adv = torch.from_numpy(d.inputs["advantages"])
@@ -177,6 +185,156 @@ def test_a_forward_backward_waits_the_window_only_while_another_model_is_trainin
     fa = svc.forward_backward(a, data, "cross_entropy", {}, False)  # within b's 50 ms window
     fb.result(30), fa.result(30)
     assert svc.batches[before:] == [2]
+
+
+def test_a_forward_backward_waits_for_the_training_models_only_until_they_have_all_called(
+    svc: TinkerService,
+) -> None:
+    a, b = new_model(svc, seed=1), new_model(svc, seed=2)
+    data = [datum(4, 5)]
+    svc.forward_backward(a, data, "cross_entropy", {}, False).result(30)
+    svc.forward_backward(b, data, "cross_entropy", {}, False).result(30)
+    svc.window_s = 30.0  # a window no test waits out: the round must start as soon as both models have called
+    before = len(svc.batches)
+    t0 = time.monotonic()
+    fb = svc.forward_backward(b, data, "cross_entropy", {}, False)
+    time.sleep(0.2)
+    assert not fb.done()  # a is training and has not called yet: b's call waits for it
+    fa = svc.forward_backward(a, data, "cross_entropy", {}, False)
+    fb.result(10), fa.result(10)
+    assert time.monotonic() - t0 < 10
+    assert svc.batches[before:] == [2]
+    # calls other than forward/forward_backward never wait for the window
+    t0 = time.monotonic()
+    svc.optim(a, AdamStep(0.01)).result(10)
+    svc.call(a, lambda: svc.save_weights(a, "w")).result(10)
+    assert time.monotonic() - t0 < 10
+
+
+def test_optim_steps_of_many_models_run_fused_in_one_round_and_each_models_calls_stay_in_order(
+    svc: TinkerService,
+) -> None:
+    a, b = new_model(svc, seed=1), new_model(svc, seed=2)
+    data = [datum(8, 5)]
+    before, rounds = len(svc.batches), len(svc.optim_rounds)
+    with svc._cv:  # the worker takes nothing until all five calls are queued
+        fa = svc.forward_backward(a, data, "cross_entropy", {}, False)
+        oa = svc.optim(a, AdamStep(0.005))
+        again = svc.forward_backward(a, data, "cross_entropy", {}, True)
+        fb = svc.forward_backward(b, data, "cross_entropy", {}, False)
+        ob = svc.optim(b, AdamStep(0.005))
+    loss1, _ = loss_of(fa.result(30))
+    loss_b, _ = loss_of(fb.result(30))
+    steps = [oa.result(30).json["metrics"]["step:max"], ob.result(30).json["metrics"]["step:max"]]
+    loss2, _ = loss_of(again.result(30))
+    # round 1: both forward_backward calls batched; round 2: both optim_steps fused; round 3: a's forward
+    assert svc.batches[before:] == [2, 1]
+    assert svc.optim_rounds[rounds:] == [2]
+    assert steps == [1.0, 1.0]
+    assert loss_b == pytest.approx(loss1, rel=0.02)
+    assert loss2 < loss1  # a's forward ran after its step
+
+
+def reference_adamw_step(svc: TinkerService, m: TrainModel, adam: AdamStep) -> float:
+    """The step as one model's own `torch.optim.AdamW.step()`: its gradient copied out of the banks and clipped
+    to its global norm, its hyper-parameters on its two param groups."""
+    banks = svc.engine.lora.banks
+    with torch.no_grad():
+        grads = []
+        for s, (A, B) in m.views.items():
+            A.grad = banks[s].A.grad[m.slot].clone()  # type: ignore[index]
+            B.grad = banks[s].B.grad[m.slot].clone()  # type: ignore[index]
+            grads += [A.grad, B.grad]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
+            for g in grads:
+                g.mul_(adam.grad_clip_norm / (norm + 1e-6))
+        for group in m.optimizer.param_groups:
+            group["lr"] = adam.lr * group["lr_mult"]
+            group["betas"] = (adam.beta1, adam.beta2)
+            group["eps"] = adam.eps
+            group["weight_decay"] = adam.weight_decay / group["lr_mult"]
+        m.optimizer.step()
+        for s, (A, B) in m.views.items():
+            A.grad = B.grad = None
+            banks[s].A.grad[m.slot].zero_()  # type: ignore[index]
+            banks[s].B.grad[m.slot].zero_()  # type: ignore[index]
+        m.steps += 1
+    return norm
+
+
+def test_a_fused_optim_step_of_many_models_equals_each_models_own_adamw_step(tmp_path: Path) -> None:
+    fused, alone = make_service(tmp_path / "fused"), make_service(tmp_path / "alone")
+    # two models at rank 8 (the same alpha / r, so their B factors share fused calls where their
+    # hyper-parameters agree) and one at rank 4; one clips, one decays
+    adams = [
+        AdamStep(0.02, 0.9, 0.95, 1e-8, weight_decay=0.1),
+        AdamStep(0.01, 0.8, 0.99, 1e-6, grad_clip_norm=1e-3),
+        AdamStep(0.01, 0.8, 0.99, 1e-6),
+    ]
+    ranks = [4, 8, 8]
+    try:
+        models = {
+            id(svc): [new_model(svc, rank=r, seed=i) for i, r in enumerate(ranks)] for svc in (fused, alone)
+        }
+        for round_ in range(3):
+            for svc in (fused, alone):
+                ms = models[id(svc)]
+                with svc._cv:  # one batched forward_backward, the same in both services
+                    futs = [
+                        svc.forward_backward(m, [datum(6, 10 * round_ + i)], "cross_entropy", {}, False)
+                        for i, m in enumerate(ms)
+                    ]
+                for f in futs:
+                    f.result(30)
+            got = fused.optim_steps(list(zip(models[id(fused)], adams, strict=True)))
+            with alone.engine._forward_lock:
+                want = [
+                    reference_adamw_step(alone, m, adam)
+                    for m, adam in zip(models[id(alone)], adams, strict=True)
+                ]
+            assert [g["metrics"]["grad_norm:mean"] for g in got] == want
+            assert [g["metrics"]["step:max"] for g in got] == [float(round_ + 1)] * 3
+            for mf, ma in zip(models[id(fused)], models[id(alone)], strict=True):
+                for s in mf.sites:
+                    bf, ba = fused.engine.lora.banks[s], alone.engine.lora.banks[s]
+                    assert torch.equal(bf.A.data[mf.slot], ba.A.data[ma.slot]), s
+                    assert torch.equal(bf.B.data[mf.slot], ba.B.data[ma.slot]), s
+                    assert bf.A.grad is not None and not bf.A.grad[mf.slot].any()  # cleared
+                    for vf, va in zip(mf.views[s], ma.views[s], strict=True):
+                        sf, sa = mf.optimizer.state[vf], ma.optimizer.state[va]
+                        assert set(sf) == set(sa) == {"step", "exp_avg", "exp_avg_sq"}
+                        for k in sf:
+                            assert torch.equal(sf[k], sa[k]), (s, k)
+        assert models[id(fused)][1].steps == 3
+    finally:
+        fused.close()
+        alone.close()
+
+
+def test_a_call_whose_data_leave_out_an_optional_input_is_still_exact(svc: TinkerService) -> None:
+    a = new_model(svc, seed=1)
+    svc.forward_backward(a, [datum(5, 99)], "cross_entropy", {}, False).result(30)
+    step(svc, a)
+    bare = datum(4, 3)
+    del bare.inputs["weights"]  # cross_entropy's weights are optional: each datum may leave them out
+    data = [datum(6, 1), bare, datum(3, 2)]
+    loss, lps = loss_of(svc.forward_backward(a, data, "cross_entropy", {}, True).result(30))
+    want_loss, want_lps, _ = direct(svc, a, data, "cross_entropy")
+    assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-5)
+    for lp, want in zip(lps, want_lps, strict=True):
+        np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_access_log_leaves_out_answered_retrieve_future_polls() -> None:
+    def record(path: str, status: int) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "POST", path, "1.1", status)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None)
+
+    quiet = QuietPolls()
+    assert not quiet.filter(record("/api/v1/retrieve_future", 200))
+    assert quiet.filter(record("/api/v1/retrieve_future", 404))
+    assert quiet.filter(record("/api/v1/forward_backward", 200))
 
 
 def test_a_model_trains_only_its_own_slot(svc: TinkerService) -> None:

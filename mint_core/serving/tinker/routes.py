@@ -32,7 +32,7 @@ from tinker import types
 from mint_core.engine.sampling import SamplingParams
 from mint_core.serving.protocol import APIError
 from mint_core.serving.server import Server
-from mint_core.serving.tinker.service import Result, TinkerError, TinkerService
+from mint_core.serving.tinker.service import AdamStep, Result, TinkerError, TinkerService
 from mint_core.serving.tinker.wire import (
     PROTO,
     Sampled,
@@ -243,12 +243,7 @@ async def optim_step(request: Request) -> Any:
         bad.append("beta1 and beta2 must be in [0, 1)")
     if bad:
         raise TinkerError(400, f"invalid AdamParams: {', '.join(bad)}")
-    fut = svc.call(
-        m,
-        lambda: Result(
-            json=svc.optim_step(m, p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
-        ),
-    )
+    fut = svc.optim(m, AdamStep(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm))
     return future(svc, who, fut, m.id)
 
 

@@ -5,12 +5,14 @@ there while it lives, with its own AdamW over views of that slot (as the multi-p
 Its gradient accumulates in the banks' `.grad` at its slot row until `optim_step` applies it, so many models
 train over one base and each one's gradient stays in its own slot.
 
-Calls queue per model and one worker thread runs them. When a forward_backward arrives while other models are
-training (they called in the last second) but have nothing queued, the worker waits `window_ms` for theirs, then
-works in rounds: each round takes the oldest call of every model; the forward/forward_backward calls among them
-run as ONE batched forward/backward over the base (each datum's row routed to its model's slot), the rest
-(optim_step, saves, loads) one by one. A model's calls therefore run in the
-order it sent them, whatever else is batched.
+Calls queue per model and one worker thread runs them in rounds: each round takes the oldest call of every model.
+Optim_steps, saves and loads never wait: the optim_steps of a round run as one fused AdamW over all their models'
+LoRA factors (each model with its own hyper-parameters, clipping and moments: the same update as its own AdamW
+step), saves and loads one by one. A round of forward/forward_backward calls waits, while other models are
+training (they called in the last second) but have nothing queued, until they all have or `window_ms` has passed,
+then runs as ONE batched forward/backward over the base (each datum's row routed to its model's slot). So the
+clients of a training loop batch together on every step, and a model's calls run in the order it sent them,
+whatever else is batched.
 
 Saving for the sampler writes a content-addressed revision to the adapter store, loads it into the engine under
 the Tinker path the SDK returns (so `/v1/completions` serves it by that name at once), and, with a registry,
@@ -22,6 +24,7 @@ evaluation, gate and promotion take it like any other revision.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -38,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from torch.optim.adamw import adamw
 
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import selected_logprobs
@@ -64,6 +68,7 @@ ATTN = frozenset(
     }
 )
 KEY_PREFIX = "tml-"
+BATCHED = frozenset({"forward", "forward_backward"})
 # A model that queued a call this recently counts as training now: a forward_backward waits the batching window
 # for its next call only while another model does.
 ACTIVE_S = 1.0
@@ -155,14 +160,28 @@ class TrainModel:
         return self.alpha / self.rank
 
 
+@dataclass(frozen=True)
+class AdamStep:
+    """One optim_step's AdamW hyper-parameters (the SDK's `AdamParams`)."""
+
+    lr: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0: no clipping
+
+
 @dataclass
 class _Op:
-    kind: Literal["forward", "forward_backward", "other"]
+    kind: Literal["forward", "forward_backward", "optim", "other"]
     future: Future[Any]
     data: list[Datum] = field(default_factory=list)
     loss_fn: str = ""
     config: dict[str, float | str] = field(default_factory=dict)
     run: Callable[[], Any] | None = None
+    adam: AdamStep | None = None  # an optim_step's
+    queued: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -192,18 +211,29 @@ class Checkpoint:
 
 
 class Futures:
-    """request id -> (owner, future); a finished future is kept until retrieved, then for `keep_s` more."""
+    """request id -> (owner, future); a finished future is kept until retrieved, then for `keep_s` more.
+
+    Ids are a random per-process prefix and a counter (no system call per request: a step queues two), and
+    retrieved futures are swept at most once a second rather than on every new id, so neither cost grows with the
+    number of futures held."""
 
     def __init__(self, keep_s: float = 600.0):
         self._lock = threading.Lock()
         self._items: dict[str, tuple[str, Future[Any], float]] = {}
         self.keep_s = keep_s
+        self._prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count()
+        self._next_sweep = 0.0
 
     def track(self, owner: str, fut: Future[Any]) -> str:
         """A new request id for `fut`, retrievable by `owner` only."""
-        rid = uuid.uuid4().hex
         with self._lock:
-            self._sweep()
+            rid = f"{self._prefix}{next(self._ids):x}"
+            now = time.monotonic()
+            if now >= self._next_sweep:
+                self._next_sweep = now + 1.0
+                for r in [r for r, (_, _, t) in self._items.items() if t < now]:
+                    del self._items[r]
             self._items[rid] = (owner, fut, math.inf)
         return rid
 
@@ -215,11 +245,6 @@ class Futures:
             if item[1].done() and item[2] == math.inf:
                 self._items[request_id] = (item[0], item[1], time.monotonic() + self.keep_s)
             return item[1]
-
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, (_, _, t) in self._items.items() if t < now]:
-            del self._items[rid]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -262,8 +287,10 @@ class TinkerService:
         self._cv = threading.Condition(self._lock)
         self._stopping = False
         self.batches: list[int] = []  # models per batched forward_backward round (for tests and benchmarks)
+        self.optim_rounds: list[int] = []  # models per fused optim_step round (for tests and benchmarks)
         self._tokenizer: str | None = None
         self._thread: threading.Thread | None = None  # started by the first call queued
+        self._free_since = 0.0  # time.monotonic() when the worker last finished a round
 
     def close(self) -> None:
         with self._cv:
@@ -546,40 +573,64 @@ class TinkerService:
         return fut
 
     def call(self, m: TrainModel, fn: Callable[[], Any]) -> Future[Any]:
-        """Queue `fn` in the model's order (optim_step, save, load); the future gets what it returns."""
+        """Queue `fn` in the model's order (save, load); the future gets what it returns."""
         fut: Future[Any] = Future()
         self.submit(m, _Op("other", fut, run=fn))
+        return fut
+
+    def optim(self, m: TrainModel, adam: AdamStep) -> Future[Any]:
+        """Queue an optim_step in the model's order; the future gets a `Result` with its metrics. Steps of many
+        models that come up in the same round run as one fused AdamW (`optim_steps`)."""
+        fut: Future[Any] = Future()
+        self.submit(m, _Op("optim", fut, adam=adam))
         return fut
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not any(m.queue for m in self.models.values()):
-                    self._cv.wait()
-                if self._stopping:
-                    return
+                heads = self._next_round()
+            if heads is None:
+                return
+            fb = [(m, op) for m, op in heads if op.kind in BATCHED]
+            if fb:
+                self._batch(fb)
+            optims = [(m, op) for m, op in heads if op.kind == "optim"]
+            if optims:
+                self._optim(optims)
+            for _, op in heads:
+                if op.kind == "other":
+                    self._one(op)
             with self._cv:
-                first = [m.queue[0].kind for m in self.models.values() if m.queue]
-                recent = time.monotonic() - ACTIVE_S
-                others = any(not m.queue and m.last_call > recent for m in self.models.values())
-            if others and self.window_s > 0 and "other" not in first:
-                # a forward_backward is waiting and models that are training now could send theirs in this step
-                time.sleep(self.window_s)
-            while True:
-                with self._cv:
-                    heads = [(m, m.queue[0]) for m in self.models.values() if m.queue]
-                if not heads:
-                    break
-                fb = [(m, op) for m, op in heads if op.kind != "other"]
-                if fb:
-                    self._batch(fb)
-                for _, op in heads:
-                    if op.kind == "other":
-                        self._one(op)
-                with self._cv:
-                    for m, op in heads:
-                        if m.queue and m.queue[0] is op:
-                            m.queue.popleft()
+                for m, op in heads:
+                    if m.queue and m.queue[0] is op:
+                        m.queue.popleft()
+                self._free_since = time.monotonic()
+
+    def _next_round(self) -> list[tuple[TrainModel, _Op]] | None:
+        """Under the lock: the calls to run next, the oldest of each model that has any (None: stopping).
+
+        Calls other than forward/forward_backward never wait: when some models' oldest call is one, those calls
+        make the round (their forward_backward calls run in the next). A round of only forward/forward_backward
+        calls waits while models that are training now (called in the last `ACTIVE_S`) have sent nothing, until
+        every one of them has or `window_ms` has passed since the oldest call waiting was queued or, if it came while
+        the worker was busy, since the worker was free; so the clients of a training loop batch together every step,
+        not only on the first."""
+        while True:
+            if self._stopping:
+                return None
+            heads = [(m, m.queue[0]) for m in self.models.values() if m.queue]
+            if not heads:
+                self._cv.wait()
+                continue
+            rest = [(m, op) for m, op in heads if op.kind not in BATCHED]
+            if rest:
+                return rest
+            now = time.monotonic()
+            left = max(min(op.queued for _, op in heads), self._free_since) + self.window_s - now
+            recent = now - ACTIVE_S
+            if left <= 0 or not any(not m.queue and m.last_call > recent for m in self.models.values()):
+                return heads
+            self._cv.wait(left)
 
     def _one(self, op: _Op) -> None:
         assert op.run is not None
@@ -601,27 +652,45 @@ class TinkerService:
         for (_, op), res in zip(calls, results, strict=True):
             op.future.set_result(res)
 
+    def _optim(self, calls: list[tuple[TrainModel, _Op]]) -> None:
+        try:
+            steps = []
+            for m, op in calls:
+                assert op.adam is not None
+                steps.append((m, op.adam))
+            metrics = self.optim_steps(steps)
+        except BaseException as e:
+            logger.exception("optim_step failed")
+            for _, op in calls:
+                op.future.set_exception(e)
+            return
+        self.optim_rounds.append(len(calls))
+        for (_, op), res in zip(calls, metrics, strict=True):
+            op.future.set_result(Result(json=res))
+
     # ---- the batched step ------------------------------------------------------------------------------
 
     def run_batch(self, calls: list[tuple[TrainModel, _Op]]) -> list[Result]:
         """One forward (and one backward, if any call wants gradients) over every datum of `calls`, each row under
         its model's slot; each call's loss over its own rows. Gradients accumulate in the banks' slot rows."""
         eng = self.engine
-        rows: list[tuple[int, Datum]] = []  # (call index, datum)
-        for c, (_, op) in enumerate(calls):
-            rows += [(c, d) for d in op.data]
-        width = max(len(d.tokens) for _, d in rows)
+        data = [d for _, op in calls for d in op.data]
+        lengths = np.array([len(d.tokens) for d in data])
+        width = int(lengths.max())
         dev = eng.base.device
-        ids = torch.full((len(rows), width), eng.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, (_, d) in enumerate(rows):
-            ids[i, : len(d.tokens)] = torch.from_numpy(d.tokens)
-            attn[i, : len(d.tokens)] = 1
-        slots = [calls[c][0].slot for c, _ in rows]
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        ids_np = np.full((len(data), width), eng.pad_id, dtype=np.int64)
+        ids_np[mask] = np.concatenate([d.tokens for d in data])
+        ids = torch.from_numpy(ids_np)
+        attn = torch.from_numpy(mask.astype(np.int64))
+        slots = [m.slot for m, op in calls for _ in op.data]
         train = any(op.kind == "forward_backward" for _, op in calls)
         sites = sorted({s for m, op in calls if op.kind == "forward_backward" for s in m.sites})
         banks = [eng.lora.banks[s] for s in sites]
         self.batches.append(len(calls))
+        # each call's tokens are one run of the real tokens in row order (rows are in call order)
+        token_ends = np.concatenate([[0], np.cumsum(lengths)])
+        bounds = token_ends[np.cumsum([0] + [len(op.data) for _, op in calls])]
         with eng._forward_lock:
             for b in banks:
                 b.A.requires_grad_(True)
@@ -634,43 +703,56 @@ class TinkerService:
                     finally:
                         eng.lora.ctx.clear()
                     B, T, V = logits.shape
-                    at = [(i, t) for i, (_, d) in enumerate(rows) for t in range(len(d.tokens))]
-                    r = torch.tensor([i * T + t for i, t in at], device=dev)
-                    tgt = torch.tensor(
-                        np.concatenate([d.inputs["target_tokens"] for _, d in rows]),
-                        dtype=torch.long,
-                        device=dev,
-                    )
-                    lp_all = selected_logprobs(logits.reshape(B * T, V), r, tgt)
+                    at = torch.from_numpy(np.flatnonzero(mask)).to(dev)  # row * T + t of every real token
+                    tgt = torch.from_numpy(
+                        np.concatenate([d.inputs["target_tokens"] for d in data]).astype(np.int64)
+                    ).to(dev)
+                    lp_all = selected_logprobs(logits.reshape(B * T, V), at, tgt)
                     total = lp_all.new_zeros(())
-                    outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in calls]
-                    call_loss = [0.0] * len(calls)
-                    start = 0
-                    for c, d in rows:
-                        n = len(d.tokens)
-                        lp = lp_all[start : start + n]
-                        start += n
-                        _, op = calls[c]
-                        ins = {
-                            k: torch.as_tensor(v, dtype=torch.float32, device=dev)
-                            for k, v in d.inputs.items()
-                            if k != "target_tokens"
-                        }
-                        loss = losses.datum_loss(op.loss_fn, op.config, lp, ins)
-                        call_loss[c] += float(loss.detach())
+                    call_loss = []
+                    for c, (_, op) in enumerate(calls):
+                        loss = self._call_loss(op, lp_all[bounds[c] : bounds[c + 1]], dev)
+                        call_loss.append(float(loss.detach()))
                         if op.kind == "forward_backward":
                             total = total + loss
-                        outputs[c].append({"logprobs": lp.detach().cpu().numpy()})
                     if train and total.requires_grad:
                         total.backward()
             finally:
                 for b in banks:
                     b.A.requires_grad_(False)
                     b.B.requires_grad_(False)
-        return [
-            Result(proto=write_forward_backward_output(outputs[c], {"loss:sum": call_loss[c]}))
-            for c in range(len(calls))
-        ]
+        per_datum = np.split(lp_all.detach().cpu().numpy(), token_ends[1:-1])
+        results = []
+        start = 0
+        for (_, op), loss_sum in zip(calls, call_loss, strict=True):
+            outputs = [{"logprobs": lp} for lp in per_datum[start : start + len(op.data)]]
+            start += len(op.data)
+            results.append(Result(proto=write_forward_backward_output(outputs, {"loss:sum": loss_sum})))
+        return results
+
+    @staticmethod
+    def _call_loss(op: _Op, lp: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """The loss of one call, its data's target logprobs `lp` concatenated: every loss is a sum over tokens of
+        a per-token term, so data with the same inputs go through `losses.datum_loss` together."""
+        keys = [sorted(k for k in d.inputs if k != "target_tokens") for d in op.data]
+        if all(k == keys[0] for k in keys):
+            groups = [(op.data, lp)]
+        else:  # some data carry an optional input the others leave out: one datum at a time
+            groups, start = [], 0
+            for d in op.data:
+                groups.append(([d], lp[start : start + len(d.tokens)]))
+                start += len(d.tokens)
+        total = lp.new_zeros(())
+        for data, part in groups:
+            ins = {
+                k: torch.as_tensor(
+                    np.concatenate([d.inputs[k] for d in data]), dtype=torch.float32, device=dev
+                )
+                for k in data[0].inputs
+                if k != "target_tokens"
+            }
+            total = total + losses.datum_loss(op.loss_fn, op.config, part, ins)
+        return total
 
     # ---- optimizer ------------------------------------------------------------------------------------
 
@@ -685,34 +767,55 @@ class TinkerService:
         grad_clip_norm: float,
     ) -> dict[str, Any]:
         """One AdamW step of `m` on the gradient accumulated since its last step (zero if none); clears it."""
+        return self.optim_steps([(m, AdamStep(lr, beta1, beta2, eps, weight_decay, grad_clip_norm))])[0]
+
+    def optim_steps(self, steps: list[tuple[TrainModel, AdamStep]]) -> list[dict[str, Any]]:
+        """One AdamW step of each model, each with its own hyper-parameters, gradient clipping and moments, on the
+        gradient accumulated at its slot since its last step (zero if none), which is cleared: the same updates as
+        stepping them one by one, in a few fused AdamW calls over all their LoRA factors (`fused_adamw_step`)."""
         banks = self.engine.lora.banks
         with self.engine._forward_lock, torch.no_grad():
-            grads = []
-            for s, (A, Bv) in m.views.items():
-                bank = banks[s]
-                gA = bank.A.grad[m.slot].clone() if bank.A.grad is not None else torch.zeros_like(A)
-                gB = bank.B.grad[m.slot].clone() if bank.B.grad is not None else torch.zeros_like(Bv)
-                A.grad, Bv.grad = gA, gB
-                grads += [gA, gB]
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-            if grad_clip_norm > 0 and norm > grad_clip_norm:
-                for g in grads:
-                    g.mul_(grad_clip_norm / (norm + 1e-6))
-            for group in m.optimizer.param_groups:
-                mult = group["lr_mult"]
-                group["lr"] = lr * mult
-                group["betas"] = (beta1, beta2)
-                group["eps"] = eps
-                # decoupled decay of the bank's B (scale folded in) at lr * scale: divide to decay as PEFT's B
-                group["weight_decay"] = weight_decay / mult
-            m.optimizer.step()
-            for s, (A, Bv) in m.views.items():
-                A.grad = Bv.grad = None
+            grads_of: list[list[torch.Tensor]] = []
+            for m, _ in steps:
+                grads = []
+                for s, (A, Bv) in m.views.items():
+                    bank = banks[s]
+                    # the slot's row of the accumulated gradient itself: clipped in place, zeroed after the step
+                    A.grad = bank.A.grad[m.slot] if bank.A.grad is not None else torch.zeros_like(A)
+                    Bv.grad = bank.B.grad[m.slot] if bank.B.grad is not None else torch.zeros_like(Bv)
+                    grads += [A.grad, Bv.grad]
+                grads_of.append(grads)
+            per_tensor = iter(torch._foreach_norm([g for grads in grads_of for g in grads]))
+            norms = []
+            for (m, adam), grads in zip(steps, grads_of, strict=True):
+                # the global norm as clip_grad_norm_ takes it: the norm of the per-tensor norms
+                norm = float(torch.linalg.vector_norm(torch.stack([next(per_tensor) for _ in grads])))
+                norms.append(norm)
+                if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
+                    torch._foreach_mul_(grads, adam.grad_clip_norm / (norm + 1e-6))
+                for group in m.optimizer.param_groups:
+                    mult = group["lr_mult"]
+                    group["lr"] = adam.lr * mult
+                    group["betas"] = (adam.beta1, adam.beta2)
+                    group["eps"] = adam.eps
+                    # decoupled decay of the bank's B (scale folded in) at lr * scale: divide to decay as PEFT's B
+                    group["weight_decay"] = adam.weight_decay / mult
+            fused_adamw_step([m.optimizer for m, _ in steps])
+            slots: dict[str, list[int]] = {}
+            for m, _ in steps:
+                for s, (A, Bv) in m.views.items():
+                    A.grad = Bv.grad = None
+                    slots.setdefault(s, []).append(m.slot)
+                m.steps += 1
+            for s, rows in slots.items():
+                index = torch.tensor(rows, device=banks[s].A.device)
                 for acc in (banks[s].A.grad, banks[s].B.grad):
                     if acc is not None:
-                        acc[m.slot].zero_()
-            m.steps += 1
-        return {"metrics": {"grad_norm:mean": norm, "step:max": float(m.steps)}}
+                        acc.index_fill_(0, index, 0.0)
+        return [
+            {"metrics": {"grad_norm:mean": norm, "step:max": float(m.steps)}}
+            for (m, _), norm in zip(steps, norms, strict=True)
+        ]
 
     # ---- checkpoints ----------------------------------------------------------------------------------
 
@@ -860,6 +963,57 @@ class TinkerService:
             if s is None or s.owner != owner:
                 raise not_found(f"no sampling session {sampler_id!r} of this API key")
             return s
+
+
+def fused_adamw_step(optimizers: list[torch.optim.AdamW]) -> None:
+    """`opt.step()` of each of `optimizers` (fused AdamW, no amsgrad, no maximize), in one fused AdamW call per
+    distinct set of hyper-parameters across all their param groups rather than one per group: the kernel updates
+    each tensor on its own, so the result is the same, bit for bit. Parameters without a `.grad` are skipped, and a
+    parameter's state is created on its first step as `torch.optim.AdamW` creates it."""
+    calls: dict[tuple[float, float, float, float, float], tuple[list[torch.Tensor], ...]] = {}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            if not group["fused"] or group["amsgrad"] or group["maximize"]:
+                raise ValueError("fused_adamw_step takes fused AdamW without amsgrad or maximize")
+            beta1, beta2 = group["betas"]
+            key = (
+                float(group["lr"]),
+                float(beta1),
+                float(beta2),
+                float(group["weight_decay"]),
+                float(group["eps"]),
+            )
+            lists = calls.setdefault(key, ([], [], [], [], []))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = opt.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for lst, t in zip(
+                    lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]), strict=True
+                ):
+                    lst.append(t)
+    for (lr, beta1, beta2, weight_decay, eps), (params, grads, exp_avgs, exp_avg_sqs, steps) in calls.items():
+        if params:
+            adamw(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                fused=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=lr,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=False,
+            )
 
 
 def _policy_name(session_id: str, seq: int) -> str:
