@@ -48,6 +48,7 @@ _KEY = re.compile(
     r"^base_model\.model\.(?P<module>.+?)(?P<nest>(?:\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$"
 )
 _UNPACKED = re.compile(r"^(?P<experts>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # the only modules _UNPACKED can match
 
 SiteTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -157,7 +158,7 @@ def from_peft_state(
             )
             continue
         module, depth, ab = m["module"], m["nest"].count(".base_layer"), m["ab"]
-        u = _UNPACKED.match(module)
+        u = _UNPACKED.match(module) if module.endswith(_EXPERT_PROJS) else None
         if u and depth == 0 and f"{u['experts']}.gate_up_proj" in sites:
             proj = unpacked.setdefault(u["experts"], {}).setdefault(int(u["e"]), {}).setdefault(u["proj"], {})
             proj[ab] = t

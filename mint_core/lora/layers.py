@@ -101,19 +101,28 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]] | None:
 class _SlotBank(nn.Module):
     """Stacked A/B slot tensors for one site; `lead` is () for a linear and (E,) for an expert parameter."""
 
-    def __init__(self, site: Site, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        site: Site,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """`storage`: zeroed A and B of the shapes below, views of a model's slot storage (`_slot_storage`);
+        by default the bank allocates its own."""
         super().__init__()
         self.site = site
         self.max_rank = max_rank
         lead = (site.experts,) if site.experts else ()
-        self.A = nn.Parameter(
-            torch.zeros(num_slots + 1, *lead, max_rank, site.in_features, dtype=dtype, device=device),
-            requires_grad=False,
-        )
-        self.B = nn.Parameter(
-            torch.zeros(num_slots + 1, *lead, max_rank, site.out_features, dtype=dtype, device=device),
-            requires_grad=False,
-        )
+        if storage is None:
+            storage = (
+                torch.zeros(num_slots + 1, *lead, max_rank, site.in_features, dtype=dtype, device=device),
+                torch.zeros(num_slots + 1, *lead, max_rank, site.out_features, dtype=dtype, device=device),
+            )
+        self.A = nn.Parameter(storage[0], requires_grad=False)
+        self.B = nn.Parameter(storage[1], requires_grad=False)
         self.filled = 0  # how many slots hold an adapter here; 0 lets the forward skip the site
         # per slot: None (all zero) or the rank written there, so a write touches only what it must: its own
         # columns, plus the columns a previous, higher-rank occupant left (a full zeroing and an `any()` scan
@@ -320,13 +329,76 @@ class MultiLoRAExperts(nn.Module):
         return final
 
 
+def _groups(shapes: dict[str, tuple[int, int, int, int]]) -> dict[tuple[int, int, int] | str, list[str]]:
+    """Sites grouped for slot layout, from each one's (experts, rank, in, out): linear sites by (rank, in, out),
+    in order of first appearance (q, k and v, o, gate and up, down for a decoder layer), each expert site a
+    group of its own. A group's A's are one [n, r, in] block of a slot-layout buffer and its B's one
+    [n, r, out] block; all A blocks come first, then all B blocks."""
+    groups: dict[tuple[int, int, int] | str, list[str]] = {}
+    for name, (experts, r, n_in, n_out) in shapes.items():
+        groups.setdefault(name if experts else (r, n_in, n_out), []).append(name)
+    return groups
+
+
+def _slot_storage(
+    sites: list[Site], num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Zeroed storage for every slot of `sites`, [S+1, slot size], and each site's A [S+1, (E,) R, in] and
+    B [S+1, (E,) R, out] as views of it: one slot is contiguous, in the layout `LoRAModel.prepare` gives a
+    revision of rank R over every site, so writing such a revision into a slot is one copy."""
+    by_name = {s.name: s for s in sites}
+    shapes = {s.name: (s.experts, max_rank, s.in_features, s.out_features) for s in sites}
+    groups = _groups(shapes)
+    size = sum(max(s.experts, 1) * max_rank * (s.in_features + s.out_features) for s in sites)
+    slots = torch.zeros(num_slots + 1, size, dtype=dtype, device=device)
+    views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    at = 0
+    for factor in (0, 1):  # all A's, then all B's
+        for names in groups.values():
+            for name in names:
+                site = by_name[name]
+                lead = (site.experts,) if site.experts else ()
+                n = site.out_features if factor else site.in_features
+                numel = max(site.experts, 1) * max_rank * n
+                view = slots[:, at : at + numel].view(num_slots + 1, *lead, max_rank, n)
+                views[name] = (views[name][0], view) if factor else (view, view)
+                at += numel
+    return slots, views
+
+
+class Prepared(dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    """A revision in slot layout, site -> (A [.., r, in], B [.., r, out]), as `LoRAModel.prepare` makes it: every
+    factor a view of `flat`, one host buffer (None when prepared site by site)."""
+
+    flat: torch.Tensor | None = None
+
+
 class LoRAModel:
     """The multi-LoRA view of one base: its context and a slot bank per targeted site."""
 
-    def __init__(self, ctx: LoRAContext, banks: dict[str, _SlotBank], max_rank: int):
+    def __init__(
+        self,
+        ctx: LoRAContext,
+        banks: dict[str, _SlotBank],
+        max_rank: int,
+        slots: torch.Tensor | None = None,
+    ):
+        """`slots`: the storage the banks' A and B are views of (`_slot_storage`), when they share one."""
         self.ctx = ctx
         self.banks = banks
         self.max_rank = max_rank
+        self.slots = slots
+        # per bank, for `_in_slot_layout`: its A and B parameters, their byte offsets in a slot and shapes
+        Layout = dict[str, tuple[_SlotBank, list[tuple[nn.Parameter, str, int, torch.Size]]]]
+        self._layout: Layout = {}
+        self._slots_ptr = 0 if slots is None else slots.data_ptr()
+        if slots is not None:
+            for name, bank in banks.items():
+                params = [(bank.A, "A"), (bank.B, "B")]
+                self._layout[name] = (
+                    bank,
+                    [(t, key, t.data_ptr() - self._slots_ptr, t.shape[1:]) for t, key in params],
+                )
 
     @property
     def num_slots(self) -> int:
@@ -359,18 +431,21 @@ class LoRAModel:
             return {name: self.banks[name].prepare(A, B, scale) for name, (A, B) in tensors.items()}
         (dtype,) = dtypes
         pin = any(bank.A.is_cuda for bank in self.banks.values())
-        groups: dict[tuple[int, ...], list[str]] = {}  # linear sites by (r, in, out); experts one by one
-        for name, (A, B) in tensors.items():
-            key = (*A.shape, B.shape[0]) if A.dim() == 2 else (-len(groups) - 1,)
-            groups.setdefault(key, []).append(name)
+        # in the banks' order, so that a revision of the max rank over every site comes out in a slot's layout
+        order = [n for n in self.banks if n in tensors] + [n for n in tensors if n not in self.banks]
+        shapes = {}
+        for name in order:
+            A, B = tensors[name]
+            shapes[name] = (A.shape[0] if A.dim() == 3 else 0, A.shape[-2], A.shape[-1], B.shape[-2])
+        groups = _groups(shapes)
         n_A = sum(A.numel() for A, _ in tensors.values())
         flat = _host_buffer(n_A + sum(B.numel() for _, B in tensors.values()), dtype, pin)
         A_views: dict[str, torch.Tensor] = {}
         B_views: dict[str, torch.Tensor] = {}
         at_A, at_B = 0, n_A
         for key, names in groups.items():
-            if len(key) == 1:  # experts: A [E, r, in], B [E, out, r] -> [E, r, out]
-                (name,) = names
+            if isinstance(key, str):  # experts: A [E, r, in], B [E, out, r] -> [E, r, out]
+                name = key
                 A, B = tensors[name]
                 A_views[name] = flat[at_A : at_A + A.numel()].view(A.shape).copy_(A)
                 B_views[name] = flat[at_B : at_B + B.numel()].view(*B.shape[:-2], B.shape[-1], B.shape[-2])
@@ -388,7 +463,9 @@ class LoRAModel:
             at_A, at_B = at_A + A_NRI.numel(), at_B + B_NRO.numel()
         if scale != 1.0:
             flat[n_A:].mul_(scale)
-        return {name: (A_views[name], B_views[name]) for name in tensors}
+        out = Prepared({name: (A_views[name], B_views[name]) for name in tensors})
+        out.flat = flat
+        return out
 
     @torch.no_grad()
     def write_prepared(self, slot: int, prepared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -397,6 +474,13 @@ class LoRAModel:
         On the CPU the copies go in one `_foreach_copy_` call (one Python call instead of a few per site: the
         copies are small, ~40-160 KB each, so per-call overhead was most of the write's time). Into CUDA banks
         each copy is queued without blocking the host (see `_SlotBank.write_prepared`)."""
+        flat = getattr(prepared, "flat", None)
+        if flat is not None and self._in_slot_layout(prepared, flat):
+            assert self.slots is not None
+            for bank in self.banks.values():
+                bank.claim(slot, bank.max_rank)
+            self.slots[slot].copy_(flat, non_blocking=self.slots.is_cuda and flat.is_pinned())
+            return
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for name, bank in self.banks.items():
@@ -416,6 +500,29 @@ class LoRAModel:
         if dst:
             torch._foreach_copy_(dst, src)
 
+    def _in_slot_layout(
+        self, prepared: dict[str, tuple[torch.Tensor, torch.Tensor]], flat: torch.Tensor
+    ) -> bool:
+        """Whether copying `flat` whole into a slot of `slots` is what writing each site's factors would do: the
+        revision covers every site at the max rank, each factor sits in `flat` where its bank's slot view sits
+        in a slot, and the banks still view `slots` (nothing has replaced their parameters or their data)."""
+        slots, layout = self.slots, self._layout
+        if slots is None or len(prepared) != len(layout) or flat.numel() != slots.shape[1]:
+            return False
+        if flat.dtype != slots.dtype or flat.device.type != "cpu":
+            return False
+        src = flat.data_ptr()
+        for name, (bank, params) in layout.items():
+            pair = prepared.get(name)
+            if pair is None or self.banks.get(name) is not bank:
+                return False
+            for got, (param, key, offset, shape) in zip(pair, params, strict=True):
+                if got.data_ptr() - src != offset or got.shape != shape or bank._parameters[key] is not param:
+                    return False
+                if param.data_ptr() != self._slots_ptr + offset:
+                    return False
+        return True
+
     def clear_slot(self, slot: int) -> None:
         for bank in self.banks.values():
             bank.clear(slot)
@@ -432,8 +539,12 @@ def slot_banks(
     adapter load path at a real base's shape without holding the base's weights."""
     if num_slots < 1 or max_rank < 1:
         raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots} and {max_rank}")
-    banks = {s.name: _SlotBank(s, num_slots, max_rank, dtype, torch.device(device)) for s in sites}
-    return LoRAModel(LoRAContext(num_slots), banks, max_rank)
+    sites = list(sites)
+    slots, views = _slot_storage(sites, num_slots, max_rank, dtype, torch.device(device))
+    banks = {
+        s.name: _SlotBank(s, num_slots, max_rank, dtype, torch.device(device), views[s.name]) for s in sites
+    }
+    return LoRAModel(LoRAContext(num_slots), banks, max_rank, slots)
 
 
 def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -447,10 +558,12 @@ def inject(model: nn.Module, sites: Iterable[Site], num_slots: int, max_rank: in
         raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots} and {max_rank}")
     ctx = LoRAContext(num_slots)
     param = next(model.parameters())
+    sites = list(sites)
+    slots, views = _slot_storage(sites, num_slots, max_rank, param.dtype, param.device)
     banks: dict[str, _SlotBank] = {}
     experts: dict[str, dict[str, _SlotBank]] = {}
     for site in sites:
-        bank = _SlotBank(site, num_slots, max_rank, param.dtype, param.device)
+        bank = _SlotBank(site, num_slots, max_rank, param.dtype, param.device, views[site.name])
         banks[site.name] = bank
         if site.experts:
             experts.setdefault(site.module_path, {})[site.short] = bank
@@ -469,4 +582,4 @@ def inject(model: nn.Module, sites: Iterable[Site], num_slots: int, max_rank: in
                 f"experts module {path} ({type(module).__name__}) has an unsupported layout: missing {missing}"
             )
         _set_submodule(model, path, MultiLoRAExperts(module, module_banks, ctx))
-    return LoRAModel(ctx, banks, max_rank)
+    return LoRAModel(ctx, banks, max_rank, slots)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -79,9 +80,9 @@ def _within(path: Path, roots: list[Path]) -> bool:
     return any(real == r or r in real.parents for r in (root.resolve() for root in roots))
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor of a safetensors header, its byte range relative to the start of the data."""
+class _Entry(NamedTuple):
+    """One tensor of a safetensors header, its byte range relative to the start of the data (a named tuple: a
+    header has hundreds, and a frozen dataclass is several times slower to make)."""
 
     key: str
     dtype: str
@@ -209,21 +210,49 @@ def nonfinite_sites(tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> li
     return [site for site, (A, B) in tensors.items() if not (_all_finite(A) and _all_finite(B))]
 
 
-def _nonfinite(data: memoryview, header: _Header, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Problems naming each tensor with NaN or inf. Checked over runs of adjacent tensors of one dtype at
-    once (the whole data of a single-dtype file is one run), so a file of 500 tensors costs a few calls; a run
-    that is not all finite is then searched tensor by tensor for the names."""
+def _views(
+    data: memoryview, header: _Header
+) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, list[_Entry]]]]:
+    """Every tensor of the header as a view of `data`, and the runs of adjacent tensors of one dtype, each as one
+    flat tensor over its bytes (the whole data of a single-dtype file is one run). A tensor is a strided view of
+    its run's tensor: one call each, where a buffer view of its own and a reshape are two."""
     runs: list[list[_Entry]] = []
     for e in sorted(header.entries, key=lambda e: e.begin):
         if runs and runs[-1][-1].dtype == e.dtype and runs[-1][-1].end == e.begin:
             runs[-1].append(e)
         else:
             runs.append([e])
-    problems = []
+    views: dict[str, torch.Tensor] = {}
+    flat_runs = []
     for run in runs:
         begin, end, dtype = run[0].begin, run[-1].end, run[0].dtype
-        whole = _Entry("", dtype, ((end - begin) // _DTYPE_BYTES[dtype],), begin, end)
-        if _all_finite(_tensor(data, header.data_start, whole)):
+        size = _DTYPE_BYTES[dtype]
+        flat = _tensor(data, header.data_start, _Entry("", dtype, ((end - begin) // size,), begin, end))
+        at = flat.storage_offset()
+        for e in run:
+            if e.end == e.begin:
+                views[e.key] = torch.empty(e.shape, dtype=flat.dtype)
+            else:
+                views[e.key] = flat.as_strided(e.shape, _strides(e.shape), at + (e.begin - begin) // size)
+        flat_runs.append((flat, run))
+    return {e.key: views[e.key] for e in header.entries}, flat_runs
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return tuple(strides)
+
+
+def _nonfinite(runs: list[tuple[torch.Tensor, list[_Entry]]], tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems naming each tensor with NaN or inf. Checked over runs of adjacent tensors of one dtype at
+    once (`_views`), so a file of 500 tensors costs a few calls; a run that is not all finite is then searched
+    tensor by tensor for the names."""
+    problems = []
+    for flat, run in runs:
+        if _all_finite(flat):
             continue
         for e in run:
             t = tensors[e.key]
@@ -313,14 +342,15 @@ def read_adapter(
 class _Hashing:
     """The revision's digest, hashed on a thread of its own from the pieces of the weights file as they are read,
     so that hashing overlaps the rest of the read and the validation (sha256 releases the GIL) instead of
-    following them. `result()` waits for it; `busy_s` is the time spent hashing."""
+    following them. `result()` waits for it; `busy_s` is the time spent hashing. The threads are kept between
+    loads (`_HashWorkers`)."""
 
     def __init__(self, config_bytes: bytes, weights_size: int):
         self._h = Digest.hasher(config_bytes, weights_size)
         self._pieces: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._done: Future[Digest] = Future()
         self.busy_s = 0.0
-        threading.Thread(target=self._run, name="mint-digest", daemon=True).start()
+        _HASH_WORKERS.submit(self)
 
     def feed(self, piece: memoryview) -> None:
         self._pieces.put(piece)
@@ -329,7 +359,7 @@ class _Hashing:
         self._pieces.put(None)
         return self._done
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             while (piece := self._pieces.get()) is not None:
                 t = time.perf_counter()
@@ -340,25 +370,56 @@ class _Hashing:
             self._done.set_exception(e)
 
 
+class _HashWorkers:
+    """Daemon threads that run `_Hashing`s, one each at a time, started only when none is idle. A thread start
+    waits for the new thread to be scheduled: ~0.1 ms on an idle machine, but ~4 ms with every core busy, and
+    it held up every load's read. Daemons, so that a hash that never gets its last piece cannot hold up exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Hashing] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, job: _Hashing) -> None:
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._jobs.put(job)
+        if start:
+            threading.Thread(target=self._work, name="mint-digest", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get().run()
+            with self._lock:
+                self._idle += 1
+
+
+_HASH_WORKERS = _HashWorkers()
+
+
 def _read_hashed(path: Path, config_bytes: bytes | None) -> tuple[memoryview, _Hashing | None]:
-    """The file's bytes in fresh, writable memory (tensors view it without a copy; not zero-filled first, since
-    the read overwrites every byte), and the revision's digest being hashed from them as they arrive (None
-    without a config to hash first, or when the file changed size while it was read)."""
+    """The file's bytes in writable memory of their own (`hostmem`: tensors view it without a copy; not
+    zero-filled first, since the read overwrites every byte), and the revision's digest being hashed from them as
+    they arrive (None without a config to hash first, or when the file changed size while it was read)."""
     with path.open("rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         data = hostmem.take(size).data
         hashing = None if config_bytes is None else _Hashing(config_bytes, size)
         at = 0
-        while at < size:
-            n = f.readinto(data[at : at + _CHUNK])
-            if not n:
-                break
-            if hashing is not None:
-                hashing.feed(data[at : at + n])
-            at += n
-        whole = at == size and not f.read(1)
-    if hashing is not None:
-        hashing.finish()
+        try:
+            while at < size:
+                n = f.readinto(data[at : at + _CHUNK])
+                if not n:
+                    break
+                if hashing is not None:
+                    hashing.feed(data[at : at + n])
+                at += n
+            whole = at == size and not f.read(1)
+        finally:
+            if hashing is not None:  # also when the read failed, so that its hashing thread is free again
+                hashing.finish()
     if whole:
         return data, hashing
     # written to while we read: take it whole as it is now; the caller's digest covers those bytes
@@ -421,11 +482,11 @@ def validate_bytes(
         header, header_problems = _parse_header(data)
         problems += header_problems
         if header is not None and not header_problems:
-            state = {e.key: _tensor(data, header.data_start, e) for e in header.entries}
+            state, runs = _views(data, header)
             fp = header.metadata.get(FINGERPRINT_KEY)
             if fp is not None and fp != spec.fingerprint:
                 problems.append(f"made for base {fp[:12]}, but this engine's base is {spec.fingerprint[:12]}")
-            problems += _nonfinite(data, header, state)
+            problems += _nonfinite(runs, state)
             named = config.get(DTYPE_KEY)
             dtypes = sorted({DTYPE_NAMES[t.dtype] for t in state.values()})
             if isinstance(named, str) and named in DTYPE_NAMES.values() and dtypes and dtypes != [named]:

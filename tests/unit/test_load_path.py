@@ -237,3 +237,56 @@ def test_prepared_revisions_use_one_buffer_each(monkeypatch):
         for got in (held, again):
             assert torch.equal(got[n][0], A.to(torch.bfloat16))
             assert torch.equal(got[n][1], (B.to(torch.bfloat16).t() * 2.0))
+
+
+def test_a_max_rank_revision_over_every_site_goes_into_its_slot_in_one_copy():
+    """A slot's storage is contiguous, in the layout prepare gives a revision of the max rank over every site, so
+    writing one is a single copy; a lower rank, a revision over fewer sites, or a bank whose tensor was replaced
+    takes the site-by-site path, and every path leaves the same factors in the slot."""
+    sites = {
+        "l0": Site("l0", in_features=24, out_features=40),
+        "l1": Site("l1", in_features=24, out_features=40),
+        "l2": Site("l2", in_features=40, out_features=24),
+        "e0.gate_up_proj": Site("e0.gate_up_proj", in_features=16, out_features=12, experts=3),
+    }
+    lora = slot_banks(sites.values(), num_slots=3, max_rank=4, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+
+    def revision(rank: int, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {
+            n: (
+                torch.randn(*lead, rank, sites[n].in_features, generator=g),
+                torch.randn(*lead, sites[n].out_features, rank, generator=g),
+            )
+            for n in names
+            for lead in [(sites[n].experts,) if sites[n].experts else ()]
+        }
+
+    def check(slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for name, bank in lora.banks.items():
+            if name not in tensors:
+                assert not bank.A[slot].any() and not bank.B[slot].any()
+                continue
+            A, B = tensors[name]
+            got_A, got_B = bank.read(slot, A.shape[-2], scale=0.5)
+            assert torch.equal(got_A, A) and torch.allclose(got_B, B)
+
+    full = revision(4, list(sites))
+    prepared = lora.prepare(full, scale=0.5)
+    assert lora._in_slot_layout(prepared, prepared.flat)
+    lora.write_prepared(1, prepared)
+    check(1, full)
+    assert not lora.slots[0].any() and not lora.slots[2].any()  # only its own slot
+
+    for rank, names in [(2, list(sites)), (4, ["l0", "e0.gate_up_proj"])]:
+        part = revision(rank, names)
+        other = lora.prepare(part, scale=0.5)
+        assert not lora._in_slot_layout(other, other.flat)
+        lora.write_prepared(1, other)  # over the full-rank one: its extra rows and sites are cleared
+        check(1, part)
+
+    bank = lora.banks["l1"]
+    bank.A.data = bank.A.data.clone()  # as moving a model's parameters does: the bank no longer views `slots`
+    assert not lora._in_slot_layout(prepared, prepared.flat)
+    lora.write_prepared(2, prepared)
+    check(2, full)
