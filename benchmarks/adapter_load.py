@@ -19,11 +19,13 @@ path, `Engine.read_adapter` then `WorkingSet.add` and the first `WorkingSet.acqu
                by a verifying `AdapterStore.local_dir`)
   read         the two files into memory
   validate     config, header, finiteness, shapes
-  prepare      the tensors into slot layout for the host cache (while the digest is still being hashed)
+  prepare      the tensors into slot layout for the host cache, one buffer filled by a few grouped copies (while
+               the digest is still being hashed)
   digest_wait  the wait for the digest after that; `digest` is the time the hashing took on its own thread,
                from the first piece read on, so it overlaps read, validate and prepare
   register     `WorkingSet.add`
-  slot_write   the first `WorkingSet.acquire`: the copy into a slot
+  slot_write   the first `WorkingSet.acquire`: the copy into a slot (one copy for a revision of the max rank over
+               every site, since a slot is one contiguous buffer in the host cache's layout)
 (`read_adapter`'s split is its `AdapterWeights.load_s`.) Then, untimed, the slot is released and the adapter
 unloaded. Ranks and target sets are interleaved round-robin. The files were just written, so they come from the
 page cache. With 30 repeats, p99 is close to the slowest load.
@@ -59,8 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Before torch starts OpenMP: its idle workers sleep instead of spinning, as `mint train` runs them. On
-# a machine with more busy threads than cores, spinning workers stall each of the load's ~750 small copies at
-# its barrier (p50 swung between 70 ms and 2.3 s with two torch threads on two shared cores).
+# a machine with more busy threads than cores, spinning workers stall each parallel copy at its barrier (p50
+# swung between 70 ms and 2.3 s with two torch threads on two shared cores, when a load was ~750 small copies).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np

@@ -13,6 +13,9 @@ Shapes: S slots (+1 zero slot), R max rank, E experts; `A_SRI` is [S+1, R, in] (
 `B_SRO` is [S+1, R, out] (transposed from PEFT's). Those are the layouts the CPU GEMMs run fastest: x A^T with
 A row-major [R, in] runs 2.4x faster than x A with A row-major [in, R] at rank 8 (forward, and the gradient
 of A 4.5x), while h B runs best with B row-major [R, out].
+The banks of one model are views of one storage, [S+1, slot size] (`LoRAModel.slots`): each slot is contiguous,
+laid out as `LoRAModel.prepare` lays out a revision in host memory, so loading a revision of rank R over every
+site into a slot is one copy (~750 small ones at Qwen3-4B's shape otherwise).
 """
 
 from __future__ import annotations
