@@ -10,6 +10,7 @@ Figures, per policy (`<task>_...`): the base's score, the median and the smalles
 p-value (exact two-sided McNemar), and how many rounds met `--target` with p < 0.01; per round in `rounds`.
 
     python benchmarks/grpo_learning.py [--tasks add,sort] [--rounds 3] [--steps 100] [--heldout 200]
+        [--prompts-per-step 16] [--set learning_rate=5e-4 --set rank=16 ...]
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see mint_app/cli.py train
 
 import torch
+import yaml
+from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, report
@@ -35,6 +39,7 @@ from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.evaluate import heldout_correct
+from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, TrainingRun
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
@@ -49,25 +54,39 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--target", type=float, default=0.10, help="gain a round must reach (issue #16: +0.10)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=5e-4) or a PolicySpec field "
+        "(rank, alpha, reward); repeatable",
+    )
+    ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
     add_device(ap)
     args = ap.parse_args()
     device = checked_device(ap, args.device)
     torch.set_num_threads(args.threads)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     heldout = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in tasks}
-    k = BUILTIN_PROMPTS_PER_STEP
+    k = args.prompts_per_step
+    grpo, spec_fields = _overrides(ap, args.set)
     engine = Engine(
         load_base(args.base, device=device),
         # each round's policies get slots of their own (named <task>-<round>), so every round starts fresh
-        EngineConfig(max_loras=len(tasks) * args.rounds, max_lora_rank=8, max_model_len=128),
+        EngineConfig(
+            max_loras=len(tasks) * args.rounds,
+            max_lora_rank=int(spec_fields.get("rank", 8)),
+            max_model_len=128,
+        ),
     )
     base = {t: heldout_correct(engine, None, heldout[t]) for t in tasks}
     rounds = []
     for r in range(args.rounds):
         name = f"bench-{r}"
         prompts = {f"{t}-{r}": load_prompts(t, k * args.steps, 0, args.data, name)[0] for t in tasks}
-        specs = [PolicySpec(name=f"{t}-{r}", task=t) for t in tasks]
-        trainer = MultiPolicyTrainer(engine, BUILTIN_RECIPE, specs, seed=round_seed(0, name))
+        specs = [PolicySpec(name=f"{t}-{r}", task=t, **spec_fields) for t in tasks]
+        trainer = MultiPolicyTrainer(engine, grpo, specs, seed=round_seed(0, name))
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             TrainingRun.start(trainer, prompts, args.steps, k, Path(tmp), checkpoint_every=0).run()
@@ -83,7 +102,12 @@ def main() -> None:
             }
         print(row, flush=True)
         rounds.append(row)
-    out: dict[str, object] = {"rounds": rounds, "steps": args.steps, "heldout": args.heldout}
+    out: dict[str, object] = {
+        "rounds": rounds,
+        "steps": args.steps,
+        "heldout": args.heldout,
+        "overrides": args.set,
+    }
     for t in tasks:
         gains = [r[t]["gain"] for r in rounds]  # type: ignore[index]
         ps = [r[t]["p"] for r in rounds]  # type: ignore[index]
@@ -95,6 +119,29 @@ def main() -> None:
             g >= args.target and p < 0.01 for g, p in zip(gains, ps, strict=True)
         )
     report(out)
+
+
+def _overrides(ap: argparse.ArgumentParser, pairs: list[str]) -> tuple[GRPOConfig, dict[str, Any]]:
+    """`--set KEY=VALUE` pairs split into the recipe (GRPOConfig fields, validated) and PolicySpec fields."""
+    recipe: dict[str, Any] = {}
+    spec: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            ap.error(f"--set {pair!r}: expected KEY=VALUE")
+        value = yaml.safe_load(raw)
+        if key in GRPOConfig.model_fields:
+            recipe[key] = value
+        elif key in PolicySpec.model_fields and key not in ("name", "task"):
+            spec[key] = value
+        else:
+            ap.error(f"--set {key}: not a GRPOConfig or PolicySpec field")
+    try:
+        grpo = GRPOConfig.model_validate({**BUILTIN_RECIPE.model_dump(), **recipe})
+        PolicySpec(name="x", task="add", **spec)
+    except ValidationError as e:
+        ap.error(f"--set: {e}")
+    return grpo, spec
 
 
 if __name__ == "__main__":

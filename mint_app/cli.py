@@ -23,6 +23,7 @@ from mint_app.registry_cli import catalog_app, registry_app
 from mint_app.services_cli import register as register_service_commands
 from mint_core import __version__
 from mint_core.data.build import DataParams, write_task_data
+from mint_core.engine.cpu_pin import pin_cpu_kernels
 from mint_core.errors import DataCheckError
 
 if TYPE_CHECKING:
@@ -175,6 +176,8 @@ def base_pretrain(
     ] = None,
 ) -> None:
     """Pretrain the built-in base on the task corpus, save it, and record its held-out accuracy per task."""
+    # before torch loads: the same bytes on every machine (mint_core/engine/cpu_pin.py)
+    pin_cpu_kernels()
     # deferred: torch and transformers, which `mint --help` need not load
     from mint_core.engine.pretrain import PretrainParams, pretrain
 

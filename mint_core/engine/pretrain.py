@@ -1,8 +1,9 @@
 """Pretrain the built-in base: a small Llama over the byte tokenizer, trained here on the synthetic task corpus.
 
 The base is meant to be *partly* right: answers well formed and the easy tasks (copy, upper) mostly right, the
-harder ones (reverse, sort, add) only sometimes, so GRPO has something to improve. Everything is seeded, so a
-rerun with the same params and corpus gives the same weights on the same machine and torch build.
+harder ones (reverse, sort, add) only sometimes, so GRPO has something to improve. Everything is seeded and the kernels
+pinned (`cpu_pin`), so a rerun with the same params and corpus gives the same weights on any x86-64 machine with
+the same torch build.
 
 Written to `out_dir`: the Hugging Face model and tokenizer (loadable by `load_base`), and `metrics.json` with the
 held-out greedy exact-match and well-formed rates per task, measured with mint's own engine. The wall times of
@@ -30,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from mint_core.data.build import CORPUS, read_corpus, read_split
 from mint_core.data.tasks import Example, is_well_formed
 from mint_core.engine.base import load_base
+from mint_core.engine.cpu_pin import PINNED_CAPABILITY, REPRODUCIBLE_CPU_ENV
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -204,6 +206,14 @@ def _pretrain(
     progress: bool,
     timings_path: str | Path | None,
 ) -> dict[str, Any]:
+    if torch.backends.cpu.get_cpu_capability() != PINNED_CAPABILITY:
+        logger.warning(
+            "pretraining with %s kernels, not %s: the weights will be those of this CPU, not the ones dvc.lock "
+            "records (set %s before torch loads, as `mint base pretrain` does)",
+            torch.backends.cpu.get_cpu_capability(),
+            PINNED_CAPABILITY,
+            " ".join(f"{k}={v}" for k, v in REPRODUCIBLE_CPU_ENV.items()),
+        )
     torch.manual_seed(params.seed)
     t0 = time.perf_counter()
     tokenizer = byte_tokenizer()
@@ -261,6 +271,7 @@ def _pretrain(
         "parameters": n_params,
         "torch": torch.__version__,
         "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2 when pinned (cpu_pin)
     }
     timings = {"train_seconds": round(train_s, 1), "eval_seconds": round(time.perf_counter() - t1, 1)}
     # Without the wall times, a rebuild that gives the same weights gives the same directory and metrics file

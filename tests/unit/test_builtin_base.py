@@ -3,7 +3,11 @@ from train; a short pretraining run lowers the loss and writes a base that `load
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from mint_core.data.build import (
 )
 from mint_core.data.tasks import Example, read_jsonl
 from mint_core.engine.base import load_base
+from mint_core.engine.cpu_pin import PINNED_CAPABILITY, REPRODUCIBLE_CPU_ENV
 from mint_core.engine.pretrain import (
     TIMINGS,
     PretrainParams,
@@ -154,3 +159,28 @@ def test_pretrain_lowers_loss_and_writes_a_loadable_base(task_dir: Path, tmp_pat
     assert base.tokenizer is not None and len(base.tokenizer) == 259
     assert base.config.model_type == "llama" and base.config.vocab_size == 259
     assert base.sites  # LoRA can attach
+
+
+def test_mint_base_pretrain_pins_the_kernels_and_rebuilds_the_same_bytes(
+    task_dir: Path, tmp_path: Path
+) -> None:
+    """`mint base pretrain` computes with AVX2 kernels whatever the CPU (cpu_pin), records so in its metrics, and
+    two builds from the same params give the same weights: the property dvc.lock's hash of data/base relies on."""
+    params = tmp_path / "params.yaml"
+    params.write_text(json.dumps({"base": {**TINY, "steps": 8, "threads": 2}}))
+    digests = []
+    for i in range(2):
+        out = tmp_path / f"b{i}"
+        env = {k: v for k, v in os.environ.items() if k not in REPRODUCIBLE_CPU_ENV}
+        mint = str(Path(sys.executable).parent / "mint")
+        done = subprocess.run(
+            [mint, "base", "pretrain", "--data", str(task_dir), "--out", str(out), "--params", str(params)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads((out / "metrics.json").read_text())["cpu_capability"] == PINNED_CAPABILITY
+        digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
