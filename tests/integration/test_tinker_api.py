@@ -109,12 +109,12 @@ def test_supervised_loop_cross_entropy_falls(server: tuple[str, Path], base_dir:
 
 def test_rl_loop_mean_reward_rises(server: tuple[str, Path], base_dir: Path) -> None:
     """Sample with the SDK, score with a built-in task's reward, importance_sampling, optim_step, on the same 8
-    prompts each step. On the built-in base: exact answers to `reverse` (it gets about a quarter right at
-    temperature 1); on the tiny fallback, which knows no task: the `add` task's format reward."""
+    prompts each step. On the built-in base: exact answers to `add` (about a quarter right at temperature 1 at
+    first, about 0.7 after 12 steps); on the tiny fallback, which knows no task: the `add` task's format reward."""
     url, _ = server
     builtin = base_dir == ROOT / "data" / "base"
     task, score_name, max_tokens, lr, steps, gain = (
-        ("reverse", "exact_match", 8, 1e-3, 12, 0.15) if builtin else ("add", "well_formed", 2, 0.02, 10, 0.5)
+        ("add", "exact_match", 4, 1e-3, 12, 0.15) if builtin else ("add", "well_formed", 2, 0.02, 10, 0.5)
     )
     sc, tc = training_client(url, seed=1)
     tok = tc.get_tokenizer()
