@@ -9,7 +9,7 @@ of the eval suites), with the adapter and without it (the baseline, measured in 
 Figures, per policy (`<task>_...`): the base's score, the median and the smallest gain over the rounds, the largest
 p-value (exact two-sided McNemar), and how many rounds met `--target` with p < 0.01; per round in `rounds`.
 
-    python benchmarks/grpo_learning.py [--tasks add,sort] [--rounds 3] [--steps 100] [--heldout 200]
+    python benchmarks/grpo_learning.py [--tasks add,sort] [--rounds 3] [--steps 200] [--heldout 200]
         [--prompts-per-step 16] [--set learning_rate=5e-4 --set rank=16 ...]
 """
 
@@ -40,7 +40,7 @@ from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, TrainingRun
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, TrainingRun
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
 
@@ -50,7 +50,9 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("data/tasks"))
     ap.add_argument("--tasks", default="add,sort")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=100, help="GRPO steps (the main job's first wave: 100)")
+    ap.add_argument(
+        "--steps", type=int, default=BUILTIN_STEPS, help="GRPO steps (the first wave: BUILTIN_STEPS)"
+    )
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--target", type=float, default=0.10, help="gain a round must reach (issue #16: +0.10)")
     ap.add_argument("--threads", type=int, default=1)
@@ -62,6 +64,7 @@ def main() -> None:
         help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=5e-4) or a PolicySpec field "
         "(rank, alpha, reward); repeatable",
     )
+    ap.add_argument("--prefix", default="bench", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
     add_device(ap)
     args = ap.parse_args()
@@ -83,7 +86,7 @@ def main() -> None:
     base = {t: heldout_correct(engine, None, heldout[t]) for t in tasks}
     rounds = []
     for r in range(args.rounds):
-        name = f"bench-{r}"
+        name = f"{args.prefix}-{r}"
         prompts = {f"{t}-{r}": load_prompts(t, k * args.steps, 0, args.data, name)[0] for t in tasks}
         specs = [PolicySpec(name=f"{t}-{r}", task=t, **spec_fields) for t in tasks]
         trainer = MultiPolicyTrainer(engine, grpo, specs, seed=round_seed(0, name))

@@ -302,7 +302,7 @@ def train(
         "data/base"
     ),
     # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's (literals here: importing it would load torch)
-    steps: Annotated[int, typer.Option(min=1)] = 100,
+    steps: Annotated[int, typer.Option(min=1)] = 300,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 16,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
     lr: Annotated[float, typer.Option(help="Learning rate (decays linearly to 0 over the run).")] = 1e-3,
@@ -546,7 +546,7 @@ def run_cmd(
     first_steps: Annotated[
         int | None,
         typer.Option(
-            min=1, help="GRPO steps of the first wave, for policies with no champion \\[default: 100]."
+            min=1, help="GRPO steps of the first wave, for policies with no champion \\[default: 300]."
         ),
     ] = None,
     eval_limit: Annotated[

@@ -49,7 +49,7 @@ from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import Workspace
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS
 from mint_core.rl.trainer import PolicySpec
 from mint_core.settings import Settings
 from mint_core.types import Device
@@ -79,7 +79,7 @@ class MainJobConfig(Settings):
     measurably improves on the built-in base (see `mint_core.rl.recipe.BUILTIN_RECIPE` for why not the others)."""
     steps: int = Field(40, ge=1)
     """GRPO steps of the wave that trains every policy from its champion."""
-    first_steps: int = Field(100, ge=1)
+    first_steps: int = Field(BUILTIN_STEPS, ge=1)
     """GRPO steps of the first wave, for the policies that have no champion yet (trained from the base)."""
     prompts_per_step: int = Field(BUILTIN_PROMPTS_PER_STEP, ge=1)
     """Prompts per policy per step, each sampled `group_size` times."""
