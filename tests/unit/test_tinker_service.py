@@ -565,3 +565,13 @@ def test_the_wire_format_round_trips_with_the_sdks_own_encoders_and_decoders() -
     assert [s.stop_reason for s in sample.sequences] == ["stop", "length"]
     assert sample.sequences[0].logprobs == [-0.5, -0.25]
     assert sample.prompt_logprobs is not None and sample.prompt_logprobs[1] == -2.0
+
+
+def test_round_size_history_stays_bounded() -> None:
+    """A long-running server keeps only the newest round sizes, never an ever-growing list."""
+    from mint_core.serving.tinker.service import HISTORY, _record
+
+    history: list[int] = []
+    for i in range(HISTORY + 1):
+        _record(history, i)
+    assert len(history) == HISTORY // 2 + 1 and history[-1] == HISTORY and history[0] == HISTORY // 2

@@ -286,8 +286,10 @@ class TinkerService:
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._stopping = False
-        self.batches: list[int] = []  # models per batched forward_backward round (for tests and benchmarks)
-        self.optim_rounds: list[int] = []  # models per fused optim_step round (for tests and benchmarks)
+        # models per batched forward_backward round and per fused optim_step round, the newest `HISTORY` of each
+        # (for tests and benchmarks)
+        self.batches: list[int] = []
+        self.optim_rounds: list[int] = []
         self._tokenizer: str | None = None
         self._thread: threading.Thread | None = None  # started by the first call queued
         self._free_since = 0.0  # time.monotonic() when the worker last finished a round
@@ -642,31 +644,32 @@ class TinkerService:
             op.future.set_exception(e)
 
     def _batch(self, calls: list[tuple[TrainModel, _Op]]) -> None:
-        try:
-            results = self.run_batch(calls)
-        except BaseException as e:
-            logger.exception("batched forward_backward failed")
-            for _, op in calls:
-                op.future.set_exception(e)
-            return
-        for (_, op), res in zip(calls, results, strict=True):
-            op.future.set_result(res)
+        self._settle(calls, "batched forward_backward", lambda: self.run_batch(calls))
 
     def _optim(self, calls: list[tuple[TrainModel, _Op]]) -> None:
-        try:
+        def run() -> list[Result]:
             steps = []
             for m, op in calls:
                 assert op.adam is not None
                 steps.append((m, op.adam))
             metrics = self.optim_steps(steps)
-        except BaseException as e:
-            logger.exception("optim_step failed")
+            _record(self.optim_rounds, len(calls))
+            return [Result(json=res) for res in metrics]
+
+        self._settle(calls, "optim_step", run)
+
+    @staticmethod
+    def _settle(calls: list[tuple[TrainModel, _Op]], what: str, run: Callable[[], list[Result]]) -> None:
+        """Run one round for `calls` and give each call's future its result, or the round's error to all."""
+        try:
+            results = run()
+        except BaseException as e:  # the callers' futures carry it
+            logger.exception("%s failed", what)
             for _, op in calls:
                 op.future.set_exception(e)
             return
-        self.optim_rounds.append(len(calls))
-        for (_, op), res in zip(calls, metrics, strict=True):
-            op.future.set_result(Result(json=res))
+        for (_, op), res in zip(calls, results, strict=True):
+            op.future.set_result(res)
 
     # ---- the batched step ------------------------------------------------------------------------------
 
@@ -687,7 +690,7 @@ class TinkerService:
         train = any(op.kind == "forward_backward" for _, op in calls)
         sites = sorted({s for m, op in calls if op.kind == "forward_backward" for s in m.sites})
         banks = [eng.lora.banks[s] for s in sites]
-        self.batches.append(len(calls))
+        _record(self.batches, len(calls))
         # each call's tokens are one run of the real tokens in row order (rows are in call order)
         token_ends = np.concatenate([[0], np.cumsum(lengths)])
         bounds = token_ends[np.cumsum([0] + [len(op.data) for _, op in calls])]
@@ -1014,6 +1017,17 @@ def fused_adamw_step(optimizers: list[torch.optim.AdamW]) -> None:
                 eps=eps,
                 maximize=False,
             )
+
+
+HISTORY = 4096
+"""Most round sizes `TinkerService.batches` and `.optim_rounds` keep: a server runs for days."""
+
+
+def _record(history: list[int], n: int) -> None:
+    """Append a round's size, dropping the oldest half once `HISTORY` are kept."""
+    history.append(n)
+    if len(history) > HISTORY:
+        del history[: HISTORY // 2]
 
 
 def _policy_name(session_id: str, seq: int) -> str:
