@@ -40,7 +40,13 @@ from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, TrainingRun
+from mint_core.rl.recipe import (
+    BUILTIN_PROMPTS_PER_STEP,
+    BUILTIN_RANK,
+    BUILTIN_RECIPE,
+    BUILTIN_STEPS,
+    TrainingRun,
+)
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
 
@@ -61,8 +67,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=5e-4) or a PolicySpec field "
-        "(rank, alpha, reward); repeatable",
+        help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=1e-3) or a PolicySpec field "
+        "(rank, default BUILTIN_RANK; alpha, default 2 x rank; reward); repeatable",
     )
     ap.add_argument("--prefix", default="bench", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
@@ -79,7 +85,7 @@ def main() -> None:
         # each round's policies get slots of their own (named <task>-<round>), so every round starts fresh
         EngineConfig(
             max_loras=len(tasks) * args.rounds,
-            max_lora_rank=int(spec_fields.get("rank", 8)),
+            max_lora_rank=int(spec_fields["rank"]),
             max_model_len=128,
         ),
     )
@@ -139,6 +145,9 @@ def _overrides(ap: argparse.ArgumentParser, pairs: list[str]) -> tuple[GRPOConfi
             spec[key] = value
         else:
             ap.error(f"--set {key}: not a GRPOConfig or PolicySpec field")
+    # the built-in recipe's rank unless set; alpha = 2 x rank unless set, as the main job and `mint train` do
+    spec.setdefault("rank", BUILTIN_RANK)
+    spec.setdefault("alpha", 2.0 * spec["rank"])
     try:
         grpo = GRPOConfig.model_validate({**BUILTIN_RECIPE.model_dump(), **recipe})
         PolicySpec(name="x", task="add", **spec)

@@ -301,13 +301,13 @@ def train(
     base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
         "data/base"
     ),
-    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's (literals here: importing it would load torch)
+    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's and BUILTIN_RANK (literals here: importing it would load torch)
     steps: Annotated[int, typer.Option(min=1)] = 300,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 16,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
-    lr: Annotated[float, typer.Option(help="Learning rate (decays linearly to 0 over the run).")] = 1e-3,
+    lr: Annotated[float, typer.Option(help="Learning rate (decays linearly to 0 over the run).")] = 5e-4,
     temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")] = 0.7,
-    rank: Annotated[int, typer.Option(min=1)] = 8,
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank (alpha = 2 x rank).")] = 32,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
     ),

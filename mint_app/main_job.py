@@ -49,7 +49,7 @@ from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import Workspace
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RANK, BUILTIN_RECIPE, BUILTIN_STEPS
 from mint_core.rl.trainer import PolicySpec
 from mint_core.settings import Settings
 from mint_core.types import Device
@@ -89,8 +89,9 @@ class MainJobConfig(Settings):
     """AdamW learning rate of every policy's adapter."""
     temperature: float = Field(BUILTIN_RECIPE.temperature, gt=0)
     """Sampling temperature of the rollouts."""
-    rank: int = Field(8, ge=1)
-    """LoRA rank of the policies (alpha = 2 x rank)."""
+    rank: int = Field(BUILTIN_RANK, ge=1)
+    """LoRA rank of the policies (alpha = 2 x rank); the server started for the job accepts up to `BUILTIN_RANK`
+    unless its serving config says otherwise."""
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
     """Items per lm-eval task in the evaluation the gate reads (the suites hold 200, params.yaml
     eval_suites.limit; checks.eval wants >= 20). Why 200: mint_core.eval.results.EVAL_LIMIT."""

@@ -107,6 +107,10 @@ class ServicesConfig(Settings):
     serve_adapter_root: Path | None = None
     """Adapter store of `mint serve` (load requests may only name paths inside it). Default: the serving
     config's adapter_root (.mint/store)."""
+    serve_max_lora_rank: int = Field(32, ge=1)
+    """Largest adapter rank `mint serve` accepts when neither its serving config nor MINT_SERVE_MAX_LORA_RANK
+    sets one: the built-in recipe's rank (`mint_core.rl.recipe.BUILTIN_RANK`, a literal here so that `mint up`
+    does not load torch), above the serving default of 16 (vLLM's), so the main job's revisions load."""
     serve_device: Device | None = None
     """Device of `mint serve` (`--device`: cpu, cuda or cuda:N), and of the training of the flows it registers.
     Default: the serving config's device (cpu)."""
@@ -541,6 +545,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
     # a token from the environment or the serving config wins; else one kept in the state dir, so the admin
     # routes of a server started by `mint up` have a token that can be read back
     serving = ServingConfig.load(config.serve_config)
+    if "max_lora_rank" not in serving.model_fields_set:
+        env["MINT_SERVE_MAX_LORA_RANK"] = str(config.serve_max_lora_rank)
     if serving.admin_token is None:
         env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
     # the Tinker training API: a key kept in the state dir (unless keys are configured), and a named

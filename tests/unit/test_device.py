@@ -116,3 +116,26 @@ def test_mint_run_refuses_a_missing_device_from_its_flag_or_environment(
     out = CliRunner().invoke(app, ["run", "--device", "cpu", "--no-build"])
     assert out.exit_code == 0, out.output
     assert [cfg.device for cfg in ran] == ["cpu"]  # the flag wins over the environment
+
+
+def test_the_server_mint_up_starts_accepts_the_builtin_recipes_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The main job trains rank-`BUILTIN_RANK` adapters; the server `mint up` starts must load them, though the
+    serving default (vLLM's) is 16. A serving config or the environment that sets a rank keeps its own."""
+    from mint_core.rl.recipe import BUILTIN_RANK
+
+    monkeypatch.delenv("MINT_SERVE_MAX_LORA_RANK", raising=False)
+    assert main_job.MainJobConfig().rank == BUILTIN_RANK
+    services = ServicesConfig(state_dir=tmp_path / "state", serve_base="tiny-dense")
+    services.state_dir.mkdir(parents=True)
+    assert services.serve_max_lora_rank == BUILTIN_RANK  # a literal in services.py: it must not drift
+    _, env = command("serve", services)
+    assert env["MINT_SERVE_MAX_LORA_RANK"] == str(BUILTIN_RANK)
+    own = tmp_path / "serving.yaml"
+    own.write_text("max_lora_rank: 8\n")
+    _, env = command("serve", services.model_copy(update={"serve_config": own}))
+    assert "MINT_SERVE_MAX_LORA_RANK" not in env
+    monkeypatch.setenv("MINT_SERVE_MAX_LORA_RANK", "64")
+    _, env = command("serve", services)
+    assert env.get("MINT_SERVE_MAX_LORA_RANK", "64") == "64"
