@@ -42,10 +42,10 @@ from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
-    BUILTIN_RANK,
     BUILTIN_RECIPE,
     BUILTIN_STEPS,
     TrainingRun,
+    builtin_spec,
 )
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
@@ -67,8 +67,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=1e-3) or a PolicySpec field "
-        "(rank, default BUILTIN_RANK; alpha, default 2 x rank; reward); repeatable",
+        help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=5e-4) or a PolicySpec field "
+        "(rank, default each task's builtin_spec rank; alpha, default 2 x rank; reward); repeatable",
     )
     ap.add_argument("--prefix", default="bench", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
@@ -85,7 +85,7 @@ def main() -> None:
         # each round's policies get slots of their own (named <task>-<round>), so every round starts fresh
         EngineConfig(
             max_loras=len(tasks) * args.rounds,
-            max_lora_rank=int(spec_fields["rank"]),
+            max_lora_rank=max(s.rank for s in _specs(tasks, "x", grpo, spec_fields)),
             max_model_len=128,
         ),
     )
@@ -94,7 +94,7 @@ def main() -> None:
     for r in range(args.rounds):
         name = f"{args.prefix}-{r}"
         prompts = {f"{t}-{r}": load_prompts(t, k * args.steps, 0, args.data, name)[0] for t in tasks}
-        specs = [PolicySpec(name=f"{t}-{r}", task=t, **spec_fields) for t in tasks]
+        specs = _specs(tasks, str(r), grpo, spec_fields)
         trainer = MultiPolicyTrainer(engine, grpo, specs, seed=round_seed(0, name))
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
@@ -130,6 +130,18 @@ def main() -> None:
     report(out)
 
 
+def _specs(tasks: list[str], suffix: str, grpo: GRPOConfig, fields: dict[str, Any]) -> list[PolicySpec]:
+    """The round's policies `<task>-<suffix>` as the main job makes them (`builtin_spec`: each task's rank, alpha
+    2 x rank, the rate scaled to it), then the `--set` PolicySpec fields."""
+    out = []
+    for t in tasks:
+        spec = builtin_spec(f"{t}-{suffix}", t, fields.get("rank"), grpo.learning_rate)
+        if "rank" in fields and "alpha" not in fields:
+            fields = {**fields, "alpha": 2.0 * fields["rank"]}
+        out.append(PolicySpec.model_validate({**spec.model_dump(), **fields}))
+    return out
+
+
 def _overrides(ap: argparse.ArgumentParser, pairs: list[str]) -> tuple[GRPOConfig, dict[str, Any]]:
     """`--set KEY=VALUE` pairs split into the recipe (GRPOConfig fields, validated) and PolicySpec fields."""
     recipe: dict[str, Any] = {}
@@ -145,9 +157,6 @@ def _overrides(ap: argparse.ArgumentParser, pairs: list[str]) -> tuple[GRPOConfi
             spec[key] = value
         else:
             ap.error(f"--set {key}: not a GRPOConfig or PolicySpec field")
-    # the built-in recipe's rank unless set; alpha = 2 x rank unless set, as the main job and `mint train` do
-    spec.setdefault("rank", BUILTIN_RANK)
-    spec.setdefault("alpha", 2.0 * spec["rank"])
     try:
         grpo = GRPOConfig.model_validate({**BUILTIN_RECIPE.model_dump(), **recipe})
         PolicySpec(name="x", task="add", **spec)

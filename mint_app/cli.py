@@ -301,13 +301,17 @@ def train(
     base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
         "data/base"
     ),
-    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's and BUILTIN_RANK (literals here: importing it would load torch)
+    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's and builtin_spec's (literals here: importing it would load torch)
     steps: Annotated[int, typer.Option(min=1)] = 300,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 16,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
-    lr: Annotated[float, typer.Option(help="Learning rate (decays linearly to 0 over the run).")] = 5e-4,
+    lr: Annotated[
+        float, typer.Option(help="Learning rate at rank 8 (scaled by sqrt(8 / rank); decays linearly to 0).")
+    ] = 1e-3,
     temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")] = 0.7,
-    rank: Annotated[int, typer.Option(min=1, help="LoRA rank (alpha = 2 x rank).")] = 32,
+    rank: Annotated[
+        int | None, typer.Option(min=1, help="LoRA rank (alpha = 2 x rank). Default: add 32, the others 8.")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
     ),
@@ -353,8 +357,7 @@ def train(
     from mint_core.data.tasks import split, task
     from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer
-    from mint_core.rl.trainer import PolicySpec
+    from mint_core.rl.recipe import ResumeError, TrainingRun, builtin_spec, load_trainer
 
     _check_device(device)  # before any work, as an unknown task below
     names = [t.strip() for t in policies.split(",") if t.strip()]
@@ -378,7 +381,7 @@ def train(
             f"policy, and {heldout} more held out",
             param_hint="--steps",
         ) from None
-    specs = [PolicySpec(name=t, task=t, rank=rank, alpha=2 * rank) for t in names]
+    specs = [builtin_spec(t, t, rank, lr) for t in names]
     trainer = load_trainer(
         base,
         specs,

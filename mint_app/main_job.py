@@ -49,8 +49,7 @@ from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import Workspace
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RANK, BUILTIN_RECIPE, BUILTIN_STEPS
-from mint_core.rl.trainer import PolicySpec
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, builtin_spec
 from mint_core.settings import Settings
 from mint_core.types import Device
 from tasks.registry import EXPERIMENT
@@ -89,9 +88,10 @@ class MainJobConfig(Settings):
     """AdamW learning rate of every policy's adapter."""
     temperature: float = Field(BUILTIN_RECIPE.temperature, gt=0)
     """Sampling temperature of the rollouts."""
-    rank: int = Field(BUILTIN_RANK, ge=1)
-    """LoRA rank of the policies (alpha = 2 x rank); the server started for the job accepts up to `BUILTIN_RANK`
-    unless its serving config says otherwise."""
+    rank: int | None = Field(None, ge=1)
+    """LoRA rank of every policy (alpha = 2 x rank). Default: each task's built-in rank (`rl.recipe.builtin_spec`:
+    `add` 32, the others 8), with the learning rate scaled to it. The server the job starts accepts up to 32
+    unless its serving config says otherwise (`ServicesConfig.serve_max_lora_rank`)."""
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
     """Items per lm-eval task in the evaluation the gate reads (the suites hold 200, params.yaml
     eval_suites.limit; checks.eval wants >= 20). Why 200: mint_core.eval.results.EVAL_LIMIT."""
@@ -323,7 +323,7 @@ def run_wave(
     cfg: MainJobConfig, ws: Workspace, names: list[str], steps: int, round_name: str
 ) -> tuple[WaveReport, str]:
     """The wave flow over `names`; its report and flow run id."""
-    runs = [PolicyRun(spec=PolicySpec(name=t, task=t, rank=cfg.rank, alpha=2.0 * cfg.rank)) for t in names]
+    runs = [PolicyRun(spec=builtin_spec(t, t, cfg.rank, cfg.learning_rate)) for t in names]
     training = Training(
         steps=steps,
         prompts_per_step=cfg.prompts_per_step,

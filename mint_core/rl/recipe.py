@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -40,38 +41,57 @@ KEEP_CHECKPOINTS = 2
 """A run resumes from its newest checkpoint; the one before it is kept in case the newest is damaged."""
 
 
-BUILTIN_RECIPE = GRPOConfig(group_size=8, learning_rate=5e-4, lr_decay="linear", temperature=0.7)
+BUILTIN_RECIPE = GRPOConfig(group_size=8, learning_rate=1e-3, lr_decay="linear", temperature=0.7)
 """The GRPO settings that measurably train the built-in base (`make run`, `mint train`, the flows' default), with
-`BUILTIN_PROMPTS_PER_STEP` prompts per step and adapters of rank `BUILTIN_RANK`. Chosen by greedy exact match on
+`BUILTIN_PROMPTS_PER_STEP` prompts per step and each task's rank (`builtin_spec`). Chosen by greedy exact match on
 200 held-out items against the bare base (paired McNemar), `add` and `sort` trained at once (the experiments are
-in the closing notes of issue #16): at a constant rate the gain peaks early and then decays, the rollout reward
-falling with it; a linear decay to 0 keeps the early gain. Sampling at 0.7 rather than 1.0 wastes fewer samples
-(pass@1 0.50 against 0.42 on `add`, the same pass@8) and 16 prompts per step rather than 8 halve each update's
-noise. 5e-4 goes with rank 32: AdamW moves every one of the rank's directions by about the rate, so the product
-B A moves about sqrt(rank) times as far per step; half of rank 8's 1e-3 at four times the rank keeps the
-per-step change of the product about the same (rank 16 at 1e-3 gained less than rank 8)."""
+in the closing notes of issue #16): at a constant 1e-3 the gain peaks near step 50 and then decays, the rollout
+reward falling with it; at 2e-3 it collapses; a linear decay to 0 keeps the early gain. Sampling at 0.7 rather
+than 1.0 wastes fewer samples (pass@1 0.50 against 0.42 on `add`, the same pass@8) and 16 prompts per step rather
+than 8 halve each update's noise. GRPO sharpens what the base can already sample: on `add` and `sort` it samples a
+right answer that it does not answer greedily on 25% and 17% of the items (pass@8 - greedy); on `reverse`, `copy`
+and `upper` on 3-8%, and there it gains little. The learning rate is for rank `BUILTIN_RANK`."""
 
-BUILTIN_RANK = 32
-"""LoRA rank of the built-in recipe's policies (alpha = 2 x rank, so the scale stays 2). `add` is where the rank
-matters: the base's wrong sums are mostly one off in the units digit, and a rank-8 adapter learns one shift that
-fixes the +1 misses and makes new -1 misses (it broke 14-16 items it had right while fixing 34-40, gaining +0.10
-to +0.12 whatever the steps, rate, group size, temperature, KL, advantage mode or targets). Rank 32 at 5e-4 gained
-+0.135 to +0.15 on `add` over six rounds. It is not capacity the task lacks at rank 8: supervised fine-tuning of
-a rank-8 adapter on the true sums reaches 0.84 in 1000 steps; it is how far GRPO gets in the steps `make run` can
-afford. On the built-in base a rank-32 adapter is 0.6 MB."""
+BUILTIN_RANK = 8
+"""LoRA rank of the built-in recipe's policies (alpha = 2 x rank), but for the tasks in `BUILTIN_TASK_RANKS`."""
+
+BUILTIN_TASK_RANKS: dict[str, int] = {"add": 32}
+"""Tasks the built-in recipe trains at another rank than `BUILTIN_RANK`. `add`: the base's wrong sums are mostly
+one off in the units digit, and a rank-8 adapter learns one shift that fixes the +1 misses and makes new -1
+misses (it broke 14-16 items it had right while fixing 34-40, gaining +0.095 to +0.12 on 200 held-out items
+whatever the steps, rate, group size, temperature, KL, advantage mode, targets or an average of three rounds'
+adapters). At rank 32 (rate 5e-4) it gained +0.13 to +0.15 over eight rounds. Rank is not what `add` lacks at rank
+8 in principle (supervised fine-tuning of a rank-8 adapter on the true sums reaches 0.84 in 1000 steps), but it is
+how far GRPO gets in the 300 steps `make run` affords. `sort` stays at 8: at 32 it gained a little more (+0.15 to
++0.165) but cost the guard suite 0.018, past what its non-inferiority margin can rule out on 400 items."""
+
+
+def builtin_spec(
+    name: str, task: str, rank: int | None = None, learning_rate: float = BUILTIN_RECIPE.learning_rate
+) -> PolicySpec:
+    """A policy of the built-in recipe: its task's rank (`BUILTIN_TASK_RANKS`, else `BUILTIN_RANK`) unless `rank`
+    is given, alpha = 2 x rank, and `learning_rate` (the rate for rank `BUILTIN_RANK`) scaled by
+    sqrt(BUILTIN_RANK / rank). AdamW moves each of the rank's directions by about the rate, so the product B A
+    moves about sqrt(rank) times as far per step; the scaling keeps that per-step change about the same (rank 16
+    at 1e-3 gained less than rank 8; rank 32 at 5e-4 more). At `BUILTIN_RANK` the policy has no rate of its own
+    and trains at the run's."""
+    r = rank if rank is not None else BUILTIN_TASK_RANKS.get(task, BUILTIN_RANK)
+    lr = None if r == BUILTIN_RANK else learning_rate * math.sqrt(BUILTIN_RANK / r)
+    return PolicySpec(name=name, task=task, rank=r, alpha=2.0 * r, learning_rate=lr)
+
 
 BUILTIN_PROMPTS_PER_STEP = 16
 
 BUILTIN_STEPS = 300
 """Steps of a policy's first revision with the built-in recipe (the main job's first wave, `mint train`). On the
 AVX2-pinned built-in base (`mint_core.engine.cpu_pin`: `add` 0.495, `sort` 0.76), `add` and `sort` trained at
-once, gains on 200 held-out items (`benchmarks/grpo_learning.py`), at rank 8 and 1e-3 (before `BUILTIN_RANK`):
+once, gains on 200 held-out items (`benchmarks/grpo_learning.py`), both at rank 8:
 - 100 steps: `add` +0.08 and +0.10, `sort` +0.07 and +0.075;
 - 200 steps: `add` +0.095 to +0.115, `sort` +0.095 to +0.11 (four rounds);
 - 300 steps: `add` +0.095 and +0.115, `sort` +0.135 and +0.15 (p < 1e-6).
 The linear decay spreads over more updates, so the late small steps keep the early gain and add to it; `sort`
-keeps gaining. With rank 32 at 5e-4, 300 steps: `add` +0.13 to +0.135, `sort` +0.155 to +0.165 (p < 6e-4).
-About 0.45 s a step for the two policies on this 2-core machine."""
+keeps gaining, `add` does not (see `BUILTIN_TASK_RANKS`). About 0.5 s a step for the two policies on this 2-core
+machine."""
 
 
 STEP_METRICS = ("reward_std", "no_signal", "pg_objective", "kl", "entropy", "clip_frac", "grad_norm")
