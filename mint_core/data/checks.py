@@ -403,14 +403,22 @@ def check(
     params: CheckParams | None = None,
     source: str = "<frame>",
     raise_on_failure: bool = True,
+    quick: bool = False,
 ) -> CheckReport:
     """Validate a flat table of one kind; raise `DataCheckError` listing every failing expectation (unless
-    `raise_on_failure` is False), else return the report."""
+    `raise_on_failure` is False), else return the report.
+
+    `quick` (the rollout check before every GRPO update): validate with GX's BOOLEAN_ONLY results first, which
+    skip the counts and unexpected-value samples (65 ms against 135-175 ms for a 256-row rollout batch), and only
+    when an expectation fails validate again with SUMMARY results, so a failure names the same values either way.
+    A passing quick report's `result_json` then holds only each expectation's success."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
     suite = _suite(kind, params or CheckParams())
     batch = _batch_definition(kind).get_batch(batch_parameters={"dataframe": frame})
-    result = batch.validate(suite, result_format="SUMMARY")
+    result = batch.validate(suite, result_format="BOOLEAN_ONLY" if quick else "SUMMARY")
+    if quick and not result.success:
+        result = batch.validate(suite, result_format="SUMMARY")
     doc = result.to_json_dict()
     failed = [_describe(r) for r in result.results if not r.success]
     report = CheckReport(

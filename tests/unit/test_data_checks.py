@@ -246,10 +246,16 @@ ROLLOUT_CASES: list[tuple[str, list[RolloutRow], list[str]]] = [
 ]
 
 
+@pytest.mark.parametrize("quick", [False, True], ids=["summary", "quick"])
 @pytest.mark.parametrize(("case", "batch", "expected"), ROLLOUT_CASES, ids=[c[0] for c in ROLLOUT_CASES])
-def test_bad_rollout_batch_is_stopped(case: str, batch: list[RolloutRow], expected: list[str]) -> None:
+def test_bad_rollout_batch_is_stopped(
+    case: str, batch: list[RolloutRow], expected: list[str], quick: bool
+) -> None:
+    """The quick check (before every GRPO update) stops the same batches, naming the same values."""
     with pytest.raises(DataCheckError) as info:
-        check(rollout_frame(batch), "rollouts", CheckParams(rollouts=RolloutBounds(group_size=4)))
+        check(
+            rollout_frame(batch), "rollouts", CheckParams(rollouts=RolloutBounds(group_size=4)), quick=quick
+        )
     for part in expected:
         assert part in str(info.value), str(info.value)
 
@@ -260,6 +266,9 @@ def test_rollout_frame_and_a_good_batch() -> None:
     assert list(df.columns) == ROLLOUT_COLUMNS and len(df) == 12
     assert set(df["group_size"]) == {4} and df["logprob_max"].isna().sum() == 1
     assert check(df, "rollouts", CheckParams(rollouts=RolloutBounds(group_size=4))).success
+    quick = check(df, "rollouts", CheckParams(rollouts=RolloutBounds(group_size=4)), quick=True)
+    full = check(df, "rollouts", CheckParams(rollouts=RolloutBounds(group_size=4)))
+    assert quick.success and quick.evaluated == full.evaluated and not quick.failed
     # without a known G, equal sizes are still required
     with pytest.raises(DataCheckError, match=r"unique_value_count.*group_size.*observed 2"):
         check(rollout_frame(_batch()[:-1]), "rollouts")
