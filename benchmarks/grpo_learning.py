@@ -135,9 +135,7 @@ def _specs(tasks: list[str], suffix: str, grpo: GRPOConfig, fields: dict[str, An
     2 x rank, the rate scaled to it), then the `--set` PolicySpec fields."""
     out = []
     for t in tasks:
-        spec = builtin_spec(f"{t}-{suffix}", t, fields.get("rank"), grpo.learning_rate)
-        if "rank" in fields and "alpha" not in fields:
-            fields = {**fields, "alpha": 2.0 * fields["rank"]}
+        spec = builtin_spec(f"{t}-{suffix}", t, fields.get("rank"), grpo.learning_rate)  # alpha 2 x rank
         out.append(PolicySpec.model_validate({**spec.model_dump(), **fields}))
     return out
 

@@ -360,6 +360,8 @@ def train(
     from mint_core.rl.recipe import ResumeError, TrainingRun, builtin_spec, load_trainer
 
     _check_device(device)  # before any work, as an unknown task below
+    if not lr > 0:  # NaN too
+        raise typer.BadParameter(f"{lr} is not a learning rate: it must be above 0", param_hint="--lr")
     names = [t.strip() for t in policies.split(",") if t.strip()]
     for t in names:
         try:

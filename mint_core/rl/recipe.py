@@ -60,10 +60,11 @@ BUILTIN_TASK_RANKS: dict[str, int] = {"add": 32}
 one off in the units digit, and a rank-8 adapter learns one shift that fixes the +1 misses and makes new -1
 misses (it broke 14-16 items it had right while fixing 34-40, gaining +0.095 to +0.12 on 200 held-out items
 whatever the steps, rate, group size, temperature, KL, advantage mode, targets or an average of three rounds'
-adapters). At rank 32 (rate 5e-4) it gained +0.13 to +0.15 over eight rounds. Rank is not what `add` lacks at rank
-8 in principle (supervised fine-tuning of a rank-8 adapter on the true sums reaches 0.84 in 1000 steps), but it is
-how far GRPO gets in the 300 steps `make run` affords. `sort` stays at 8: at 32 it gained a little more (+0.15 to
-+0.165) but cost the guard suite 0.018, past what its non-inferiority margin can rule out on 400 items."""
+adapters). At rank 32 (rate 5e-4) it gained +0.13 to +0.15 over eight benchmark rounds and +0.115 to +0.14 in four
+fresh-clone `make run`s. Rank is not what `add` lacks at rank 8 in principle (supervised fine-tuning of a rank-8
+adapter on the true sums reaches 0.84 in 1000 steps), but it is how far GRPO gets in the 300 steps `make run`
+affords. `sort` stays at 8: at 32 it gained little more (+0.15 to +0.165 against +0.135 to +0.17) for ~20 s more
+of `make run`, and its guard suite loses 0.01-0.02 at either rank."""
 
 
 def builtin_spec(

@@ -140,3 +140,14 @@ def test_mint_train_refuses_an_unknown_task_before_any_work(tmp_path: Path) -> N
     out = CliRunner().invoke(app, ["train", "--policies", "add,nope", "--out", str(tmp_path / "run")])
     assert out.exit_code == 2, out.output
     assert "unknown task 'nope'" in out.output and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("lr", ["-1", "0", "nan"])
+def test_mint_train_refuses_a_learning_rate_at_or_below_zero(tmp_path: Path, lr: str) -> None:
+    from typer.testing import CliRunner
+
+    from mint_app.cli import app
+
+    out = CliRunner().invoke(app, ["train", "--lr", lr, "--out", str(tmp_path / "run")])
+    assert out.exit_code == 2, out.output
+    assert "--lr" in out.output and "above 0" in out.output and not (tmp_path / "run").exists()
