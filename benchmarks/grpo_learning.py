@@ -7,10 +7,13 @@ as the flows draw them). Then greedy exact match on the first `--heldout` items 
 of the eval suites), with the adapter and without it (the baseline, measured in the same run), paired.
 
 Figures, per policy (`<task>_...`): the base's score, the median and the smallest gain over the rounds, the largest
-p-value (exact two-sided McNemar), and how many rounds met `--target` with p < 0.01; per round in `rounds`.
+p-value (exact two-sided McNemar), and how many rounds met `--target` with p < 0.01; per round in `rounds`. With
+`--guard K`, each round also holds `<task>_guard`: the adapter's effect on the next K held-out items of every task
+(greedy exact match against the base's, per task and over all of them with its p-value), what the guard suite's
+generation half sees.
 
     python benchmarks/grpo_learning.py [--tasks add,sort] [--rounds 3] [--steps 200] [--heldout 200]
-        [--prompts-per-step 16] [--set learning_rate=5e-4 --set rank=16 ...]
+        [--prompts-per-step 16] [--guard 64] [--set learning_rate=5e-4 --set rank=16 ...]
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def main() -> None:
         "--steps", type=int, default=BUILTIN_STEPS, help="GRPO steps (the first wave: BUILTIN_STEPS)"
     )
     ap.add_argument("--heldout", type=int, default=200)
+    ap.add_argument(
+        "--guard",
+        type=int,
+        default=0,
+        help="also score each adapter on the next GUARD held-out items of every task in data/tasks (the items "
+        "past the suites', as the guard suite's generation half takes them) against the base, paired per task",
+    )
     ap.add_argument("--target", type=float, default=0.10, help="gain a round must reach (issue #16: +0.10)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
@@ -90,6 +100,8 @@ def main() -> None:
         ),
     )
     base = {t: heldout_correct(engine, None, heldout[t]) for t in tasks}
+    guard_items = _guard_items(args.data, args.heldout, args.guard)
+    guard_base = {g: heldout_correct(engine, None, items) for g, items in guard_items.items()}
     rounds = []
     for r in range(args.rounds):
         name = f"{args.prefix}-{r}"
@@ -109,6 +121,8 @@ def main() -> None:
                 "gained": gained,
                 "lost": lost,
             }
+            if guard_items:
+                row[f"{t}_guard"] = _guard_row(engine, f"{t}-{r}", guard_items, guard_base)
         print(row, flush=True)
         rounds.append(row)
     out: dict[str, object] = {
@@ -128,6 +142,31 @@ def main() -> None:
             g >= args.target and p < 0.01 for g, p in zip(gains, ps, strict=True)
         )
     report(out)
+
+
+def _guard_items(data: Path, start: int, n: int) -> dict[str, list[Any]]:
+    """Held-out items [start, start + n) of every task that has held-out data (empty when n is 0)."""
+    if n <= 0:
+        return {}
+    files = sorted((data / "heldout").glob("*.jsonl"))
+    return {f.stem: read_jsonl(f)[start : start + n] for f in files}
+
+
+def _guard_row(
+    engine: Engine, adapter: str, items: dict[str, list[Any]], base: dict[str, list[bool]]
+) -> dict[str, object]:
+    """The adapter's greedy exact match on every task's guard items against the base's: per task the effect
+    (adapter - base), and over all of them the effect and the paired p-value."""
+    row: dict[str, object] = {}
+    gained_all = lost_all = n_all = 0
+    for g, got in items.items():
+        now = heldout_correct(engine, adapter, got)
+        gained, lost = discordant(now, base[g])
+        row[g] = round((gained - lost) / len(now), 4)
+        gained_all, lost_all, n_all = gained_all + gained, lost_all + lost, n_all + len(now)
+    row["all"] = round((gained_all - lost_all) / n_all, 4)
+    row["all_p"] = mcnemar_p(gained_all, lost_all)
+    return row
 
 
 def _specs(tasks: list[str], suffix: str, grpo: GRPOConfig, fields: dict[str, Any]) -> list[PolicySpec]:

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Create or refresh .venv: torch pinned and installed first (a CPU build; an unpinned torch pulls CUDA),
-# then mint and its dev tools. Re-runs only when pyproject.toml changed.
+# Create or refresh .venv: torch pinned (a CPU build; an unpinned torch pulls CUDA), then mint and its dev tools.
+# Re-runs only when pyproject.toml changed.
+#
+# The packages go in with uv where it can be had (pip itself installs it into .venv first), with pip's own
+# indexes, find-links, constraints and certificate: it resolves to the same versions as pip, byte-compiles in
+# parallel, and set up this .venv in 55-60 s against pip's 150 s here (pip resolving and compiling one package at a
+# time was a quarter of a fresh clone's `make run`). Where uv cannot be installed or fails, pip does it all, as before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MINT_VENV:-.venv}
@@ -25,9 +30,47 @@ pip_install() {
   "$VENV/bin/pip" install -q "$@" 2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" -e "^ *!!" -e "^ *\*\*\*" \
     -e "Please be careful with folders" -e "name as your package" -e "with strategy, WheelFile" -e "^ *$" >&2)
 }
-pip_install --upgrade pip >/dev/null
-echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV" >&2
-pip_install "torch==2.13.0"
-echo "bootstrap: installing mint and its dependencies" >&2
-DS_BUILD_OPS=0 pip_install -e ".[dev]"  # DeepSpeed without compiled ops (its CPU accelerator needs none)
+
+# uv's arguments for the package sources pip is configured with (pip.conf, PIP_* variables): the index, the extra
+# indexes and find-links, constraint files, the certificate bundle. Every source is
+# searched for the best match, as pip does (uv's default stops at the first index that has a package).
+uv_args=(--python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode)
+while IFS= read -r line; do
+  key=${line%%=*} key=${key##*.} value=${line#*=} value=${value#\'} value=${value%\'}
+  for v in $value; do
+    case $key in
+      index-url) uv_args+=(--index-url "$v") ;;
+      extra-index-url) uv_args+=(--extra-index-url "$v") ;;
+      find-links) uv_args+=(--find-links "$v") ;;
+      constraint) [ -f "$v" ] && uv_args+=(--constraint "$v") ;;
+      cert) [ -f "$v" ] && export SSL_CERT_FILE="$v" ;;
+    esac
+  done
+done < <("$VENV/bin/pip" config list 2>/dev/null)
+
+uv_install() {
+  echo "bootstrap: installing torch==2.13.0 (CPU), mint and its dependencies into $VENV (uv)" >&2
+  "$VENV/bin/uv" pip install -q "${uv_args[@]}" "torch==2.13.0" &&
+    DS_BUILD_OPS=0 "$VENV/bin/uv" pip install -q "${uv_args[@]}" -e ".[dev]"
+}
+
+pip_all() {
+  pip_install --upgrade pip >/dev/null
+  echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV (pip)" >&2
+  pip_install "torch==2.13.0"
+  echo "bootstrap: installing mint and its dependencies (pip)" >&2
+  DS_BUILD_OPS=0 pip_install -e ".[dev]" # DeepSpeed without compiled ops (its CPU accelerator needs none)
+}
+
+if [ -n "${MINT_NO_UV:-}" ]; then
+  pip_all
+elif pip_install "uv>=0.5" >/dev/null && uv_install; then
+  :
+else
+  echo "bootstrap: uv could not install the packages; pip installs them instead" >&2
+  pip_all
+fi
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then
+  echo "bootstrap: note: the torch in $VENV is a CUDA build (no CPU build of torch 2.13.0 was found)" >&2
+fi
 echo "$want" >"$stamp"
