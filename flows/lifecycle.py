@@ -34,7 +34,7 @@ from mint_core.data.checks import CheckParams
 from mint_core.data.tasks import TASKS
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
-from mint_core.eval.results import EVAL_LIMIT
+from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
@@ -163,7 +163,7 @@ class WaveFailed(RuntimeError):
 def lifecycle(
     policy: PolicyRun,
     training: Training = Training(),
-    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT),
+    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT, guard_limit=GUARD_LIMIT),
     checks: CheckParams = CheckParams(),
     workspace: Workspace = Workspace(),
 ) -> WaveReport:
@@ -175,7 +175,7 @@ def lifecycle(
 def wave(
     policies: list[PolicyRun],
     training: Training = Training(),
-    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT),
+    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT, guard_limit=GUARD_LIMIT),
     checks: CheckParams = CheckParams(),
     workspace: Workspace = Workspace(),
 ) -> WaveReport:

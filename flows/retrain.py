@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 from flows.lifecycle import PolicyRun, Training, WaveReport, wave
 from mint_core.data.checks import CheckParams
 from mint_core.eval.lm_eval_runner import EvalConfig
-from mint_core.eval.results import EVAL_LIMIT
+from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, champion
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import RETRY_DELAYS, transient
@@ -112,7 +112,7 @@ def being_trained(ws: Workspace, names: list[str]) -> dict[str, str]:
 def retrain(
     policies: list[str] | None = None,
     training: Training = Training(),
-    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT),
+    evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT, guard_limit=GUARD_LIMIT),
     checks: CheckParams = CheckParams(),
     workspace: Workspace = Workspace(),
 ) -> RetrainReport:

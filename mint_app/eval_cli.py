@@ -29,14 +29,18 @@ def build_suites(
         Path | None,
         typer.Option(help="Task data from `mint data build` (held-out items); default: generate them."),
     ] = None,
-    limit: Annotated[int, typer.Option(min=1, help="Items per task suite (the guard gets as many).")] = 100,
+    limit: Annotated[int, typer.Option(min=1, help="Items per task suite.")] = 100,
+    guard_limit: Annotated[
+        int | None,
+        typer.Option(min=1, help="Items per guard task (generation, choice); default: as many as --limit."),
+    ] = None,
     seed: Annotated[
         int, typer.Option(help="Seed of the generated held-out items (without --tasks-dir).")
     ] = 0,
 ) -> None:
     """Write each suite's JSONL and a manifest, deterministically (the same inputs give the same bytes)."""
     try:
-        data = build_suite_data(out, tasks_dir=tasks_dir, limit=limit, seed=seed)
+        data = build_suite_data(out, tasks_dir=tasks_dir, limit=limit, guard_limit=guard_limit, seed=seed)
     except MintError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(1) from None

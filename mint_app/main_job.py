@@ -47,7 +47,7 @@ from mint_core.data.tasks import read_jsonl
 from mint_core.engine.device import check_device
 from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
-from mint_core.eval.results import EVAL_LIMIT
+from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, builtin_spec
 from mint_core.settings import Settings
@@ -95,6 +95,9 @@ class MainJobConfig(Settings):
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
     """Items per lm-eval task in the evaluation the gate reads (the suites hold 200, params.yaml
     eval_suites.limit; checks.eval wants >= 20). Why 200: mint_core.eval.results.EVAL_LIMIT."""
+    guard_limit: int = Field(GUARD_LIMIT, ge=20)
+    """Items per task of the guard group (generation, choice) in the gate's evaluation; the suites hold 320
+    (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""
     seed: int = 0
     """Seeds the adapters' initialisation and the rollouts."""
     round: str | None = None
@@ -341,7 +344,7 @@ def run_wave(
     state = wave(
         policies=runs,
         training=training,
-        evaluation=EvalConfig(limit=cfg.eval_limit),
+        evaluation=EvalConfig(limit=cfg.eval_limit, guard_limit=cfg.guard_limit),
         workspace=ws,
         return_state=True,
     )

@@ -32,7 +32,7 @@ disagree on one item in five, an assumption until real runs measure it: every ch
 | own suite, true gain 0.10 | 155 (194 at discordance 0.25): **200 items per task suite** |
 | own suite, true gain 0.05 (= `min_effect`) | 626 |
 | guard, margin 0.10 | 157 |
-| guard, margin 0.05 (= `guard_margin`) | 628 (the guard group holds 2 x limit items, 400 at limit 200) |
+| guard, margin 0.05 (= `guard_margin`) | 628: **320 items per guard task, 640 in the guard group** (`results.GUARD_LIMIT`) |
 
 So 200 items per task suite detect the +0.10 a training round is meant to bring. `min_effect` 0.05 is the
 practical floor every promotion must clear besides significance, not the effect the suites are sized for: an

@@ -42,7 +42,7 @@ from mint_core.eval.results import (
     ServedModel,
     SuiteResult,
 )
-from mint_core.eval.suites import SuiteError, suite_tasks
+from mint_core.eval.suites import GUARD, SuiteError, suite_tasks
 from mint_core.lora.adapter import digest_dir
 from mint_core.serving.client import ServingClient, ServingError
 
@@ -63,10 +63,29 @@ def run_lm_eval(lm: LM, config: EvalConfig) -> tuple[dict[str, Any], dict[str, l
         task.set_fewshot_seed(seed=1234)
     # evaluate(), not simple_evaluate(): the same run without collecting environment info (seconds of
     # subprocesses) or asking the hub for model hashes
-    out = evaluate(lm=lm, task_dict=loaded, limit=config.limit, bootstrap_iters=0, log_samples=True)
+    samples = _samples(config, by_suite, loaded["tasks"])
+    limit = None if samples is not None else config.limit
+    out = evaluate(lm=lm, task_dict=loaded, limit=limit, samples=samples, bootstrap_iters=0, log_samples=True)
     if out is None:
         raise EvalError("lm-eval returned no results")
     return dict(out), {name: [cfg["task"] for cfg in cfgs] for name, cfgs in by_suite.items()}
+
+
+def _samples(
+    config: EvalConfig, by_suite: dict[str, list[dict[str, Any]]], tasks: dict[str, Any]
+) -> dict[str, list[int]] | None:
+    """lm-eval's per-task item indices when the guard's tasks take another number of items than the others
+    (`guard_limit`): the first `limit` (or `guard_limit`) items of each task, all of them where it has fewer;
+    None when one `limit` serves every task."""
+    if config.guard_limit is None or config.guard_limit == config.limit or GUARD not in by_suite:
+        return None
+    out: dict[str, list[int]] = {}
+    for suite, cfgs in by_suite.items():
+        cap = config.guard_limit if suite == GUARD else config.limit
+        for cfg in cfgs:
+            n = len(tasks[cfg["task"]].eval_docs)
+            out[cfg["task"]] = list(range(n if cap is None else min(n, cap)))
+    return out
 
 
 def _json_safe(obj: Any) -> Any:
@@ -165,7 +184,14 @@ def build_result(
     out, tasks = run
     suites = _suite_results(out, tasks)
     raw = _json_safe({k: v for k, v in out.items() if k != "samples"})
-    raw["config"] = {"path": path, "model": model, "base": base, "revision": revision, "limit": config.limit}
+    raw["config"] = {
+        "path": path,
+        "model": model,
+        "base": base,
+        "revision": revision,
+        "limit": config.limit,
+        "guard_limit": config.guard_limit,
+    }
     return EvalResult(
         path=path,
         model=model,

@@ -37,6 +37,13 @@ gain (the gate's default `min_effect`) needs about 470-780 items at that disagre
 it cannot see one at this size; there a gain is promoted only when it is large enough to be significant."""
 
 
+GUARD_LIMIT = 320
+"""Items per task of the guard group (`mint_guard_generate`, `mint_guard_choice`) the lifecycle evaluates by
+default, 640 in all: the gate's non-inferiority test needs 628 for 80% power to show a 0.05 margin (its
+`guard_margin`) at alpha 0.05 when the revisions disagree on a fifth of the items (`gate.detectable_margin(640,
+0.2)` = 0.0495; at 400 items it was 0.063, so a guard that cost a policy 0.01-0.02 failed about every other run)."""
+
+
 class EvalConfig(BaseModel):
     """What to evaluate on, the same for both paths."""
 
@@ -46,6 +53,8 @@ class EvalConfig(BaseModel):
     """Suite names (`add`, ..., `guard`); None: every suite in `suites_dir`."""
     limit: int | None = Field(None, ge=1)
     """At most this many items per lm-eval task (a group's tasks each get this many); None: all."""
+    guard_limit: int | None = Field(None, ge=1)
+    """At most this many items per task of the guard group (its two tasks each get this many); None: `limit`."""
     batch_size: int = Field(32, ge=1)
     """Prompts per HTTP request (served) or per forward batch (in process)."""
     suites_dir: Path = SUITES_DIR

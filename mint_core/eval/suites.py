@@ -129,17 +129,21 @@ def build_suite_data(
     seed: int = 0,
     n_train: int | None = None,
     n_heldout: int | None = None,
+    guard_limit: int | None = None,
 ) -> SuiteData:
     """Write every suite's JSONL (and a manifest) into `out_dir`, deterministically.
 
     Held-out items come from `tasks_dir/heldout/<task>.jsonl` (the output of `mint data build`) when given,
     else from the task generators with `seed`, `n_train` and `n_heldout` (defaults: those of `DataParams`,
     i.e. what `mint data build` writes with the default params, so both sources give the same files).
-    Each task suite gets `limit` items; the guard gets `limit // len(tasks)` (at least 1) more items per task
-    for generation and as many again for choice.
+    Each task suite gets `limit` items. The guard's two tasks (generation, choice) get `guard_limit` items each,
+    or just over (the same number from every task, interleaved); by default `limit // len(tasks)` per task (at
+    least 1), so about as many as a task suite.
     """
     if limit < 1:
         raise SuiteError(f"limit must be at least 1, got {limit}")
+    if guard_limit is not None and guard_limit < 1:
+        raise SuiteError(f"guard_limit must be at least 1, got {guard_limit}")
     defaults = DataParams()
     unknown = [t for t in tasks or () if t not in TASKS]
     if unknown or (tasks is not None and not tasks):
@@ -161,13 +165,14 @@ def build_suite_data(
         n_ho = n_heldout if n_heldout is not None else defaults.n_heldout
         heldout = {t: split(t, n_tr, n_ho, seed)[1] for t in names}
         source = {"generated": {"seed": seed, "n_train": n_tr, "n_heldout": n_ho}}
-    per_guard = max(1, limit // len(names))
+    per_guard = max(1, limit // len(names)) if guard_limit is None else -(-guard_limit // len(names))
     need = limit + 2 * per_guard
     short = {t: len(heldout[t]) for t in names if len(heldout[t]) < need}
     if short:
         raise SuiteError(
             f"limit {limit} needs {need} held-out items per task ({limit} for the task suite, "
-            f"{2 * per_guard} for the guard); too few for {short}: lower --limit or build more held-out items"
+            f"{2 * per_guard} for the guard); too few for {short}: lower --limit or --guard-limit, or build more "
+            "held-out items"
         )
 
     out = Path(out_dir)
@@ -187,6 +192,7 @@ def build_suite_data(
         "source": source,
         "tasks": names,
         "limit": limit,
+        "guard_limit": guard_limit,
         "guard_per_task": per_guard,
         "counts": counts,
         "sha256": digests,

@@ -352,10 +352,10 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         for group in self.optimizer.param_groups:
             group["lr"] = group.setdefault("base_lr", group["lr"]) * lr_scale
         batch = self._batch(rows)
-        ref = self._reference(batch)
+        ref, ref_rows = self._reference(batch)
         with torch.enable_grad(), self.engine._forward_lock:
             lp = self._completion_logprobs(batch)
-            total, losses, extra = self._losses(rows, batch, lp, ref)
+            total, losses, extra = self._losses(rows, batch, lp, ref, None, ref_rows)
             self.optimizer.active = self._agree(set(losses))
             self.ds.backward(total)
             self.ds.step()

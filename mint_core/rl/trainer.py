@@ -43,7 +43,7 @@ from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.lora.adapter import AdapterWeights, save_adapter
 from mint_core.lora.layers import _SlotBank
-from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss
+from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
 
@@ -221,6 +221,24 @@ class StepStats:
     extra: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+def _subset_kl(
+    lp: torch.Tensor, ref: torch.Tensor, comp: torch.Tensor, rows: list[int], ref_rows: list[int]
+) -> float:
+    """Mean k3 KL to the base over the completion tokens of `rows`, `ref` holding the base's logprobs of
+    `ref_rows` (a superset, in that order, cut to its own width); 0 when they have no such token."""
+    if not rows:
+        return 0.0
+    at = {r: j for j, r in enumerate(ref_rows)}
+    width = ref.shape[1]
+    idx = torch.tensor(rows, device=lp.device)
+    ref_idx = torch.tensor([at[r] for r in rows], device=ref.device)
+    mask = comp.index_select(0, idx)[:, :width].bool()
+    if not bool(mask.any()):
+        return 0.0
+    kl = k3_kl(lp.detach().index_select(0, idx)[:, :width], ref.index_select(0, ref_idx))
+    return float(kl[mask].mean())
+
+
 @dataclass
 class _Batch:
     """One update's rows as tensors: right-padded prompt + completion ids, and what the loss needs."""
@@ -362,10 +380,10 @@ class MultiPolicyTrainer:
             for idx, w in zip(parts, weights, strict=True):
                 part_rows = rows if idx is None else [rows[i] for i in idx]
                 part = batch if idx is None else batch.take(idx)
-                ref = self._reference(part)
+                ref, ref_rows = self._reference(part)
                 with torch.enable_grad(), eng._forward_lock:
                     lp = self._logprobs(part, part.slots)
-                    total, losses, extra = self._losses(part_rows, part, lp, ref, w)
+                    total, losses, extra = self._losses(part_rows, part, lp, ref, w, ref_rows)
                     total.backward()
                 del lp, total
                 part_losses.append(losses)
@@ -446,13 +464,34 @@ class MultiPolicyTrainer:
         prompt_lens = [len(r.prompt_ids) for r in rows]
         return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots, prompt_lens)
 
-    def _reference(self, batch: _Batch) -> torch.Tensor | None:
-        """Token logprobs of the bare base (slot -1) for the KL term and the KL metric; None when kl_coef is 0
-        and the KL is not tracked."""
-        if self.config.kl_coef <= 0 and not self.config.track_kl:
-            return None
+    def _reference(self, batch: _Batch) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Token logprobs of the bare base (slot -1) for the KL term and the KL metric, and which rows they are
+        of (None: all of them); (None, None) when kl_coef is 0 and the KL is not tracked.
+
+        With kl_coef 0 the KL is only a metric, so it is measured on one row of every group with signal (the
+        rows the loss reads): the sampled tokens of one completion per prompt estimate the same KL without
+        bias, and the reference forward shrinks from the whole packed batch to one row per group (on the
+        built-in recipe, G = 8, about a sixth of a GRPO step's time goes back to training)."""
+        cfg = self.config
+        if cfg.kl_coef <= 0 and not cfg.track_kl:
+            return None, None
+        rows: list[int] | None = None
+        if cfg.kl_coef <= 0:
+            # a group is G rows of one prompt under one slot: the first kept row of each (slot, prompt)
+            ids = batch.ids.cpu()
+            firsts: dict[tuple[int, tuple[int, ...]], int] = {}
+            for i, (slot, kept) in enumerate(zip(batch.slots, batch.keep.tolist(), strict=True)):
+                if kept:
+                    p_len = batch.prompt_lens[i] if batch.prompt_lens else int(batch.attn[i].sum())
+                    firsts.setdefault((slot, tuple(ids[i, :p_len].tolist())), i)
+            rows = sorted(firsts.values())
+            if not rows:
+                return None, None
         with torch.no_grad(), self.engine._forward_lock:
-            return self._logprobs(batch, [-1] * len(batch.slots))
+            if rows is None:
+                return self._logprobs(batch, [-1] * len(batch.slots)), None
+            sub = batch.take(rows)
+            return self._logprobs(sub, [-1] * len(rows)), rows
 
     def _logprobs(self, batch: _Batch, slots: list[int]) -> torch.Tensor:
         """Token logprobs [B, T-1] of `batch` with row i under slot slots[i], in `token_logprobs`' layout,
@@ -646,11 +685,13 @@ class MultiPolicyTrainer:
         lp: torch.Tensor,
         ref: torch.Tensor | None,
         weights: dict[str, float] | None = None,
+        ref_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float], dict[str, dict[str, float]]]:
         """Each policy's GRPO loss over its own rows, and their sum (what backward runs on). A policy with no
         kept token (no rows, or every group without variance) gets no loss and so no step at all, since Adam's
         momentum would still move the weights on a zero gradient. With `weights` (a micro-batch of a larger
-        update), each policy's loss here is scaled by its weight and the "loss" stat is the scaled one."""
+        update), each policy's loss here is scaled by its weight and the "loss" stat is the scaled one. With
+        `ref_rows` (`_reference` on some rows only, the KL a metric), each policy's "kl" is over those rows."""
         losses: dict[str, float] = {}
         extra: dict[str, dict[str, float]] = {}
         total = lp.sum() * 0.0
@@ -667,8 +708,12 @@ class MultiPolicyTrainer:
                 batch.adv[sel],
                 batch.comp[sel],
                 self.config,
-                None if ref is None else ref[sel],
+                None if ref is None or ref_rows is not None else ref[sel],
             )
+            if ref is not None and ref_rows is not None:
+                st["kl"] = _subset_kl(
+                    lp, ref, batch.comp, [i for i in ref_rows if policy_B[i] == name], ref_rows
+                )
             if weights is not None:
                 loss = loss * weights[name]
                 st["loss"] = float(loss.detach())

@@ -209,6 +209,24 @@ def test_the_adapter_is_what_is_scored(setup: Setup, both: tuple[EvalResult, Eva
         assert "candidate" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
 
 
+def test_the_guard_takes_its_own_number_of_items(setup: Setup) -> None:
+    """`guard_limit` sizes the guard's two tasks apart from the task suites' `limit` (the gate's guard needs more
+    items than a task suite), both paths scoring the first items of each task; without it the guard's tasks
+    take `limit` each."""
+    cfg = EvalConfig(suites=["add", "guard"], limit=4, guard_limit=7, batch_size=16, suites_dir=setup.suites)
+    served = evaluate_served(ServedModel(url=setup.url, tokenizer=setup.base_dir), cfg)
+    local = evaluate_in_process(LocalModel(base=setup.base_dir), cfg)
+    for r in (served, local):
+        assert r.suites["add"].n == 4 and [x.doc_id for x in r.suites["add"].samples] == list(range(4))
+        guard = r.suites["guard"]
+        assert guard.n == 14
+        for task in ("guard_generate", "guard_choice"):
+            assert [x.doc_id for x in guard.samples if x.task.endswith(task)] == list(range(7))
+    assert differences(served, local, ll_tol=1e-4) == []
+    same = evaluate_in_process(LocalModel(base=setup.base_dir), cfg.model_copy(update={"guard_limit": None}))
+    assert same.suites["guard"].n == 8 and same.suites["add"].n == 4
+
+
 def test_result_is_logged_to_mlflow_and_reads_back(
     mlflow_uri: str, both: tuple[EvalResult, EvalResult]
 ) -> None:

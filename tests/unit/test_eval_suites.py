@@ -189,6 +189,23 @@ def test_task_data_with_fewer_tasks_gives_suites_for_those(tmp_path: Path) -> No
     assert guard == ["add", "sort", "add", "sort"]  # limit // 2 tasks = 2 per task, interleaved
 
 
+def test_the_guard_can_hold_more_items_than_a_task_suite(tmp_path: Path) -> None:
+    """guard_limit sizes each guard task apart from the task suites: the same number from every task (rounded up
+    so that each holds at least guard_limit), still interleaved, past the task suites' items."""
+    data = build_suite_data(tmp_path, limit=10, guard_limit=12)
+    assert data.counts["add"] == 10
+    assert data.counts["guard_generate"] == data.counts["guard_choice"] == 15  # 3 per task, 5 tasks
+    assert data.manifest["guard_limit"] == 12 and data.manifest["guard_per_task"] == 3
+    guard = [
+        json.loads(line)["task"] for line in (tmp_path / "guard_generate.jsonl").read_text().splitlines()
+    ]
+    assert guard == list(TASKS) * 3
+    with pytest.raises(SuiteError, match=r"needs 202 held-out items .*--guard-limit"):
+        build_suite_data(tmp_path, limit=100, guard_limit=255)
+    with pytest.raises(SuiteError, match="guard_limit must be at least 1, got 0"):
+        build_suite_data(tmp_path, limit=10, guard_limit=0)
+
+
 def test_build_suites_command(suites: Path, tmp_path: Path) -> None:
     from mint_app.cli import app
 

@@ -55,6 +55,39 @@ def test_a_step_reports_spread_signal_kl_entropy_and_grad_norm(make_engine) -> N
     assert again.extra["adder"]["kl"] > 0, "after a step the policy differs from the base"
 
 
+def test_the_kl_metric_reads_one_row_per_group_with_signal(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """With kl_coef 0 the KL is a metric: the base's logprobs of the first row of each group with signal only,
+    and the metric is the mean k3 over that row's completion tokens; with kl_coef > 0 every row counts."""
+    import torch
+
+    from mint_core.rl.grpo import k3_kl
+
+    trainer = _trainer(make_engine)
+    trainer.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]))  # the policy leaves the base
+    rows = _rows(trainer, [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = trainer._batch(rows)
+    with torch.no_grad():
+        lp = trainer._logprobs(batch, batch.slots)
+        ref = trainer._logprobs(batch, [-1] * len(rows))
+    kl = k3_kl(lp, ref)
+    mask = batch.comp.bool()
+
+    def mean_over(idx: list[int]) -> float:
+        return float(torch.cat([kl[i][mask[i]] for i in idx]).mean())
+
+    assert trainer._reference(batch)[1] == [0, 8]  # group 1 has no signal
+    got = trainer.update(rows).extra["adder"]["kl"]
+    assert got == pytest.approx(mean_over([0, 8]), rel=1e-4) and got > 0
+    assert got != pytest.approx(mean_over([0, 1, 2, 3, 8, 9, 10, 11]), rel=1e-3)
+
+    penalised = _trainer(make_engine, kl_coef=0.1)
+    penalised.update(_rows(penalised, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]))
+    rows = _rows(penalised, [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = penalised._batch(rows)
+    ref_all, which = penalised._reference(batch)
+    assert which is None and ref_all is not None and ref_all.shape[0] == len(rows)
+
+
 def test_kl_is_measured_only_when_asked(make_engine) -> None:  # type: ignore[no-untyped-def]
     trainer = _trainer(make_engine, track_kl=False)
     trainer.update(_rows(trainer, [[1.0, 0.0, 0.0, 1.0]]))
