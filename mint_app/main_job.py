@@ -1,13 +1,14 @@
 """The main job (`mint run`, `make run`): the whole lifecycle on the embedded default, every step timed.
 
 1. build what is missing with DVC: the task data, the built-in base, the eval suites' data, the data checks;
-2. start MLflow, Prefect and `mint serve` on the built-in base, and a Prefect worker with every deployment of
-   infra/prefect.yaml registered (reusing those already running);
+2. start MLflow, Prefect and `mint serve` on the built-in base (reusing those already running); a Prefect worker
+   with every deployment of infra/prefect.yaml registered starts beside step 3, and the job waits for it in 6;
 3. the `wave` flow: every policy without a champion gets its first revision (the gate has nothing to compare
    with), then a second wave trains every policy from its champion and gates the candidate against it;
 4. a served completion from each policy's champion through the HTTP server, naming the revision that answered;
 5. the `rollback` flow on a policy the second wave promoted, and a completion from the revision it restored;
-6. where to look: the Prefect flow runs, the MLflow models, the server; the servers are left running.
+6. the worker up; where to look: the Prefect flow runs, the MLflow models, the server; the servers are left
+   running.
 
 Everything it writes lives under one state directory (`.mint` by default, the same places `mint up` and the
 flows' default `Workspace` use), so `mint up/down/status`, `mint registry` and `mint catalog` see the same state.
@@ -24,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -42,7 +44,7 @@ from rich.text import Text
 from flows.lifecycle import PolicyOutcome, PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
-from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, start
+from mint_app.services import SERVICES, Service, ServiceError, ServiceName, ServicesConfig, start
 from mint_core.data.tasks import read_jsonl
 from mint_core.engine.device import check_device
 from mint_core.errors import MintError
@@ -733,12 +735,15 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
         svc_cfg = services_config(cfg)
         try:
-            started = {s.name: s for s in start(svc_cfg)}
+            started = {s.name: s for s in start(svc_cfg, [n for n in SERVICES if n != "worker"])}
         except ServiceError as e:
             raise MainJobError(f"a service did not start:\n{e}") from None
         for s in started.values():
-            how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
-            console.print(f"  {s.name}: {how} at {s.api_url} (pid {s.pid}, log {s.log})")
+            _say_started(s, console)
+        # the job's own flows run in this process: the worker (dashboard runs, nightly retraining) registers
+        # the deployments and starts while the first wave trains, and the job waits for it at the end
+        worker = WorkerStart(svc_cfg)
+        console.print("  worker: registering the deployments and starting, beside the waves")
         reused = [n for n, s in started.items() if s.reused]
         note.append(f"reused {', '.join(reused)}" if reused else "all started")
         ws = workspace(cfg, started)
@@ -806,10 +811,47 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 runs.append(("rollback", run_id))
                 note.append(summary)
 
+    with timer.step("6. the Prefect worker (started beside the waves)") as note:
+        started["worker"] = worker.result()
+        _say_started(started["worker"], console)
+        note.append(started["worker"].detail or "running")
+
     console.print(final_table(waves))
     console.print(f"  (every number, with n and each check's effect, CI and p-value: {summary_file})")
     console.print(timer.table())
     where(cfg, started, prefect_url, runs, console, training_runs_url(ws, started["mlflow"].url))
+
+
+def _say_started(s: Service, console: Console) -> None:
+    how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
+    console.print(f"  {s.name}: {how} at {s.api_url} (pid {s.pid}, log {s.log})")
+
+
+class WorkerStart:
+    """`start(config, ["worker"])` in a thread of its own (the deployments' registration is two Prefect CLI
+    runs, ~20 s of a fresh clone's job); `result()` waits for it and raises what it raised as a MainJobError."""
+
+    def __init__(self, config: ServicesConfig) -> None:
+        self._out: list[Service] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(config,), name="mint-worker-start", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, config: ServicesConfig) -> None:
+        try:
+            self._out = start(config, ["worker"])
+        except BaseException as e:  # handed to the job's thread by result()
+            self._error = e
+
+    def result(self) -> Service:
+        self._thread.join()
+        if isinstance(self._error, ServiceError):
+            raise MainJobError(f"a service did not start:\n{self._error}") from None
+        if self._error is not None:
+            raise self._error
+        return self._out[0]
 
 
 def _count(report: WaveReport) -> str:
