@@ -75,7 +75,11 @@ def test_params_file_fits_the_commands() -> None:
     base = PretrainParams(**doc["base"])
     assert base.max_position_embeddings >= base.seq_len
     CheckParams(**doc["checks"])
-    assert int(doc["eval_suites"]["limit"]) >= 1
+    suites = doc["eval_suites"]
+    assert int(suites["limit"]) >= 1
+    # the held-out split holds a task suite and its share of both guard members (mint_core/eval/suites.py)
+    per_guard = -(-int(suites["guard_limit"]) // len(doc["data"]["tasks"]))
+    assert int(doc["data"]["n_heldout"]) >= int(suites["limit"]) + 2 * per_guard
 
 
 def _changed_stages(out: str) -> set[str]:
@@ -107,7 +111,9 @@ def _small_params() -> dict:
     """params.yaml shrunk: few examples of every task (the eval suites cover them all), small eval suites."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["data"].update(n_train=40, n_heldout=10)
-    params["eval_suites"].update(limit=4)  # needs 4 + 2 guard items = 6 held-out items per task
+    params["eval_suites"].update(
+        limit=4, guard_limit=5
+    )  # needs 4 + 2 x 1 guard items = 6 held-out items per task
     return params
 
 

@@ -165,11 +165,15 @@ def test_built_data_is_the_same_from_task_data_or_the_generators(suites: Path, t
         assert (tmp_path / "small" / f).read_bytes() == (tmp_path / "generated" / f).read_bytes(), f
     repo_data = SUITES_DIR / "data"
     if (repo_data / "manifest.json").is_file():
-        # the DVC stage's suites (params.yaml eval_suites.limit), against the generators at the same limit
-        limit = json.loads((repo_data / "manifest.json").read_text())["limit"]
+        # the DVC stage's suites (params.yaml eval_suites), against the generators at the same sizes
+        manifest = json.loads((repo_data / "manifest.json").read_text())
         data = yaml.safe_load((SUITES_DIR.parent / "params.yaml").read_text())["data"]
         build_suite_data(
-            tmp_path / "repo-like", limit=limit, n_train=data["n_train"], n_heldout=data["n_heldout"]
+            tmp_path / "repo-like",
+            limit=manifest["limit"],
+            guard_limit=manifest.get("guard_limit"),
+            n_train=data["n_train"],
+            n_heldout=data["n_heldout"],
         )
         for name in [*GENERATE, "guard_choice"]:
             f = f"{name}.jsonl"
