@@ -12,7 +12,7 @@ p-value (exact two-sided McNemar), and how many rounds met `--target` with p < 0
 (greedy exact match against the base's, per task and over all of them with its p-value), what the guard suite's
 generation half sees.
 
-    python benchmarks/grpo_learning.py [--tasks add,sort] [--rounds 3] [--steps 200] [--heldout 200]
+    python benchmarks/grpo_learning.py [--tasks add,sort] [--rounds 3] [--steps 200] [--heldout 320]
         [--prompts-per-step 16] [--guard 64] [--set learning_rate=5e-4 --set rank=16 ...]
 """
 
@@ -40,6 +40,7 @@ from mint_core.data.tasks import read_jsonl
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.eval.gate import discordant, mcnemar_p
+from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
@@ -62,7 +63,12 @@ def main() -> None:
     ap.add_argument(
         "--steps", type=int, default=BUILTIN_STEPS, help="GRPO steps (the first wave: BUILTIN_STEPS)"
     )
-    ap.add_argument("--heldout", type=int, default=200)
+    ap.add_argument(
+        "--heldout",
+        type=int,
+        default=EVAL_LIMIT,
+        help="held-out items per task (the eval suites': EVAL_LIMIT)",
+    )
     ap.add_argument(
         "--guard",
         type=int,

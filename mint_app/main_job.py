@@ -95,8 +95,8 @@ class MainJobConfig(Settings):
     `add` 32, the others 8), with the learning rate scaled to it. The server the job starts accepts up to 32
     unless its serving config says otherwise (`ServicesConfig.serve_max_lora_rank`)."""
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
-    """Items per lm-eval task in the evaluation the gate reads (the suites hold 200, params.yaml
-    eval_suites.limit; checks.eval wants >= 20). Why 200: mint_core.eval.results.EVAL_LIMIT."""
+    """Items per lm-eval task in the evaluation the gate reads (the suites hold 320, params.yaml
+    eval_suites.limit; checks.eval wants >= 20). Why 320: mint_core.eval.results.EVAL_LIMIT."""
     guard_limit: int = Field(GUARD_LIMIT, ge=20)
     """Items per task of the guard group (generation, choice) in the gate's evaluation; the suites hold 320
     (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""

@@ -29,12 +29,12 @@ disagree on one item in five, an assumption until real runs measure it: every ch
 
 | what | needs n >= |
 | --- | --- |
-| own suite, true gain 0.10 | 155 (194 at discordance 0.25): **200 items per task suite** |
+| own suite, true gain 0.10 | 155 (194 at discordance 0.25; at alpha 0.01, 319 at discordance 0.275): **320 items per task suite** (`results.EVAL_LIMIT`) |
 | own suite, true gain 0.05 (= `min_effect`) | 626 |
 | guard, margin 0.10 | 157 |
 | guard, margin 0.05 (= `guard_margin`) | 628: **320 items per guard task, 640 in the guard group** (`results.GUARD_LIMIT`) |
 
-So 200 items per task suite detect the +0.10 a training round is meant to bring. `min_effect` 0.05 is the
+So 320 items per task suite detect the +0.10 a training round is meant to bring, at p < 0.01 too. `min_effect` 0.05 is the
 practical floor every promotion must clear besides significance, not the effect the suites are sized for: an
 observed-gain threshold as large as the design effect would halve the power for it. Smaller suites still gate
 correctly (a false promotion stays below alpha); they only reject more real gains, and the decision warns.

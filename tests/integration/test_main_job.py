@@ -16,7 +16,7 @@ import pytest
 from mint_app.services import SERVICES
 from tests.integration.conftest import free_port, mint_cli, require
 
-# a fresh main job trains 300 steps per policy and evaluates 200-item suites: minutes, more beside other work
+# a fresh main job trains 300 steps per policy and evaluates 320-item suites: minutes, more beside other work
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ["add", "sort"]

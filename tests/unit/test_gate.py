@@ -28,6 +28,7 @@ from mint_core.eval.gate import (
     required_n,
     score_z,
 )
+from mint_core.eval.results import EVAL_LIMIT
 
 POLICY = GatePolicy(suite="add", guard_suites=["copy"], floors={"add": 0.3}, min_samples=20)
 Z95 = 1.959963984540054
@@ -271,7 +272,9 @@ def test_noninferiority_p_matches_the_interval() -> None:
 def test_sample_sizes_and_mde() -> None:
     # n = (1.96 sqrt(0.2) + 0.8416 sqrt(0.2 - 0.01))^2 / 0.01 = (0.8765 + 0.3668)^2 / 0.01 = 154.6
     assert required_n(0.10, 0.20) == 155
-    assert required_n(0.10, 0.25) == 194  # so 200 items per suite hold up to a discordance of 0.25
+    assert required_n(0.10, 0.25) == 194  # 200 items per suite hold up to a discordance of 0.25
+    # the bar, p < 0.01: EVAL_LIMIT's 320 items hold up to a discordance of 0.275
+    assert required_n(0.10, 0.275, alpha=0.01) == 319 <= EVAL_LIMIT
     assert required_n(0.05, 0.20) == 626
     for n, d in [(100, 0.2), (200, 0.2), (500, 0.3)]:
         effect = mde(n, d)
