@@ -94,6 +94,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     heldout = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in tasks}
+    few = {t: len(items) for t, items in heldout.items() if len(items) < args.heldout}
+    if few:
+        ap.error(f"--heldout {args.heldout}: data/tasks/heldout has fewer items for {few}")
+    if args.guard < 0:
+        ap.error(f"--guard {args.guard}: must be 0 (off) or more")
+    guard_items = _guard_items(args.data, args.heldout, args.guard)
+    short = {g: len(items) for g, items in guard_items.items() if len(items) < args.guard}
+    if short:
+        ap.error(
+            f"--guard {args.guard} past --heldout {args.heldout}: too few held-out items for {short} "
+            f"(lower either, or build more held-out items: params.yaml data.n_heldout)"
+        )
     k = args.prompts_per_step
     grpo, spec_fields = _overrides(ap, args.set)
     engine = Engine(
@@ -106,7 +118,6 @@ def main() -> None:
         ),
     )
     base = {t: heldout_correct(engine, None, heldout[t]) for t in tasks}
-    guard_items = _guard_items(args.data, args.heldout, args.guard)
     guard_base = {g: heldout_correct(engine, None, items) for g, items in guard_items.items()}
     rounds = []
     for r in range(args.rounds):

@@ -170,7 +170,8 @@ def build_suite_data(
     short = {t: len(heldout[t]) for t in names if len(heldout[t]) < need}
     if short:
         raise SuiteError(
-            f"limit {limit} needs {need} held-out items per task ({limit} for the task suite, "
+            f"limit {limit}{'' if guard_limit is None else f' with guard limit {guard_limit}'} needs {need} held-out "
+            f"items per task ({limit} for the task suite, "
             f"{2 * per_guard} for the guard); too few for {short}: lower --limit or --guard-limit, or build more "
             "held-out items"
         )

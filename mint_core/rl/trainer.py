@@ -250,6 +250,7 @@ class _Batch:
     keep: torch.Tensor  # [B] bool, on the host: the row's group carries signal (or nothing is dropped)
     slots: list[int]  # each row's policy slot
     prompt_lens: list[int] = field(default_factory=list)  # each row's prompt length (its completion follows)
+    groups: list[int] = field(default_factory=list)  # each row's group (one prompt, G completions)
 
     def take(self, idx: Sequence[int]) -> _Batch:
         """The rows `idx` as a batch of their own, right padding beyond its longest row cut off."""
@@ -265,6 +266,7 @@ class _Batch:
             self.keep.index_select(0, at),
             [self.slots[i] for i in idx],
             [self.prompt_lens[i] for i in idx] if self.prompt_lens else [],
+            [self.groups[i] for i in idx] if self.groups else [],
         )
 
 
@@ -462,7 +464,8 @@ class MultiPolicyTrainer:
         dev = eng.base.device
         slots = [self.policies[r.policy].slot for r in rows]
         prompt_lens = [len(r.prompt_ids) for r in rows]
-        return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots, prompt_lens)
+        groups = [r.group for r in rows]
+        return _Batch(ids.to(dev), attn.to(dev), comp.to(dev), adv.to(dev), keep, slots, prompt_lens, groups)
 
     def _reference(self, batch: _Batch) -> tuple[torch.Tensor | None, list[int] | None]:
         """Token logprobs of the bare base (slot -1) for the KL term and the KL metric, and which rows they are
@@ -476,14 +479,13 @@ class MultiPolicyTrainer:
         if cfg.kl_coef <= 0 and not cfg.track_kl:
             return None, None
         rows: list[int] | None = None
-        if cfg.kl_coef <= 0:
-            # a group is G rows of one prompt under one slot: the first kept row of each (slot, prompt)
-            ids = batch.ids.cpu()
-            firsts: dict[tuple[int, tuple[int, ...]], int] = {}
-            for i, (slot, kept) in enumerate(zip(batch.slots, batch.keep.tolist(), strict=True)):
+        if cfg.kl_coef <= 0 and batch.groups:
+            firsts: dict[
+                int, int
+            ] = {}  # the first kept row of each group (groups as `_batch` keys advantages)
+            for i, (group, kept) in enumerate(zip(batch.groups, batch.keep.tolist(), strict=True)):
                 if kept:
-                    p_len = batch.prompt_lens[i] if batch.prompt_lens else int(batch.attn[i].sum())
-                    firsts.setdefault((slot, tuple(ids[i, :p_len].tolist())), i)
+                    firsts.setdefault(group, i)
             rows = sorted(firsts.values())
             if not rows:
                 return None, None

@@ -204,7 +204,9 @@ def test_the_guard_can_hold_more_items_than_a_task_suite(tmp_path: Path) -> None
         json.loads(line)["task"] for line in (tmp_path / "guard_generate.jsonl").read_text().splitlines()
     ]
     assert guard == list(TASKS) * 3
-    with pytest.raises(SuiteError, match=r"needs 202 held-out items .*--guard-limit"):
+    with pytest.raises(
+        SuiteError, match=r"limit 100 with guard limit 255 needs 202 held-out items .*--guard-limit"
+    ):
         build_suite_data(tmp_path, limit=100, guard_limit=255)
     with pytest.raises(SuiteError, match="guard_limit must be at least 1, got 0"):
         build_suite_data(tmp_path, limit=10, guard_limit=0)
