@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from mint_core.engine.base import FAMILIES, Base, build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.lora.validate import BaseSpec
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.protocol import APIError
 from mint_core.serving.routes import completions, extensions, health, models
@@ -58,9 +59,24 @@ def load_serving_base(config: ServingConfig) -> Base:
 
 
 def build_app(config: ServingConfig, base: Base | None = None) -> FastAPI:
+    """The server of `config.backend`: the engine in this process, or the front of a vLLM server (the one place
+    where the two differ; both answer the same contract)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     base = base or load_serving_base(config)
+    name = config.served_model_name or (config.base if config.base in BUILTIN else Path(config.base).name)
+    if config.backend == "vllm":
+        from mint_core.serving.gateway import create_gateway
+
+        # the front keeps what adapters are checked against (fingerprint, LoRA sites), not the weights
+        spec = BaseSpec(
+            base.fingerprint,
+            base.sites,
+            config.max_lora_rank,
+            frozenset(base.sites) | {s.module_path for s in base.sites.values()},
+        )
+        del base
+        return create_gateway(config, spec, name)
     root = Path(config.adapter_root)
     root.mkdir(parents=True, exist_ok=True)
     engine = Engine(
@@ -73,7 +89,6 @@ def build_app(config: ServingConfig, base: Base | None = None) -> FastAPI:
             allowed_roots=[root.resolve()],
         ),
     )
-    name = config.served_model_name or (config.base if config.base in BUILTIN else Path(config.base).name)
     return create_app(engine, config, name)
 
 

@@ -60,6 +60,17 @@ class ServingConfig(Settings):
     other busy processes, where OpenMP's spinning threads stall each other."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Server log level."""
+    backend: Literal["mint", "vllm"] = "mint"
+    """Who runs the model: `mint`, the embedded engine in this process; `vllm`, a vLLM server at `vllm_url` that
+    this process fronts (validation, auth, revision identity; serving/gateway.py). The HTTP contract is the same."""
+    vllm_url: str = "http://127.0.0.1:8100"
+    """With backend vllm: the vLLM server's address, on loopback (only this front may reach it)."""
+    vllm_api_key: SecretStr | None = None
+    """With backend vllm: the key vLLM was started with (`--api-key`); users never see it."""
+    resolver_token: SecretStr | None = None
+    """With backend vllm: the bearer token of mint's vLLM resolver plugin on `/v1/mint/resolve`."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (413 beyond)."""
     tinker: bool = True
     """Also serve Tinker's training API (/api/v1/..., the `tinker` SDK) on the same engine."""
     tinker_api_keys: SecretStr | None = None
@@ -85,6 +96,11 @@ class ServingConfig(Settings):
         if self.tinker_api_keys is None and self.tinker_api_keys_file is None:
             self.tinker_api_keys = SecretStr("tml-" + secrets.token_urlsafe(24))
         return self.tinker_api_keys or SecretStr("")
+
+    def resolver_secret(self) -> str:
+        if self.resolver_token is None:
+            self.resolver_token = SecretStr(secrets.token_urlsafe(24))
+        return self.resolver_token.get_secret_value()
 
     def admin_secret(self) -> str:
         if self.admin_token is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -18,8 +19,8 @@ from starlette.concurrency import run_in_threadpool
 
 from mint_core.engine.working_set import AdapterExists
 from mint_core.errors import AdapterError
-from mint_core.registry.catalog import AddressError, UnknownAddress
-from mint_core.registry.store import StoreError, UnknownRevision
+from mint_core.registry.catalog import AddressError, Catalog, UnknownAddress
+from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.protocol import (
     APIError,
     LoadLoRAAdapterRequest,
@@ -27,7 +28,7 @@ from mint_core.serving.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
-from mint_core.serving.server import Server, ServerDep
+from mint_core.serving.server import ServerDep
 
 logger = logging.getLogger(__name__)
 router = APIRouter(tags=["models"])
@@ -107,7 +108,15 @@ async def unload_lora_adapter(
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def resolve_lora_path(server: Server, lora_path: str) -> Path:
+class StoreView(Protocol):
+    """Where load requests may point: the embedded server and the vLLM front both have one."""
+
+    store: AdapterStore
+    root: Path
+    catalog: Catalog | None
+
+
+def resolve_lora_path(server: StoreView, lora_path: str) -> Path:
     """The directory a load request names: one inside the adapter store, or a content address `sha256:<hex>` of a
     stored revision (digest verified on the way out), or with a catalog a catalog address. Never a place outside
     the store: an admin token must not turn into reading arbitrary files."""

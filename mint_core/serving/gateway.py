@@ -1,0 +1,451 @@
+"""The front mint puts before a vLLM server: the same HTTP contract as the embedded server, on mint's terms.
+
+vLLM runs the base and the adapters; it listens on loopback with a key only this front knows. Users and flows
+reach the front, which adds what vLLM lacks (measured on vLLM 0.32, infra/vllm/README.md):
+
+- **Validation before any revision reaches vLLM.** vLLM accepts NaN weights, wrong shapes, another base's
+  adapter, and one NaN adapter poisons every tenant of the server until it restarts. Every load (the admin route,
+  prefetch, and on-demand names through the resolver plugin) is read and checked here first with mint's own
+  validator (`read_adapter`: safetensors only, header, finite, rank, shapes, modules, base fingerprint), then vLLM
+  is handed the verified content-addressed copy in the store (`<store>/sha256/xx/<hex>`).
+- **Auth that covers every route.** Only the contract's routes exist here (everything else vLLM serves, such as
+  its unkeyed `POST /adapters`, `/invocations` and `/tokenize`, is unreachable); inference needs the API key when
+  one is set, load and unload the admin token, the resolver callback its own token.
+- **Revision identity.** vLLM lists an adapter's `root` (the path it was loaded from); the front loads only
+  content-addressed paths, so the digest the front reports is read off vLLM's own state. `/v1/models` carries
+  `revision`, and every completion's `system_fingerprint` names the revision that answered (as on mint serve).
+- **Atomic swaps.** vLLM overwrites an adapter's weights in place, so a request running during an in-place load
+  can mix two revisions. The front holds a per-name read/write lock: requests under a name share it, a swap of
+  that name waits for them to finish and holds new ones back until vLLM has the new revision. Every request is
+  served wholly by one revision, and its `system_fingerprint` is exact. The cost is that a swap waits for the
+  longest request in flight under that name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from mint_core.errors import AdapterError
+from mint_core.lora.validate import BaseSpec, read_adapter
+from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress, parse_address
+from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
+from mint_core.serving.config import ServingConfig
+from mint_core.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    PrefetchRequest,
+    PrefetchResponse,
+    UnloadLoRAAdapterRequest,
+)
+from mint_core.serving.routes.models import resolve_lora_path
+from mint_core.serving.server import Server
+
+logger = logging.getLogger(__name__)
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+VET_TTL_S = 30.0  # a vetted on-demand address is trusted this long (the front checks it, then vLLM asks again)
+
+
+class ResolveRequest(BaseModel):
+    address: str
+    base: str | None = None
+
+
+class SwapLock:
+    """Requests under one name read; an in-place swap of that name writes. A waiting swap goes first, so a busy
+    name cannot starve it."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    async def acquire_read(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._readers += 1
+
+    async def release_read(self) -> None:
+        async with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+class Gateway:
+    """State of the front: vLLM's address and key, the base's spec, the store and catalog, what vLLM serves."""
+
+    def __init__(self, config: ServingConfig, spec: BaseSpec, base_name: str):
+        if config.vllm_api_key is None:
+            raise ValueError("backend vllm needs vllm_api_key: the key vLLM was started with")
+        self.config = config
+        self.spec = spec
+        self.base_name = base_name
+        self.root = Path(config.adapter_root).resolve()
+        self.store = AdapterStore(self.root)
+        self.catalog = Catalog(CatalogConfig(url=config.catalog_url)) if config.catalog_url else None
+        self.vllm = httpx.AsyncClient(
+            base_url=config.vllm_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {config.vllm_api_key.get_secret_value()}"},
+            timeout=httpx.Timeout(600.0, connect=5.0),
+            trust_env=False,  # loopback: no proxy from the environment in between
+        )
+        self.served: dict[str, str] = {}  # adapter name -> hex digest, as last read off vLLM or loaded by us
+        self.locks: dict[str, SwapLock] = {}
+        self._vetted: dict[str, tuple[float, str, Path]] = {}  # address -> (when, digest, verified dir)
+
+    # -- auth (the embedded server's rules) ----------------------------------------------------------------
+
+    def check_api_key(self, request: Request) -> None:
+        if self.config.api_key is not None:
+            Server._bearer(request, self.config.api_key.get_secret_value(), "api key")
+
+    def check_admin(self, request: Request) -> None:
+        Server._bearer(request, self.config.admin_secret(), "admin token")
+
+    def check_resolver(self, request: Request) -> None:
+        Server._bearer(request, self.config.resolver_secret(), "resolver token")
+
+    # -- what vLLM serves -----------------------------------------------------------------------------------
+
+    def lock(self, name: str) -> SwapLock:
+        return self.locks.setdefault(name, SwapLock())
+
+    def digest_of_path(self, root: str | None) -> str | None:
+        """The digest of a content-addressed store directory (the only paths this front hands vLLM)."""
+        if not root:
+            return None
+        p = Path(root)
+        return p.name if _HEX.match(p.name) and p.parent.name == p.name[:2] else None
+
+    async def vllm_models(self) -> list[dict[str, Any]]:
+        r = await self._call("GET", "/v1/models")
+        return list(r.json().get("data", []))
+
+    async def refresh(self) -> None:
+        """Read what vLLM serves now (after a restart of vLLM it serves no adapter until one is named)."""
+        cards = await self.vllm_models()
+        served = {}
+        for c in cards:
+            if c.get("parent") and (digest := self.digest_of_path(c.get("root"))):
+                served[c["id"]] = digest
+        self.served = served
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return await self.vllm.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise APIError(
+                503, f"the vLLM backend at {self.config.vllm_url} is unreachable: {e}", "ServiceUnavailableError"
+            ) from None
+
+    # -- validation before anything reaches vLLM ----------------------------------------------------------------
+
+    def vet(self, label: str, path: Path) -> tuple[str, Path]:
+        """Validate the adapter at `path` with mint's checks; its verified content-addressed directory."""
+        weights = read_adapter(path, self.spec, name=label, allowed_roots=[self.root])
+        digest = str(weights.digest)
+        if self.digest_of_path(str(path)) != digest:
+            digest = str(self.store.put_dir(path))  # idempotent: the store keeps one copy per digest
+        return digest, self.store.local_dir(digest)
+
+    def vet_address(self, address: str) -> tuple[str, Path]:
+        """A catalog address (a policy name: its champion) -> its validated revision; APIError 404 otherwise."""
+        hit = self._vetted.get(address)
+        if hit is not None and time.monotonic() - hit[0] < VET_TTL_S:
+            return hit[1], hit[2]
+        if self.catalog is None:
+            raise APIError(404, f"The model `{address}` does not exist.", "NotFoundError", "model")
+        try:
+            resolved = self.catalog.resolve(parse_address(address))
+            path = self.store.local_dir(resolved.digest)
+            digest, verified = self.vet(address, path)
+        except (AddressError, UnknownAddress, UnknownRevision) as e:
+            raise APIError(404, f"The model `{address}` does not exist: {e}", "NotFoundError", "model") from None
+        except AdapterError as e:
+            raise APIError(
+                404, f"The model `{address}` is not servable: {e}", "NotFoundError", "model"
+            ) from None
+        except StoreError as e:
+            raise APIError(503, f"The model `{address}` cannot be read now: {e}", "ServiceUnavailableError") from None
+        self._vetted[address] = (time.monotonic(), digest, verified)
+        return digest, verified
+
+    async def known(self, model: str) -> str | None:
+        """None for the base; the digest vLLM serves under `model`, vetting an on-demand catalog address first
+        (vLLM's resolver will ask for it again); 404 for anything else."""
+        if model == self.base_name:
+            return None
+        if model in self.served:
+            return self.served[model]
+        await self.refresh()
+        if model in self.served:
+            return self.served[model]
+        digest, _ = await run_in_threadpool(self.vet_address, model)
+        return digest
+
+    async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
+        async with self.lock(name).write():
+            r = await self._call(
+                "POST",
+                "/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": str(path), "load_inplace": inplace},
+            )
+            if r.status_code != 200:
+                raise _relayed(r)
+            self.served[name] = digest
+        logger.info("vLLM serves %s as sha256:%s", name, digest[:12])
+
+
+def _relayed(r: httpx.Response) -> APIError:
+    """vLLM's error answer as the front's (vLLM already answers in OpenAI's shape)."""
+    try:
+        err = r.json()["error"]
+        return APIError(r.status_code, str(err.get("message")), str(err.get("type")), err.get("param"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return APIError(r.status_code, f"vLLM answered {r.status_code}: {r.text[:300]}", "BackendError")
+
+
+def _parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
+    """The JSON body and its parse by mint's protocol: 400 naming the fields that do not fit."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", "BadRequestError") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", "BadRequestError")
+    try:
+        return data, model.model_validate(data)
+    except ValidationError as e:
+        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
+        raise APIError(400, "; ".join(parts), "BadRequestError") from None
+
+
+def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> FastAPI:
+    """The front over the vLLM server at `config.vllm_url`, serving the bare base as `base_name`."""
+    gw = Gateway(config, spec, base_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            await gw.refresh()
+        except APIError as e:  # vLLM may still be starting; /health says so meanwhile
+            logger.info("vLLM not reachable yet: %s", e.message)
+        logger.info("fronting vLLM at %s for base %s", config.vllm_url, base_name)
+        yield
+        await gw.vllm.aclose()
+
+    app = FastAPI(title="mint (vLLM backend)", lifespan=lifespan)
+    app.state.gateway = gw
+
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.response().model_dump(), status_code=e.status)
+
+    app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
+
+    async def body_of(request: Request) -> bytes:
+        raw = await request.body()
+        if len(raw) > config.max_body_bytes:
+            raise APIError(
+                413, f"request body of {len(raw)} bytes is over the limit of {config.max_body_bytes}", "BadRequestError"
+            )
+        return raw
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            r = await gw.vllm.get("/health", timeout=5)
+        except httpx.HTTPError as e:
+            raise APIError(503, f"the vLLM backend is not answering: {e}", "ServiceUnavailableError") from None
+        if r.status_code != 200:
+            raise APIError(503, f"the vLLM backend answers {r.status_code} to /health", "ServiceUnavailableError")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        r = await gw._call("GET", "/metrics")
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gw.check_api_key(request)
+        cards = await gw.vllm_models()
+        await gw.refresh()
+        out = []
+        for c in cards:
+            card = {k: c.get(k) for k in ("id", "object", "created", "root", "parent", "max_model_len")}
+            card["owned_by"] = "mint"
+            if c.get("parent"):
+                card["parent"] = base_name
+                card.pop("max_model_len", None)
+                if (digest := gw.digest_of_path(c.get("root"))) is not None:
+                    card["revision"] = f"sha256:{digest}"
+            else:
+                card["root"] = base_name
+            out.append({k: v for k, v in card.items() if v is not None})
+        return {"object": "list", "data": out}
+
+    async def generate(request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]) -> Response:
+        gw.check_api_key(request)
+        data, body = _parse(await body_of(request), model)
+        max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens()
+        Server.sampling_params(body, max(1, max_tokens or 1), 0)  # the engine's own range checks, naming the field
+        if isinstance(body, CompletionRequest) and not body.prompts():
+            raise APIError(400, "prompt is empty", "BadRequestError", "prompt")
+        await gw.known(body.model)
+        lock = None if body.model == base_name else gw.lock(body.model)
+        if lock is not None:
+            await lock.acquire_read()
+        try:
+            if not body.stream:
+                r = await gw._call("POST", path, json=data)
+                if r.status_code != 200:
+                    raise _relayed(r)
+                out = r.json()
+                out["system_fingerprint"] = gw.served.get(body.model, "base") if lock else "base"
+                return JSONResponse(out)
+            req = gw.vllm.build_request("POST", path, json=data)
+            try:
+                r = await gw.vllm.send(req, stream=True)
+            except httpx.HTTPError as e:
+                raise APIError(503, f"the vLLM backend is unreachable: {e}", "ServiceUnavailableError") from None
+            if r.status_code != 200:
+                await r.aread()
+                await r.aclose()
+                raise _relayed(r)
+        except BaseException:
+            if lock is not None:
+                await lock.release_read()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            fp = gw.served.get(body.model, "base") if lock else "base"
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    try:
+                        event = json.loads(line[6:])
+                        event["system_fingerprint"] = fp
+                        line = "data: " + json.dumps(event, separators=(",", ":"))
+                    except ValueError:
+                        pass
+                if line:
+                    yield (line + "\n\n").encode()
+
+        async def done() -> None:
+            await r.aclose()
+            if lock is not None:
+                await lock.release_read()
+
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(done))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "/v1/completions", CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions", ChatCompletionRequest)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        gw.check_admin(request)
+        _, body = _parse(await body_of(request), LoadLoRAAdapterRequest)
+        if not body.lora_name or not body.lora_path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if body.lora_name == base_name:
+            raise APIError(400, f"'{base_name}' is the base model's name", "InvalidUserInput", "lora_name")
+        path = resolve_lora_path(gw, body.lora_path)
+        await gw.refresh()
+        if body.lora_name in gw.served and not body.load_inplace:
+            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput")
+        if not path.exists():
+            raise APIError(
+                404, f"No adapter found at {body.lora_path!r} (in the adapter store {gw.root})", "NotFoundError"
+            )
+        try:
+            digest, verified = await run_in_threadpool(gw.vet, body.lora_name, path)
+        except AdapterError as e:
+            raise APIError(400, str(e), "BadRequestError", "lora_path") from None
+        except StoreError as e:
+            raise APIError(503, f"cannot store the revision: {e}", "ServiceUnavailableError") from None
+        await gw.load(body.lora_name, digest, verified, body.load_inplace)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        gw.check_admin(request)
+        _, body = _parse(await body_of(request), UnloadLoRAAdapterRequest)
+        if not body.lora_name:
+            raise APIError(400, "'lora_name' needs to be provided.", "InvalidUserInput")
+        async with gw.lock(body.lora_name).write():
+            r = await gw._call("POST", "/v1/unload_lora_adapter", json={"lora_name": body.lora_name})
+            if r.status_code != 200:
+                raise _relayed(r)
+            gw.served.pop(body.lora_name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.post("/v1/mint/prefetch", response_model=PrefetchResponse)
+    async def prefetch(request: Request) -> PrefetchResponse:
+        """Vet catalog addresses and load them into vLLM under their own names ahead of need."""
+        gw.check_admin(request)
+        _, body = _parse(await body_of(request), PrefetchRequest)
+        if gw.catalog is None:
+            raise APIError(400, "this server has no catalog (set catalog_url)", "BadRequestError")
+
+        async def one(address: str) -> str:
+            try:
+                digest, path = await run_in_threadpool(gw.vet_address, address)
+                if gw.served.get(address) != digest:
+                    await gw.load(address, digest, path, inplace=address in gw.served)
+                return "loaded"
+            except APIError as e:
+                return f"error: {e.message}"
+
+        jobs = [asyncio.ensure_future(one(a)) for a in body.addresses]
+        if not body.wait:
+            return PrefetchResponse(scheduled=len(jobs))
+        results = await asyncio.gather(*jobs)
+        return PrefetchResponse(scheduled=len(jobs), results=dict(zip(body.addresses, results, strict=True)))
+
+    @app.post("/v1/mint/resolve")
+    async def resolve(request: Request) -> dict[str, str]:
+        """vLLM's resolver plugin asks here about a name it does not serve: the verified revision, or 404."""
+        gw.check_resolver(request)
+        _, body = _parse(await body_of(request), ResolveRequest)
+        digest, path = await run_in_threadpool(gw.vet_address, body.address)
+        gw.served[body.address] = digest
+        return {"lora_path": str(path), "digest": f"sha256:{digest}"}
+
+    return app

