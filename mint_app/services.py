@@ -1,5 +1,6 @@
 """mint's local services as background processes: the MLflow tracking server and model registry, a Prefect
-server, the embedded serving engine (`mint serve`), the receiver of MLflow's alias webhook (`hooks`: serving
+server, the serving engine (`mint serve`: the embedded engine, or with `serving: vllm` mint's front before a vLLM
+server, the `vllm` service, on loopback), the receiver of MLflow's alias webhook (`hooks`: serving
 follows a `champion` moved in the MLflow UI within seconds; `mint up` registers the webhook), and a Prefect worker
 that runs the deployments of infra/prefect.yaml (registered, with their work pool, before it starts).
 
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import psutil
@@ -39,14 +40,21 @@ from mint_core.serving.config import ServingConfig
 from mint_core.settings import Settings
 from mint_core.types import Device
 
+if TYPE_CHECKING:
+    from mint_core.serving.vllm_process import VLLMConfig
+
 logger = logging.getLogger(__name__)
 
-ServiceName = Literal["mlflow", "prefect", "serve", "hooks", "worker"]
+ServiceName = Literal["mlflow", "prefect", "vllm", "serve", "hooks", "worker"]
 SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve", "hooks", "worker")
+"""The services `mint up` starts by default (serving: mint); `services_for` adds vllm for serving: vllm."""
+ALL_SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "vllm", "serve", "hooks", "worker")
+"""Every service, in start order (stop goes the other way: mint serve before the vLLM it fronts)."""
 ENV_PREFIX = "MINT_SERVICES_"
 HEALTH_PATH: dict[ServiceName, str] = {
     "mlflow": "/health",
     "prefect": "/api/health",
+    "vllm": "/health",  # vLLM's key guards /v1 only
     "serve": "/health",
     "hooks": "/health",
     "worker": "/health",  # the worker's healthcheck server: 200 while it polls its work pool
@@ -54,6 +62,12 @@ HEALTH_PATH: dict[ServiceName, str] = {
 LOG_TAIL_LINES = 40
 # The directory `dvc repro` builds the built-in base into (relative to the working directory).
 BUILTIN_BASE = Path("data/base")
+# The head sizes vLLM's CPU attention runs (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm_process.DEFAULT_PYTHON, not imported: that module's imports reach torch, which `mint up` never loads
+VLLM_PYTHON = Path(".venv-vllm/bin/python")
+PROGRESS_EVERY_S = 10.0
+"""While a service takes longer than this to answer, `start` says so this often."""
 
 State = Literal["running", "unhealthy", "stopped"]
 
@@ -98,7 +112,18 @@ class ServicesConfig(Settings):
     postgresql+asyncpg://user[:password]@host:5432/prefect (Prefect needs the asyncpg driver; a URL without a
     driver gets it); the database is created if it does not exist."""
     serve_port: int = Field(8000, ge=1, le=65535)
-    """Port of the embedded serving engine (the OpenAI/vLLM-compatible API under /v1)."""
+    """Port of `mint serve` (the OpenAI/vLLM-compatible API under /v1)."""
+    serving: Literal["mint", "vllm"] = "mint"
+    """Who runs the served model: `mint`, the embedded engine inside `mint serve`; `vllm`, a vLLM server (the
+    `vllm` service, from `vllm_python`'s environment, on loopback) with `mint serve` as its front on serve_port
+    (validation, auth, revision identity). The base must be one vLLM can run (on CPU: a head_dim vLLM's attention
+    supports, so data/base, not the tiny-dense fallback)."""
+    vllm_port: int = Field(8100, ge=1, le=65535)
+    """Port of the vLLM server (serving: vllm), always on 127.0.0.1: only mint's front reaches it."""
+    vllm_python: Path = VLLM_PYTHON
+    """The interpreter of vLLM's own environment (`make vllm-venv`, scripts/bootstrap_vllm.sh)."""
+    vllm_start_timeout_s: float = Field(300.0, gt=0)
+    """Seconds vLLM may take to answer its health check (it loads and profiles the model: 30-100 s on 2 cores)."""
     serve_base: str | None = None
     """Base of `mint serve`: a model directory or a built-in name (tiny-dense, ...). Default: data/base when
     `dvc repro` has built it, else a tiny dense base written once into <state_dir>/tiny-dense."""
@@ -132,11 +157,16 @@ class ServicesConfig(Settings):
 
     def port(self, name: ServiceName) -> int:
         ports = {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}
-        return {**ports, "hooks": self.hooks_port, "worker": self.worker_port}[name]
+        return {**ports, "vllm": self.vllm_port, "hooks": self.hooks_port, "worker": self.worker_port}[name]
+
+    def bind_host(self, name: ServiceName) -> str:
+        """The address a service binds to: `host`, but loopback for vLLM (users reach it through the front)."""
+        return "127.0.0.1" if name == "vllm" else self.host
 
     def url(self, name: ServiceName) -> str:
         """The service's base URL (for Prefect the API is under /api)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = self.bind_host(name)
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port(name)}"
@@ -184,14 +214,26 @@ _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def parse_names(only: str | None) -> list[ServiceName]:
-    """`mlflow,serve` -> ["mlflow", "serve"] in start order; None or "" -> all services."""
+    """`mlflow,serve` -> ["mlflow", "serve"] in start order; None or "" -> the default services (SERVICES)."""
     if not only:
         return list(SERVICES)
     wanted = {n.strip() for n in only.split(",") if n.strip()}
-    unknown = sorted(wanted - set(SERVICES))
+    unknown = sorted(wanted - set(ALL_SERVICES))
     if unknown:
-        raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from {', '.join(SERVICES)}")
-    return [n for n in SERVICES if n in wanted]
+        raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from {', '.join(ALL_SERVICES)}")
+    return [n for n in ALL_SERVICES if n in wanted]
+
+
+def services_for(config: ServicesConfig) -> list[ServiceName]:
+    """What `mint up` starts by default: SERVICES, and with serving vllm the vLLM server before mint serve."""
+    return [n for n in ALL_SERVICES if n != "vllm" or config.serving == "vllm"]
+
+
+def _known_names(config: ServicesConfig) -> list[ServiceName]:
+    """What status and stop look at by default: `services_for(config)`, and a vLLM recorded in the state dir
+    whatever `serving` says now (`mint down` stops what `mint up --serving vllm` started)."""
+    recorded = _read_record(config, "vllm") is not None
+    return [n for n in ALL_SERVICES if n in services_for(config) or (n == "vllm" and recorded)]
 
 
 def with_driver(url: str, driver: str) -> str:
@@ -479,6 +521,88 @@ def serve_base(config: ServicesConfig) -> str:
     return str(out)
 
 
+def _vllm_base(config: ServicesConfig) -> Path:
+    """The base vLLM serves: `serve_base(config)`, refused (ServiceError) unless it is a model directory vLLM can
+    run. Checked from its config.json, before anything is built or started."""
+    fix = (
+        "build data/base (`dvc repro`, or `mint run`, which builds it first), or pass --serve-base a model "
+        "directory vLLM can run"
+    )
+    if config.serve_base is None and not (BUILTIN_BASE / "config.json").is_file():
+        raise ServiceError(
+            f"vllm: {BUILTIN_BASE} is not built, and the tiny-dense base mint serve falls back to (head_dim 16) "
+            f"cannot run on vLLM, whose CPU attention needs a head_dim in {list(VLLM_CPU_HEAD_DIMS)}: {fix}"
+        )
+    base = Path(serve_base(config))
+    try:
+        cfg = json.loads((base / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ServiceError(
+            f"vllm: the base {str(base)!r} is not a Hugging Face model directory vLLM can load ({e}): {fix}"
+        ) from None
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // heads)
+    device = config.serve_device or ServingConfig.load(config.serve_config).device
+    if device == "cpu" and head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ServiceError(
+            f"vllm: the base {base} has head_dim {head_dim}; vLLM's CPU attention runs only head_dim "
+            f"{list(VLLM_CPU_HEAD_DIMS)}: {fix}"
+        )
+    return base.resolve()
+
+
+def vllm_config(config: ServicesConfig) -> VLLMConfig:
+    """The vLLM server behind `mint serve` (serving vllm): the same base, rank limit and model length as the
+    serving config, on 127.0.0.1:vllm_port, its key and the resolver plugin's token kept in the state dir.
+    ServiceError when vLLM's environment is missing or the base is one vLLM cannot run."""
+    from mint_core.serving.vllm_process import VLLMConfig, vllm_available  # only here: it reaches torch
+
+    if not vllm_available(config.vllm_python):
+        raise ServiceError(
+            f"vllm: vLLM's environment is missing ({config.vllm_python} is not an interpreter): run `make "
+            "vllm-venv` (or bash scripts/bootstrap_vllm.sh), or set vllm_python (MINT_SERVICES_VLLM_PYTHON)"
+        )
+    base = _vllm_base(config)
+    serving = ServingConfig.load(config.serve_config)
+    positions = json.loads((base / "config.json").read_text()).get("max_position_embeddings")
+    device = config.serve_device or serving.device
+    return VLLMConfig(
+        python=config.vllm_python,
+        model=base,
+        served_model_name=serving.served_model_name or base.name,  # the front's name for it
+        host=config.bind_host("vllm"),
+        port=config.vllm_port,
+        api_key=_vllm_key(config),
+        max_loras=serving.max_loras,
+        max_cpu_loras=serving.max_cpu_loras or 4 * serving.max_loras,
+        max_lora_rank=_serve_max_lora_rank(config, serving),
+        # vLLM refuses a length beyond the base's positions (the embedded engine does not check)
+        max_model_len=min(serving.max_model_len, int(positions or serving.max_model_len)),
+        dtype=serving.dtype,
+        device="cpu" if device == "cpu" else "cuda",
+        resolver_url=config.url("serve"),
+        resolver_token=_resolver_token(config),
+    )
+
+
+def _vllm_key(config: ServicesConfig) -> str:
+    """vLLM's --api-key (given in its environment): only mint serve, its front, knows it."""
+    return _state_secret(config, "vllm.key", lambda: secrets.token_urlsafe(24))
+
+
+def _resolver_token(config: ServicesConfig) -> str:
+    """The bearer token vLLM's resolver plugin asks mint serve's /v1/mint/resolve with."""
+    return _state_secret(config, "resolver.token", lambda: secrets.token_urlsafe(24))
+
+
+def _serve_max_lora_rank(config: ServicesConfig, serving: ServingConfig) -> int:
+    """The serving config's max_lora_rank (file or MINT_SERVE_MAX_LORA_RANK) when it sets one, else the one
+    `mint up` gives mint serve (serve_max_lora_rank)."""
+    return (
+        serving.max_lora_rank if "max_lora_rank" in serving.model_fields_set else config.serve_max_lora_rank
+    )
+
+
 def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start one service (secrets go in the environment)."""
     host, port = config.host, str(config.port(name))
@@ -535,6 +659,14 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
             env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
         cmd = [_bin("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
         return [*cmd, "--name", "mint-worker", "--with-healthcheck", "--install-policy", "never"], env
+    if name == "vllm":
+        vllm = vllm_config(config)
+        cmd, vllm_env = vllm.command()
+        env.update(vllm_env)
+        device = config.serve_device or ServingConfig.load(config.serve_config).device
+        if device.startswith("cuda:"):  # vLLM takes the first GPU it sees
+            env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
+        return cmd, env
     cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:
@@ -550,6 +682,16 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         env["MINT_SERVE_MAX_LORA_RANK"] = str(config.serve_max_lora_rank)
     if serving.admin_token is None:
         env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
+    if config.serving == "vllm":
+        # the front of the vLLM service; a policy name resolves to its champion in the flows' catalog on demand
+        # (vLLM's resolver plugin asks this front). The Tinker training API is the embedded engine's: not here.
+        env["MINT_SERVE_BACKEND"] = "vllm"
+        env["MINT_SERVE_VLLM_URL"] = config.url("vllm")
+        env["MINT_SERVE_VLLM_API_KEY"] = _vllm_key(config)
+        env["MINT_SERVE_RESOLVER_TOKEN"] = _resolver_token(config)
+        if serving.catalog_url is None:
+            env["MINT_SERVE_CATALOG_URL"] = hooks_workspace(config)["catalog_url"]
+        return cmd, env
     # the Tinker training API: a key kept in the state dir (unless keys are configured), and a named
     # save_weights_for_sampler becomes an MLflow version indexed in the flows' catalog
     if serving.tinker_api_keys is None and serving.tinker_api_keys_file is None:
@@ -750,6 +892,9 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     env = {**os.environ, **extra_env}
     if name == "prefect":
         env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
+    if name == "vllm":  # its own environment: nothing of mint's may reach its imports
+        for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+            env.pop(key, None)
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -765,6 +910,27 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     return proc
 
 
+def startup_timeout(config: ServicesConfig, name: ServiceName) -> float:
+    """Seconds `name` may take to answer its health check after it is launched."""
+    return config.vllm_start_timeout_s if name == "vllm" else config.startup_timeout
+
+
+def _check_serving(config: ServicesConfig, names: list[ServiceName]) -> None:
+    """With serving vllm: refuse what cannot work before anything starts (vLLM's environment, a base vLLM
+    cannot run, a front with no vLLM behind it); vllm with serving mint is refused too (nothing would front it)."""
+    if config.serving == "mint":
+        if "vllm" in names:
+            raise ServiceError("vllm: it runs behind mint serve with serving vllm (mint up --serving vllm)")
+        return
+    if "vllm" in names:
+        vllm_config(config)  # raises ServiceError naming what is wrong
+    elif "serve" in names and status(config, ["vllm"])[0].state == "stopped":
+        raise ServiceError(
+            "serve: with serving vllm, mint serve fronts the vLLM server, which is not running "
+            "(start it too: mint up --serving vllm --only vllm,serve)"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the three operations
 
@@ -772,7 +938,7 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
 def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
     """What runs under the state dir; a record left by a process that is gone is removed."""
     out = []
-    for name in names or SERVICES:
+    for name in names or _known_names(config):
         _, _, log = _paths(config, name)
         record = _read_record(config, name)
         if record is None or not _alive(record["pid"], record.get("create_time")):
@@ -786,18 +952,28 @@ def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> li
     return out
 
 
-def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
-    """Start the named services (all by default) and wait until each answers its health check.
+def start(
+    config: ServicesConfig,
+    names: list[ServiceName] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[Service]:
+    """Start the named services (by default `services_for(config)`) and wait until each answers its health check.
 
     A service already running under the state dir is reused (waited for if still starting). Services are
-    launched together and waited for together; if any fails, the others stay up and one ServiceError names
-    every failure with the tail of its log.
+    launched together and waited for together (vLLM first, then its front); if any fails, the others stay up and
+    one ServiceError names every failure with the tail of its log. A service slower than PROGRESS_EVERY_S is
+    reported every PROGRESS_EVERY_S through `progress` (default: the log).
     """
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    names = names or list(SERVICES)
+    names = names or services_for(config)
     if "worker" in names and len(names) > 1:  # the worker's deployments are registered on a Prefect server up
-        first = {s.name: s for s in start(config, [n for n in names if n != "worker"])}
-        first["worker"] = start(config, ["worker"])[0]
+        first = {s.name: s for s in start(config, [n for n in names if n != "worker"], progress)}
+        first["worker"] = start(config, ["worker"], progress)[0]
+        return [first[n] for n in names]
+    _check_serving(config, names)
+    if "vllm" in names and "serve" in names:  # the front answers its health check once vLLM does
+        first = {s.name: s for s in start(config, [n for n in names if n != "serve"], progress)}
+        first["serve"] = start(config, ["serve"], progress)[0]
         return [first[n] for n in names]
     detail = register_deployments(config) if names == ["worker"] else None
     found = {s.name: s for s in status(config, names)}
@@ -811,10 +987,10 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
             assert s.pid is not None
             launched[name] = (None, time.monotonic())  # wait for it like a fresh one, but never kill it
             continue
-        port = config.port(name)
-        if not _port_free(config.host, port):
+        port, host = config.port(name), config.bind_host(name)
+        if not _port_free(host, port):
             errors.append(
-                f"{name}: port {port} on {config.host} is already in use by a process not recorded in "
+                f"{name}: port {port} on {host} is already in use by a process not recorded in "
                 f"{config.state_dir} (stop it, or choose another port: --{name}-port)"
             )
             continue
@@ -824,7 +1000,7 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
         except (ServiceError, OSError, ValueError) as e:  # ValueError: a bad serving config file
             errors.append(f"{name}: {e}")
     results: dict[ServiceName, Service] = {}
-    deadline = time.monotonic() + config.startup_timeout
+    said = {name: t0 for name, (_, t0) in launched.items()}  # when each was last reported as still starting
     while launched:
         for name, (proc, t0) in list(launched.items()):
             record = _read_record(config, name) or {}
@@ -844,17 +1020,23 @@ def start(config: ServicesConfig, names: list[ServiceName] | None = None) -> lis
                 results[name] = Service(name, "running", url, pid, log, reused=proc is None, startup_s=ms)
                 if ms is not None:
                     logger.info("%s healthy at %s after %.1f s", name, url, ms)
-        if launched and time.monotonic() > deadline:
-            for name, (proc, _) in launched.items():
-                _, _, log = _paths(config, name)
+        now = time.monotonic()
+        for name, (proc, t0) in list(launched.items()):
+            timeout = startup_timeout(config, name)
+            _, _, log = _paths(config, name)
+            if now - t0 > timeout:
+                del launched[name]
                 errors.append(
                     f"{name} did not answer {config.url(name)}{HEALTH_PATH[name]} within "
-                    f"{config.startup_timeout:.0f} s:\n{log_tail(log)}"
+                    f"{timeout:.0f} s:\n{log_tail(log)}"
                 )
                 if proc is not None:  # ours and broken: do not leave it half started
                     _terminate(proc.pid, config.stop_timeout)
                     _remove_record(config, name)
-            break
+            elif now - said[name] >= PROGRESS_EVERY_S:
+                said[name] = now
+                msg = f"{name}: still starting after {now - t0:.0f} s (at most {timeout:.0f} s; log {log})"
+                (progress or logger.info)(msg)
         if launched:
             time.sleep(0.25)
     if errors:
@@ -891,10 +1073,12 @@ def stop_started_redis(config: ServicesConfig) -> int | None:
 
 
 def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list[Service]:
-    """Stop the named services (all by default; serve first, MLflow last): SIGTERM, then SIGKILL after
-    stop_timeout. Returns what was running before (an empty state for those that were not)."""
+    """Stop the named services (by default those of `serving`, and a recorded vLLM; serve first, MLflow last):
+    SIGTERM, then SIGKILL after stop_timeout. Returns what was running before (an empty state for those that were
+    not)."""
     out = []
-    for name in reversed(names or SERVICES):
+    order = {n: i for i, n in enumerate(ALL_SERVICES)}
+    for name in sorted(names or _known_names(config), key=order.__getitem__, reverse=True):
         _, _, log = _paths(config, name)
         record = _read_record(config, name)
         if record is None or not _alive(record["pid"], record.get("create_time")):

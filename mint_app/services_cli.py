@@ -1,21 +1,23 @@
-"""`mint up`, `mint down`, `mint status`: the local MLflow, Prefect, serving and Prefect worker processes."""
+"""`mint up`, `mint down`, `mint status`: the local MLflow, Prefect, serving (and vLLM) and Prefect worker
+processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from mint_app.services import (
-    SERVICES,
+    ALL_SERVICES,
     Service,
     ServiceError,
     ServiceName,
     ServicesConfig,
     parse_names,
+    services_for,
     start,
     status,
     stop,
@@ -28,12 +30,13 @@ StateDir = Annotated[
     Path | None,
     typer.Option(help="Pid files, logs and local databases (default .mint/run, or MINT_SERVICES_STATE_DIR)."),
 ]
-Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(SERVICES)}.")]
+Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(ALL_SERVICES)}.")]
 ConfigFile = Annotated[Path | None, typer.Option(help="YAML or JSON file of ServicesConfig fields.")]
 
 TITLES = {
     "mlflow": "MLflow tracking + registry",
     "prefect": "Prefect server",
+    "vllm": "vLLM (behind mint serve)",
     "serve": "mint serve",
     "hooks": "MLflow webhook receiver",
     "worker": "Prefect worker",
@@ -41,6 +44,7 @@ TITLES = {
 OPEN = {
     "mlflow": "MLflow UI",
     "prefect": "Prefect dashboard",
+    "vllm": "health",
     "serve": "served models",
     "hooks": "health",
     "worker": "health",
@@ -48,7 +52,10 @@ OPEN = {
 STYLE = {"running": "green", "unhealthy": "yellow", "stopped": "dim"}
 
 
-def _names(only: str | None) -> list[ServiceName]:
+def _names(only: str | None) -> list[ServiceName] | None:
+    """The services --only names; None without it (each command's default: `services.services_for`)."""
+    if not only:
+        return None
     try:
         return parse_names(only)
     except ValueError as e:
@@ -84,6 +91,16 @@ def up(
     mlflow_port: Annotated[int | None, typer.Option(help="MLflow port (default 5000).")] = None,
     prefect_port: Annotated[int | None, typer.Option(help="Prefect port (default 4200).")] = None,
     serve_port: Annotated[int | None, typer.Option(help="mint serve port (default 8000).")] = None,
+    serving: Annotated[
+        Literal["mint", "vllm"] | None,
+        typer.Option(
+            help="Who runs the served model: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
+            "vllm-venv`) that mint serve fronts \\[default: mint]."
+        ),
+    ] = None,
+    vllm_port: Annotated[
+        int | None, typer.Option(help="Port of vLLM, on 127.0.0.1 (default 8100; with --serving vllm).")
+    ] = None,
     hooks_port: Annotated[
         int | None, typer.Option(help="Port of the receiver of MLflow's alias webhook (default 8001).")
     ] = None,
@@ -103,8 +120,8 @@ def up(
     ] = None,
 ) -> None:
     """Start the local services (MLflow, Prefect, mint serve, a Prefect worker running the deployments of
-    infra/prefect.yaml, registered first) in the background; reuse those already up."""
-    names = _names(only)
+    infra/prefect.yaml, registered first) in the background; reuse those already up. With --serving vllm, a vLLM
+    server on loopback first, which mint serve fronts (validation, auth, revision identity)."""
     cfg = _config(
         config,
         state_dir=state_dir,
@@ -112,6 +129,8 @@ def up(
         mlflow_port=mlflow_port,
         prefect_port=prefect_port,
         serve_port=serve_port,
+        serving=serving,
+        vllm_port=vllm_port,
         hooks_port=hooks_port,
         mlflow_backend_url=mlflow_backend_url,
         prefect_database_url=prefect_database_url,
@@ -120,9 +139,11 @@ def up(
         serve_adapter_root=serve_adapter_root,
         worker_port=worker_port,
     )
+    names = _names(only) or services_for(cfg)
     with console.status(f"starting {', '.join(names)} ..."):
         try:
-            started = start(cfg, names)
+            # a slow service (vLLM: 30-100 s on 2 cores) is reported every 10 s above the spinner
+            started = start(cfg, names, progress=lambda msg: console.print(f"  {msg}"))
         except ServiceError as e:
             console.print(f"[red]{e}[/]")
             raise typer.Exit(1) from None

@@ -25,28 +25,11 @@ fi
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-# pip warns once per index entry this machine's mirror lacks; those lines say nothing about mint.
-pip_install() {
-  "$VENV/bin/pip" install -q "$@" 2> >(grep -v -e "^WARNING: Location" -e "BuildBackendWarning" -e "^ *!!" -e "^ *\*\*\*" \
-    -e "Please be careful with folders" -e "name as your package" -e "with strategy, WheelFile" -e "^ *$" >&2)
-}
-
-# uv's arguments for the package sources pip is configured with (pip.conf, PIP_* variables): the index, the extra
-# indexes and find-links, constraint files, the certificate bundle. Every source is
-# searched for the best match, as pip does (uv's default stops at the first index that has a package).
-uv_args=(--python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode)
-while IFS= read -r line; do
-  key=${line%%=*} key=${key##*.} value=${line#*=} value=${value#\'} value=${value%\'}
-  for v in $value; do
-    case $key in
-      index-url) uv_args+=(--index-url "$v") ;;
-      extra-index-url) uv_args+=(--extra-index-url "$v") ;;
-      find-links) uv_args+=(--find-links "$v") ;;
-      constraint) [ -f "$v" ] && uv_args+=(--constraint "$v") ;;
-      cert) [ -f "$v" ] && export SSL_CERT_FILE="$v" ;;
-    esac
-  done
-done < <("$VENV/bin/pip" config list 2>/dev/null)
+# pip_install, and uv_pip_sources: uv's arguments for the package sources pip is configured with (shared with
+# scripts/bootstrap_vllm.sh)
+source scripts/pip_sources.sh
+uv_args=(--python "$VENV/bin/python" --compile-bytecode)
+uv_pip_sources
 
 uv_install() {
   echo "bootstrap: installing torch==2.13.0 (CPU), mint and its dependencies into $VENV (uv)" >&2

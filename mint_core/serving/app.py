@@ -36,7 +36,7 @@ from mint_core.lora.validate import BaseSpec
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.protocol import APIError
 from mint_core.serving.routes import completions, extensions, health, models
-from mint_core.serving.server import Server
+from mint_core.serving.server import PromptLimits, Server
 
 logger = logging.getLogger(__name__)
 BUILTIN = {f"tiny-{family}": family for family in FAMILIES}
@@ -75,8 +75,15 @@ def build_app(config: ServingConfig, base: Base | None = None) -> FastAPI:
             config.max_lora_rank,
             frozenset(base.sites) | {s.module_path for s in base.sites.values()},
         )
+        positions = getattr(base.config, "max_position_embeddings", None) or config.max_model_len
+        tok = base.tokenizer or byte_tokenizer()
+        limits = PromptLimits(
+            lambda p: list(tok(p)["input_ids"]),
+            base.config.vocab_size,
+            min(config.max_model_len, int(positions)),
+        )
         del base
-        return create_gateway(config, spec, name)
+        return create_gateway(config, spec, name, tok, limits)
     root = Path(config.adapter_root)
     root.mkdir(parents=True, exist_ok=True)
     engine = Engine(

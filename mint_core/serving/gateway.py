@@ -24,6 +24,7 @@ reach the front, which adds what vLLM lacks (measured on vLLM 0.32, infra/vllm/R
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -36,6 +37,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -54,12 +56,15 @@ from mint_core.serving.protocol import (
     PrefetchResponse,
     UnloadLoRAAdapterRequest,
 )
+from mint_core.serving.routes.completions import chat_prompt
 from mint_core.serving.routes.models import resolve_lora_path
-from mint_core.serving.server import Server
+from mint_core.serving.server import PromptLimits, Server
 
 logger = logging.getLogger(__name__)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-VET_TTL_S = 30.0  # a vetted on-demand address is trusted this long (the front checks it, then vLLM asks again)
+VET_TTL_S = (
+    30.0  # a vetted on-demand address is trusted this long (the front checks it, then vLLM asks again)
+)
 
 
 class ResolveRequest(BaseModel):
@@ -107,12 +112,16 @@ class SwapLock:
 class Gateway:
     """State of the front: vLLM's address and key, the base's spec, the store and catalog, what vLLM serves."""
 
-    def __init__(self, config: ServingConfig, spec: BaseSpec, base_name: str):
+    def __init__(
+        self, config: ServingConfig, spec: BaseSpec, base_name: str, tokenizer: Any, limits: PromptLimits
+    ):
         if config.vllm_api_key is None:
             raise ValueError("backend vllm needs vllm_api_key: the key vLLM was started with")
         self.config = config
         self.spec = spec
         self.base_name = base_name
+        self.tokenizer = tokenizer  # the base's: prompts are measured as mint serve measures them
+        self.limits = limits
         self.root = Path(config.adapter_root).resolve()
         self.store = AdapterStore(self.root)
         self.catalog = Catalog(CatalogConfig(url=config.catalog_url)) if config.catalog_url else None
@@ -124,7 +133,22 @@ class Gateway:
         )
         self.served: dict[str, str] = {}  # adapter name -> hex digest, as last read off vLLM or loaded by us
         self.locks: dict[str, SwapLock] = {}
+        self.created = int(time.time())
         self._vetted: dict[str, tuple[float, str, Path]] = {}  # address -> (when, digest, verified dir)
+        # the front's own series beside vLLM's (which /metrics passes through): answers per model and status
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mint_requests",
+            "Completion requests answered, by model and HTTP status",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+
+    def count(self, model: object, status: int) -> None:
+        """One completion request answered; a name this front does not serve is `_unknown` (no client-made
+        label values)."""
+        known = isinstance(model, str) and (model == self.base_name or model in self.served)
+        self.requests.labels(model if known else "_unknown", str(status)).inc()
 
     # -- auth (the embedded server's rules) ----------------------------------------------------------------
 
@@ -168,7 +192,9 @@ class Gateway:
             return await self.vllm.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise APIError(
-                503, f"the vLLM backend at {self.config.vllm_url} is unreachable: {e}", "ServiceUnavailableError"
+                503,
+                f"the vLLM backend at {self.config.vllm_url} is unreachable: {e}",
+                "ServiceUnavailableError",
             ) from None
 
     # -- validation before anything reaches vLLM ----------------------------------------------------------------
@@ -193,13 +219,17 @@ class Gateway:
             path = self.store.local_dir(resolved.digest)
             digest, verified = self.vet(address, path)
         except (AddressError, UnknownAddress, UnknownRevision) as e:
-            raise APIError(404, f"The model `{address}` does not exist: {e}", "NotFoundError", "model") from None
+            raise APIError(
+                404, f"The model `{address}` does not exist: {e}", "NotFoundError", "model"
+            ) from None
         except AdapterError as e:
             raise APIError(
                 404, f"The model `{address}` is not servable: {e}", "NotFoundError", "model"
             ) from None
         except StoreError as e:
-            raise APIError(503, f"The model `{address}` cannot be read now: {e}", "ServiceUnavailableError") from None
+            raise APIError(
+                503, f"The model `{address}` cannot be read now: {e}", "ServiceUnavailableError"
+            ) from None
         self._vetted[address] = (time.monotonic(), digest, verified)
         return digest, verified
 
@@ -238,6 +268,61 @@ def _relayed(r: httpx.Response) -> APIError:
         return APIError(r.status_code, f"vLLM answered {r.status_code}: {r.text[:300]}", "BackendError")
 
 
+def _check_prompts(
+    gw: Gateway, data: dict[str, Any], body: CompletionRequest | ChatCompletionRequest
+) -> bool:
+    """mint's checks of the prompts, max_tokens and sampling fields, with mint serve's answers (vLLM caps or
+    answers otherwise); fills in mint's default max_tokens. True when the request only scores its prompts (echo
+    with max_tokens 0, which vLLM does not take)."""
+    limits = gw.limits
+    if isinstance(body, CompletionRequest):
+        if body.stream and body.echo:
+            raise APIError(400, "echo is not supported with stream", "BadRequestError", "echo")
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "prompt is empty", "BadRequestError", "prompt")
+        lengths = [len(limits.tokenize(p)) for p in prompts]
+        fits = [limits.max_tokens(body.max_tokens, n, echo=body.echo) for n in lengths]
+        if body.max_tokens is None:
+            data["max_tokens"] = min(fits)
+    else:
+        ids = limits.tokenize(chat_prompt(gw.tokenizer, body.messages))
+        fits = [limits.max_tokens(body.requested_max_tokens(), len(ids), echo=False)]
+        if body.requested_max_tokens() is None:
+            data["max_tokens"] = fits[0]
+    Server.sampling_params(body, max(1, fits[0]), 0)  # the engine's own range checks, naming the field
+    return isinstance(body, CompletionRequest) and body.echo and fits[0] == 0
+
+
+def _prompt_only(gw: Gateway, out: dict[str, Any], body: CompletionRequest) -> dict[str, Any]:
+    """A completion of one token cut back to its echoed prompt: what max_tokens 0 with echo answers."""
+    prompts = [
+        p if isinstance(p, str) else gw.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)
+    ]
+    for choice, prompt in zip(out.get("choices", []), prompts, strict=False):
+        choice["text"] = prompt
+        choice["finish_reason"] = "length"
+        lp = choice.get("logprobs")
+        if isinstance(lp, dict):
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                if isinstance(lp.get(key), list) and lp[key]:
+                    lp[key] = lp[key][:-1]
+    usage = out.get("usage")
+    if isinstance(usage, dict):
+        usage["completion_tokens"] = 0
+        usage["total_tokens"] = usage.get("prompt_tokens", 0)
+    return out
+
+
+def _normalised(out: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+    """A vLLM completion (or stream event) in mint's shape: `system_fingerprint` names the revision that answered,
+    and `usage` carries the token counts only (vLLM adds null `*_tokens_details`)."""
+    out["system_fingerprint"] = fingerprint
+    if isinstance(out.get("usage"), dict):
+        out["usage"] = {k: v for k, v in out["usage"].items() if v is not None}
+    return out
+
+
 def _parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
     """The JSON body and its parse by mint's protocol: 400 naming the fields that do not fit."""
     try:
@@ -253,9 +338,11 @@ def _parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
         raise APIError(400, "; ".join(parts), "BadRequestError") from None
 
 
-def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> FastAPI:
+def create_gateway(
+    config: ServingConfig, spec: BaseSpec, base_name: str, tokenizer: Any, limits: PromptLimits
+) -> FastAPI:
     """The front over the vLLM server at `config.vllm_url`, serving the bare base as `base_name`."""
-    gw = Gateway(config, spec, base_name)
+    gw = Gateway(config, spec, base_name, tokenizer, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -279,7 +366,9 @@ def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> Fas
         raw = await request.body()
         if len(raw) > config.max_body_bytes:
             raise APIError(
-                413, f"request body of {len(raw)} bytes is over the limit of {config.max_body_bytes}", "BadRequestError"
+                413,
+                f"request body of {len(raw)} bytes is over the limit of {config.max_body_bytes}",
+                "BadRequestError",
             )
         return raw
 
@@ -288,15 +377,21 @@ def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> Fas
         try:
             r = await gw.vllm.get("/health", timeout=5)
         except httpx.HTTPError as e:
-            raise APIError(503, f"the vLLM backend is not answering: {e}", "ServiceUnavailableError") from None
+            raise APIError(
+                503, f"the vLLM backend is not answering: {e}", "ServiceUnavailableError"
+            ) from None
         if r.status_code != 200:
-            raise APIError(503, f"the vLLM backend answers {r.status_code} to /health", "ServiceUnavailableError")
+            raise APIError(
+                503, f"the vLLM backend answers {r.status_code} to /health", "ServiceUnavailableError"
+            )
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         r = await gw._call("GET", "/metrics")
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        if r.status_code != 200:
+            raise _relayed(r)
+        return Response(r.content + generate_latest(gw.registry), media_type=r.headers.get("content-type"))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -307,6 +402,7 @@ def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> Fas
         for c in cards:
             card = {k: c.get(k) for k in ("id", "object", "created", "root", "parent", "max_model_len")}
             card["owned_by"] = "mint"
+            card["created"] = gw.created  # vLLM stamps each listing anew
             if c.get("parent"):
                 card["parent"] = base_name
                 card.pop("max_model_len", None)
@@ -317,47 +413,55 @@ def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> Fas
             out.append({k: v for k, v in card.items() if v is not None})
         return {"object": "list", "data": out}
 
-    async def generate(request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]) -> Response:
+    async def generate(
+        request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]
+    ) -> Response:
         gw.check_api_key(request)
-        data, body = _parse(await body_of(request), model)
-        max_tokens = body.max_tokens if isinstance(body, CompletionRequest) else body.requested_max_tokens()
-        Server.sampling_params(body, max(1, max_tokens or 1), 0)  # the engine's own range checks, naming the field
-        if isinstance(body, CompletionRequest) and not body.prompts():
-            raise APIError(400, "prompt is empty", "BadRequestError", "prompt")
+        raw = await body_of(request)
+        with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
+            request.state.model = json.loads(raw).get("model")  # for the request counter, even when refused
+        data, body = _parse(raw, model)
+        score_only = _check_prompts(gw, data, body)
+        if score_only:
+            data["max_tokens"] = 1  # vLLM generates at least one token; the front drops it below
         await gw.known(body.model)
         lock = None if body.model == base_name else gw.lock(body.model)
-        if lock is not None:
-            await lock.acquire_read()
-        try:
-            if not body.stream:
-                r = await gw._call("POST", path, json=data)
-                if r.status_code != 200:
-                    raise _relayed(r)
-                out = r.json()
-                out["system_fingerprint"] = gw.served.get(body.model, "base") if lock else "base"
-                return JSONResponse(out)
-            req = gw.vllm.build_request("POST", path, json=data)
+        if not body.stream:
+            if lock is not None:
+                await lock.acquire_read()
             try:
-                r = await gw.vllm.send(req, stream=True)
-            except httpx.HTTPError as e:
-                raise APIError(503, f"the vLLM backend is unreachable: {e}", "ServiceUnavailableError") from None
+                r = await gw._call("POST", path, json=data)
+                fp = gw.served.get(body.model, "base") if lock else "base"
+            finally:
+                if lock is not None:
+                    await lock.release_read()
             if r.status_code != 200:
-                await r.aread()
-                await r.aclose()
                 raise _relayed(r)
-        except BaseException:
+            out = _normalised(r.json(), fp)
+            return JSONResponse(_prompt_only(gw, out, body) if score_only else out)
+        if lock is not None:
+            await lock.acquire_read()  # released when the stream ends (`done`), however it ends
+        try:
+            r = await gw.vllm.send(gw.vllm.build_request("POST", path, json=data), stream=True)
+        except httpx.HTTPError as e:
             if lock is not None:
                 await lock.release_read()
-            raise
+            raise APIError(503, f"the vLLM backend is unreachable: {e}", "ServiceUnavailableError") from None
+        if r.status_code != 200:
+            await r.aread()
+            await r.aclose()
+            if lock is not None:
+                await lock.release_read()
+            raise _relayed(r)
 
         async def events() -> AsyncIterator[bytes]:
             fp = gw.served.get(body.model, "base") if lock else "base"
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     try:
-                        event = json.loads(line[6:])
-                        event["system_fingerprint"] = fp
-                        line = "data: " + json.dumps(event, separators=(",", ":"))
+                        line = "data: " + json.dumps(
+                            _normalised(json.loads(line[6:]), fp), separators=(",", ":")
+                        )
                     except ValueError:
                         pass
                 if line:
@@ -370,13 +474,24 @@ def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> Fas
 
         return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(done))
 
+    async def counted(
+        request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]
+    ) -> Response:
+        try:
+            out = await generate(request, path, model)
+        except APIError as e:
+            gw.count(getattr(request.state, "model", None), e.status)
+            raise
+        gw.count(getattr(request.state, "model", None), out.status_code)
+        return out
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, "/v1/completions", CompletionRequest)
+        return await counted(request, "/v1/completions", CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await generate(request, "/v1/chat/completions", ChatCompletionRequest)
+        return await counted(request, "/v1/chat/completions", ChatCompletionRequest)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
@@ -389,10 +504,14 @@ def create_gateway(config: ServingConfig, spec: BaseSpec, base_name: str) -> Fas
         path = resolve_lora_path(gw, body.lora_path)
         await gw.refresh()
         if body.lora_name in gw.served and not body.load_inplace:
-            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput")
+            raise APIError(
+                400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput"
+            )
         if not path.exists():
             raise APIError(
-                404, f"No adapter found at {body.lora_path!r} (in the adapter store {gw.root})", "NotFoundError"
+                404,
+                f"No adapter found at {body.lora_path!r} (in the adapter store {gw.root})",
+                "NotFoundError",
             )
         try:
             digest, verified = await run_in_threadpool(gw.vet, body.lora_name, path)

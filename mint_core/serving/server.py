@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, cast
 
@@ -31,6 +33,47 @@ from mint_core.serving.protocol import APIError, ChatCompletionRequest, Completi
 Job = tuple[str | None, list[int], SamplingParams]
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """The checks a prompt and its max_tokens pass before any backend sees them (mint's engine or vLLM), with
+    the same answers on both."""
+
+    encode: Callable[[str], list[int]]
+    vocab_size: int
+    max_model_len: int
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt) if prompt else []
+        if not ids:
+            raise APIError(400, "prompt is empty", "BadRequestError", "prompt")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "BadRequestError", "prompt")
+        return ids
+
+    def max_tokens(self, requested: int | None, prompt_len: int, echo: bool) -> int:
+        """The tokens to generate after a prompt of `prompt_len`: the request's own, checked against the context
+        left (0 is allowed with echo: score the prompt only), or up to 16 when it named none."""
+        limit = self.max_model_len - prompt_len
+        max_tokens = max(1, min(16, limit)) if requested is None else requested
+        if (0 if echo else 1) <= max_tokens <= limit:
+            return max_tokens
+        if limit < 1 and not echo:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{prompt_len}.",
+                "BadRequestError",
+                "prompt",
+            )
+        raise APIError(
+            400,
+            f"max_tokens must be between {0 if echo else 1} and {max(limit, 0)} for this prompt, got {max_tokens}",
+            "BadRequestError",
+            "max_tokens",
+        )
+
+
 class Server:
     """State shared by the routes: the engine, its loop, the adapter manager, config, metrics."""
 
@@ -47,6 +90,7 @@ class Server:
         self.adapters = AdapterManager(engine, self.store, self.catalog, workers=config.loader_workers)
         self.metrics = Metrics(engine, self.loop, self.adapters, base_name)
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
+        self.limits = PromptLimits(engine._encode, engine.base.config.vocab_size, engine.max_model_len)
         self.created = int(time.time())
 
     def close(self) -> None:
@@ -105,35 +149,10 @@ class Server:
     # -- requests ------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        ids = list(prompt) if isinstance(prompt, list) else self.engine._encode(prompt) if prompt else []
-        if not ids:
-            raise APIError(400, "prompt is empty", "BadRequestError", "prompt")
-        vocab = self.engine.base.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "BadRequestError", "prompt")
-        return ids
+        return self.limits.tokenize(prompt)
 
     def max_tokens(self, requested: int | None, prompt_len: int, echo: bool) -> int:
-        """The tokens to generate after a prompt of `prompt_len`: the request's own, checked against the context
-        left (0 is allowed with echo: score the prompt only), or up to 16 when it named none."""
-        limit = self.engine.max_model_len - prompt_len
-        max_tokens = max(1, min(16, limit)) if requested is None else requested
-        if (0 if echo else 1) <= max_tokens <= limit:
-            return max_tokens
-        if limit < 1 and not echo:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.engine.max_model_len} tokens; the prompt has "
-                f"{prompt_len}.",
-                "BadRequestError",
-                "prompt",
-            )
-        raise APIError(
-            400,
-            f"max_tokens must be between {0 if echo else 1} and {max(limit, 0)} for this prompt, got {max_tokens}",
-            "BadRequestError",
-            "max_tokens",
-        )
+        return self.limits.max_tokens(requested, prompt_len, echo)
 
     @staticmethod
     def sampling_params(

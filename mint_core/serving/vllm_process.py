@@ -9,11 +9,14 @@ plugin (vllm_plugin/) is enabled by the two MINT_RESOLVER_* variables.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr
+
+from mint_core.serving.protocol import FALLBACK_CHAT_TEMPLATE
 
 # vLLM accepts only these --max-lora-rank values (vllm/config/lora.py); a lower rank is padded up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -71,6 +74,8 @@ class VLLMConfig(BaseModel):
         cmd += ["--max-model-len", str(self.max_model_len), "--dtype", self.dtype]
         # sampling defaults from the request only, as on mint serve (not the base's generation_config.json)
         cmd += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
+        if not has_chat_template(self.model):
+            cmd += ["--chat-template", FALLBACK_CHAT_TEMPLATE]  # the conversation as mint serve renders it
         if self.device == "cuda":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         cmd += self.extra_args
@@ -89,6 +94,17 @@ class VLLMConfig(BaseModel):
             env["MINT_RESOLVER_URL"] = self.resolver_url
             env["MINT_RESOLVER_TOKEN"] = self.resolver_token.get_secret_value() if self.resolver_token else ""
         return cmd, env
+
+
+def has_chat_template(model: Path) -> bool:
+    """Whether the base's tokenizer brings its own chat template."""
+    if (Path(model) / "chat_template.jinja").is_file():
+        return True
+    try:
+        cfg = json.loads((Path(model) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(isinstance(cfg, dict) and cfg.get("chat_template"))
 
 
 def vllm_available(python: Path = DEFAULT_PYTHON) -> bool:

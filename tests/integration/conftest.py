@@ -1,7 +1,10 @@
-"""A real serving endpoint for the contract tests.
+"""A real serving endpoint for the contract tests, on each backend.
 
-By default each test module gets mint's embedded server, started as `mint serve` in a subprocess on a free
-loopback port, with an adapter store in a temporary directory. Set MINT_SERVING_URL (and MINT_SERVING_API_KEY,
+`endpoint` is parametrized over the two backends behind the one serving seam: `mint` (each test module gets mint's
+embedded server, started as `mint serve` in a subprocess on a free loopback port, with an adapter store in a
+temporary directory) and `vllm` (one real vLLM per test session, from `.venv-vllm`, behind mint's front, `mint
+serve --backend vllm`; the module's adapters are unloaded when it ends). vLLM's CPU attention needs a head_dim of
+32 or more, so the vLLM side serves `VLLM_BASE_NAME`, a tiny dense base with head_dim 32. Set MINT_SERVING_URL (and MINT_SERVING_API_KEY,
 MINT_SERVING_ADMIN_TOKEN, MINT_SERVING_STORE = a directory that server can read as its adapter store, and
 MINT_SERVING_BASE_DIR = the base model directory, so tests can build matching adapters) to run the same tests
 against another server that speaks the contract, such as a vLLM deployment (infra/vllm/).
@@ -21,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -30,7 +34,13 @@ from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.serving.client import ServingClient
+from mint_core.serving.vllm_process import DEFAULT_PYTHON, VLLMConfig, vllm_available
 from mint_core.types import Site
+
+VLLM_PYTHON = Path(os.environ.get("MINT_VLLM_PYTHON", DEFAULT_PYTHON))
+VLLM_BASE_NAME = "tiny-vllm"
+VLLM_KEY = "vllm-key-for-tests"
+RESOLVER_TOKEN = "resolver-token-for-tests"
 
 
 def cli_env(unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
@@ -72,6 +82,7 @@ def mint_cli(
 
 @dataclass
 class Endpoint:
+    backend: str  # "mint" or "vllm"
     url: str  # http://host:port
     api_key: str | None
     admin_token: str
@@ -110,9 +121,17 @@ def require(available: bool, what: str) -> None:
     pytest.skip(what)
 
 
-def save_tiny_base(base_dir: Path) -> Path:
-    """The tiny dense test base (seed 0, byte tokenizer) written as a local Hugging Face model directory."""
-    tiny = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
+def vllm_tiny_base() -> Base:
+    """The tiny dense base with the head_dim vLLM's CPU attention needs (32: two heads over 64 channels)."""
+    return build_tiny_base(
+        "dense", seed=0, tokenizer=byte_tokenizer(), num_attention_heads=2, num_key_value_heads=1, head_dim=32
+    )
+
+
+def save_tiny_base(base_dir: Path, vllm: bool = False) -> Path:
+    """The tiny dense test base (seed 0, byte tokenizer) written as a local Hugging Face model directory (with
+    `vllm`, the variant vLLM can run)."""
+    tiny = vllm_tiny_base() if vllm else build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
     tiny.model.save_pretrained(base_dir)
     assert tiny.tokenizer is not None
     tiny.tokenizer.save_pretrained(base_dir)
@@ -187,13 +206,105 @@ def stop_server(proc: subprocess.Popen[str], timeout: float = 30) -> int:
         return proc.wait()
 
 
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+@dataclass
+class VLLMServer:
+    """One vLLM for the test session, and mint's front before it (both subprocesses)."""
+
+    vllm: subprocess.Popen[str]
+    front: subprocess.Popen[str]
+    url: str  # the front's
+    vllm_url: str
+    store: Path
+    base_dir: Path
+    catalog_url: str
+
+
+def start_vllm(
+    base_dir: Path, port: int, resolver_url: str | None, log: Path, max_loras: int = 4, timeout_s: float = 300
+) -> subprocess.Popen[str]:
+    """vLLM from `.venv-vllm` on loopback `port` (its key VLLM_KEY), once it answers /health."""
+    cmd, env = VLLMConfig(
+        python=VLLM_PYTHON,
+        model=base_dir,
+        served_model_name=base_dir.name,
+        port=port,
+        api_key=VLLM_KEY,
+        max_loras=max_loras,
+        max_lora_rank=16,  # as mint serve's default, so the contract's rank checks read the same
+        max_model_len=512,
+        resolver_url=resolver_url,
+        resolver_token=RESOLVER_TOKEN,
+    ).command()
+    out = log.open("w")
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, text=True)
+    LOGS[proc.pid] = log
+    client = ServingClient(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
+        if client.health():
+            return proc
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vLLM did not become healthy in {timeout_s:g} s:\n{log.read_text()[-5000:]}")
+
+
+def start_front(
+    vllm_url: str, store: Path, base_dir: Path, port: int, catalog_url: str | None, *extra: str
+) -> tuple[subprocess.Popen[str], str]:
+    """`mint serve --backend vllm` before the vLLM at `vllm_url`."""
+    env = {
+        "MINT_SERVE_BACKEND": "vllm",
+        "MINT_SERVE_VLLM_URL": vllm_url,
+        "MINT_SERVE_VLLM_API_KEY": VLLM_KEY,
+        "MINT_SERVE_RESOLVER_TOKEN": RESOLVER_TOKEN,
+        "MINT_SERVE_MAX_LORA_RANK": "16",
+    }
+    if catalog_url:
+        env["MINT_SERVE_CATALOG_URL"] = catalog_url
+    return start_server(store, "--base", str(base_dir), *extra, env=env, port=port)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A real vLLM (loopback, its own key, mint's resolver plugin on) and mint's front, for the session."""
+    require(vllm_available(VLLM_PYTHON), f"vLLM's environment {VLLM_PYTHON} (make vllm-venv)")
+    root = tmp_path_factory.mktemp("vllm")
+    base_dir = save_tiny_base(root / VLLM_BASE_NAME, vllm=True)
+    store = root / "store"
+    store.mkdir()
+    catalog_url = f"sqlite:///{root / 'catalog.db'}"
+    vport, fport = free_port(), free_port()
+    vllm = start_vllm(base_dir, vport, f"http://127.0.0.1:{fport}", root / "vllm.log")
+    try:
+        front, url = start_front(f"http://127.0.0.1:{vport}", store, base_dir, fport, catalog_url)
+        try:
+            yield VLLMServer(vllm, front, url, f"http://127.0.0.1:{vport}", store, base_dir, catalog_url)
+        finally:
+            stop_server(front)
+    finally:
+        stop_server(vllm, timeout=60)
+
+
+def _unload_all(server: VLLMServer) -> None:
+    http = httpx.Client(base_url=server.url, timeout=60)
+    admin = {"Authorization": "Bearer admin-secret"}
+    for card in http.get("/v1/models").json()["data"]:
+        if card.get("parent"):
+            http.post("/v1/unload_lora_adapter", json={"lora_name": card["id"]}, headers=admin)
+
+
+@pytest.fixture(scope="module", params=["mint", "vllm"])
+def endpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
     url = os.environ.get("MINT_SERVING_URL")
     if url:
+        if request.param != "mint":
+            pytest.skip("MINT_SERVING_URL names the one server under test")
         store = Path(os.environ["MINT_SERVING_STORE"])
         base = load_base(os.environ["MINT_SERVING_BASE_DIR"])
         yield Endpoint(
+            "external",
             url,
             os.environ.get("MINT_SERVING_API_KEY"),
             os.environ["MINT_SERVING_ADMIN_TOKEN"],
@@ -202,12 +313,29 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
             os.environ.get("MINT_SERVING_BASE_NAME", Path(os.environ["MINT_SERVING_BASE_DIR"]).name),
         )
         return
+    if request.param == "vllm":
+        server: VLLMServer = request.getfixturevalue("vllm_server")
+        _unload_all(server)
+        try:
+            yield Endpoint(
+                "vllm",
+                server.url,
+                None,
+                "admin-secret",
+                server.store,
+                load_base(server.base_dir),  # as the front fingerprints it
+                VLLM_BASE_NAME,
+                server.front,
+            )
+        finally:
+            _unload_all(server)
+        return
     store = tmp_path_factory.mktemp("store")
     proc, url = start_server(store)
     try:
         # the same weights `mint serve --base tiny-dense` builds (seed 0), so adapters made here fit it
         base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
-        yield Endpoint(url, None, "admin-secret", store, base, "tiny-dense", proc)
+        yield Endpoint("mint", url, None, "admin-secret", store, base, "tiny-dense", proc)
     finally:
         stop_server(proc)
 

@@ -196,7 +196,9 @@ def test_openai_chat_completions(oai: OpenAI, base_name: str, adapters: dict[str
         assert r.object == "chat.completion" and r.model == model and r.id.startswith("chatcmpl-")
         assert len(r.choices) == 1
         c = r.choices[0]
-        assert c.message.role == "assistant" and isinstance(c.message.content, str) and c.message.content
+        # the text may be empty: a random tiny base emits byte tokens that are not UTF-8, which vLLM's detokenizer
+        # holds back (mint writes U+FFFD); the 9 tokens are counted either way
+        assert c.message.role == "assistant" and isinstance(c.message.content, str)
         assert c.finish_reason == "length"
         assert r.usage is not None and r.usage.completion_tokens == 9 and r.usage.prompt_tokens > 0
         # the same request again: greedy is deterministic
@@ -340,7 +342,9 @@ def test_openai_scoring_with_max_tokens_zero(oai: OpenAI, base_name: str) -> Non
     # lm-eval's local-completions scores a continuation this way: echo the prompt, generate nothing.
     # The continuation scored is a greedy one, so its tokens' prompt logprobs can be checked against the
     # logprobs they were generated with; it must round-trip as text (ASCII: one byte token per character).
-    for prompt in ("Hello world", "aaaa", "The quick brown fox", PROMPT):
+    # candidates until one continues in ASCII (each tiny base continues a few of them so)
+    letters = [c * k for c in "abcdefghijklmnopqrstuvwxyz" for k in (1, 4)]
+    for prompt in ("Hello world", "aaaa", "The quick brown fox", PROMPT, *letters):
         cont = oai.completions.create(
             model=base_name,
             prompt=prompt,
@@ -757,8 +761,20 @@ BAD: list[tuple[str, str, Any, int, str, str]] = [
     ("case", "route", "body", "status", "type_", "message"), BAD, ids=[b[0] for b in BAD]
 )
 def test_bad_input_is_refused_and_the_server_keeps_serving(
-    case: str, route: str, body: Any, status: int, type_: str, message: str, http: httpx.Client
+    case: str,
+    route: str,
+    body: Any,
+    status: int,
+    type_: str,
+    message: str,
+    http: httpx.Client,
+    base_name: str,
 ) -> None:
+    # the table names mint's tiny-dense base; the vLLM backend serves another tiny base
+    if isinstance(body, dict) and body.get("model") == "tiny-dense":
+        body = {**body, "model": base_name}
+    elif isinstance(body, bytes):
+        body = body.replace(b'"tiny-dense"', json.dumps(base_name).encode())
     before = requests_counted(http)
     if isinstance(body, bytes):
         r = http.post(route, content=body, headers={"Content-Type": "application/json"})
@@ -769,7 +785,7 @@ def test_bad_input_is_refused_and_the_server_keeps_serving(
     # counted once, under its outcome (the `model` label is the request's when the server serves that name)
     moved = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
     assert list(moved.values()) == [1.0] and next(iter(moved))[1] == str(status), moved
-    ok = complete(http, model="tiny-dense", prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
+    ok = complete(http, model=base_name, prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
     assert ok["usage"]["completion_tokens"] == 2
 
 
@@ -1055,7 +1071,7 @@ def test_sigterm_finishes_streams_in_flight(tmp_path: Path) -> None:
 
 
 @embedded_only
-def test_metrics(http: httpx.Client, base_name: str, adapters: dict[str, str]) -> None:
+def test_metrics(endpoint: Endpoint, http: httpx.Client, base_name: str, adapters: dict[str, str]) -> None:
     greedy(http, "alpha", max_tokens=3)
     before = metrics(http)
     greedy(http, "alpha", max_tokens=5)
@@ -1072,6 +1088,9 @@ def test_metrics(http: httpx.Client, base_name: str, adapters: dict[str, str]) -
     assert delta("mint_requests_total", model=base_name, outcome="200") == 1
     assert delta("mint_requests_total", model=base_name, outcome="400") == 1
     assert after[("mint_requests_total", (("model", "alpha"), ("outcome", "200")))] >= 2
+    if endpoint.backend == "vllm":  # the engine's own series are vLLM's there (test_vllm_metric_names)
+        assert delta("vllm:generation_tokens_total", engine="0", model_name=base_name) == 10
+        return
     assert delta("mint_generation_tokens_total") == 10
     assert after[("mint_generation_tokens_total", ())] > 0
     assert delta("mint_prompt_tokens_total") == 2 * len(PROMPT)
@@ -1085,10 +1104,14 @@ def test_metrics(http: httpx.Client, base_name: str, adapters: dict[str, str]) -
 
 
 @embedded_only
-def test_vllm_metric_names(http: httpx.Client, base_name: str, adapters: dict[str, str]) -> None:
+def test_vllm_metric_names(
+    endpoint: Endpoint, http: httpx.Client, base_name: str, adapters: dict[str, str]
+) -> None:
     """vLLM's metric names (vllm/v1/metrics/loggers.py), so a vLLM Grafana dashboard reads `mint serve`: their
     types and labels, token counters that add up to the usage answered, histograms that count the requests,
-    running/waiting back to 0, and vLLM's LoRA info naming the adapter while it runs."""
+    running/waiting back to 0, and vLLM's LoRA info naming the adapter while it runs. On the vLLM backend the
+    same checks hold of vLLM itself, except that vLLM keeps one `lora_requests_info` series per label set it has
+    seen (its value the time it was last set), where mint keeps only the current one."""
     engine = (("engine", "0"), ("model_name", base_name))
     before = metrics(http)
     usage = [complete(http, model="alpha", prompt=PROMPT, max_tokens=6, ignore_eos=True)["usage"]]
@@ -1129,16 +1152,26 @@ def test_vllm_metric_names(http: httpx.Client, base_name: str, adapters: dict[st
         during = metrics(http)  # on a second connection
         for _ in lines:  # read to the end
             pass
-    info = [dict(k[1]) for k in during if k[0] == "vllm:lora_requests_info"]
+    info = _lora_info(during, endpoint.backend)
     assert len(info) == 1 and "alpha" in info[0]["running_lora_adapters"].split(","), info
     assert info[0]["max_lora"].isdigit()
     assert during[("vllm:num_requests_running", engine)] >= 1
     done = metrics(http)
-    info = [dict(k[1]) for k in done if k[0] == "vllm:lora_requests_info"]
+    info = _lora_info(done, endpoint.backend)
     assert info == [
         {"max_lora": info[0]["max_lora"], "running_lora_adapters": "", "waiting_lora_adapters": ""}
     ]
     assert done[("vllm:num_requests_running", engine)] == 0
+
+
+def _lora_info(
+    scraped: dict[tuple[str, tuple[tuple[str, str], ...]], float], backend: str
+) -> list[dict[str, str]]:
+    """The current `vllm:lora_requests_info` label sets: mint's one series, or vLLM's most recently set one."""
+    series = {k[1]: v for k, v in scraped.items() if k[0] == "vllm:lora_requests_info"}
+    if backend == "vllm" and series:
+        series = {max(series, key=lambda k: series[k]): 0.0}
+    return [dict(k) for k in series]
 
 
 # ---- 9. continuous batching over HTTP -------------------------------------------------------------------

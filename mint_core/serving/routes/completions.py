@@ -111,7 +111,7 @@ async def chat_completions(
     server.check_api_key(request)
     adapter = await server.resolve_model(body.model)
     engine = server.engine
-    ids = server.tokenize(_chat_prompt(engine, body.messages))
+    ids = server.tokenize(chat_prompt(engine.tokenizer, body.messages))
     max_tokens = server.max_tokens(body.requested_max_tokens(), len(ids), echo=False)
     jobs: list[Job] = [(adapter, ids, server.sampling_params(body, max_tokens, j)) for j in range(body.n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -359,10 +359,10 @@ def _chat_logprobs(engine: Engine, s: Sequence) -> ChatCompletionLogProbs:
     )
 
 
-def _chat_prompt(engine: Engine, messages: list[ChatCompletionMessageParam]) -> str:
-    """The conversation as one prompt: the tokenizer's chat template, or `role: content` lines without one."""
+def chat_prompt(tok: Any, messages: list[ChatCompletionMessageParam]) -> str:
+    """The conversation as one prompt: the tokenizer's chat template, or `role: content` lines without one (what
+    FALLBACK_CHAT_TEMPLATE renders, the template mint starts vLLM with)."""
     msgs = [{"role": m.role, "content": m.text()} for m in messages]
-    tok = engine.tokenizer
     if getattr(tok, "chat_template", None):
         return str(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
     return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"

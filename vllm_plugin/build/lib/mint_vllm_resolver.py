@@ -62,7 +62,9 @@ class MintCatalogResolver(LoRAResolver):
                 logger.warning("mint resolver: %s for %r: %s", e.code, lora_name, e.read()[:300])
             return None
         except (OSError, ValueError) as e:
-            logger.warning("mint resolver: %s unreachable or answered badly for %r: %s", self.url, lora_name, e)
+            logger.warning(
+                "mint resolver: %s unreachable or answered badly for %r: %s", self.url, lora_name, e
+            )
             return None
         if not isinstance(found, dict) or not isinstance(found.get("lora_path"), str):
             logger.warning("mint resolver: no lora_path in the answer for %r: %r", lora_name, found)
