@@ -567,7 +567,7 @@ def vllm_config(config: ServicesConfig) -> VLLMConfig:
     positions = json.loads((base / "config.json").read_text()).get("max_position_embeddings")
     device = config.serve_device or serving.device
     return VLLMConfig(
-        python=config.vllm_python,
+        python=config.vllm_python.absolute(),  # not resolve(): the venv's python is a symlink out of the venv
         model=base,
         served_model_name=serving.served_model_name or base.name,  # the front's name for it
         host=config.bind_host("vllm"),

@@ -46,6 +46,7 @@ from mint_core.errors import AdapterError
 from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
+from mint_core.serving.chat import chat_prompt
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.protocol import (
     APIError,
@@ -56,7 +57,6 @@ from mint_core.serving.protocol import (
     PrefetchResponse,
     UnloadLoRAAdapterRequest,
 )
-from mint_core.serving.routes.completions import chat_prompt
 from mint_core.serving.routes.models import resolve_lora_path
 from mint_core.serving.server import PromptLimits, Server
 
@@ -458,12 +458,10 @@ def create_gateway(
             fp = gw.served.get(body.model, "base") if lock else "base"
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    try:
+                    with contextlib.suppress(ValueError):  # not JSON: passed on as vLLM sent it
                         line = "data: " + json.dumps(
                             _normalised(json.loads(line[6:]), fp), separators=(",", ":")
                         )
-                    except ValueError:
-                        pass
                 if line:
                     yield (line + "\n\n").encode()
 

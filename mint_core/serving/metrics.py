@@ -29,7 +29,7 @@ VLLM_TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
 )
-VLLM_TPOT_BUCKETS = (
+VLLM_ITL_BUCKETS = (
     *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
 )
@@ -161,11 +161,11 @@ class Metrics:
             buckets=VLLM_TTFT_BUCKETS,
             registry=r,
         ).labels(*labels)
-        self.vllm_tpot = Histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
+        self.vllm_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
             VLLM_LABELS,
-            buckets=VLLM_TPOT_BUCKETS,
+            buckets=VLLM_ITL_BUCKETS,
             registry=r,
         ).labels(*labels)
         self.vllm_e2e = Histogram(
@@ -185,7 +185,7 @@ class Metrics:
 
     def next_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
-        self.vllm_tpot.observe(seconds)
+        self.vllm_itl.observe(seconds)
 
     def sequence_finished(self, seconds: float, reason: str | None) -> None:
         """One sequence (a choice of a request) ended, `seconds` after it was submitted."""

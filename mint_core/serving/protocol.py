@@ -67,13 +67,6 @@ class APIError(Exception):
         )
 
 
-# A conversation as one prompt when the base's tokenizer has no chat template: `role: content` lines, then the
-# assistant's turn. mint serve renders it in Python (routes/completions.py); vLLM is started with this template.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}assistant:"
-)
-
-
 # ---- shared pieces --------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr
 
-from mint_core.serving.protocol import FALLBACK_CHAT_TEMPLATE
+from mint_core.serving.chat import FALLBACK_CHAT_TEMPLATE
 
 # vLLM accepts only these --max-lora-rank values (vllm/config/lora.py); a lower rank is padded up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -90,6 +90,16 @@ class Endpoint:
     base: Base  # a base equal to the served one, to build adapters for it
     base_name: str
     process: subprocess.Popen[str] | None = None
+    vllm_url: str | None = None  # the vLLM behind the front (backend vllm), reached directly with VLLM_KEY
+
+    def vllm_models(self) -> dict[str, dict[str, object]]:
+        """What vLLM itself lists (backend vllm), asked past the front."""
+        assert self.vllm_url is not None
+        r = httpx.get(
+            self.vllm_url + "/v1/models", headers={"Authorization": f"Bearer {VLLM_KEY}"}, timeout=30
+        )
+        r.raise_for_status()
+        return {m["id"]: m for m in r.json()["data"]}
 
     def client(self) -> ServingClient:
         return ServingClient(self.url, api_key=self.api_key, admin_token=self.admin_token)
@@ -251,9 +261,15 @@ def start_vllm(
 
 
 def start_front(
-    vllm_url: str, store: Path, base_dir: Path, port: int, catalog_url: str | None, *extra: str
+    vllm_url: str,
+    store: Path,
+    base_dir: Path,
+    port: int,
+    catalog_url: str | None,
+    *extra: str,
+    api_key: str | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
-    """`mint serve --backend vllm` before the vLLM at `vllm_url`."""
+    """`mint serve --backend vllm` before the vLLM at `vllm_url` (inference keyed with `api_key` if given)."""
     env = {
         "MINT_SERVE_BACKEND": "vllm",
         "MINT_SERVE_VLLM_URL": vllm_url,
@@ -263,6 +279,8 @@ def start_front(
     }
     if catalog_url:
         env["MINT_SERVE_CATALOG_URL"] = catalog_url
+    if api_key:
+        env["MINT_SERVE_API_KEY"] = api_key
     return start_server(store, "--base", str(base_dir), *extra, env=env, port=port)
 
 
@@ -326,6 +344,7 @@ def endpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                 load_base(server.base_dir),  # as the front fingerprints it
                 VLLM_BASE_NAME,
                 server.front,
+                server.vllm_url,
             )
         finally:
             _unload_all(server)

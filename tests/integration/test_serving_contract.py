@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 from openai import OpenAI
@@ -36,7 +37,15 @@ from mint_core.lora.adapter import (
     WEIGHTS_FILE,
     digest_dir,
 )
-from tests.integration.conftest import Endpoint, server_log, start_server, stop_server
+from tests.integration.conftest import (
+    Endpoint,
+    VLLMServer,
+    free_port,
+    server_log,
+    start_front,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -583,6 +592,58 @@ def test_api_key_guards_v1_routes(tmp_path: Path) -> None:
         assert stop_server(proc) == 0
 
 
+def test_vllm_front_guards_every_route(endpoint: Endpoint, request: pytest.FixtureRequest) -> None:
+    """vLLM's own key leaves routes open (an unkeyed `POST /adapters` registers any path on the host, and
+    `/invocations`, `/tokenize` answer without it). Through mint's front, with an API key set, nothing but the
+    contract's routes exists, inference needs the key, loads need the admin token, and vLLM listens on loopback
+    only."""
+    if endpoint.backend != "vllm":
+        pytest.skip("the vLLM backend's front")
+    server: VLLMServer = request.getfixturevalue("vllm_server")
+    proc, url = start_front(server.vllm_url, server.store, server.base_dir, free_port(), None, api_key="k")
+    try:
+        key = {"Authorization": "Bearer k"}
+        body = {"model": endpoint.base_name, "prompt": "hi", "max_tokens": 2}
+        with httpx.Client(base_url=url, timeout=60) as h:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                expect_error(h.post("/v1/completions", json=body, headers=headers), 401, "Unauthorized")
+                expect_error(h.get("/v1/models", headers=headers), 401, "Unauthorized")
+            assert h.post("/v1/completions", json=body, headers=key).status_code == 200
+            # loads: the admin token only, by the contract's route; vLLM's other routes do not exist here
+            load_body = {"lora_name": "x", "lora_path": "/tmp"}
+            for headers in ({}, key):
+                expect_error(
+                    h.post("/v1/load_lora_adapter", json=load_body, headers=headers), 401, "Unauthorized"
+                )
+                expect_error(
+                    h.post("/v1/unload_lora_adapter", json={"lora_name": "x"}, headers=headers),
+                    401,
+                    "Unauthorized",
+                )
+            for method, path in (
+                ("POST", "/adapters"),
+                ("DELETE", "/adapters/x"),
+                ("POST", "/invocations"),
+                ("POST", "/tokenize"),
+                ("POST", "/detokenize"),
+                ("GET", "/version"),
+                ("POST", "/v1/responses"),
+            ):
+                r = h.request(method, path, json={"name": "x", "src": "/tmp", "prompt": "hi"}, headers=key)
+                assert r.status_code in (404, 405), (path, r.status_code, r.text)
+            expect_error(h.post("/v1/mint/resolve", json={"address": "x"}, headers=key), 401, "Unauthorized")
+        assert "x" not in endpoint.vllm_models()
+        # vLLM itself: loopback only, and its key is one no user holds
+        port = int(server.vllm_url.rsplit(":", 1)[1])
+        bound = {
+            c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port
+        }
+        assert bound == {"127.0.0.1"}, bound
+        assert httpx.get(server.vllm_url + "/v1/models", headers=key).status_code == 401
+    finally:
+        stop_server(proc)
+
+
 # ---- 5. bad input ---------------------------------------------------------------------------------------
 
 LONG = "x" * (MAX_MODEL_LEN + 10)
@@ -978,17 +1039,23 @@ def test_invalid_adapter_is_refused(
     message: str,
     endpoint: Endpoint,
     http: httpx.Client,
+    adapters: dict[str, str],
     tmp_path: Path,
 ) -> None:
     name = "bad-" + re.sub(r"[^a-z0-9]+", "-", case.lower()).strip("-")
     d = endpoint.make_adapter(name, seed=31)
     lora_path = corrupt(d, tmp_path)
+    # the other tenants' answers, byte for byte (one NaN adapter loaded into a bare vLLM changes them all)
+    tenants = {m: greedy(http, m, max_tokens=12) for m in (endpoint.base_name, "alpha")}
     before = model_ids(http)
     err = expect_error(load(http, name, lora_path), status, type_, message)
     if status == 400 and endpoint.process is not None:
         assert err["param"] == "lora_path"
     assert not (tmp_path / MARKER).exists(), "the server unpickled an adapter"
     assert model_ids(http) == before and name not in before
+    if endpoint.vllm_url is not None:  # refused in front: vLLM itself never saw it
+        assert name not in endpoint.vllm_models()
+    assert {m: greedy(http, m, max_tokens=12) for m in tenants} == tenants
     expect_error(
         http.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2}),
         404,

@@ -36,7 +36,7 @@ VLLM_TYPES = {
     "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
-    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
 }
 # vLLM's bucket boundaries, written out from vllm/v1/metrics/loggers.py: a dashboard's quantiles mean the same
@@ -46,7 +46,7 @@ VLLM_BUCKETS = {
         *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0),
         *(2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
     ],
-    "vllm:time_per_output_token_seconds": [
+    "vllm:inter_token_latency_seconds": [
         *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
         *(0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
     ],
@@ -177,7 +177,7 @@ def test_vllm_metrics_move_with_the_requests_served(client: TestClient) -> None:
     assert delta("mint_generation_tokens_total") == generated
     for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count"):
         assert delta(name, *ENGINE_LABELS) == 4, name
-    assert delta("vllm:time_per_output_token_seconds_count", *ENGINE_LABELS) == generated - 4
+    assert delta("vllm:inter_token_latency_seconds_count", *ENGINE_LABELS) == generated - 4
     assert delta("vllm:request_success_total", *ENGINE_LABELS, ("finished_reason", "length")) == 4
     assert after[("vllm:num_requests_running", ENGINE_LABELS)] == 0
     assert after[("vllm:num_requests_waiting", ENGINE_LABELS)] == 0

@@ -18,12 +18,12 @@ from fastapi.responses import StreamingResponse
 
 from mint_core.engine.engine import Engine
 from mint_core.engine.sequence import Sequence
+from mint_core.serving.chat import chat_prompt
 from mint_core.serving.protocol import (
     APIError,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
-    ChatCompletionMessageParam,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -357,12 +357,3 @@ def _chat_logprobs(engine: Engine, s: Sequence) -> ChatCompletionLogProbs:
             for n, (t, v) in enumerate(zip(toks, s.out_logprobs, strict=False))
         ]
     )
-
-
-def chat_prompt(tok: Any, messages: list[ChatCompletionMessageParam]) -> str:
-    """The conversation as one prompt: the tokenizer's chat template, or `role: content` lines without one (what
-    FALLBACK_CHAT_TEMPLATE renders, the template mint starts vLLM with)."""
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
-    if getattr(tok, "chat_template", None):
-        return str(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-    return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"

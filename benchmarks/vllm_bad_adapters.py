@@ -1,0 +1,600 @@
+"""What a raw vLLM does with each kind of bad adapter, and what mint's front does with the same files.
+
+Claim (infra/vllm/README.md, "Bad adapters: raw vLLM vs through mint"): vLLM 0.32 refuses some malformed adapters
+itself but loads and serves others, and one of them poisons every other tenant of the server until vLLM restarts;
+mint's front refuses all of them before vLLM reads a byte, and the other tenants keep their answers.
+
+Phase `raw`: one vLLM (loopback, its key, no resolver plugin) on the tiny head_dim-32 base, with two healthy
+adapters loaded straight into it. The greedy answers (temperature 0, ignore_eos, 16 tokens, 4 prompts) of the base
+and both adapters are the reference. Each case is a healthy adapter corrupted one way, loaded directly into vLLM
+(`POST /v1/load_lora_adapter`, absolute path); recorded: vLLM's status and message, whether `/v1/models` lists it,
+whether a completion under it answers (and whether its text is finite-looking or degenerate), and whether the
+co-tenants' answers are byte for byte the reference: asked alone while it is loaded, in one batch with requests
+under it, and after unloading it. A case that changes them poisoned the server: vLLM is restarted (and the
+reference checked again) before the next case. A healthy third adapter runs the same protocol first, as the
+control (batching with another adapter must not change answers by itself).
+
+Phase `mint`: a fresh vLLM with mint's front (`mint serve --backend vllm`) before it, the same store. The same
+cases go to the front's load route (lora_path relative to the store); recorded: the front's status and message,
+that neither the front's nor vLLM's own `/v1/models` lists the name, that a completion under it is a 404, and that
+the co-tenants' answers (loaded through the front) are unchanged.
+
+    .venv/bin/python benchmarks/vllm_bad_adapters.py [--only CASE ...] [--phases raw mint] [--budget-s 2400]
+
+vLLM runs from MINT_VLLM_PYTHON (default .venv-vllm/bin/python). Prints one JSON line per case and phase, then
+the summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import shutil
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
+
+from benchmarks._common import report
+from mint_core.engine.base import build_tiny_base, load_base
+from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.lora.adapter import (
+    CONFIG_FILE,
+    FINGERPRINT_KEY,
+    WEIGHTS_FILE,
+    random_adapter,
+    save_adapter,
+)
+from tests.integration.conftest import (
+    VLLM_BASE_NAME,
+    VLLM_KEY,
+    free_port,
+    save_tiny_base,
+    start_front,
+    start_vllm,
+    stop_server,
+)
+
+PROMPTS = ["Once upon a time", "2+3=", "The capital of France is", "def main():"]
+MAX_TOKENS = 16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+RANK = 8
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+HEALTHY = {"good-a": 11, "good-b": 12}  # co-tenants: name -> seed
+ADMIN = "admin-secret"  # the front's admin token (tests.integration.conftest.start_server sets it)
+MARKER = "UNPICKLED"
+HTTP_TIMEOUT_S = 120.0
+
+
+# ---- the cases: a healthy adapter directory corrupted one way ------------------------------------------------
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that a server unpickled the adapter."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def _edit_weights(
+    d: Path, edit: Callable[[dict[str, torch.Tensor]], None], metadata: dict[str, str] | None = None
+) -> None:
+    with safe_open(str(d / WEIGHTS_FILE), "pt") as f:
+        meta = dict(f.metadata() or {})
+    state = {k: v.clone() for k, v in load_file(str(d / WEIGHTS_FILE)).items()}
+    edit(state)
+    save_file(state, str(d / WEIGHTS_FILE), metadata={**meta, **(metadata or {})})
+
+
+def _edit_config(d: Path, **changes: object) -> None:
+    config = json.loads((d / CONFIG_FILE).read_text())
+    config.update(changes)
+    (d / CONFIG_FILE).write_text(json.dumps(config))
+
+
+def healthy(d: Path, ctx: dict[str, Any]) -> None:
+    """The control: nothing wrong with it."""
+
+
+def nan_lora_b_only(d: Path, ctx: dict[str, Any]) -> None:
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[f"{Q0}.lora_B.weight"][0, 0] = float("nan")
+
+    _edit_weights(d, edit)
+
+
+def nan_lora_a_only(d: Path, ctx: dict[str, Any]) -> None:  # the contract test's "NaN values"
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[f"{Q0}.lora_A.weight"][0, 0] = float("nan")
+
+    _edit_weights(d, edit)
+
+
+def nan_everywhere(d: Path, ctx: dict[str, Any]) -> None:
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        for t in state.values():
+            t.fill_(float("nan"))
+
+    _edit_weights(d, edit)
+
+
+def shape_mismatch(d: Path, ctx: dict[str, Any]) -> None:
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        state[f"{Q0}.lora_A.weight"] = state[f"{Q0}.lora_A.weight"][:, :-1].contiguous()
+
+    _edit_weights(d, edit)
+
+
+def rank_above_max(d: Path, ctx: dict[str, Any]) -> None:
+    # config and tensors agree on r=32: the only problem is the server's max rank (16)
+    g = torch.Generator().manual_seed(5)
+
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        for k, t in state.items():
+            shape = (32, t.shape[1]) if ".lora_A." in k else (t.shape[0], 32)
+            state[k] = torch.randn(*shape, generator=g) * 0.3
+
+    _edit_weights(d, edit)
+    _edit_config(d, r=32, lora_alpha=64)
+
+
+def other_base(d: Path, ctx: dict[str, Any]) -> None:
+    # same shapes, recorded (in the safetensors metadata, as mint writes it) as made for another base
+    _edit_weights(d, lambda state: None, {FINGERPRINT_KEY: ctx["other_fingerprint"]})
+
+
+def pickle_bin(d: Path, ctx: dict[str, Any]) -> None:
+    (d / WEIGHTS_FILE).unlink()
+    (d / "adapter_model.bin").write_bytes(pickle.dumps(_Payload(ctx["marker"])))
+
+
+def truncated(d: Path, ctx: dict[str, Any]) -> None:
+    data = (d / WEIGHTS_FILE).read_bytes()
+    (d / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
+
+
+def garbage_header(d: Path, ctx: dict[str, Any]) -> None:
+    data = (d / WEIGHTS_FILE).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    (d / WEIGHTS_FILE).write_bytes(data[:8] + random.Random(0).randbytes(n) + data[8 + n :])
+
+
+def target_layer_not_in_base(d: Path, ctx: dict[str, Any]) -> None:
+    # the base has 2 layers: layer 9's q_proj does not exist (a module type the base has, at a place it lacks)
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        layer9 = "base_model.model.model.layers.9.self_attn.q_proj"
+        state[f"{layer9}.lora_A.weight"] = torch.full((RANK, 64), 0.3)
+        state[f"{layer9}.lora_B.weight"] = torch.full((64, RANK), 0.3)
+
+    _edit_weights(d, edit)
+
+
+def target_module_unknown(d: Path, ctx: dict[str, Any]) -> None:
+    # a module type the base does not have at all
+    def edit(state: dict[str, torch.Tensor]) -> None:
+        bogus = "base_model.model.model.layers.0.self_attn.x_proj"
+        state[f"{bogus}.lora_A.weight"] = torch.full((RANK, 64), 0.3)
+        state[f"{bogus}.lora_B.weight"] = torch.full((64, RANK), 0.3)
+
+    _edit_weights(d, edit)
+    _edit_config(d, target_modules=[*TARGETS, "x_proj"])
+
+
+def missing_config(d: Path, ctx: dict[str, Any]) -> None:
+    (d / CONFIG_FILE).unlink()
+
+
+def dora_config(d: Path, ctx: dict[str, Any]) -> None:
+    _edit_config(d, use_dora=True)
+
+
+CASES: dict[str, Callable[[Path, dict[str, Any]], None]] = {
+    "control_healthy": healthy,
+    "nan_lora_B_only": nan_lora_b_only,
+    "nan_lora_A_only": nan_lora_a_only,
+    "nan_everywhere": nan_everywhere,
+    "shape_mismatch": shape_mismatch,
+    "rank_32_above_max_16": rank_above_max,
+    "other_base_fingerprint": other_base,
+    "pickle_bin_weights": pickle_bin,
+    "truncated_safetensors": truncated,
+    "garbage_header": garbage_header,
+    "target_layer_not_in_base": target_layer_not_in_base,
+    "target_module_unknown": target_module_unknown,
+    "missing_adapter_config": missing_config,
+    "dora_config": dora_config,
+}
+
+
+# ---- HTTP -------------------------------------------------------------------------------------------------
+
+
+def short(text: str, n: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def error_message(r: httpx.Response) -> str:
+    try:
+        err = r.json()
+        if isinstance(err, dict) and isinstance(err.get("error"), dict):
+            return short(str(err["error"].get("message")))
+        if isinstance(err, dict) and "detail" in err:
+            return short(str(err["detail"]))
+    except ValueError:
+        pass
+    return short(r.text)
+
+
+class Target:
+    """One server to speak to: its URL, the key for inference, the token for load/unload."""
+
+    def __init__(self, url: str, key: str | None, admin: str):
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S, trust_env=False)
+        self.key = {"Authorization": f"Bearer {key}"} if key else {}
+        self.admin = {"Authorization": f"Bearer {admin}"}
+
+    def close(self) -> None:
+        self.http.close()
+
+    def healthy(self) -> bool:
+        try:
+            return self.http.get("/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def models(self) -> list[str]:
+        r = self.http.get("/v1/models", headers=self.key)
+        r.raise_for_status()
+        return [m["id"] for m in r.json()["data"]]
+
+    def load(self, name: str, path: str) -> httpx.Response:
+        return self.http.post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=self.admin
+        )
+
+    def unload(self, name: str) -> httpx.Response:
+        return self.http.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=self.admin)
+
+    def complete(self, model: str) -> tuple[int, list[str] | str]:
+        """Greedy answers to PROMPTS under `model`: (200, texts) or (status, error message)."""
+        body = {
+            "model": model,
+            "prompt": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        try:
+            r = self.http.post("/v1/completions", json=body, headers=self.key)
+        except httpx.HTTPError as e:
+            return 0, f"{type(e).__name__}: {e}"
+        if r.status_code != 200:
+            return r.status_code, error_message(r)
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        return 200, [c["text"] for c in choices]
+
+
+def tenants(t: Target, names: list[str]) -> dict[str, Any]:
+    return {m: t.complete(m)[1] for m in names}
+
+
+def mixed_batch(t: Target, ref: dict[str, Any], bad: str, rounds: int = 2) -> dict[str, Any]:
+    """The co-tenants' answers, each asked at the same moment as two requests under `bad` (one engine batch);
+    over `rounds` rounds, a tenant's first answer that differs from `ref` (else its reference answer)."""
+    out = dict(ref)
+    for _ in range(rounds):
+        results: dict[str, Any] = {}
+        start = threading.Barrier(len(ref) + 2)
+
+        def ask(model: str, key: str, start: threading.Barrier, results: dict[str, Any]) -> None:
+            start.wait(timeout=30)
+            results[key] = t.complete(model)[1]
+
+        jobs = [(m, m) for m in ref] + [(bad, f"{bad}#{i}") for i in range(2)]
+        threads = [threading.Thread(target=ask, args=(m, k, start, results)) for m, k in jobs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(HTTP_TIMEOUT_S + 30)
+        for m in ref:
+            if out[m] == ref[m]:
+                out[m] = results.get(m, "no answer")
+    return out
+
+
+def diff(now: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    """The co-tenants whose answers differ from the reference."""
+    return sorted(m for m in ref if now.get(m) != ref[m])
+
+
+def describe_answer(status: int, answer: list[str] | str, base_answer: list[str]) -> dict[str, Any]:
+    if status != 200:
+        return {"status": status, "message": answer}
+    assert isinstance(answer, list)
+    distinct = len(set("".join(answer)))
+    return {
+        "status": 200,
+        "sample": answer[0],
+        "same_as_base": answer == base_answer,
+        "distinct_chars": distinct,  # 1-2 for a degenerate answer (a NaN forward picks token 0 every step)
+    }
+
+
+# ---- the servers --------------------------------------------------------------------------------------------
+
+
+class RawVLLM:
+    """A raw vLLM with the two healthy adapters loaded straight into it; restarted when a case poisons it."""
+
+    def __init__(self, base_dir: Path, store: Path, logs: Path):
+        self.base_dir, self.store, self.logs = base_dir, store, logs
+        self.proc: Any = None
+        self.target: Target | None = None
+        self.starts_s: list[float] = []
+        self.n = 0
+
+    def start(self) -> Target:
+        port = free_port()
+        self.n += 1
+        t0 = time.monotonic()
+        self.proc = start_vllm(self.base_dir, port, None, self.logs / f"vllm-raw-{self.n}.log")
+        self.starts_s.append(round(time.monotonic() - t0, 1))
+        self.target = Target(f"http://127.0.0.1:{port}", VLLM_KEY, VLLM_KEY)
+        for name in HEALTHY:
+            r = self.target.load(name, str(self.store / name))
+            if r.status_code != 200:
+                raise RuntimeError(f"vLLM refused the healthy adapter {name}: {r.status_code} {r.text}")
+        return self.target
+
+    def stop(self) -> None:
+        if self.target is not None:
+            self.target.close()
+        if self.proc is not None:
+            stop_server(self.proc, timeout=60)
+        self.proc = self.target = None
+
+    def restart(self) -> Target:
+        self.stop()
+        return self.start()
+
+
+class _Skip(Exception):
+    pass
+
+
+def build_case(store: Path, name: str, ctx: dict[str, Any], base: Any) -> Path:
+    d = store / name
+    if d.exists():
+        shutil.rmtree(d)
+    a = random_adapter(base.sites, TARGETS, RANK, seed=31, std=0.3, base_fingerprint=base.fingerprint)
+    save_adapter(a, d, base.sites)
+    CASES[name](d, ctx)
+    return d
+
+
+def run_case(
+    t: Target,
+    name: str,
+    path: str,
+    ref: dict[str, Any],
+    base_name: str,
+    marker: Path,
+    behind: Target | None = None,
+) -> dict[str, Any]:
+    """One case on one server: load it, look, ask, unload, look again (`behind`: the vLLM behind a front, asked
+    directly whether it lists the name)."""
+    names = list(ref)
+    marker.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    r = t.load(name, path)
+    rec: dict[str, Any] = {
+        "load_status": r.status_code,
+        "load_message": short(r.text) if r.status_code == 200 else error_message(r),
+        "load_s": round(time.monotonic() - t0, 2),
+    }
+    rec["unpickled"] = marker.exists()
+    if not t.healthy():
+        rec["server_died"] = "after load"
+        return rec
+    rec["listed"] = name in t.models()
+    if behind is not None:
+        rec["vllm_lists_it"] = name in behind.models()
+    status, answer = t.complete(name)
+    rec["answer"] = describe_answer(status, answer, ref[base_name])
+    alone = tenants(t, names)
+    rec["tenants_changed_while_loaded"] = diff(alone, ref)
+    batch = mixed_batch(t, ref, name)
+    rec["tenants_changed_in_mixed_batch"] = diff(batch, ref)
+    changed = {
+        m: alone[m] if m in diff(alone, ref) else batch[m] for m in diff(alone, ref) + diff(batch, ref)
+    }
+    if rec["listed"]:
+        u = t.unload(name)
+        rec["unload_status"] = u.status_code
+    if not t.healthy():
+        rec["server_died"] = "after unload"
+        return rec
+    rec["listed_after_unload"] = name in t.models()
+    after = tenants(t, names)
+    rec["tenants_changed_after_unload"] = diff(after, ref)
+    for m in diff(after, ref):
+        changed.setdefault(m, after[m])
+    if changed:
+        # what a poisoned tenant answers, next to what it answered before (first prompt)
+        rec["poisoned_example"] = {
+            m: {"before": ref[m][0], "now": v[0] if isinstance(v, list) else v} for m, v in changed.items()
+        }
+    rec["poisoned"] = bool(
+        rec["tenants_changed_while_loaded"]
+        or rec["tenants_changed_in_mixed_batch"]
+        or rec["tenants_changed_after_unload"]
+    )
+    rec["poisoned_after_unload"] = bool(rec["tenants_changed_after_unload"])
+    return rec
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", choices=list(CASES), help="these cases (the control always runs)")
+    ap.add_argument("--phases", nargs="+", choices=["raw", "mint"], default=["raw", "mint"])
+    ap.add_argument("--budget-s", type=float, default=2400, help="stop starting new cases after this")
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    cases = ["control_healthy", *[c for c in (args.only or CASES) if c != "control_healthy"]]
+
+    root = Path(tempfile.mkdtemp(prefix="mint-vllm-bad-"))
+    logs = root / "logs"
+    logs.mkdir()
+    base_dir = save_tiny_base(root / VLLM_BASE_NAME, vllm=True)
+    base = load_base(base_dir)  # as the front fingerprints it
+    other = build_tiny_base(
+        "dense", seed=1, tokenizer=byte_tokenizer(), num_attention_heads=2, num_key_value_heads=1, head_dim=32
+    )
+    assert {s: (x.in_features, x.out_features) for s, x in other.sites.items()} == {
+        s: (x.in_features, x.out_features) for s, x in base.sites.items()
+    }
+    ctx: dict[str, Any] = {"other_fingerprint": other.fingerprint, "marker": root / MARKER}
+    store = root / "store"
+    store.mkdir()
+    for name, seed in HEALTHY.items():
+        a = random_adapter(base.sites, TARGETS, RANK, seed=seed, std=0.3, base_fingerprint=base.fingerprint)
+        save_adapter(a, store / name, base.sites)
+    names = [VLLM_BASE_NAME, *HEALTHY]
+    summary: dict[str, Any] = {
+        "benchmark": "vllm_bad_adapters",
+        "vllm_python": os.environ.get("MINT_VLLM_PYTHON", ".venv-vllm/bin/python"),
+        "base": {"dir": VLLM_BASE_NAME, "fingerprint": base.fingerprint[:12], "layers": 2, "head_dim": 32},
+        "greedy": {"prompts": len(PROMPTS), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        "max_lora_rank": 16,
+        "raw": {},
+        "mint": {},
+    }
+
+    # -- phase raw --------------------------------------------------------------------------------------------
+    raw = RawVLLM(base_dir, store, logs)
+    ref: dict[str, Any] = {}
+    try:
+        if "raw" not in args.phases:
+            raise _Skip
+        t = raw.start()
+        ref = tenants(t, names)
+        assert all(isinstance(v, list) for v in ref.values()), ref
+        assert tenants(t, names) == ref, "greedy answers differ between two identical asks"
+        assert ref["good-a"] != ref[VLLM_BASE_NAME] and ref["good-b"] != ref[VLLM_BASE_NAME]
+        summary["reference"] = {m: v[0] for m, v in ref.items()}
+        restarts = []
+        for case in cases:
+            if time.monotonic() > deadline:
+                summary["raw"][case] = {"skipped": "budget spent"}
+                continue
+            d = build_case(store, case, ctx, base)
+            t0 = time.monotonic()
+            rec = run_case(t, case, str(d), ref, VLLM_BASE_NAME, ctx["marker"])
+            rec["case_s"] = round(time.monotonic() - t0, 1)
+            if rec.get("poisoned") or rec.get("server_died"):
+                t = raw.restart()
+                after = tenants(t, names)
+                rec["restarted"] = True
+                rec["restart_restores_reference"] = not diff(after, ref)
+                restarts.append(case)
+            print(json.dumps({"phase": "raw", "case": case, **rec}, sort_keys=True), flush=True)
+            summary["raw"][case] = rec
+        summary["raw_restarts"] = restarts
+    except _Skip:
+        pass
+    finally:
+        raw.stop()
+    summary["vllm_start_s"] = raw.starts_s
+
+    # -- phase mint ---------------------------------------------------------------------------------------------
+    if "mint" in args.phases and time.monotonic() < deadline:
+        vport, fport = free_port(), free_port()
+        t0 = time.monotonic()
+        # as `mint up --serving vllm` starts it: the resolver plugin asks the front about unknown names
+        vproc = start_vllm(base_dir, vport, f"http://127.0.0.1:{fport}", logs / "vllm-front.log")
+        summary["vllm_start_s"].append(round(time.monotonic() - t0, 1))
+        front = None
+        try:
+            t0 = time.monotonic()
+            front, furl = start_front(f"http://127.0.0.1:{vport}", store, base_dir, fport, None)
+            summary["front_start_s"] = round(time.monotonic() - t0, 1)
+            f = Target(furl, None, ADMIN)
+            v = Target(f"http://127.0.0.1:{vport}", VLLM_KEY, VLLM_KEY)
+            for name in HEALTHY:
+                r = f.load(name, name)
+                assert r.status_code == 200, r.text
+            ref_front = tenants(f, names)
+            if ref:
+                summary["front_reference_equals_raw"] = ref_front == ref
+            for case in cases:
+                if time.monotonic() > deadline:
+                    summary["mint"][case] = {"skipped": "budget spent"}
+                    continue
+                d = build_case(store, case, ctx, base)
+                t0 = time.monotonic()
+                rec = run_case(f, case, d.name, ref_front, VLLM_BASE_NAME, ctx["marker"], behind=v)
+                rec["case_s"] = round(time.monotonic() - t0, 1)
+                print(json.dumps({"phase": "mint", "case": case, **rec}, sort_keys=True), flush=True)
+                summary["mint"][case] = rec
+            f.close()
+            v.close()
+        finally:
+            if front is not None:
+                stop_server(front)
+            stop_server(vproc, timeout=60)
+
+    summary["table"] = table(summary)
+    summary["logs"] = str(logs)
+    summary["wall_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
+    report(summary)
+
+
+def table(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per case: raw vLLM's outcome beside mint's."""
+    rows = []
+    for case, r in summary["raw"].items():
+        m = summary["mint"].get(case, {})
+        row: dict[str, Any] = {"case": case}
+        if "load_status" in r:
+            row["raw_load"] = r["load_status"]
+            row["raw_listed"] = r.get("listed")
+            ans = r.get("answer", {})
+            row["raw_answers"] = ans.get("status") == 200
+            row["raw_poisons_tenants"] = r.get("poisoned")
+            row["raw_poisoned_after_unload"] = r.get("poisoned_after_unload")
+            row["raw_restart"] = bool(r.get("restarted"))
+            if r.get("server_died"):
+                row["raw_server_died"] = r["server_died"]
+        if "load_status" in m:
+            row["mint_load"] = m["load_status"]
+            row["mint_message"] = m["load_message"][:120]
+            row["vllm_lists_it_behind_mint"] = m.get("vllm_lists_it")
+            row["mint_tenants_changed"] = m.get("poisoned")
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
