@@ -12,7 +12,7 @@ without its access log (as mint's VLLMConfig starts it).
 
 Figures (one JSON line each, "figure" naming it, then a "summary" line with the ratios):
 
-  decode    Mixed-adapter decode. --streams (16) concurrent closed-loop clients each send --requests (4)
+  decode    Mixed-adapter decode. --streams (16) concurrent closed-loop clients each send --requests (16)
             non-streaming completions one after another: a 16-token prompt, --new-tokens (64) new tokens,
             ignore_eos, temperature 0; client i's request j names model (i + j) % 3 of the base, "a", "b".
             The same load on mint serve, on vLLM through the front and on vLLM directly (its key, no front):
@@ -100,9 +100,8 @@ from tests.integration.conftest import (
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK = 8
-ADMIN = {
-    "Authorization": "Bearer admin-secret"
-}  # the token conftest.start_server sets, on mint and the front
+# the admin token conftest.start_server sets, on mint serve and on the front alike
+ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPT = "Which backend answers this one?"
 PARTS = {1: "decode", 2: "servable", 3: "handoff", 4: "hot_swap"}
 
@@ -590,7 +589,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=None, help="seconds of hot swapping (default 60)")
     ap.add_argument("--swap-every", type=float, default=None, help="seconds between swaps (default 5)")
     ap.add_argument("--streams", type=int, default=None, help="decode: concurrent clients (default 16)")
-    ap.add_argument("--requests", type=int, default=None, help="decode: requests per client per round (4)")
+    ap.add_argument("--requests", type=int, default=None, help="decode: requests per client per round (16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode: tokens per request (default 64)")
     ap.add_argument("--rounds", type=int, default=None, help="decode: timed rounds of each target (3)")
     ap.add_argument("--revisions", type=int, default=None, help="servable: timed revisions each (20)")
@@ -603,7 +602,7 @@ def main() -> None:
         duration=60.0,
         swap_every=5.0,
         streams=16,
-        requests=4,
+        requests=16,
         new_tokens=64,
         rounds=3,
         revisions=20,

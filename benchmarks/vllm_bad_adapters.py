@@ -274,8 +274,9 @@ class Target:
     def unload(self, name: str) -> httpx.Response:
         return self.http.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=self.admin)
 
-    def complete(self, model: str) -> tuple[int, list[str] | str]:
-        """Greedy answers to PROMPTS under `model`: (200, texts) or (status, error message)."""
+    def complete(self, model: str, http: httpx.Client | None = None) -> tuple[int, list[str] | str]:
+        """Greedy answers to PROMPTS under `model`: (200, texts) or (status, error message). A 200 whose `model`
+        field is not `model` is reported as status -1 (the answer came back for another request)."""
         body = {
             "model": model,
             "prompt": PROMPTS,
@@ -284,12 +285,15 @@ class Target:
             "ignore_eos": True,
         }
         try:
-            r = self.http.post("/v1/completions", json=body, headers=self.key)
+            r = (http or self.http).post("/v1/completions", json=body, headers=self.key)
         except httpx.HTTPError as e:
             return 0, f"{type(e).__name__}: {e}"
         if r.status_code != 200:
             return r.status_code, error_message(r)
-        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        out = r.json()
+        if out.get("model") != model:
+            return -1, f"asked for {model!r}, the answer names {out.get('model')!r}"
+        choices = sorted(out["choices"], key=lambda c: c["index"])
         return 200, [c["text"] for c in choices]
 
 
@@ -297,17 +301,20 @@ def tenants(t: Target, names: list[str]) -> dict[str, Any]:
     return {m: t.complete(m)[1] for m in names}
 
 
-def mixed_batch(t: Target, ref: dict[str, Any], bad: str, rounds: int = 2) -> dict[str, Any]:
-    """The co-tenants' answers, each asked at the same moment as two requests under `bad` (one engine batch);
-    over `rounds` rounds, a tenant's first answer that differs from `ref` (else its reference answer)."""
+def mixed_batch(t: Target, ref: dict[str, Any], bad: str, rounds: int) -> tuple[dict[str, Any], int]:
+    """The co-tenants' answers, each asked at the same moment as two requests under `bad` (one engine batch, each
+    request on its own connection); over `rounds` rounds, a tenant's first answer that differs from `ref` (else
+    its reference answer), and how many rounds had any difference."""
     out = dict(ref)
+    changed_rounds = 0
     for _ in range(rounds):
         results: dict[str, Any] = {}
         start = threading.Barrier(len(ref) + 2)
 
         def ask(model: str, key: str, start: threading.Barrier, results: dict[str, Any]) -> None:
-            start.wait(timeout=30)
-            results[key] = t.complete(model)[1]
+            with httpx.Client(base_url=t.url, timeout=HTTP_TIMEOUT_S, trust_env=False) as http:
+                start.wait(timeout=30)
+                results[key] = t.complete(model, http)[1]
 
         jobs = [(m, m) for m in ref] + [(bad, f"{bad}#{i}") for i in range(2)]
         threads = [threading.Thread(target=ask, args=(m, k, start, results)) for m, k in jobs]
@@ -315,15 +322,48 @@ def mixed_batch(t: Target, ref: dict[str, Any], bad: str, rounds: int = 2) -> di
             th.start()
         for th in threads:
             th.join(HTTP_TIMEOUT_S + 30)
+        if any(results.get(m) != ref[m] for m in ref):
+            changed_rounds += 1
         for m in ref:
             if out[m] == ref[m]:
                 out[m] = results.get(m, "no answer")
-    return out
+    return out, changed_rounds
 
 
 def diff(now: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     """The co-tenants whose answers differ from the reference."""
     return sorted(m for m in ref if now.get(m) != ref[m])
+
+
+def how_changed(
+    now: dict[str, Any], ref: dict[str, Any], case: str, case_answer: list[str] | str
+) -> list[str]:
+    """Each changed (tenant, prompt) answer, classified: `nan` (the degenerate answer of a NaN forward: token 0,
+    "!", every step), `as <model>` (exactly what another model answers to that prompt: served with the wrong
+    adapter), or `other`."""
+    others = {**ref, case: case_answer}
+    out = []
+    for m in diff(now, ref):
+        got = now.get(m)
+        if not isinstance(got, list):
+            out.append(f"{m}: {short(str(got), 120)}")
+            continue
+        for i, (text, want) in enumerate(zip(got, ref[m], strict=True)):
+            if text == want:
+                continue
+            if text and set(text) == {"!"}:
+                kind = "nan"
+            else:
+                kind = next(
+                    (
+                        f"as {o}"
+                        for o, ans in others.items()
+                        if o != m and isinstance(ans, list) and ans[i] == text
+                    ),
+                    "other",
+                )
+            out.append(f"{m} p{i}: {kind}")
+    return out
 
 
 def describe_answer(status: int, answer: list[str] | str, base_answer: list[str]) -> dict[str, Any]:
@@ -377,6 +417,28 @@ class RawVLLM:
         return self.start()
 
 
+def unkeyed_routes(t: Target, base_name: str, adapter: Path) -> dict[str, Any]:
+    """What vLLM answers with no key at all: its keyed /v1 routes, and the routes its key does not cover (the
+    SageMaker adapter routes load and unload adapters; a healthy adapter is used here)."""
+    bare = httpx.Client(base_url=t.url, timeout=HTTP_TIMEOUT_S, trust_env=False)
+    gen = {"model": base_name, "prompt": "hi", "max_tokens": 2}
+    out: dict[str, Any] = {
+        "GET /v1/models": bare.get("/v1/models").status_code,
+        "POST /v1/completions": bare.post("/v1/completions", json=gen).status_code,
+        "POST /v1/load_lora_adapter": bare.post(
+            "/v1/load_lora_adapter", json={"lora_name": "unkeyed", "lora_path": str(adapter)}
+        ).status_code,
+    }
+    out["POST /adapters"] = bare.post("/adapters", json={"name": "unkeyed", "src": str(adapter)}).status_code
+    out["listed after POST /adapters"] = "unkeyed" in t.models()
+    out["POST /invocations"] = bare.post("/invocations", json=gen).status_code
+    out["POST /tokenize"] = bare.post("/tokenize", json={"model": base_name, "prompt": "hi"}).status_code
+    out["DELETE /adapters/unkeyed"] = bare.delete("/adapters/unkeyed").status_code
+    out["listed after DELETE"] = "unkeyed" in t.models()
+    bare.close()
+    return out
+
+
 class _Skip(Exception):
     pass
 
@@ -398,10 +460,11 @@ def run_case(
     ref: dict[str, Any],
     base_name: str,
     marker: Path,
+    rounds: int,
     behind: Target | None = None,
 ) -> dict[str, Any]:
-    """One case on one server: load it, look, ask, unload, look again (`behind`: the vLLM behind a front, asked
-    directly whether it lists the name)."""
+    """One case on one server: load it, look, ask (alone, then `rounds` mixed batches), unload, look again
+    (`behind`: the vLLM behind a front, asked directly whether it lists the name)."""
     names = list(ref)
     marker.unlink(missing_ok=True)
     t0 = time.monotonic()
@@ -421,12 +484,10 @@ def run_case(
     status, answer = t.complete(name)
     rec["answer"] = describe_answer(status, answer, ref[base_name])
     alone = tenants(t, names)
-    rec["tenants_changed_while_loaded"] = diff(alone, ref)
-    batch = mixed_batch(t, ref, name)
-    rec["tenants_changed_in_mixed_batch"] = diff(batch, ref)
-    changed = {
-        m: alone[m] if m in diff(alone, ref) else batch[m] for m in diff(alone, ref) + diff(batch, ref)
-    }
+    rec["tenants_changed_while_loaded"] = how_changed(alone, ref, name, answer)
+    batch, rounds_changed = mixed_batch(t, ref, name, rounds)
+    rec["tenants_changed_in_mixed_batch"] = how_changed(batch, ref, name, answer)
+    rec["mixed_batch_rounds"] = [rounds_changed, rounds]  # rounds with any tenant changed, rounds run
     if rec["listed"]:
         u = t.unload(name)
         rec["unload_status"] = u.status_code
@@ -435,20 +496,14 @@ def run_case(
         return rec
     rec["listed_after_unload"] = name in t.models()
     after = tenants(t, names)
-    rec["tenants_changed_after_unload"] = diff(after, ref)
-    for m in diff(after, ref):
-        changed.setdefault(m, after[m])
-    if changed:
-        # what a poisoned tenant answers, next to what it answered before (first prompt)
-        rec["poisoned_example"] = {
-            m: {"before": ref[m][0], "now": v[0] if isinstance(v, list) else v} for m, v in changed.items()
-        }
-    rec["poisoned"] = bool(
-        rec["tenants_changed_while_loaded"]
-        or rec["tenants_changed_in_mixed_batch"]
-        or rec["tenants_changed_after_unload"]
-    )
-    rec["poisoned_after_unload"] = bool(rec["tenants_changed_after_unload"])
+    rec["tenants_changed_after_unload"] = how_changed(after, ref, name, answer)
+    changes = [
+        c for k in ("while_loaded", "in_mixed_batch", "after_unload") for c in rec[f"tenants_changed_{k}"]
+    ]
+    rec["tenants_changed"] = bool(changes)
+    rec["nan_poisoned"] = any(c.endswith(": nan") for c in changes)  # a co-tenant answers NaN's "!!!"
+    rec["cross_served"] = any(": as " in c for c in changes)  # a co-tenant answered with another's weights
+    rec["changed_after_unload"] = bool(rec["tenants_changed_after_unload"])
     return rec
 
 
@@ -460,6 +515,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=list(CASES), help="these cases (the control always runs)")
     ap.add_argument("--phases", nargs="+", choices=["raw", "mint"], default=["raw", "mint"])
     ap.add_argument("--budget-s", type=float, default=2400, help="stop starting new cases after this")
+    ap.add_argument("--rounds", type=int, default=5, help="mixed batches per case")
+    ap.add_argument("--control-rounds", type=int, default=40, help="mixed batches of the healthy control")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
     cases = ["control_healthy", *[c for c in (args.only or CASES) if c != "control_healthy"]]
@@ -504,6 +561,8 @@ def main() -> None:
         assert tenants(t, names) == ref, "greedy answers differ between two identical asks"
         assert ref["good-a"] != ref[VLLM_BASE_NAME] and ref["good-b"] != ref[VLLM_BASE_NAME]
         summary["reference"] = {m: v[0] for m, v in ref.items()}
+        summary["raw_unkeyed_routes"] = unkeyed_routes(t, VLLM_BASE_NAME, store / "good-a")
+        assert tenants(t, names) == ref
         restarts = []
         for case in cases:
             if time.monotonic() > deadline:
@@ -511,9 +570,10 @@ def main() -> None:
                 continue
             d = build_case(store, case, ctx, base)
             t0 = time.monotonic()
-            rec = run_case(t, case, str(d), ref, VLLM_BASE_NAME, ctx["marker"])
+            rounds = args.control_rounds if case == "control_healthy" else args.rounds
+            rec = run_case(t, case, str(d), ref, VLLM_BASE_NAME, ctx["marker"], rounds)
             rec["case_s"] = round(time.monotonic() - t0, 1)
-            if rec.get("poisoned") or rec.get("server_died"):
+            if rec.get("tenants_changed") or rec.get("server_died"):
                 t = raw.restart()
                 after = tenants(t, names)
                 rec["restarted"] = True
@@ -554,7 +614,8 @@ def main() -> None:
                     continue
                 d = build_case(store, case, ctx, base)
                 t0 = time.monotonic()
-                rec = run_case(f, case, d.name, ref_front, VLLM_BASE_NAME, ctx["marker"], behind=v)
+                rounds = args.control_rounds if case == "control_healthy" else args.rounds
+                rec = run_case(f, case, d.name, ref_front, VLLM_BASE_NAME, ctx["marker"], rounds, behind=v)
                 rec["case_s"] = round(time.monotonic() - t0, 1)
                 print(json.dumps({"phase": "mint", "case": case, **rec}, sort_keys=True), flush=True)
                 summary["mint"][case] = rec
@@ -574,16 +635,16 @@ def main() -> None:
 def table(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per case: raw vLLM's outcome beside mint's."""
     rows = []
-    for case, r in summary["raw"].items():
-        m = summary["mint"].get(case, {})
+    for case in dict.fromkeys([*summary["raw"], *summary["mint"]]):
+        r, m = summary["raw"].get(case, {}), summary["mint"].get(case, {})
         row: dict[str, Any] = {"case": case}
         if "load_status" in r:
             row["raw_load"] = r["load_status"]
             row["raw_listed"] = r.get("listed")
-            ans = r.get("answer", {})
-            row["raw_answers"] = ans.get("status") == 200
-            row["raw_poisons_tenants"] = r.get("poisoned")
-            row["raw_poisoned_after_unload"] = r.get("poisoned_after_unload")
+            row["raw_answers"] = r.get("answer", {}).get("status") == 200
+            row["raw_nan_poisons_tenants"] = r.get("nan_poisoned")
+            row["raw_cross_served"] = r.get("cross_served")
+            row["raw_changed_after_unload"] = r.get("changed_after_unload")
             row["raw_restart"] = bool(r.get("restarted"))
             if r.get("server_died"):
                 row["raw_server_died"] = r["server_died"]
@@ -591,7 +652,7 @@ def table(summary: dict[str, Any]) -> list[dict[str, Any]]:
             row["mint_load"] = m["load_status"]
             row["mint_message"] = m["load_message"][:120]
             row["vllm_lists_it_behind_mint"] = m.get("vllm_lists_it")
-            row["mint_tenants_changed"] = m.get("poisoned")
+            row["mint_tenants_changed"] = m.get("tenants_changed")
         rows.append(row)
     return rows
 

@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
-from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.errors import AdapterError
@@ -92,8 +91,7 @@ class SwapLock:
             self._readers -= 1
             self._cond.notify_all()
 
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[None]:
+    async def acquire_write(self) -> None:
         async with self._cond:
             self._writers_waiting += 1
             try:
@@ -101,12 +99,26 @@ class SwapLock:
             finally:
                 self._writers_waiting -= 1
             self._writing = True
+
+    async def release_write(self) -> None:
+        async with self._cond:
+            self._writing = False
+            self._cond.notify_all()
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[None]:
+        await self.acquire_write()
         try:
             yield
         finally:
-            async with self._cond:
-                self._writing = False
-                self._cond.notify_all()
+            await self.release_write()
+
+
+def _prompt_logprobs(data: dict[str, Any]) -> bool:
+    """Whether vLLM computes logprobs of the prompt's tokens for this request."""
+    return (
+        bool(data.get("echo") and data.get("logprobs") is not None) or data.get("prompt_logprobs") is not None
+    )
 
 
 class Gateway:
@@ -133,6 +145,8 @@ class Gateway:
         )
         self.served: dict[str, str] = {}  # adapter name -> hex digest, as last read off vLLM or loaded by us
         self.locks: dict[str, SwapLock] = {}
+        # what may share vLLM's batch (see `generate`): requests read, one that must run alone writes
+        self.batch = SwapLock()
         self.created = int(time.time())
         self._vetted: dict[str, tuple[float, str, Path]] = {}  # address -> (when, digest, verified dir)
         # the front's own series beside vLLM's (which /metrics passes through): answers per model and status
@@ -426,6 +440,34 @@ def create_gateway(
             data["max_tokens"] = 1  # vLLM generates at least one token; the front drops it below
         await gw.known(body.model)
         lock = None if body.model == base_name else gw.lock(body.model)
+        # vLLM 0.32 with LoRA enabled dies (EngineCore, every later request 503) when a request that asks for
+        # prompt logprobs shares a batch with any other: LogitsProcessorWithLoRA indexes the prompt positions
+        # with the batch's sampler indices ("einsum(): subscript b has size 31 ... size 25", punica_cpu.py). Such
+        # requests (echo with logprobs: lm-eval's loglikelihood) run alone; the rest share.
+        alone = _prompt_logprobs(data)
+        await (gw.batch.acquire_write() if alone else gw.batch.acquire_read())
+
+        async def release_batch() -> None:
+            await (gw.batch.release_write() if alone else gw.batch.release_read())
+
+        try:
+            out = await forward(lock, body, data, path, score_only, release_batch)
+        except BaseException:
+            await release_batch()
+            raise
+        if not isinstance(out, StreamingResponse):
+            await release_batch()
+        return out
+
+    async def forward(
+        lock: SwapLock | None,
+        body: Any,
+        data: dict[str, Any],
+        path: str,
+        score_only: bool,
+        release_batch: Callable[[], Awaitable[None]],
+    ) -> Response:
+        """One request to vLLM; a stream holds its locks (and its place in the batch) until it ends."""
         if not body.stream:
             if lock is not None:
                 await lock.acquire_read()
@@ -456,21 +498,22 @@ def create_gateway(
 
         async def events() -> AsyncIterator[bytes]:
             fp = gw.served.get(body.model, "base") if lock else "base"
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    with contextlib.suppress(ValueError):  # not JSON: passed on as vLLM sent it
-                        line = "data: " + json.dumps(
-                            _normalised(json.loads(line[6:]), fp), separators=(",", ":")
-                        )
-                if line:
-                    yield (line + "\n\n").encode()
+            try:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        with contextlib.suppress(ValueError):  # not JSON: passed on as vLLM sent it
+                            line = "data: " + json.dumps(
+                                _normalised(json.loads(line[6:]), fp), separators=(",", ":")
+                            )
+                    if line:
+                        yield (line + "\n\n").encode()
+            finally:  # the end of the stream, a client that went away, or a server shutting down
+                await r.aclose()
+                if lock is not None:
+                    await lock.release_read()
+                await release_batch()
 
-        async def done() -> None:
-            await r.aclose()
-            if lock is not None:
-                await lock.release_read()
-
-        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(done))
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     async def counted(
         request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]

@@ -305,8 +305,9 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
         stop_server(vllm, timeout=60)
 
 
-def _unload_all(server: VLLMServer) -> None:
-    http = httpx.Client(base_url=server.url, timeout=60)
+def unload_all(url: str) -> None:
+    """Unload every adapter the server at `url` lists (vLLM's adapters are shared by every front before it)."""
+    http = httpx.Client(base_url=url, timeout=60)
     admin = {"Authorization": "Bearer admin-secret"}
     for card in http.get("/v1/models").json()["data"]:
         if card.get("parent"):
@@ -333,7 +334,7 @@ def endpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         return
     if request.param == "vllm":
         server: VLLMServer = request.getfixturevalue("vllm_server")
-        _unload_all(server)
+        unload_all(server.url)
         try:
             yield Endpoint(
                 "vllm",
@@ -347,7 +348,7 @@ def endpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                 server.vllm_url,
             )
         finally:
-            _unload_all(server)
+            unload_all(server.url)
         return
     store = tmp_path_factory.mktemp("store")
     proc, url = start_server(store)

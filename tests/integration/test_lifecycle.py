@@ -43,7 +43,15 @@ from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.trainer import PolicySpec
 from mint_core.serving.client import ServingError
 from tasks.common import is_transient
-from tests.integration.conftest import save_tiny_base, start_server, stop_server
+from tests.integration.conftest import (
+    VLLMServer,
+    free_port,
+    save_tiny_base,
+    start_front,
+    start_server,
+    stop_server,
+    unload_all,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -80,16 +88,27 @@ class Stack:
         return {k: int(v) for k, v in (rm.aliases or {}).items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["mint", "vllm"])
 def stack(
-    mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    mlflow_server: str,
+    prefect_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
+    """The flows against real MLflow and Prefect servers and a served base: mint serve, or the session's vLLM
+    behind a front of this module's own (its store and catalog). The flows cannot tell the two apart."""
     root = tmp_path_factory.mktemp("lifecycle")
-    base_dir = save_tiny_base(root / "base")
     store = root / "store"
     store.mkdir()
     suites = standalone_suites(root, limit=20)
-    proc, url = start_server(store, "--base", str(base_dir), env={"MINT_SERVE_TORCH_THREADS": "1"})
+    if request.param == "vllm":
+        server: VLLMServer = request.getfixturevalue("vllm_server")
+        base_dir = server.base_dir
+        # no catalog on the front, as on mint serve here: prefetch falls back to loads on both
+        proc, url = start_front(server.vllm_url, store, base_dir, free_port(), None)
+    else:
+        base_dir = save_tiny_base(root / "base")
+        proc, url = start_server(store, "--base", str(base_dir), env={"MINT_SERVE_TORCH_THREADS": "1"})
     ws = Workspace(
         tracking_uri=mlflow_server,
         store=str(store),
@@ -106,6 +125,8 @@ def stack(
         try:
             yield Stack(ws, base_dir, suites, root)
         finally:
+            if request.param == "vllm":
+                unload_all(url)
             stop_server(proc)
 
 

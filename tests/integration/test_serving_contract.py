@@ -383,6 +383,31 @@ def test_openai_scoring_with_max_tokens_zero(oai: OpenAI, base_name: str) -> Non
     assert lp.token_logprobs[-4:] == pytest.approx(cont.logprobs.token_logprobs, abs=1e-4)
 
 
+def test_concurrent_scoring_beside_generation(
+    http: httpx.Client, base_name: str, adapters: dict[str, str], endpoint: Endpoint
+) -> None:
+    """lm-eval scores many prompts at once (echo + logprobs, max_tokens 0) while others generate. On a bare
+    vLLM 0.32 with LoRA enabled, a prompt-logprobs request batched with any other kills its engine (every later
+    request 503); through mint's front such requests run alone. All answer, and the server stays up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def score(i: int) -> int:
+        body = {"model": base_name, "prompt": "x" * (5 + 3 * i), "max_tokens": 0, "echo": True, "logprobs": 1}
+        return http.post("/v1/completions", json=body).status_code
+
+    def generate(i: int) -> int:
+        model = ("alpha", "beta", base_name)[i % 3]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+        return http.post("/v1/completions", json=body).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        jobs = [pool.submit(score if i % 2 else generate, i) for i in range(24)]
+        codes = [j.result() for j in jobs]
+    assert codes == [200] * 24, codes
+    assert http.get("/health").status_code == 200
+    assert complete(http, model="alpha", prompt=PROMPT, max_tokens=4)["usage"]["completion_tokens"] == 4
+
+
 def test_openai_stop_string(oai: OpenAI, adapters: dict[str, str]) -> None:
     kw: dict[str, Any] = {"model": "alpha", "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     text = oai.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
