@@ -103,6 +103,9 @@ RANK = 8
 # the admin token conftest.start_server sets, on mint serve and on the front alike
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPT = "Which backend answers this one?"
+# This script's own connections: uvicorn (mint serve, the front, vLLM) closes one idle for 5 s, and httpx's pool
+# keeps one 5 s by default; a request sent on one as the server closes it would fail here, not in the server.
+POOL = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=1.0)
 PARTS = {1: "decode", 2: "servable", 3: "handoff", 4: "hot_swap"}
 
 
@@ -215,8 +218,7 @@ async def closed_loop(
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (16,), generator=g).tolist() for _ in range(args.streams)]
     rnd = Round()
-    limits = httpx.Limits(max_connections=args.streams + 4, max_keepalive_connections=args.streams + 4)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=POOL, timeout=300) as client:
 
         async def lane(i: int) -> None:
             for j in range(requests):
@@ -326,8 +328,8 @@ def servable_once(http: httpx.Client, name: str, digest: str) -> tuple[float, fl
 
 def part_servable(b: Backends, args: argparse.Namespace) -> dict[str, Any]:
     clients = {
-        "mint": httpx.Client(base_url=b.mint_url, timeout=300),
-        "vllm": httpx.Client(base_url=b.front_url, timeout=300),
+        "mint": httpx.Client(base_url=b.mint_url, limits=POOL, timeout=300),
+        "vllm": httpx.Client(base_url=b.front_url, limits=POOL, timeout=300),
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in clients}
     deadline = time.monotonic() + args.time_limit
@@ -387,7 +389,10 @@ def merged_handoff(
     proc = start_vllm(out_dir, port, None, b.work / f"{out_dir.name}.log")
     try:
         with httpx.Client(
-            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {VLLM_KEY}"}, timeout=300
+            base_url=f"http://127.0.0.1:{port}",
+            headers={"Authorization": f"Bearer {VLLM_KEY}"},
+            limits=POOL,
+            timeout=300,
         ) as http:
             body = {"model": out_dir.name, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
             checked(http.post("/v1/completions", json={**body, "max_tokens": 1}), "merged completion")
@@ -401,7 +406,7 @@ def merged_handoff(
 
 def part_handoff(b: Backends, args: argparse.Namespace) -> dict[str, Any]:
     store = b.stores["vllm"]
-    http = httpx.Client(base_url=b.front_url, timeout=300)
+    http = httpx.Client(base_url=b.front_url, limits=POOL, timeout=300)
     inplace: list[float] = []
     merged: list[float] = []
     matches: list[bool] = []
@@ -480,7 +485,7 @@ def part_hot_swap(b: Backends, args: argparse.Namespace) -> dict[str, Any]:
     url, max_tokens = b.front_url, 16
     digests = {v: b.write(f"p-{v}", only="vllm") for v in ("v1", "v2")}
     by_digest = {d: v for v, d in digests.items()}
-    admin = httpx.Client(base_url=url, headers=ADMIN, timeout=300)
+    admin = httpx.Client(base_url=url, headers=ADMIN, limits=POOL, timeout=300)
 
     def swap(v: str, inplace: bool = True) -> float:
         t0 = time.perf_counter()
@@ -511,7 +516,7 @@ def part_hot_swap(b: Backends, args: argparse.Namespace) -> dict[str, Any]:
     deadline = start + args.duration
 
     def client(i: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as c:
+        with httpx.Client(base_url=url, limits=POOL, timeout=60) as c:
             for _ in range(1_000_000):  # bounded in count and in time
                 if stop.is_set() or time.monotonic() > deadline:
                     return
@@ -657,6 +662,7 @@ def main() -> None:
     if "hot_swap" in results:
         summary["hot_swap_failed"] = results["hot_swap"]["failed"]
         summary["hot_swap_mixed"] = results["hot_swap"]["mixed"]
+        summary["hot_swap_swap_errors"] = results["hot_swap"]["swap_errors"]
     summary |= {
         "figures": list(results),
         "failed": sum(r["failed"] for r in results.values()),

@@ -12,12 +12,15 @@ whether a completion under it answers (and whether its text is finite-looking or
 co-tenants' answers are byte for byte the reference: asked alone while it is loaded, in one batch with requests
 under it, and after unloading it. A case that changes them poisoned the server: vLLM is restarted (and the
 reference checked again) before the next case. A healthy third adapter runs the same protocol first, as the
-control (batching with another adapter must not change answers by itself).
+control (batching with another adapter must not change answers by itself). A changed answer is classified: `nan`
+(NaN's degenerate "!!!"), `as <model>` (exactly another model's answer: served with the wrong weights), `other`.
+The phase also records which routes answer with no key at all, and ends with the last-slot check: every LoRA slot
+taken by a healthy adapter, are requests for the bare base (batched with LoRA requests) still the base's?
 
 Phase `mint`: a fresh vLLM with mint's front (`mint serve --backend vllm`) before it, the same store. The same
 cases go to the front's load route (lora_path relative to the store); recorded: the front's status and message,
 that neither the front's nor vLLM's own `/v1/models` lists the name, that a completion under it is a 404, and that
-the co-tenants' answers (loaded through the front) are unchanged.
+the co-tenants' answers (loaded through the front) are unchanged; then the same last-slot check.
 
     .venv/bin/python benchmarks/vllm_bad_adapters.py [--only CASE ...] [--phases raw mint] [--budget-s 2400]
 
@@ -335,13 +338,11 @@ def diff(now: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     return sorted(m for m in ref if now.get(m) != ref[m])
 
 
-def how_changed(
-    now: dict[str, Any], ref: dict[str, Any], case: str, case_answer: list[str] | str
-) -> list[str]:
+def how_changed(now: dict[str, Any], ref: dict[str, Any], extra: dict[str, Any]) -> list[str]:
     """Each changed (tenant, prompt) answer, classified: `nan` (the degenerate answer of a NaN forward: token 0,
     "!", every step), `as <model>` (exactly what another model answers to that prompt: served with the wrong
-    adapter), or `other`."""
-    others = {**ref, case: case_answer}
+    adapter; `extra` holds more models' answers to compare with), or `other`."""
+    others = {**ref, **extra}
     out = []
     for m in diff(now, ref):
         got = now.get(m)
@@ -439,6 +440,34 @@ def unkeyed_routes(t: Target, base_name: str, adapter: Path) -> dict[str, Any]:
     return out
 
 
+def last_slot_check(
+    t: Target, ref: dict[str, Any], store: Path, base: Any, relative: bool, rounds: int
+) -> dict[str, Any]:
+    """With every LoRA slot taken (the two co-tenants and two more healthy adapters, max_loras 4), requests for
+    the bare base batched with LoRA requests: are they answered with the base's own weights?"""
+    fillers = {"fill-1": 21, "fill-2": 22}
+    for name, seed in fillers.items():
+        d = store / name
+        if not d.exists():
+            a = random_adapter(
+                base.sites, TARGETS, RANK, seed=seed, std=0.3, base_fingerprint=base.fingerprint
+            )
+            save_adapter(a, d, base.sites)
+        r = t.load(name, name if relative else str(d))
+        assert r.status_code == 200, r.text
+    own = {name: t.complete(name)[1] for name in fillers}
+    batch_ref = {**ref, **own}
+    batch, changed = mixed_batch(t, batch_ref, "fill-1", rounds)
+    out = {
+        "mixed_batch_rounds": [changed, rounds],
+        "changes": how_changed(batch, batch_ref, {}),
+        "base_alone_unchanged": tenants(t, [VLLM_BASE_NAME]) == {VLLM_BASE_NAME: ref[VLLM_BASE_NAME]},
+    }
+    for name in fillers:
+        t.unload(name)
+    return out
+
+
 class _Skip(Exception):
     pass
 
@@ -484,9 +513,9 @@ def run_case(
     status, answer = t.complete(name)
     rec["answer"] = describe_answer(status, answer, ref[base_name])
     alone = tenants(t, names)
-    rec["tenants_changed_while_loaded"] = how_changed(alone, ref, name, answer)
+    rec["tenants_changed_while_loaded"] = how_changed(alone, ref, {name: answer})
     batch, rounds_changed = mixed_batch(t, ref, name, rounds)
-    rec["tenants_changed_in_mixed_batch"] = how_changed(batch, ref, name, answer)
+    rec["tenants_changed_in_mixed_batch"] = how_changed(batch, ref, {name: answer})
     rec["mixed_batch_rounds"] = [rounds_changed, rounds]  # rounds with any tenant changed, rounds run
     if rec["listed"]:
         u = t.unload(name)
@@ -496,7 +525,7 @@ def run_case(
         return rec
     rec["listed_after_unload"] = name in t.models()
     after = tenants(t, names)
-    rec["tenants_changed_after_unload"] = how_changed(after, ref, name, answer)
+    rec["tenants_changed_after_unload"] = how_changed(after, ref, {name: answer})
     changes = [
         c for k in ("while_loaded", "in_mixed_batch", "after_unload") for c in rec[f"tenants_changed_{k}"]
     ]
@@ -582,6 +611,9 @@ def main() -> None:
             print(json.dumps({"phase": "raw", "case": case, **rec}, sort_keys=True), flush=True)
             summary["raw"][case] = rec
         summary["raw_restarts"] = restarts
+        if time.monotonic() < deadline:
+            summary["raw_last_slot"] = last_slot_check(t, ref, store, base, False, args.rounds)
+            print(json.dumps({"phase": "raw", "check": "last_slot", **summary["raw_last_slot"]}), flush=True)
     except _Skip:
         pass
     finally:
@@ -619,6 +651,12 @@ def main() -> None:
                 rec["case_s"] = round(time.monotonic() - t0, 1)
                 print(json.dumps({"phase": "mint", "case": case, **rec}, sort_keys=True), flush=True)
                 summary["mint"][case] = rec
+            if time.monotonic() < deadline:
+                summary["mint_last_slot"] = last_slot_check(f, ref_front, store, base, True, args.rounds)
+                print(
+                    json.dumps({"phase": "mint", "check": "last_slot", **summary["mint_last_slot"]}),
+                    flush=True,
+                )
             f.close()
             v.close()
         finally:

@@ -141,6 +141,10 @@ class Gateway:
             base_url=config.vllm_url.rstrip("/"),
             headers={"Authorization": f"Bearer {config.vllm_api_key.get_secret_value()}"},
             timeout=httpx.Timeout(600.0, connect=5.0),
+            # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default pool keeps
+            # one 5 s: a request sent on it as vLLM closes it fails ("Server disconnected without sending a
+            # response", a 503 here). Idle connections are dropped well before vLLM drops them.
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0),
             trust_env=False,  # loopback: no proxy from the environment in between
         )
         self.served: dict[str, str] = {}  # adapter name -> hex digest, as last read off vLLM or loaded by us
@@ -459,6 +463,36 @@ def create_gateway(
             await release_batch()
         return out
 
+    async def one_by_one(path: str, data: dict[str, Any], body: CompletionRequest) -> dict[str, Any]:
+        """A prompt-logprobs request as vLLM requests of one sequence each, in turn, merged into one answer: in
+        vLLM 0.32 with LoRA enabled, two sequences that want prompt logprobs in one batch (a list of prompts,
+        or n > 1) kill the engine as surely as two requests do."""
+        prompts = body.prompts()
+        if len(prompts) == 1 and body.n == 1:
+            r = await gw._call("POST", path, json=data)
+            if r.status_code != 200:
+                raise _relayed(r)
+            return dict(r.json())
+        out: dict[str, Any] = {}
+        choices: list[dict[str, Any]] = []
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for prompt in prompts:
+            for j in range(body.n):
+                one = {**data, "prompt": prompt, "n": 1}
+                if body.seed is not None:
+                    one["seed"] = body.seed + j  # choice j is seeded seed + j, as on mint serve
+                r = await gw._call("POST", path, json=one)
+                if r.status_code != 200:
+                    raise _relayed(r)
+                got = r.json()
+                out = out or got
+                choice = got["choices"][0]
+                choice["index"] = len(choices)
+                choices.append(choice)
+                for k in usage:
+                    usage[k] += int((got.get("usage") or {}).get(k) or 0)
+        return {**out, "choices": choices, "usage": usage}
+
     async def forward(
         lock: SwapLock | None,
         body: Any,
@@ -472,14 +506,18 @@ def create_gateway(
             if lock is not None:
                 await lock.acquire_read()
             try:
-                r = await gw._call("POST", path, json=data)
+                if _prompt_logprobs(data) and isinstance(body, CompletionRequest):
+                    out = await one_by_one(path, data, body)
+                else:
+                    r = await gw._call("POST", path, json=data)
+                    if r.status_code != 200:
+                        raise _relayed(r)
+                    out = r.json()
                 fp = gw.served.get(body.model, "base") if lock else "base"
             finally:
                 if lock is not None:
                     await lock.release_read()
-            if r.status_code != 200:
-                raise _relayed(r)
-            out = _normalised(r.json(), fp)
+            out = _normalised(out, fp)
             return JSONResponse(_prompt_only(gw, out, body) if score_only else out)
         if lock is not None:
             await lock.acquire_read()  # released when the stream ends (`done`), however it ends

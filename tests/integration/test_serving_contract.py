@@ -386,9 +386,10 @@ def test_openai_scoring_with_max_tokens_zero(oai: OpenAI, base_name: str) -> Non
 def test_concurrent_scoring_beside_generation(
     http: httpx.Client, base_name: str, adapters: dict[str, str], endpoint: Endpoint
 ) -> None:
-    """lm-eval scores many prompts at once (echo + logprobs, max_tokens 0) while others generate. On a bare
-    vLLM 0.32 with LoRA enabled, a prompt-logprobs request batched with any other kills its engine (every later
-    request 503); through mint's front such requests run alone. All answer, and the server stays up."""
+    """lm-eval scores many prompts at once (echo + logprobs, max_tokens 0, several prompts per request) while
+    others generate. On a bare vLLM 0.32 with LoRA enabled, two sequences wanting prompt logprobs in one batch
+    kill its engine (every later request 503); through mint's front each runs alone. All answer, the server
+    stays up."""
     from concurrent.futures import ThreadPoolExecutor
 
     def score(i: int) -> int:
@@ -404,6 +405,13 @@ def test_concurrent_scoring_beside_generation(
         jobs = [pool.submit(score if i % 2 else generate, i) for i in range(24)]
         codes = [j.result() for j in jobs]
     assert codes == [200] * 24, codes
+    # one request scoring a batch of prompts, as lm-eval sends them (several sequences of one request)
+    prompts = ["ab" * 5, "cd" * 12, "ef" * 15]
+    out = complete(http, model="alpha", prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c["text"] for c in out["choices"]] == prompts
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert [len(c["logprobs"]["token_logprobs"]) for c in out["choices"]] == [len(p) for p in prompts]
+    assert out["usage"]["completion_tokens"] == 0
     assert http.get("/health").status_code == 200
     assert complete(http, model="alpha", prompt=PROMPT, max_tokens=4)["usage"]["completion_tokens"] == 4
 
