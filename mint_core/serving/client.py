@@ -31,7 +31,11 @@ class ServingClient:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.admin_token = admin_token
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        # idle connections are dropped before the servers' own 5 s keep-alive (uvicorn's, vLLM's) ends, so a
+        # request is never sent on a connection the server is closing at that moment
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout, limits=httpx.Limits(keepalive_expiry=2.0)
+        )
 
     def close(self) -> None:
         self._http.close()

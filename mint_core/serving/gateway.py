@@ -149,6 +149,7 @@ class Gateway:
         )
         self.served: dict[str, str] = {}  # adapter name -> hex digest, as last read off vLLM or loaded by us
         self.locks: dict[str, SwapLock] = {}
+        self._changes = 0  # loads and unloads made through this front (a listing older than one is stale)
         # what may share vLLM's batch (see `generate`): requests read, one that must run alone writes
         self.batch = SwapLock()
         self.created = int(time.time())
@@ -198,7 +199,10 @@ class Gateway:
 
     async def refresh(self) -> None:
         """Read what vLLM serves now (after a restart of vLLM it serves no adapter until one is named)."""
+        changes = self._changes
         cards = await self.vllm_models()
+        if changes != self._changes:  # a load or unload ended meanwhile: this listing may predate it
+            return
         served = {}
         for c in cards:
             if c.get("parent") and (digest := self.digest_of_path(c.get("root"))):
@@ -274,6 +278,7 @@ class Gateway:
             if r.status_code != 200:
                 raise _relayed(r)
             self.served[name] = digest
+            self._changes += 1
         logger.info("vLLM serves %s as sha256:%s", name, digest[:12])
 
 
@@ -612,6 +617,7 @@ def create_gateway(
             if r.status_code != 200:
                 raise _relayed(r)
             gw.served.pop(body.lora_name, None)
+            gw._changes += 1
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/mint/prefetch", response_model=PrefetchResponse)
