@@ -1,8 +1,9 @@
 """What a raw vLLM does with each kind of bad adapter, and what mint's front does with the same files.
 
-Claim (infra/vllm/README.md, "Bad adapters: raw vLLM vs through mint"): vLLM 0.32 refuses some malformed adapters
-itself but loads and serves others, and one of them poisons every other tenant of the server until vLLM restarts;
-mint's front refuses all of them before vLLM reads a byte, and the other tenants keep their answers.
+Claim (infra/vllm/README.md, "Bad adapters: raw vLLM 0.32 vs through mint"): vLLM 0.32 refuses some malformed
+adapters itself but loads and serves others (NaN weights, a shape mismatch, a layer the base lacks, another base's
+adapter), and a NaN adapter poisons every other tenant of the server until vLLM restarts; mint's front refuses all
+of them before vLLM reads them, and the other tenants keep their answers byte for byte.
 
 Phase `raw`: one vLLM (loopback, its key, no resolver plugin) on the tiny head_dim-32 base, with two healthy
 adapters loaded straight into it. The greedy answers (temperature 0, ignore_eos, 16 tokens, 4 prompts) of the base

@@ -88,7 +88,8 @@ class Stack:
         return {k: int(v) for k, v in (rm.aliases or {}).items()}
 
 
-@pytest.fixture(scope="module", params=["mint", "vllm"])
+# the flows on vLLM double this module's minutes: the slow tier (the contract tests cover vLLM by default)
+@pytest.fixture(scope="module", params=["mint", pytest.param("vllm", marks=pytest.mark.slow)])
 def stack(
     request: pytest.FixtureRequest,
     mlflow_server: str,
