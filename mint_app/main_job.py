@@ -734,7 +734,8 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             if not need.exists():
                 raise MainJobError(f"{need} is missing: run `dvc repro` (or drop --no-build)")
 
-    with timer.step("2. start the servers (MLflow, Prefect, mint serve)") as note:
+    serving = "vLLM behind mint serve" if cfg.serving == "vllm" else "mint serve"
+    with timer.step(f"2. start the servers (MLflow, Prefect, {serving})") as note:
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
             os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
