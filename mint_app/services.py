@@ -154,6 +154,16 @@ class ServicesConfig(Settings):
     """Seconds a service may take to answer its health check after it is launched."""
     stop_timeout: float = Field(30.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when stopping (mint serve finishes requests in flight first)."""
+    supervise: bool = True
+    """Bring a service that crashes after it was healthy back up (`mint_app.supervise`: backing off 1-30 s, at
+    most `max_restarts` within 10 minutes). Off: a crashed service stays down until the next `mint up`."""
+    max_restarts: int = Field(5, ge=0)
+    """Restarts within 10 minutes after which supervision gives up and the service stays down (reported)."""
+    log_max_bytes: int = Field(20 * 2**20, ge=2**16)
+    """A service's log rolls over at this size (<name>.log -> <name>.log.1 ...); logs are appended across
+    restarts and `mint up`s, never truncated (`mint logs [service]` shows them)."""
+    log_backups: int = Field(5, ge=1)
+    """Rolled-over logs kept per service."""
 
     def port(self, name: ServiceName) -> int:
         ports = {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}
@@ -321,6 +331,41 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.rstrip("\n").splitlines()[-lines:]) or "(empty log)"
+
+
+def service_log(config: ServicesConfig, name: ServiceName) -> Path:
+    """The log a service writes now (rolled-over ones: `rolled_logs`)."""
+    return _paths(config, name)[2]
+
+
+def rolled_logs(config: ServicesConfig, name: ServiceName) -> list[Path]:
+    """A service's rolled-over logs, newest first (<name>.log.1, .2, ...: the standard library's rotation)."""
+    log = service_log(config, name)
+    return [p for i in range(1, config.log_backups + 1) if (p := log.with_name(f"{log.name}.{i}")).exists()]
+
+
+def follow_log(path: Path, write: Callable[[str], None], poll_s: float = 0.5) -> None:
+    """Print what is appended to `path` until interrupted, following it across a roll-over (the file is renamed
+    and a new one started: it is reopened when its inode changes or it shrinks)."""
+    f = path.open(errors="replace")
+    f.seek(0, os.SEEK_END)
+    try:
+        while True:
+            chunk = f.read()
+            if chunk:
+                write(chunk)
+                continue
+            time.sleep(poll_s)
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                if st.st_ino != os.fstat(f.fileno()).st_ino or st.st_size < f.tell():
+                    write(f.read())  # what was written before the roll-over
+                    f.close()
+                    f = path.open(errors="replace")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        f.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -682,15 +727,17 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         env["MINT_SERVE_MAX_LORA_RANK"] = str(config.serve_max_lora_rank)
     if serving.admin_token is None:
         env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
+    if serving.catalog_url is None:
+        # a policy name resolves to its champion in the flows' catalog on demand: after any restart, the first
+        # request for a policy is answered by its champion (no 404 until reconcile loads it)
+        env["MINT_SERVE_CATALOG_URL"] = hooks_workspace(config)["catalog_url"]
     if config.serving == "vllm":
-        # the front of the vLLM service; a policy name resolves to its champion in the flows' catalog on demand
-        # (vLLM's resolver plugin asks this front). The Tinker training API is the embedded engine's: not here.
+        # the front of the vLLM service (vLLM's resolver plugin asks it for names it does not hold). The Tinker
+        # training API is the embedded engine's: not here.
         env["MINT_SERVE_BACKEND"] = "vllm"
         env["MINT_SERVE_VLLM_URL"] = config.url("vllm")
         env["MINT_SERVE_VLLM_API_KEY"] = _vllm_key(config)
         env["MINT_SERVE_RESOLVER_TOKEN"] = _resolver_token(config)
-        if serving.catalog_url is None:
-            env["MINT_SERVE_CATALOG_URL"] = hooks_workspace(config)["catalog_url"]
         return cmd, env
     # the Tinker training API: a key kept in the state dir (unless keys are configured), and a named
     # save_weights_for_sampler becomes an MLflow version indexed in the flows' catalog
@@ -895,7 +942,21 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     if name == "vllm":  # its own environment: nothing of mint's may reach its imports
         for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
             env.pop(key, None)
-    with log.open("wb") as out:
+    if config.supervise:  # it copies the service's output into the rotating log and restarts it after a crash
+        cmd = [
+            *(sys.executable, "-m", "mint_app.supervise", "--log", str(log)),
+            *("--max-bytes", str(config.log_max_bytes), "--backups", str(config.log_backups)),
+            *(
+                "--health-url",
+                config.url(name) + HEALTH_PATH[name],
+                "--max-restarts",
+                str(config.max_restarts),
+            ),
+            *("--", *cmd),
+        ]
+    # appended, never truncated: the supervisor writes through its rotating handler, and what it says itself
+    # (it is small; a traceback of its own) lands here too
+    with log.open("ab") as out:
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,

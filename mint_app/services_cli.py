@@ -16,7 +16,11 @@ from mint_app.services import (
     ServiceError,
     ServiceName,
     ServicesConfig,
+    follow_log,
+    log_tail,
     parse_names,
+    rolled_logs,
+    service_log,
     services_for,
     start,
     status,
@@ -183,8 +187,43 @@ def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile
     print_table(status(cfg, _names(only)))
 
 
+def logs_cmd(
+    service: Annotated[
+        str | None, typer.Argument(help=f"One of {', '.join(ALL_SERVICES)}; default: each one.")
+    ] = None,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=1, help="Lines from the end of each log.")] = 40,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing what the service writes.")
+    ] = False,
+    rolled: Annotated[bool, typer.Option(help="Also list the rolled-over logs kept (<name>.log.N).")] = False,
+    state_dir: StateDir = None,
+    config: ConfigFile = None,
+) -> None:
+    """Show the services' logs (appended across restarts and rolled over at log_max_bytes, never truncated)."""
+    cfg = _config(config, state_dir=state_dir)
+    names = _names(service) if service else [s.name for s in status(cfg) if s.log.exists()]
+    if not names:
+        raise typer.BadParameter(f"no service has a log in {cfg.state_dir} (mint up starts them)")
+    if follow and len(names) != 1:
+        raise typer.BadParameter("--follow takes one service (mint logs serve -f)")
+    for name in names:
+        log = service_log(cfg, name)
+        if len(names) > 1 or rolled:
+            console.rule(f"{TITLES[name]}: {log}")
+        if rolled:
+            for old in rolled_logs(cfg, name):
+                console.print(f"  rolled over: {old} ({old.stat().st_size} bytes)")
+        console.print(log_tail(log, lines), markup=False, highlight=False, soft_wrap=True)
+    if follow:
+        follow_log(
+            service_log(cfg, names[0]),
+            lambda text: console.print(text, end="", markup=False, highlight=False),
+        )
+
+
 def register(app: typer.Typer) -> None:
-    """Add up/down/status to the `mint` command line."""
+    """Add up/down/status/logs to the `mint` command line."""
     app.command("up")(up)
     app.command("down")(down)
     app.command("status")(status_cmd)
+    app.command("logs")(logs_cmd)

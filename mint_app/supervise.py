@@ -1,0 +1,179 @@
+"""Supervision of one service: `python -m mint_app.supervise --log LOG [options] -- COMMAND...`.
+
+`mint up` starts each service under this small process (in a session of its own: stopping the service signals the
+group, this process and the service alike). It
+
+- writes the service's output to LOG through the standard library's `RotatingFileHandler` (appended across
+  restarts, rolled over at `--max-bytes` with `--backups` old files kept), each line as the service wrote it, plus
+  lines of its own prefixed `[supervise]`;
+- brings the service back when it ends on its own (a crash, a kill -9, an out-of-memory kill) after it had been
+  healthy once (`--health-url`), backing off 1, 2, 4 ... s up to 30 s; a run that stays up for `--stable-s`
+  resets the back-off. A service that ends before it was ever healthy is not restarted: this process exits
+  with its status, and `mint up` reports the failure with the log's tail. More than `--max-restarts` restarts
+  within `--window-s` also ends supervision (a service that cannot stay up is reported, not looped forever).
+- on SIGTERM or SIGINT passes the signal on, waits for the service and exits: stopping is never a crash.
+
+Only the standard library: it starts next to MLflow, Prefect and vLLM and must stay small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import logging.handlers
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_MAX_BYTES = 20 * 2**20
+DEFAULT_BACKUPS = 5
+MAX_BACKOFF_S = 30.0
+
+
+def log_handler(path: Path, max_bytes: int, backups: int) -> logging.Handler:
+    """The rotating file a service's lines go to (its messages are written as they are)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(
+        path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
+    )
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    return handler
+
+
+class Supervisor:
+    """Runs `command`, copies its output to `out`, restarts it after a crash (see the module docstring)."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        out: logging.Logger,
+        health_url: str | None = None,
+        max_restarts: int = 5,
+        window_s: float = 600.0,
+        stable_s: float = 60.0,
+    ):
+        self.command = list(command)
+        self.out = out
+        self.health_url = health_url
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.stable_s = stable_s
+        self.stopping = threading.Event()
+        self.child: subprocess.Popen[bytes] | None = None
+        self.restarts: deque[float] = deque()
+
+    def say(self, msg: str) -> None:
+        self.out.info("[supervise %s] %s", time.strftime("%Y-%m-%d %H:%M:%S"), msg)
+
+    def stop(self, signum: int, _frame: object = None) -> None:
+        self.stopping.set()
+        child = self.child
+        if child is not None and child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # SIGTERM: uvicorn takes a second one as a first
+                child.send_signal(signal.SIGTERM)
+
+    def _copy(self, child: subprocess.Popen[bytes]) -> None:
+        assert child.stdout is not None
+        for raw in iter(child.stdout.readline, b""):
+            self.out.info("%s", raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+    def _healthy(self) -> bool:
+        if self.health_url is None:
+            return True
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+                return bool(200 <= r.status < 300)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def _run_once(self) -> tuple[int, bool, float]:
+        """Start the service and wait for it: (exit status, whether it was healthy once, seconds it ran)."""
+        t0 = time.monotonic()
+        child = subprocess.Popen(
+            self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self.child = child
+        self.say(f"started pid {child.pid}: {' '.join(self.command[:3])} ...")
+        copier = threading.Thread(target=self._copy, args=(child,), daemon=True)
+        copier.start()
+        healthy = False
+        while child.poll() is None:
+            if not healthy and not self.stopping.is_set():
+                healthy = self._healthy()
+            if self.stopping.wait(1.0 if not healthy else 0.5):
+                break
+        code = child.wait()
+        copier.join(timeout=5)
+        return code, healthy, time.monotonic() - t0
+
+    def run(self) -> int:
+        backoff = 1.0
+        while True:
+            code, healthy, ran = self._run_once()
+            if self.stopping.is_set():
+                self.say(f"stopped (status {code})")
+                return 0
+            self.say(
+                f"pid {self.child.pid if self.child else '?'} exited with status {code} after {ran:.0f} s"
+            )
+            if not healthy:
+                self.say("it never answered its health check: not restarted")
+                return code if code > 0 else 1
+            now = time.monotonic()
+            if ran >= self.stable_s:
+                backoff = 1.0
+            while self.restarts and now - self.restarts[0] > self.window_s:
+                self.restarts.popleft()
+            if len(self.restarts) >= self.max_restarts:
+                self.say(f"{len(self.restarts)} restarts within {self.window_s:.0f} s: giving up")
+                return code if code > 0 else 1
+            self.restarts.append(now)
+            self.say(
+                f"restarting in {backoff:.0f} s (restart {len(self.restarts)} of at most {self.max_restarts})"
+            )
+            if self.stopping.wait(backoff):
+                return 0
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mint_app.supervise", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--log", type=Path, required=True, help="the service's log file (rotated)")
+    parser.add_argument(
+        "--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="roll the log over at this size"
+    )
+    parser.add_argument(
+        "--backups", type=int, default=DEFAULT_BACKUPS, help="old logs kept (LOG.1 ... LOG.N)"
+    )
+    parser.add_argument("--health-url", help="restart only a service that answered this URL once")
+    parser.add_argument("--max-restarts", type=int, default=5, help="restarts allowed within --window-s")
+    parser.add_argument("--window-s", type=float, default=600.0)
+    parser.add_argument("--stable-s", type=float, default=60.0, help="a run this long resets the back-off")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the service's command line")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (-- COMMAND ...)")
+    out = logging.getLogger(f"mint.supervise.{os.getpid()}")
+    out.propagate = False
+    out.setLevel(logging.INFO)
+    out.addHandler(log_handler(args.log, args.max_bytes, args.backups))
+    sup = Supervisor(command, out, args.health_url, args.max_restarts, args.window_s, args.stable_s)
+    signal.signal(signal.SIGTERM, sup.stop)
+    signal.signal(signal.SIGINT, sup.stop)
+    return sup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Services under supervision (`mint_app.supervise`), through `mint_app.services` as `mint up` runs them: a served
+policy is answered by its champion from the first request after any restart (a kill -9 brought back by supervision,
+`mint down` then `mint up`), with no 404 while it comes back; logs are appended across restarts and rolled over
+by size, never truncated; `mint logs` shows them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from mint_app.services import ServicesConfig, rolled_logs, service_log, start, status, stop
+from mint_core.engine.base import load_base
+from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.store import AdapterStore
+from tests.integration.conftest import free_port, mint_cli, save_tiny_base
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+POLICY = "sv-pol"
+
+
+class Load:
+    """Requests for one policy in a loop from a thread: what each got (status or error kind) and which revision
+    answered each 200."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self.outcomes: Counter[str] = Counter()
+        self.revisions: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": self.model, "prompt": "add: 1+2 =", "max_tokens": 4, "temperature": 0}
+        with httpx.Client(timeout=30) as c:
+            while not self._stop.is_set():
+                try:
+                    r = c.post(self.url + "/v1/completions", json=body)
+                except httpx.TransportError as e:  # the server is down: refused or cut off, a clean error
+                    self.outcomes[type(e).__name__] += 1
+                    time.sleep(0.05)
+                    continue
+                self.outcomes[str(r.status_code)] += 1
+                if r.status_code == 200:
+                    self.revisions[r.json()["system_fingerprint"]] += 1
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def wait_for(self, n_ok: int, timeout: float = 120) -> None:
+        """Until `n_ok` more requests were answered 200."""
+        want = self.outcomes["200"] + n_ok
+        deadline = time.monotonic() + timeout
+        while self.outcomes["200"] < want:
+            assert time.monotonic() < deadline, f"only {self.outcomes} within {timeout} s"
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[ServicesConfig, str]]:
+    """`mint serve` as `mint up` starts it, over a store and a catalog where POLICY has a champion; nothing is
+    loaded into the server by anyone: the name resolves on demand. Yields the config and the champion's digest."""
+    base_dir = save_tiny_base(tmp_path / "base")
+    base = load_base(base_dir)
+    store = AdapterStore(tmp_path / "store")
+    adapter = random_adapter(
+        base.sites, ["q_proj", "v_proj"], 8, seed=5, std=0.3, base_fingerprint=base.fingerprint
+    )
+    save_adapter(adapter, tmp_path / "rev", base.sites)
+    digest = str(store.put_dir(tmp_path / "rev"))
+    catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    cat = Catalog(CatalogConfig(url=catalog_url))
+    cat.register(digest, base.fingerprint, 8, str(store.local_dir(digest)), policy=POLICY)
+    cat.set_alias(POLICY, "champion", 1)
+    config = ServicesConfig.model_validate(
+        {
+            "state_dir": tmp_path / "run",
+            "serve_port": free_port(),
+            "serve_base": str(base_dir),
+            "serve_adapter_root": tmp_path / "store",
+            "catalog_url": catalog_url,
+            "log_max_bytes": 2**16,
+            "log_backups": 2,
+        }
+    )
+    start(config, ["serve"])
+    try:
+        yield config, digest
+    finally:
+        stop(config, ["serve"])
+
+
+def serve_child(config: ServicesConfig) -> psutil.Process:
+    """The `mint serve` process under its supervisor (the recorded pid)."""
+    sup = psutil.Process(status(config, ["serve"])[0].pid or 0)
+    (child,) = sup.children()
+    return child
+
+
+def test_a_killed_server_is_brought_back_and_answers_with_the_champion(
+    served: tuple[ServicesConfig, str],
+) -> None:
+    config, digest = served
+    url = config.url("serve")
+    with Load(url, POLICY) as load:
+        load.wait_for(5)
+        first = serve_child(config)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        load.outcomes.clear()  # what follows the kill
+        load.wait_for(10, timeout=180)
+    assert serve_child(config).pid != first.pid
+    assert load.outcomes["404"] == 0 and set(load.outcomes) <= {
+        "200",
+        "ConnectError",
+        "ReadError",
+        "RemoteProtocolError",
+    }, load.outcomes
+    assert set(load.revisions) == {digest}, load.revisions
+    log = service_log(config, "serve").read_text()
+    assert f"pid {first.pid} exited with status -9" in log and "restarting in 1 s" in log
+    assert "Uvicorn running" in log.split(f"pid {first.pid} exited")[0]  # the first run's lines are kept
+
+
+def test_down_then_up_under_load_has_no_gap(served: tuple[ServicesConfig, str]) -> None:
+    config, digest = served
+    url = config.url("serve")
+    with Load(url, POLICY) as load:
+        load.wait_for(5)
+        stop(config, ["serve"])
+        load.outcomes.clear()
+        (svc,) = start(config, ["serve"])
+        assert svc.state == "running"
+        load.wait_for(10, timeout=120)
+    assert load.outcomes["404"] == 0 and load.outcomes["200"] >= 10, load.outcomes
+    assert set(load.revisions) == {digest}, load.revisions
+    # both runs' output in the log (appended), which rolled over at 64 KiB into at most 2 old files
+    text = "".join(
+        p.read_text() for p in [*reversed(rolled_logs(config, "serve")), service_log(config, "serve")]
+    )
+    assert text.count("] stopped (status") >= 1 and text.count("Uvicorn running") >= 2
+
+
+def test_logs_roll_over_by_size_and_mint_logs_shows_them(served: tuple[ServicesConfig, str]) -> None:
+    config, _ = served
+    url = config.url("serve")
+    with httpx.Client(timeout=10) as c:  # each request is an access-log line: fill more than the 64 KiB limit
+        for _ in range(1200):
+            c.get(url + "/health")
+    old = rolled_logs(config, "serve")
+    assert old and len(old) <= config.log_backups
+    assert all(p.stat().st_size <= config.log_max_bytes for p in [*old, service_log(config, "serve")])
+    out = mint_cli("logs", "serve", "-n", "3", "--rolled", "--state-dir", str(config.state_dir))
+    assert out.returncode == 0, out.stderr
+    assert '"GET /health HTTP/1.1" 200' in out.stdout and "rolled over:" in out.stdout
+    bad = mint_cli("logs", "nosuch", "--state-dir", str(config.state_dir))
+    assert bad.returncode == 2 and "nosuch" in bad.stderr
