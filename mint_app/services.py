@@ -946,12 +946,10 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
         cmd = [
             *(sys.executable, "-m", "mint_app.supervise", "--log", str(log)),
             *("--max-bytes", str(config.log_max_bytes), "--backups", str(config.log_backups)),
-            *(
-                "--health-url",
-                config.url(name) + HEALTH_PATH[name],
-                "--max-restarts",
-                str(config.max_restarts),
-            ),
+            *("--health-url", config.url(name) + HEALTH_PATH[name]),
+            *("--max-restarts", str(config.max_restarts)),
+            # the worker's flow runs outlive a crash of the worker and report their own end
+            *("--orphans", "keep" if name == "worker" else "kill"),
             *("--", *cmd),
         ]
     # appended, never truncated: the supervisor writes through its rotating handler, and what it says itself

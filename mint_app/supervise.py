@@ -12,14 +12,19 @@ group, this process and the service alike). It
   with its status, and `mint up` reports the failure with the log's tail. More than `--max-restarts` restarts
   within `--window-s` also ends supervision (a service that cannot stay up is reported, not looped forever).
 - on SIGTERM or SIGINT passes the signal on, waits for the service and exits: stopping is never a crash.
+- with `--orphans kill` (the default) is the subreaper of the service's processes (Linux): what the service
+  started and left behind when it died (MLflow's and Prefect's uvicorn under their CLIs, holding the port) is
+  killed before the restart. `--orphans keep` (the Prefect worker): its flow runs outlive it, finish on their
+  own and report their end to the Prefect server.
 
-Only the standard library: it starts next to MLflow, Prefect and vLLM and must stay small.
+The standard library and psutil only: it starts next to MLflow, Prefect and vLLM and must stay small.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import logging.handlers
 import os
@@ -34,9 +39,20 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+import psutil
+
 DEFAULT_MAX_BYTES = 20 * 2**20
 DEFAULT_BACKUPS = 5
 MAX_BACKOFF_S = 30.0
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are reparented to this process instead of init (Linux >= 3.4); False elsewhere."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def log_handler(path: Path, max_bytes: int, backups: int) -> logging.Handler:
@@ -60,6 +76,7 @@ class Supervisor:
         max_restarts: int = 5,
         window_s: float = 600.0,
         stable_s: float = 60.0,
+        kill_orphans: bool = True,
     ):
         self.command = list(command)
         self.out = out
@@ -67,6 +84,7 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.stable_s = stable_s
+        self.kill_orphans = kill_orphans
         self.stopping = threading.Event()
         self.child: subprocess.Popen[bytes] | None = None
         self.restarts: deque[float] = deque()
@@ -111,9 +129,37 @@ class Supervisor:
                 healthy = self._healthy()
             if self.stopping.wait(1.0 if not healthy else 0.5):
                 break
+            if self.kill_orphans:
+                self._reap()
         code = child.wait()
+        if self.kill_orphans:
+            self._kill_orphans()
         copier.join(timeout=5)
         return code, healthy, time.monotonic() - t0
+
+    def _kill_orphans(self) -> None:
+        """Kill what the service left behind (reparented here as its subreaper) and reap it."""
+        left = psutil.Process().children(recursive=True)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        gone, alive = psutil.wait_procs(left, timeout=10)
+        if gone:
+            self.say(f"killed {len(gone)} process(es) the service left behind")
+        if alive:
+            self.say(
+                f"{len(alive)} process(es) the service left behind did not end: {[p.pid for p in alive]}"
+            )
+
+    def _reap(self) -> None:
+        """Reap exited orphans (zombies of this subreaper), never the service itself (Popen reaps it)."""
+        child = self.child
+        for p in psutil.Process().children():
+            if child is not None and p.pid == child.pid:
+                continue
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(p.pid, os.WNOHANG)
 
     def run(self) -> int:
         backoff = 1.0
@@ -160,6 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts allowed within --window-s")
     parser.add_argument("--window-s", type=float, default=600.0)
     parser.add_argument("--stable-s", type=float, default=60.0, help="a run this long resets the back-off")
+    parser.add_argument(
+        "--orphans",
+        choices=("kill", "keep"),
+        default="kill",
+        help="what the service left behind when it died",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the service's command line")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -169,7 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.propagate = False
     out.setLevel(logging.INFO)
     out.addHandler(log_handler(args.log, args.max_bytes, args.backups))
-    sup = Supervisor(command, out, args.health_url, args.max_restarts, args.window_s, args.stable_s)
+    kill_orphans = args.orphans == "kill" and become_subreaper()
+    sup = Supervisor(
+        command, out, args.health_url, args.max_restarts, args.window_s, args.stable_s, kill_orphans
+    )
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     return sup.run()
