@@ -177,6 +177,32 @@ def check_safetensors_header(data: bytes | bytearray | memoryview) -> list[str]:
     return _parse_header(data)[1]
 
 
+def recorded_base(path: str | Path) -> tuple[str | None, str | None]:
+    """The base an adapter directory says it was made for: (its config's `base_model_name_or_path`, the base
+    fingerprint mint's exporter writes into the safetensors header), each None where it records none or cannot
+    be read. Reads the config and the header only, so it is cheap beside `read_adapter`, which is what refuses a
+    recorded fingerprint that is not the base's; the name is PEFT's free text (often a path on the machine that
+    trained it) and proves nothing either way."""
+    path = Path(path)
+    name = fingerprint = None
+    try:
+        config = json.loads((path / CONFIG_FILE).read_bytes())
+        if isinstance(config, dict) and isinstance(config.get("base_model_name_or_path"), str):
+            name = config["base_model_name_or_path"] or None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(path / WEIGHTS_FILE, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n <= MAX_HEADER_BYTES else {}
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        if isinstance(meta, dict) and isinstance(meta.get(FINGERPRINT_KEY), str):
+            fingerprint = meta[FINGERPRINT_KEY]
+    except (OSError, ValueError, struct.error):
+        pass
+    return name, fingerprint
+
+
 def _tensor(data: memoryview, start: int, e: _Entry) -> torch.Tensor:
     """The tensor of entry `e`, a view of `data` (a copy when its bytes are not aligned for its dtype)."""
     dtype, size = _TORCH_DTYPES[e.dtype], _DTYPE_BYTES[e.dtype]

@@ -8,7 +8,9 @@ Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one
   GET  /health, GET /metrics
   POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
   /api/v1/...  Tinker's training API (the `tinker` SDK), on by default (`tinker`): see serving/tinker/routes.py
-Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's types and codes.
+A /v1 body over `max_body_bytes` is refused with 413 before it is parsed (serving/body_limit.py).
+Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's types and codes; a field out
+of its range is a 400 whose `param` names it (protocol.invalid_request).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from mint_core.engine.base import FAMILIES, Base, build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.validate import BaseSpec
+from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.config import ServingConfig
-from mint_core.serving.protocol import APIError
+from mint_core.serving.protocol import APIError, invalid_request
 from mint_core.serving.routes import completions, extensions, health, models
 from mint_core.serving.server import PromptLimits, Server
 
@@ -116,6 +119,11 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     app.state.server = server
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        refused=lambda path: _count(server, path, None, 413),
+    )
     for routes in (completions, models, health, extensions):
         app.include_router(routes.router)
     tinker = None
@@ -134,27 +142,30 @@ async def _api_error(request: Request, e: APIError) -> JSONResponse:
 
 async def _invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
     """A body that does not parse or fit the protocol: 400 (vLLM's answer; FastAPI's own is 422), naming the
-    first few fields and what is wrong with each."""
+    first few fields, what is wrong with each and the value sent (`protocol.invalid_request`)."""
     errs = e.errors()
     if any(err.get("type") == "json_invalid" for err in errs):
-        msg = f"malformed JSON body: {errs[0].get('ctx', {}).get('error', 'cannot be parsed')}"
+        error = APIError(
+            400,
+            f"malformed JSON body: {errs[0].get('ctx', {}).get('error', 'cannot be parsed')}",
+            "BadRequestError",
+        )
     else:
-        parts = []
-        for err in errs[:5]:
-            field = ".".join(str(x) for x in err.get("loc", ())[1:]) or "body"
-            parts.append(f"{field}: {err.get('msg')}")
-        msg = "; ".join(parts) or "invalid request"
+        error = invalid_request(errs)
     # the route never ran, so the model is read from the body, where it parsed
     _count_refusal(request, e.body.get("model") if isinstance(e.body, dict) else None, 400)
-    return JSONResponse(APIError(400, msg, "BadRequestError").response().model_dump(), status_code=400)
+    return JSONResponse(error.response().model_dump(), status_code=400)
 
 
 def _count_refusal(request: Request, model: object, status: int) -> None:
     """Count a completion request answered with an error, once: each refusal reaches exactly one of the two
-    handlers above, and a route counts only what it answers itself."""
-    path = request.url.path
+    handlers above or the body limit (a body over it is never read, so its model is unknown), and a route counts
+    only what it answers itself."""
+    _count(request.app.state.server, request.url.path, model, status)
+
+
+def _count(server: Server, path: str, model: object, status: int) -> None:
     if path.startswith("/v1/") and path.endswith("completions"):
-        server: Server = request.app.state.server
         server.metrics.refused(server.model_label(model), status)
 
 

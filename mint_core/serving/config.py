@@ -70,7 +70,8 @@ class ServingConfig(Settings):
     resolver_token: SecretStr | None = None
     """With backend vllm: the bearer token of mint's vLLM resolver plugin on `/v1/mint/resolve`."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    """Largest request body accepted (413 beyond)."""
+    """Largest request body of a /v1 route, on both backends: 413 beyond, before any JSON is parsed. The default,
+    4 MiB, holds a prompt far longer than any context mint serves; Tinker's routes (/api/v1) are not limited by it."""
     tinker: bool = True
     """Also serve Tinker's training API (/api/v1/..., the `tinker` SDK) on the same engine."""
     tinker_api_keys: SecretStr | None = None
@@ -90,6 +91,10 @@ class ServingConfig(Settings):
     tinker_catalog_url: str | None = None
     """Catalog that registered versions are indexed in (default: catalog_url, else a SQLite file in the
     Tinker state dir)."""
+    tinker_keep_sampler_saves: int | None = Field(20, ge=1)
+    """Each Tinker training run keeps its newest this many named save_weights_for_sampler checkpoints; an older one
+    is deleted (engine, store ref, run record, and its MLflow version unless an alias holds it), so `mint catalog
+    gc` frees its bytes. None (`null`): every save is kept until its client deletes it."""
 
     def tinker_keys(self) -> SecretStr:
         """The Tinker API keys as configured, or one generated now when none is."""

@@ -46,6 +46,7 @@ from mint_core.lora.adapter import adapter_bytes, random_adapter
 from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
+from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.chat import chat_prompt
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.protocol import (
@@ -56,8 +57,9 @@ from mint_core.serving.protocol import (
     PrefetchRequest,
     PrefetchResponse,
     UnloadLoRAAdapterRequest,
+    invalid_request,
 )
-from mint_core.serving.routes.models import resolve_lora_path
+from mint_core.serving.routes.models import loaded, other_base_warning, resolve_lora_path
 from mint_core.serving.server import PromptLimits, Server
 
 logger = logging.getLogger(__name__)
@@ -390,8 +392,7 @@ def _parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
     try:
         return data, model.model_validate(data)
     except ValidationError as e:
-        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
-        raise APIError(400, "; ".join(parts), "BadRequestError") from None
+        raise invalid_request(e.errors()) from None
 
 
 def create_gateway(
@@ -418,15 +419,11 @@ def create_gateway(
 
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
 
-    async def body_of(request: Request) -> bytes:
-        raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            raise APIError(
-                413,
-                f"request body of {len(raw)} bytes is over the limit of {config.max_body_bytes}",
-                "BadRequestError",
-            )
-        return raw
+    def refused(path: str) -> None:  # a body over the limit, never read: its model is unknown
+        if path.endswith("completions"):
+            gw.count(None, 413)
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refused=refused)
 
     @app.get("/health")
     async def health() -> Response:
@@ -475,7 +472,7 @@ def create_gateway(
         request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]
     ) -> Response:
         gw.check_api_key(request)
-        raw = await body_of(request)
+        raw = await request.body()
         with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
             request.state.model = json.loads(raw).get("model")  # for the request counter, even when refused
         data, body = _parse(raw, model)
@@ -618,7 +615,7 @@ def create_gateway(
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         gw.check_admin(request)
-        _, body = _parse(await body_of(request), LoadLoRAAdapterRequest)
+        _, body = _parse(await request.body(), LoadLoRAAdapterRequest)
         if not body.lora_name or not body.lora_path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body.lora_name == BASE_ADAPTER:
@@ -644,12 +641,13 @@ def create_gateway(
         except StoreError as e:
             raise APIError(503, f"cannot store the revision: {e}", "ServiceUnavailableError") from None
         await gw.load(body.lora_name, digest, verified, body.load_inplace)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        warning = await run_in_threadpool(other_base_warning, verified, (base_name, config.base))
+        return loaded(body.lora_name, warning)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         gw.check_admin(request)
-        _, body = _parse(await body_of(request), UnloadLoRAAdapterRequest)
+        _, body = _parse(await request.body(), UnloadLoRAAdapterRequest)
         if not body.lora_name:
             raise APIError(400, "'lora_name' needs to be provided.", "InvalidUserInput")
         if body.lora_name == BASE_ADAPTER:
@@ -666,7 +664,7 @@ def create_gateway(
     async def prefetch(request: Request) -> PrefetchResponse:
         """Vet catalog addresses and load them into vLLM under their own names ahead of need."""
         gw.check_admin(request)
-        _, body = _parse(await body_of(request), PrefetchRequest)
+        _, body = _parse(await request.body(), PrefetchRequest)
         if gw.catalog is None:
             raise APIError(400, "this server has no catalog (set catalog_url)", "BadRequestError")
 
@@ -689,7 +687,7 @@ def create_gateway(
     async def resolve(request: Request) -> dict[str, str]:
         """vLLM's resolver plugin asks here about a name it does not serve: the verified revision, or 404."""
         gw.check_resolver(request)
-        _, body = _parse(await body_of(request), ResolveRequest)
+        _, body = _parse(await request.body(), ResolveRequest)
         if body.address == BASE_ADAPTER:  # vLLM restarted under a request for the base
             gw.served[BASE_ADAPTER] = gw.base_digest
             return {"lora_path": str(gw.base_dir), "digest": f"sha256:{gw.base_digest}"}

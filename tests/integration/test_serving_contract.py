@@ -897,6 +897,134 @@ def test_longest_prompt_that_fits_is_served(http: httpx.Client, base_name: str) 
     expect_error(too_long, 400, "BadRequestError", "max_tokens must be between 1 and 1")
 
 
+# every sampling field out of its range: a 400 naming it (`param`), on both backends (the vLLM front checks before
+# anything reaches vLLM, with mint serve's answers)
+OUT_OF_RANGE: list[tuple[str, str, dict[str, Any], str, str]] = [
+    # (case, route, fields, param, message substring)
+    (
+        "negative temperature",
+        "/v1/completions",
+        {"temperature": -1},
+        "temperature",
+        "temperature: must be greater",
+    ),
+    (
+        "temperature above 2",
+        "/v1/chat/completions",
+        {"temperature": 3},
+        "temperature",
+        "less than or equal to 2",
+    ),
+    (
+        "top_p above 1",
+        "/v1/completions",
+        {"top_p": 2},
+        "top_p",
+        "top_p: must be less than or equal to 1 (sent 2)",
+    ),
+    (
+        "top_p of zero",
+        "/v1/chat/completions",
+        {"top_p": 0},
+        "top_p",
+        "top_p: must be greater than 0 (sent 0)",
+    ),
+    ("top_k below -1", "/v1/completions", {"top_k": -5}, "top_k", "greater than or equal to -1 (sent -5)"),
+    ("min_p above 1", "/v1/chat/completions", {"min_p": 2}, "min_p", "less than or equal to 1 (sent 2)"),
+    ("n above 64", "/v1/completions", {"n": 65}, "n", "n: must be less than or equal to 64 (sent 65)"),
+    ("negative max_tokens", "/v1/chat/completions", {"max_tokens": -3}, "max_tokens", "(sent -3)"),
+    (
+        "logprobs above 20",
+        "/v1/completions",
+        {"logprobs": 21},
+        "logprobs",
+        "less than or equal to 20 (sent 21)",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"top_logprobs": 3},
+        "top_logprobs",
+        "needs logprobs set to true",
+    ),
+    (
+        "presence_penalty",
+        "/v1/completions",
+        {"presence_penalty": 2.5},
+        "presence_penalty",
+        "equal to 2 (sent 2.5)",
+    ),
+    (
+        "frequency_penalty",
+        "/v1/chat/completions",
+        {"frequency_penalty": -3},
+        "frequency_penalty",
+        "(sent -3)",
+    ),
+    (
+        "repetition_penalty 0",
+        "/v1/completions",
+        {"repetition_penalty": 0},
+        "repetition_penalty",
+        "greater than 0",
+    ),
+    ("seed beyond int64", "/v1/completions", {"seed": 2**64}, "seed", f"less than or equal to {2**63 - 1}"),
+    ("17 stop strings", "/v1/chat/completions", {"stop": ["a"] * 17}, "stop", "at most 16 stop strings"),
+    (
+        "prompt of a number",
+        "/v1/completions",
+        {"prompt": 5},
+        "prompt",
+        "prompt: must be one of: str, list[str]",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "route", "fields", "param", "message"), OUT_OF_RANGE, ids=[c[0] for c in OUT_OF_RANGE]
+)
+def test_out_of_range_field_is_a_400_that_names_it(
+    case: str,
+    route: str,
+    fields: dict[str, Any],
+    param: str,
+    message: str,
+    http: httpx.Client,
+    base_name: str,
+) -> None:
+    where = {"prompt": "hi"} if route == "/v1/completions" else {"messages": MSG}
+    err = expect_error(
+        http.post(route, json={"model": base_name, **where, **fields}), 400, "BadRequestError", message
+    )
+    assert err["param"] == param, err
+    ok = complete(http, model=base_name, prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
+    assert ok["usage"]["completion_tokens"] == 2
+
+
+MAX_BODY_BYTES = 4 * 1024 * 1024  # ServingConfig.max_body_bytes's default
+
+
+def test_a_body_over_the_limit_is_a_413_and_a_prompt_over_the_context_a_400(
+    http: httpx.Client, base_name: str
+) -> None:
+    before = requests_counted(http)
+    over = {"model": base_name, "prompt": "x" * MAX_BODY_BYTES}
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter"):
+        r = http.post(route, json=over, headers=admin_headers() if "lora" in route else None)
+        expect_error(r, 413, "BadRequestError", f"over the limit of {MAX_BODY_BYTES} bytes")
+    # no Content-Length: refused as the bytes arrive, never read whole
+    chunks = iter([b'{"model": "', base_name.encode(), b'", "prompt": "', *[b"x" * 65536] * 80, b'"}'])
+    expect_error(http.post("/v1/completions", content=chunks), 413, "BadRequestError", "over the limit")
+    moved = {k: v - before.get(k, 0.0) for k, v in requests_counted(http).items() if v != before.get(k, 0.0)}
+    assert moved == {("_unknown", "413"): 3.0}, moved  # the body was never read: its model is unknown
+    # within the body limit but far over the context: 400 naming the prompt, not an out-of-memory error
+    r = http.post("/v1/completions", json={"model": base_name, "prompt": "x" * (MAX_BODY_BYTES // 2)})
+    err = expect_error(r, 400, "BadRequestError", f"maximum context length is {MAX_MODEL_LEN}")
+    assert err["param"] == "prompt"
+    ok = complete(http, model=base_name, prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
+    assert ok["usage"]["completion_tokens"] == 2
+
+
 # ---- 6. invalid adapters through the load route ---------------------------------------------------------
 
 MARKER = "pwned"
@@ -1094,6 +1222,65 @@ def test_invalid_adapter_is_refused(
         404,
         "NotFoundError",
     )
+
+
+def _without_fingerprint(d: Path) -> None:
+    """The adapter as PEFT writes it: no base fingerprint in the safetensors header."""
+    with safe_open(str(d / WEIGHTS_FILE), "pt") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k != FINGERPRINT_KEY}
+    save_file(load_file(str(d / WEIGHTS_FILE)), str(d / WEIGHTS_FILE), metadata=meta)
+
+
+OTHER_BASE: list[tuple[str, str, bool, str | None, int, str | None]] = [
+    # (case, base_model_name_or_path ({base}: the served base's name), keeps mint's fingerprint,
+    #  fingerprint written instead, status, warning substring (None: no warning))
+    ("another base, no fingerprint", "someone/other-model", False, None, 200, "'someone/other-model'"),
+    ("the served base under another path, no fingerprint", "/elsewhere/{base}/", False, None, 200, None),
+    ("the base's fingerprint, another name", "someone/other-model", True, None, 200, None),
+    ("another base's fingerprint, the served base's name", "{base}", False, "0" * 64, 400, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "named", "keep", "fingerprint", "status", "warning"), OTHER_BASE, ids=[c[0] for c in OTHER_BASE]
+)
+def test_adapter_for_another_base(
+    case: str,
+    named: str,
+    keep: bool,
+    fingerprint: str | None,
+    status: int,
+    warning: str | None,
+    endpoint: Endpoint,
+    http: httpx.Client,
+) -> None:
+    """A recorded base fingerprint decides (another base's: refused); without one, a name that is not the served
+    base's is loaded with a warning in the answer and the server's log (README, "Serving")."""
+    name = "other-" + re.sub(r"[^a-z0-9]+", "-", case.lower()).strip("-")
+    d = endpoint.make_adapter(name, seed=41)
+    _edit_config(d, base_model_name_or_path=named.format(base=endpoint.base_name))
+    if not keep:
+        _without_fingerprint(d)
+    if fingerprint is not None:
+        _edit_weights(d, lambda state: None, {FINGERPRINT_KEY: fingerprint})
+    r = load(http, name, name)
+    try:
+        if status != 200:
+            err = expect_error(r, status, "BadRequestError", "made for base 000000000000")
+            assert err["param"] == "lora_path"
+            assert name not in model_ids(http)
+            return
+        assert r.status_code == 200, r.text
+        assert r.text.startswith(f"Success: LoRA adapter '{name}' added successfully."), r.text
+        if warning is None:
+            assert "Warning" not in r.text, r.text
+        else:
+            assert "Warning:" in r.text and warning in r.text and "records no base fingerprint" in r.text
+            if endpoint.process is not None:
+                assert f"adapter {name}: " in server_log(endpoint.process)
+        assert greedy(http, name, max_tokens=4)
+    finally:
+        unload(http, name)
 
 
 def test_symlink_inside_the_store_is_allowed(endpoint: Endpoint, http: httpx.Client) -> None:

@@ -1,15 +1,18 @@
 """What the server serves: GET /v1/models, and vLLM's runtime LoRA routes that change it (admin token).
 
 POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}: 200 on success; 400 for a missing field,
-the base's name, a duplicate name without `load_inplace`, a path outside the adapter store or an invalid adapter;
-404 for nothing at that path. A promote refresh is this route with `load_inplace`. POST /v1/unload_lora_adapter
-{"lora_name"}: 200; 404 for a name not loaded. Both go through the server's AdapterManager.
+the base's name, a duplicate name without `load_inplace`, a path outside the adapter store or an invalid adapter
+(one whose recorded base fingerprint is another base's included); 404 for nothing at that path. An adapter that
+records no fingerprint but names another base is loaded with a warning (`other_base_warning`). A promote refresh
+is this route with `load_inplace`. POST /v1/unload_lora_adapter {"lora_name"}: 200; 404 for a name not loaded.
+Both go through the server's AdapterManager.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mint_core.engine.working_set import AdapterExists
 from mint_core.errors import AdapterError
+from mint_core.lora.validate import recorded_base
 from mint_core.registry.catalog import AddressError, Catalog, UnknownAddress
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.protocol import (
@@ -92,7 +96,43 @@ async def load_lora_adapter(
             400, f"The lora adapter '{body.lora_name}' has already been loaded.", "InvalidUserInput"
         ) from None
     server.sources[body.lora_name] = body.lora_path
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    names = (server.base_name, server.config.base, server.engine.base.name)
+    warning = await run_in_threadpool(other_base_warning, path, names)
+    return loaded(body.lora_name, warning)
+
+
+def loaded(name: str, warning: str | None) -> PlainTextResponse:
+    """vLLM's answer to a load, with mint's warning after it (logged too) when there is one: a client that reads
+    the answer as vLLM's still finds "Success" first."""
+    text = f"Success: LoRA adapter '{name}' added successfully."
+    if warning is None:
+        return PlainTextResponse(text)
+    logger.warning("adapter %s: %s", name, warning)
+    return PlainTextResponse(f"{text} Warning: {warning}")
+
+
+def other_base_warning(path: Path, base_names: Collection[str]) -> str | None:
+    """What to tell the admin about an adapter that passed validation but may have been made for another base.
+
+    A base fingerprint recorded by mint's exporter is proof: `read_adapter` refuses one that differs, and one that
+    matches needs no word, whatever the config's name says. Without one, only the shapes were checked, so a
+    `base_model_name_or_path` that names none of the served base's names is worth a warning, not a refusal: the
+    name is free text, often a path on the machine that trained the adapter, and the same model under another
+    path or hub id is compared by its last component (`Qwen/Qwen2.5-0.5B` is `/models/Qwen2.5-0.5B`)."""
+    name, fingerprint = recorded_base(path)
+    if fingerprint is not None or name is None:
+        return None
+    if _model_id(name) in {_model_id(n) for n in base_names if n}:
+        return None
+    return (
+        f"its adapter_config.json names base_model_name_or_path {name!r}, not this server's base "
+        f"({', '.join(sorted({n for n in base_names if n}))}), and it records no base fingerprint: only its "
+        "module names and shapes were checked against this base"
+    )
+
+
+def _model_id(name: str) -> str:
+    return Path(name.rstrip("/")).name.lower()
 
 
 @router.post("/v1/unload_lora_adapter")
