@@ -21,13 +21,13 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
@@ -36,8 +36,9 @@ from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
+from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, spec_changes
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base
@@ -68,7 +69,7 @@ class PolicyRun(BaseModel):
     """When its candidate may replace its champion; default: a significant gain of at least 0.05 on its own
     task's suite (exact McNemar, alpha 0.05) and non-inferior within 0.05 on the guard suite. The suites
     evaluated are the ones the gate reads."""
-    served_name: str | None = None
+    served_name: str | None = Field(None, pattern=f"^{NAME_RE.pattern}$")
     """Adapter name the champion is served under (default: the policy's name)."""
 
     @model_validator(mode="after")
@@ -88,6 +89,19 @@ class PolicyRun(BaseModel):
 
     def gate_policy(self) -> GatePolicy:
         return self.gate or GatePolicy(suite=self.spec.task, guard_suites=["guard"])
+
+
+def _one_run_each(runs: list[PolicyRun]) -> list[PolicyRun]:
+    # one slot and one served name per policy: a repeat fails the run before anything trains
+    for what, names in (("spec.name", [r.name for r in runs]), ("served_name", [r.served for r in runs])):
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"{what} {', '.join(map(repr, repeated))} given more than once")
+    return runs
+
+
+Policies = Annotated[list[PolicyRun], Field(min_length=1), AfterValidator(_one_run_each)]
+"""A wave's policies: at least one, each named (and served) once."""
 
 
 class Training(BaseModel):
@@ -173,7 +187,7 @@ def lifecycle(
 
 @flow(name="wave", log_prints=True)
 def wave(
-    policies: list[PolicyRun],
+    policies: Policies,
     training: Training = Training(),
     evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT, guard_limit=GUARD_LIMIT),
     checks: CheckParams = CheckParams(),
@@ -341,6 +355,19 @@ def train(
             description=f"GRPO step {stats.step}/{training.steps}",
         )
 
+    # a policy continues from its champion with the champion's rank, alpha and targets, whatever the form says
+    trained_specs = {p.name: run.trainer.policies[p.name].spec for p in to_train}
+    overridden = {p.name: spec_changes(p.spec, trained_specs[p.name]) for p in to_train}
+    for p in to_train:
+        if overridden[p.name]:
+            champ = champions[p.name]
+            log.warning(
+                "%s continues from its champion %s, which overrides the form: %s",
+                p.name,
+                champ.address if champ else None,
+                "; ".join(overridden[p.name]),
+            )
+
     run.run(step)
     curve = run.history
     for p in to_train:
@@ -350,7 +377,7 @@ def train(
         times = [c["time"] for c in rows] if rows and all(c.get("time") for c in rows) else None
         started = times[0] - float(rows[0]["seconds"]) if times else None
         params = {
-            "policy": p.spec.model_dump_json(),
+            "policy": trained_specs[p.name].model_dump_json(),
             "grpo": training.grpo.model_dump_json(),
             "steps": str(training.steps),
             "prompts_per_step": str(training.prompts_per_step),
@@ -360,12 +387,16 @@ def train(
             "data_rev": data_rev,
             "resumed_from_step": str(run.resumed_step),
         }
+        if overridden[p.name]:
+            # `policy` is what trained (what retraining reads back); the form asked for this
+            params["form_policy"] = p.spec.model_dump_json()
+            params["overridden_by_champion"] = "; ".join(overridden[p.name])
         candidates[p.name] = clock(
             cached_in(export, ws),
             ws,
             run,
             p.name,
-            p.spec.rank,
+            trained_specs[p.name].rank,
             champions[p.name],
             data_rev,
             keys[p.name],

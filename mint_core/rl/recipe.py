@@ -27,13 +27,14 @@ from mint_core.data.tasks import Example
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.errors import MintError
-from mint_core.lora.adapter import adapter_bytes, digest_files
+from mint_core.lora.adapter import CONFIG_FILE, AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.validate import read_adapter
 from mint_core.rl.checkpoints import is_lead_process, latest_checkpoint, write_checkpoint
 from mint_core.rl.evaluate import heldout_scores
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, StepStats
+from mint_core.types import Site
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,43 @@ class ResumeError(MintError):
     """A checkpoint this run cannot continue from; names the checkpoint and what differs."""
 
 
+def parent_rank(parent: Path) -> int | None:
+    """The rank a parent revision's adapter_config.json (PEFT's `r`) names, read before any engine is sized for
+    it; None when it names none (`read_adapter` then says what is wrong with the revision)."""
+    try:
+        rank = json.loads((parent / CONFIG_FILE).read_text()).get("r")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1 else None
+
+
+def continue_spec(
+    spec: PolicySpec, parent: AdapterWeights, sites: dict[str, Site], learning_rate: float
+) -> PolicySpec:
+    """The spec a policy trains with when it continues from its parent revision: the parent's rank, alpha and
+    targets (its tensors fix them), whatever `spec` asks for. Where the rank changes, the policy's rate (its
+    own, else the run's `learning_rate`) is scaled by sqrt(spec.rank / parent.rank), as `builtin_spec` scales
+    the rate for a rank: a form at rank 8 and the run's rate continues a rank-32 champion at half that rate,
+    the rate `builtin_spec` gives rank 32."""
+    targets = list(dict.fromkeys(sites[n].short for n in sites if n in parent.tensors))
+    update: dict[str, Any] = {}
+    if set(targets) != set(spec.targets):
+        update["targets"] = targets
+    if parent.alpha != spec.alpha:
+        update["alpha"] = parent.alpha
+    if parent.rank != spec.rank:
+        rate = spec.learning_rate if spec.learning_rate is not None else learning_rate
+        update["rank"] = parent.rank
+        update["learning_rate"] = rate * math.sqrt(spec.rank / parent.rank)
+    return spec.model_copy(update=update)
+
+
+def spec_changes(asked: PolicySpec, trained: PolicySpec) -> list[str]:
+    """What a policy trains with that its spec did not ask for, one "field: asked -> trained" each."""
+    a, t = asked.model_dump(), trained.model_dump()
+    return [f"{k}: {a[k]} -> {t[k]}" for k in a if a[k] != t[k]]
+
+
 def load_trainer(
     base_dir: Path,
     specs: list[PolicySpec],
@@ -116,9 +154,13 @@ def load_trainer(
     device: str = "cpu",
 ) -> MultiPolicyTrainer:
     """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
-    parent revision (a directory) starts from it, unless its rank or alpha differ from the spec (then from a fresh
-    adapter, with a warning). With a DeepSpeed config the process joins DeepSpeed's group, loads the base where
-    its rank trains (its own GPU; `device` is not used), and the trainer is a `DeepSpeedTrainer`."""
+    parent revision (a directory) continues from it with the parent's rank, alpha and targets, whatever its spec
+    says (`continue_spec`; a warning names what the parent overrode); the engine's slots are sized for the
+    largest rank of the parents and the fresh policies' specs. With a DeepSpeed config the process joins
+    DeepSpeed's group, loads the base where its rank trains (its own GPU; `device` is not used), and the trainer
+    is a `DeepSpeedTrainer`."""
+    found = {name: path for name, path in (parents or {}).items() if path is not None}
+    ranks = [parent_rank(found[s.name]) or s.rank if s.name in found else s.rank for s in specs]
     if deepspeed is None:
         base = load_base(base_dir, device=device)
     else:
@@ -128,27 +170,23 @@ def load_trainer(
         distributed.init_distributed()
         base = load_base(base_dir, *distributed.rank_placement())
     # prompts up to the base's own positions (the engine's default, clamped by the base)
-    engine = Engine(base, EngineConfig(max_loras=len(specs), max_lora_rank=max(s.rank for s in specs)))
+    engine = Engine(base, EngineConfig(max_loras=len(specs), max_lora_rank=max(ranks)))
+    trained = []
     for spec in specs:
-        parent = (parents or {}).get(spec.name)
+        parent = found.get(spec.name)
         if parent is None:
+            trained.append(spec)
             continue
         weights = read_adapter(parent, engine.spec, name=spec.name)
-        if (weights.rank, weights.alpha) != (spec.rank, spec.alpha):
-            logger.warning(
-                "%s: parent at %s has rank %d alpha %g, the spec %d/%g: starting from a fresh adapter",
-                spec.name,
-                parent,
-                weights.rank,
-                weights.alpha,
-                spec.rank,
-                spec.alpha,
-            )
-            continue
         engine.add_adapter(spec.name, weights)
+        cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate)
+        changed = spec_changes(spec, cont)
+        if changed:
+            logger.warning("%s continues from its parent at %s: %s", spec.name, parent, "; ".join(changed))
+        trained.append(cont)
     if deepspeed is None:
-        return MultiPolicyTrainer(engine, grpo, specs, seed=seed)
-    return distributed.DeepSpeedTrainer(engine, grpo, specs, deepspeed, seed=seed)
+        return MultiPolicyTrainer(engine, grpo, trained, seed=seed)
+    return distributed.DeepSpeedTrainer(engine, grpo, trained, deepspeed, seed=seed)
 
 
 class TrainingRun:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -43,7 +43,9 @@ from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.lora.adapter import AdapterWeights, save_adapter
 from mint_core.lora.layers import _SlotBank
+from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
+from mint_core.rl.rewards import REWARDS
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
 
@@ -79,27 +81,42 @@ _MOMENTS = ("mA", "vA", "mB", "vB")
 PACK_FILL = 0.75
 
 
+MAX_RANK = 512
+"""Largest LoRA rank a policy may have: the largest that either serving backend holds (vLLM's largest
+`--max-lora-rank`; mint's engine goes to 1024), so a form asking for more is refused before anything trains."""
+
+
 class PolicySpec(BaseModel):
     """One policy of a multi-policy run."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
-    """Adapter name (also its MLflow registered model later)."""
+    name: str = Field(min_length=1, max_length=128, pattern=f"^{NAME_RE.pattern}$")
+    """Adapter name (also its MLflow registered model and catalog policy later, so spelled as a policy of an
+    address: 1-128 of [A-Za-z0-9._-], starting with a letter or digit)."""
     task: str
     """Task whose prompts it trains on (see mint_core.data.tasks)."""
     reward: str = "match_and_format"
     """Reward function name (see mint_core.rl.rewards)."""
-    rank: int = Field(8, ge=1)
-    """LoRA rank."""
+    rank: int = Field(8, ge=1, le=MAX_RANK)
+    """LoRA rank (at most `MAX_RANK`). A policy that continues from its champion takes the champion's rank
+    (`mint_core.rl.recipe.continue_spec`)."""
     alpha: float = Field(16.0, gt=0)
     """LoRA alpha (scale = alpha / rank)."""
     learning_rate: float | None = Field(None, gt=0)
     """This policy's learning rate (default: the GRPO config's)."""
     targets: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
     )
     """Short names of the sites it adapts."""
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, v: str) -> str:
+        if v not in REWARDS:
+            raise ValueError(f"unknown reward {v!r}; choose from {', '.join(REWARDS)}")
+        return v
 
 
 def rollout_seed(seed: int, step: int) -> int:

@@ -4,21 +4,26 @@ the whole curve; another run's checkpoint is refused, naming what differs, befor
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from mint_core.data.tasks import split
-from mint_core.engine.base import build_tiny_base
+from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
+from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.rl.checkpoints import checkpoints
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer
+from mint_core.rl.recipe import ResumeError, TrainingRun, continue_spec, load_trainer, spec_changes
 from mint_core.rl.trainer import PolicySpec
 
 GRPO = GRPOConfig(
     group_size=2, max_new_tokens=4, learning_rate=1e-2, weight_decay=0.5, drop_zero_variance=False
 )
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = {"add": split("add", 8, 0, 0)[0], "sort": split("sort", 8, 0, 0)[0]}
 
 
@@ -104,3 +109,72 @@ def test_a_fresh_start_replaces_old_checkpoints_and_scores_heldout(base_dir: Pat
 def test_too_few_prompts_are_named(base_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"needs 10 prompts .* too few for \{'add': 8, 'sort': 8\}"):
         start(base_dir, tmp_path, steps=5)
+
+
+def test_a_policy_continues_from_its_parent_at_the_parents_rank_alpha_and_targets(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The champion fixes what a policy continues with, whatever the form says: `make run` leaves `add` at rank
+    32, and the dashboard's form asks for rank 8. Before issue 27 the engine was sized from the form (max rank
+    8) and the rank-32 champion was refused; a parent whose rank the spec did not match was dropped for a fresh
+    adapter."""
+    base = load_base(base_dir)
+    champion = random_adapter(
+        base.sites, ["q_proj", "v_proj"], 32, alpha=64, seed=5, std=0.05, base_fingerprint=base.fingerprint
+    )
+    parent = tmp_path / "add-v1"
+    save_adapter(champion, parent, base.sites)
+    form = [
+        PolicySpec(name="add", task="add", rank=8, alpha=16),
+        PolicySpec(name="sort", task="sort", rank=4, alpha=8),
+    ]
+    with caplog.at_level(logging.WARNING, logger="mint_core.rl.recipe"):
+        trainer = load_trainer(base_dir, form, GRPO, seed=3, parents={"add": parent, "sort": None})
+
+    assert trainer.engine.config.max_lora_rank == 32  # sized for the parent, not the form
+    add = trainer.policies["add"].spec
+    assert (add.rank, add.alpha, add.targets) == (32, 64.0, ["q_proj", "v_proj"])
+    # the run's rate is for the form's rank 8: at rank 32 half of it, as builtin_spec gives rank 32
+    assert add.learning_rate == pytest.approx(GRPO.learning_rate * math.sqrt(8 / 32))
+    assert trainer.policies["sort"].spec == form[1]  # no parent: the form as given
+    start = trainer.weights("add").tensors  # the champion's weights (B read back through the scale)
+    assert set(start) == set(champion.tensors)
+    for s, (A, B) in champion.tensors.items():
+        torch.testing.assert_close(start[s][0], A.to(start[s][0].dtype))
+        torch.testing.assert_close(start[s][1], B.to(start[s][1].dtype))
+    assert "add continues from its parent" in caplog.text and "rank: 8 -> 32" in caplog.text
+
+    trainer.step({t: PROMPTS[t][:2] for t in PROMPTS})
+    stepped = trainer.weights("add")
+    assert stepped.rank == 32 and set(stepped.tensors) == set(champion.tensors)
+    assert any(not torch.equal(stepped.tensors[s][1], start[s][1]) for s in start)  # it trained on from there
+
+
+@pytest.mark.parametrize(
+    ("case", "spec", "expected"),
+    [
+        ("same rank, own rate", {"rank": 32, "alpha": 64, "learning_rate": 3e-4}, {}),
+        (
+            "form rank 8, run's rate",
+            {"rank": 8, "alpha": 16},
+            {"rank": 32, "alpha": 64.0, "learning_rate": 5e-3},
+        ),
+        (
+            "form rank 128, own rate",
+            {"rank": 128, "alpha": 256, "learning_rate": 1e-3},
+            {"rank": 32, "alpha": 64.0, "learning_rate": 2e-3},
+        ),
+        ("other alpha only", {"rank": 32, "alpha": 32}, {"alpha": 64.0}),
+    ],
+)
+def test_continue_spec_takes_the_parents_rank_and_scales_the_rate(
+    base_dir: Path, case: str, spec: dict[str, float], expected: dict[str, float]
+) -> None:
+    base = load_base(base_dir)
+    parent = random_adapter(base.sites, TARGETS, 32, alpha=64, seed=0, base_fingerprint=base.fingerprint)
+    asked = PolicySpec(name="add", task="add", **spec)  # type: ignore[arg-type]
+    got = continue_spec(asked, parent, base.sites, learning_rate=1e-2)
+    want = asked.model_copy(update=expected)
+    assert got.learning_rate == pytest.approx(want.learning_rate), case
+    assert got.model_dump(exclude={"learning_rate"}) == want.model_dump(exclude={"learning_rate"}), case
+    assert spec_changes(asked, got) == [f"{k}: {getattr(asked, k)} -> {getattr(got, k)}" for k in expected]
