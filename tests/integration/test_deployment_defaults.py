@@ -15,19 +15,24 @@ through the Prefect API and run by the job's worker.
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
 from mlflow import MlflowClient
+from prefect.states import State
 
 from flows.lifecycle import lifecycle, wave
+from flows.prefetch import prefetch
+from flows.reconcile import reconcile
+from flows.retrain import retrain
 from mint_core.data.build import write_task_data
 from mint_core.data.tasks import TASKS
 from mint_core.engine.base import load_base
@@ -133,17 +138,22 @@ def _champions_as_the_main_job_leaves_them(ws: Workspace, base_dir: Path) -> dic
     return versions
 
 
-def quick_run(state: MainJobState, deployment: str) -> dict[str, Any]:
+def quick_run(state: MainJobState, deployment: str, flow: Any) -> dict[str, Any]:
     """The deployment's parameters as the dashboard's Quick run sends them, and the flows' defaults for the rest,
     but where things are: this test's servers and the DVC outputs it built."""
-    params = json.loads(json.dumps(DEPLOYMENTS[deployment]["parameters"]))
-    training = params.setdefault("training", {})
-    training["data_dir"] = str(state.data)
-    params["evaluation"] = {
-        "suites_dir": str(state.suites)
-    }  # limits: the form's defaults (320, capped by the data)
+    params = json.loads(json.dumps(DEPLOYMENTS[deployment].get("parameters") or {}))
+    takes = inspect.signature(flow.fn).parameters
+    if "training" in takes:
+        params.setdefault("training", {})["data_dir"] = str(state.data)
+    if "evaluation" in takes:  # limits: the form's defaults (320, capped by the data)
+        params["evaluation"] = {"suites_dir": str(state.suites)}
     params["workspace"] = state.ws.model_dump(mode="json")
     return params
+
+
+def run_like_a_deployment(flow: Any, params: dict[str, Any]) -> State[Any]:
+    """The way a flow run from a deployment takes its parameters: validated against the flow's models first."""
+    return cast(State[Any], flow(**flow.validate_parameters(params), return_state=True))
 
 
 def test_the_forms_ask_for_less_than_the_champions_have() -> None:
@@ -157,11 +167,9 @@ def test_the_forms_ask_for_less_than_the_champions_have() -> None:
 def test_a_quick_run_with_the_default_form_completes_after_the_main_job(
     main_job_state: MainJobState, deployment: str
 ) -> None:
-    flow: Any = {"wave": wave, "lifecycle": lifecycle}[deployment]
-    params = quick_run(main_job_state, deployment)
-    # the way a flow run from a deployment takes its parameters: validated against the flow's models first
+    flow = {"wave": wave, "lifecycle": lifecycle}[deployment]
     t0 = time.perf_counter()
-    state = flow(**flow.validate_parameters(params), return_state=True)
+    state = run_like_a_deployment(flow, quick_run(main_job_state, deployment, flow))
     took = time.perf_counter() - t0
     assert state.is_completed(), (state.type, state.message)
     report = state.result()
@@ -184,6 +192,23 @@ def test_a_quick_run_with_the_default_form_completes_after_the_main_job(
         json.loads(logged["form_policy"])["rank"] == 8 and "rank: 8 -> 32" in logged["overridden_by_champion"]
     )
     print(f"\n{deployment} with its default form: {state.type.value} in {took:.0f} s")
+
+
+@pytest.mark.parametrize("deployment", ["retrain", "prefetch", "reconcile"])
+def test_the_other_deployments_default_forms_complete_after_the_main_job(
+    main_job_state: MainJobState, deployment: str
+) -> None:
+    """Retraining takes every champion's recorded spec (`add` at rank 32); prefetch warms the champions;
+    reconcile finds serving in line with the aliases. After the wave and lifecycle tests of this module."""
+    flow = {"retrain": retrain, "prefetch": prefetch, "reconcile": reconcile}[deployment]
+    t0 = time.perf_counter()
+    state = run_like_a_deployment(flow, quick_run(main_job_state, deployment, flow))
+    assert state.is_completed(), (state.type, state.message)
+    if deployment == "retrain":
+        report = state.result()
+        assert report.trained == POLICIES and report.wave is not None, report
+        assert all(o.status != "failed" for o in report.wave.outcomes), report.wave.outcomes
+    print(f"\n{deployment} with its default form: {state.type.value} in {time.perf_counter() - t0:.0f} s")
 
 
 # ---- after a real main job --------------------------------------------------------------------------------
