@@ -352,5 +352,60 @@ def registry_rollback(
     console.print(f"{policy}@champion: {_v(move.from_version)} -> {_v(move.to_version)}")
 
 
+@registry_app.command("retain")
+def registry_retain(
+    keep_last: Annotated[
+        int, typer.Option("--keep-last", min=0, help="Keep each policy's newest N versions.")
+    ],
+    policy: Annotated[
+        list[str] | None,
+        typer.Option("--policy", help="Only this policy (repeatable); default: every policy."),
+    ] = None,
+    apply: Annotated[
+        bool, typer.Option("--apply", help="Delete them; without it, only print what would go.")
+    ] = False,
+    reason: Annotated[str, typer.Option("--reason", "-m", help="Why (logged).")] = "retention",
+    catalog: CatalogOpt = DEFAULT_CATALOG,
+    store: StoreOpt = DEFAULT_STORE,
+    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+) -> None:
+    """Delete old versions: keep every aliased version, the lineage (mint.parent) of every aliased version across
+    policies, and the newest N; the rest leave MLflow and the catalog. A dry run unless --apply; then run
+    `mint catalog gc` to free their bytes."""
+    from mint_core.registry.retention import plan_retention, protected
+
+    try:
+        reader = _reader(tracking_uri)
+        aliased, revs = reader.everything()
+        unknown = sorted(set(policy or ()) - set(aliased))
+        if unknown:
+            raise typer.BadParameter(f"no such policy: {', '.join(unknown)} (see `mint registry ls`)")
+        guard = protected(aliased, revs)
+        plans = [plan_retention(p, revs, guard, keep_last) for p in (policy or sorted(aliased))]
+        if apply:
+            reg = _registry(catalog, store, tracking_uri)
+            for p in plans:
+                if p.delete:  # checked again under the policy's lock: what changed meanwhile stays
+                    done = reg.delete_versions(p.policy, p.delete, reason, guard)
+                    p.keep.update(done.keep)
+                    p.delete = done.delete
+    except MintError as e:
+        raise _fail(e) from e
+    verb = "deleted" if apply else "would delete"
+    table = Table(title=f"retention in {reader.uri}: keep aliased, their lineage, newest {keep_last}")
+    for col in ("policy", "kept", "why", verb):
+        table.add_column(col)
+    for p in plans:
+        kept = ", ".join(f"v{v}" for v in sorted(p.keep)) or "-"
+        whys = "; ".join(f"v{v} {why}" for v, why in sorted(p.keep.items()) if not why.startswith("newest"))
+        table.add_row(p.policy, kept, whys or "-", ", ".join(f"v{v}" for v in p.delete) or "-")
+    console.print(table)
+    total = sum(len(p.delete) for p in plans)
+    if apply:
+        console.print(f"{verb} {total} version(s); `mint catalog gc` now frees their bytes")
+    else:
+        console.print(f"{verb} {total} version(s); run again with --apply to delete them")
+
+
 def _v(v: int | None) -> str:
     return "unset" if v is None else f"v{v}"

@@ -516,6 +516,45 @@ class Catalog:
         else:
             self._transaction(write)
 
+    def forget_versions(self, policy: str, numbers: Iterable[int]) -> list[str]:
+        """Drop `policy/vN` rows the registry deleted, and the revision rows only they named (those the registry
+        indexed, tagged `policy`; bare registrations stay), so `gc` may free their bytes. An alias naming one of
+        them is an error and nothing is dropped. Idempotent; returns what was dropped."""
+        check_name(policy, "policy", policy)
+        wanted = sorted(set(numbers))
+
+        def forget(conn: Connection) -> list[str]:
+            pointed = conn.execute(
+                sa.select(aliases.c.alias, aliases.c.version).where(
+                    aliases.c.policy == policy, aliases.c.version.in_(wanted)
+                )
+            ).all()
+            if pointed:
+                held_by = ", ".join(f"{policy}@{a} -> v{v}" for a, v in pointed)
+                raise CatalogError(f"cannot forget versions an alias names ({held_by}); nothing dropped")
+            rows = conn.execute(
+                sa.select(versions.c.version, versions.c.digest).where(
+                    versions.c.policy == policy, versions.c.version.in_(wanted)
+                )
+            ).all()
+            if not rows:
+                return []
+            conn.execute(versions.delete().where(versions.c.policy == policy, versions.c.version.in_(wanted)))
+            out = [f"{policy}/v{v}" for v, _ in rows]
+            digests = list({d for _, d in rows})
+            still = set(
+                conn.execute(sa.select(versions.c.digest).where(versions.c.digest.in_(digests))).scalars()
+            )
+            for d, tags in conn.execute(
+                sa.select(revisions.c.digest, revisions.c.tags).where(revisions.c.digest.in_(digests))
+            ):
+                if d not in still and (tags or {}).get("policy"):
+                    conn.execute(revisions.delete().where(revisions.c.digest == d))
+                    out.append(f"revision sha256:{d}")
+            return out
+
+        return self._transaction(forget) if wanted else []
+
     # ---- leases ----
     #
     # The SQL of `mint_core.registry.leases.CatalogLeases`, the default backend of mint's one lock mechanism: take

@@ -27,7 +27,8 @@ import getpass
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 from mlflow import MlflowClient
@@ -52,6 +53,7 @@ from mint_core.registry.reader import (
     source_location,
     source_uri,
 )
+from mint_core.registry.retention import RetentionPlan, protected
 from mint_core.registry.retry import retried
 from mint_core.registry.store import AdapterStore
 from mint_core.types import Digest
@@ -73,6 +75,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+KIND_TAG = "mint.kind"
+"""Registered-model tag saying who made a policy: `policy` (the lifecycle, people) or `tinker` (Tinker API saves)."""
+POLICY_KIND = "policy"
+TINKER_KIND = "tinker"
 
 # The shared retry policy (`mint_core.registry.retry`) is the only one: MLflow's client must not retry underneath
 # it, and a registry call should fail in seconds, not minutes.
@@ -120,8 +127,9 @@ class Registry:
 
     # ---- writes ----
 
-    def ensure_policy(self, policy: str, description: str | None = None) -> None:
-        """Create the registered model if it does not exist (idempotent)."""
+    def ensure_policy(self, policy: str, description: str | None = None, kind: str = POLICY_KIND) -> None:
+        """Create the registered model if it does not exist (idempotent), tagged `mint.kind` = `kind` (`policy`;
+        `tinker` for the Tinker API's sampler saves), which the MLflow UI's model search filters on."""
         parse_address(policy)  # names the bad character, if any
         try:
             self.reader.aliases(policy)
@@ -130,7 +138,7 @@ class Registry:
                 self._call(
                     f"create policy {policy!r}",
                     lambda: self.client.create_registered_model(
-                        policy, tags={"mint.policy": "true"}, description=description
+                        policy, tags={"mint.policy": "true", KIND_TAG: kind}, description=description
                     ),
                 )
             except RegistryError as e:
@@ -152,16 +160,18 @@ class Registry:
         tags: dict[str, str] | None = None,
         alias: str | None = CANDIDATE,
         reason: str = "new revision",
+        kind: str = POLICY_KIND,
     ) -> Revision:
         """Make the stored revision `digest` the policy's next version (and point `alias` at it).
 
         Idempotent by digest: if the policy already has a version of these bytes, that version is returned and
-        nothing is created, so a rerun of an export that had finished makes no second version."""
+        nothing is created, so a rerun of an export that had finished makes no second version. A policy created
+        here is tagged `mint.kind` = `kind`."""
         digest = Digest.parse(digest)
         location = self.store.path(digest)  # raises if the bytes are not in the store: nothing written
         if parent is not None:
             parse_address(parent)
-        self.ensure_policy(policy)
+        self.ensure_policy(policy, kind=kind)
         mint_tags = {
             "mint.digest": digest.hex,
             "mint.base": base,
@@ -278,6 +288,75 @@ class Registry:
             f"tag {policy}/v{version}",
             lambda: self.client.set_model_version_tag(policy, str(version), key, value),
         )
+
+    def delete_versions(
+        self,
+        policy: str,
+        numbers: Iterable[int],
+        reason: str,
+        guard: Mapping[str, str] | None = None,
+        lineage_of: Callable[[str], bool] = lambda alias: True,
+    ) -> RetentionPlan:
+        """Delete versions of `policy` from MLflow and the catalog's index (then `mint catalog gc` frees their
+        bytes), except those that must stay, which are kept and said why: an aliased version, an ancestor of one
+        (for the aliases `lineage_of` accepts), what `guard` names (`retention.protected` over the whole registry),
+        and a version whose lineage continues in another policy. Checked again under the policy's lock, all before
+        anything changes; a version already gone is skipped. The children of a deleted version get its nearest
+        surviving ancestor as `mint.parent`, so every lineage stays a chain of existing versions."""
+        if not reason.strip():
+            raise RegistryError(f"deleting versions of {policy} needs a reason (it is logged)")
+        wanted = sorted(set(numbers))
+
+        def delete() -> RetentionPlan:
+            revs = {r.version: r for r in self.reader.revisions(policy)}
+            here = protected({policy: self.reader.aliases(policy)}, revs.values(), lineage_of)
+            keep = {**here, **(guard or {})}
+            plan = RetentionPlan(policy)
+            children: dict[int, list[Revision]] = {}
+            for v in wanted:
+                if v not in revs:
+                    continue
+                why: str | None = keep.get(f"{policy}/v{v}")
+                kids = self.reader.children(f"{policy}/v{v}")
+                outside = [c.address for c in kids if c.policy != policy]
+                if why is None and outside:
+                    why = f"parent of {outside[0]} (another policy)"
+                if why is None:
+                    plan.delete.append(v)
+                    children[v] = kids
+                else:
+                    plan.keep[v] = why
+            going = set(plan.delete)
+
+            def surviving(rev: Revision) -> str:
+                parent = rev.parent or ""
+                while parent.startswith(f"{policy}/v") and parent[len(policy) + 2 :].isdigit():
+                    up = int(parent[len(policy) + 2 :])
+                    if up not in going:
+                        break
+                    parent = revs[up].parent or ""
+                return parent
+
+            for v in plan.delete:
+                for child in children[v]:
+                    if child.policy == policy and child.version in going:
+                        continue
+                    new_parent = surviving(revs[v])
+                    self.set_tag(child.policy, child.version, "mint.parent", new_parent)
+                    logger.info(
+                        "%s: mint.parent %s/v%d -> %s", child.address, policy, v, new_parent or "none"
+                    )
+                self._call(f"delete {policy}/v{v}", partial(self.client.delete_model_version, policy, str(v)))
+            if plan.delete:
+                try:
+                    self.catalog.forget_versions(policy, plan.delete)
+                except CatalogError as e:  # the index disagrees with MLflow: rebuild it
+                    logger.warning("%s; rebuilding the catalog's index of %s", e, policy)
+                    self._reindex_locked(policy)
+                logger.info("deleted %s/%s: %s", policy, ",".join(f"v{v}" for v in plan.delete), reason)
+            return plan
+
+        return self._locked(policy, delete)
 
     def reindex(self, policy: str) -> list[AliasMove]:
         """Bring the catalog's index of one policy in line with MLflow (an alias moved in the MLflow UI, say),

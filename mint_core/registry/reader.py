@@ -338,6 +338,25 @@ class RegistryReader:
         found = sorted((parse_revision(mv) for mv in mvs), key=lambda r: r.version)
         return found[0] if found else None
 
+    def children(self, address: str) -> list[Revision]:
+        """The versions, of any policy, whose `mint.parent` is `address` (`policy/vN`)."""
+        found = self._api.search_versions(
+            f"find the children of {address}", f"tags.`mint.parent` = '{parse_address(address)}'"
+        )
+        return sorted((parse_revision(mv) for mv in found), key=lambda r: (r.policy, r.version))
+
+    def everything(self) -> tuple[dict[str, dict[str, int]], list[Revision]]:
+        """Every policy's aliases and every mint revision of every policy, in one pass over the registry (two
+        paged searches): what a decision that follows lineage across policies reads."""
+        aliased = {str(rm["name"]): _aliases_of(rm) for rm in self._api.search_models()}
+        revs = []
+        for mv in self._api.search_versions("list every version", ""):
+            try:
+                revs.append(parse_revision(mv))
+            except RegistryError as e:
+                logger.warning("%s", e)
+        return aliased, sorted(revs, key=lambda r: (r.policy, r.version))
+
     def lineage(self, policy: str, version: int, max_depth: int = 1000) -> list[Revision]:
         """The revision and its ancestors through `mint.parent`, newest first (parents may be other policies)."""
         out = [self.revision(policy, version)]

@@ -13,6 +13,9 @@ Writes go to a temporary sibling `<root>/tmp/<unix seconds>-<uuid>/` first, then
 A crash mid-write leaves at most a tmp directory (or, remotely, an uncommitted revision directory), never a
 visible half revision; `gc` removes tmp directories older than a grace period. Reads verify the digest.
 
+A ref (`add_ref(name, digest)`, a small file under `<root>/refs/`) keeps a revision that no catalog row names from
+`gc` while its holder needs it: a Tinker training checkpoint lives in the store only, until its client deletes it.
+
 The store handles bytes only and imports nothing of torch, so commands that read the registry stay fast;
 `put_weights` (tensors -> PEFT files) imports the adapter format when it is called.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -328,6 +332,43 @@ class AdapterStore:
                 if _HEX64.match(name) and name[:2] == shard:
                     yield Digest.trusted(name), self._committed(name)
 
+    # ---- refs ---------------------------------------------------------------------------------------------
+
+    def _ref(self, name: str) -> str:
+        return f"{self.root}/refs/{hashlib.sha256(name.encode()).hexdigest()}.json"
+
+    def add_ref(self, name: str, digest: str) -> None:
+        """Keep `digest` from `gc` under `name` (one digest per name; adding again moves it). Idempotent."""
+        digest = self._require(digest)
+        with self._guard():
+            self.fs.makedirs(f"{self.root}/refs", exist_ok=True)
+            self._write_file(self._ref(name), json.dumps({"name": name, "digest": str(digest)}).encode())
+
+    def remove_ref(self, name: str) -> bool:
+        """Drop the ref `name`; False when there was none."""
+        with self._guard():
+            try:
+                self.fs.rm(self._ref(name))
+            except FileNotFoundError:
+                return False
+        return True
+
+    def refs(self) -> dict[str, Digest]:
+        """Every ref: name -> the digest it keeps."""
+        out: dict[str, Digest] = {}
+        with self._guard():
+            for file in self._ls_names(f"{self.root}/refs"):
+                try:
+                    ref = json.loads(self.fs.cat_file(f"{self.root}/refs/{file}"))
+                    out[str(ref["name"])] = Digest.parse(ref["digest"])
+                except FileNotFoundError:
+                    continue  # removed while listed
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CorruptRevision(
+                        f"ref {file} in the store at {self.root_url} is unreadable: {e}"
+                    ) from e
+        return out
+
     # ---- removing ----------------------------------------------------------------------------------------
 
     def delete(self, digest: str) -> None:
@@ -363,14 +404,14 @@ class AdapterStore:
     def gc(
         self, referenced: set[str], dry_run: bool = False, grace_s: float | None = None
     ) -> builtins.list[str]:
-        """Remove every revision whose digest is not in `referenced`, and tmp directories older than the grace
-        period (`grace_s`, default the store's `tmp_grace_s`). Returns what was (or, with `dry_run`, would be)
+        """Remove every revision whose digest is not in `referenced` nor kept by a ref, and tmp directories older
+        than the grace period (`grace_s`, default the store's `tmp_grace_s`). Returns what was (or, with `dry_run`, would be)
         removed: digests for revisions, `tmp/<name>` for tmp directories.
 
         Run it only when no put is in flight whose digest is not yet referenced (a fresh revision is
         unreferenced until the catalog records it).
         """
-        keep = {Digest.parse(d) for d in referenced}
+        keep = {Digest.parse(d) for d in referenced} | set(self.refs().values())
         grace = self.tmp_grace_s if grace_s is None else grace_s
         removed: builtins.list[str] = []
         now = time.time()

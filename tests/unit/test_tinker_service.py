@@ -5,6 +5,7 @@ bodies against the SDK's own encoders and decoders."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -575,3 +576,76 @@ def test_round_size_history_stays_bounded() -> None:
     for i in range(HISTORY + 1):
         _record(history, i)
     assert len(history) == HISTORY // 2 + 1 and history[-1] == HISTORY and history[0] == HISTORY // 2
+
+
+def test_a_session_closed_while_its_call_runs_fails_its_other_calls_cleanly_and_the_worker_goes_on(
+    svc: TinkerService,
+) -> None:
+    """The call running when its session closes ends as it would have (its future is settled once, no
+    InvalidStateError); the calls queued behind it fail with 410; a new call on the model is refused with a clear
+    error; another session's model keeps training on the same worker."""
+    a = new_model(svc, seed=1)
+    b = new_model(svc, seed=2)
+    running, release = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        running.set()
+        assert release.wait(30)
+        return "done"
+
+    first = svc.call(a, slow)
+    queued = svc.forward_backward(a, [datum(5, 1)], "cross_entropy", {}, False)
+    assert running.wait(30)
+    svc.finish_session("alice", a.session_id)
+    with pytest.raises(TinkerError, match="closed with its session"):
+        queued.result(30)
+    release.set()
+    assert first.result(30) == "done"
+    with pytest.raises(TinkerError, match=f"model {a.id} was closed with its session") as e:
+        svc.model("alice", a.id)
+    assert e.value.status == 410
+    with pytest.raises(TinkerError, match="closed with its session"):
+        svc.call(a, lambda: None)
+    loss, _ = loss_of(svc.forward_backward(b, [datum(5, 2)], "cross_entropy", {}, False).result(30))
+    assert loss > 0 and svc._thread is not None and svc._thread.is_alive()
+
+
+def test_delete_and_retention_free_a_runs_old_checkpoints_for_gc(tmp_path: Path) -> None:
+    """A run keeps its newest `keep_sampler_saves` named sampler saves; an older one, and any checkpoint its client
+    deletes, leaves the engine, the store's refs, the run's record and the checkpoint index, so the store's gc
+    frees its bytes while it keeps every live checkpoint's. The run's record answers get_training_run."""
+    service = make_service(tmp_path)
+    service.keep_sampler_saves = 2
+    try:
+        a = new_model(service, seed=1)
+        paths = []
+        for i in range(4):
+            service.forward_backward(a, [datum(6, i)], "cross_entropy", {}, False).result(30)
+            step(service, a)
+            paths.append(service.call(a, lambda i=i: service.save_for_sampler(a, f"s{i}")).result(30)["path"])
+        state = service.call(a, lambda: service.save_weights(a, "state")).result(30)["path"]
+        for old in paths[:2]:
+            with pytest.raises(TinkerError, match="no checkpoint"):
+                service.checkpoint("alice", old)
+            assert service.engine.working_set.get(old) is None
+        live = {p: service.checkpoint("alice", p).digest for p in [*paths[2:], state]}
+        assert set(service.store.refs()) == set(live)
+        run = service.training_run("alice", a.id)
+        assert run["last_sampler_checkpoint"]["tinker_path"] == paths[3]
+        assert run["last_checkpoint"]["checkpoint_id"] == "weights/state"
+        assert run["lora_rank"] == 4 and run["model_owner"] == "alice"
+        types.TrainingRun.model_validate(run)  # the SDK's own shape
+        with pytest.raises(TinkerError, match="no training run"):
+            service.training_run("bob", a.id)
+
+        service.delete_checkpoint("alice", paths[2])
+        with pytest.raises(TinkerError, match="no checkpoint"):
+            service.delete_checkpoint("alice", paths[2])  # gone: a second delete is a 404
+        with pytest.raises(TinkerError, match="no checkpoint"):
+            service.delete_checkpoint("bob", paths[3])  # another key's: refused, and kept
+        service.store.gc(set())
+        assert set(service.store.list()) == {live[paths[3]], live[state]}
+        service.call(a, lambda: service.load_weights(a, state, True)).result(30)  # still loads after gc
+        assert service.training_run("alice", a.id)["last_sampler_checkpoint"]["tinker_path"] == paths[3]
+    finally:
+        service.close()

@@ -21,18 +21,24 @@ def state_dir(config: ServingConfig) -> Path:
     return config.tinker_state_dir or Path(config.adapter_root).resolve().parent / "tinker"
 
 
-def registrar(config: ServingConfig, server: Server) -> Any:
-    """`register(model, checkpoint, name)` for TinkerService: the saved revision as the next MLflow version of the
-    model's policy (alias candidate, `mint.parent`, the session as `tinker.session`); None without a registry."""
-    if not config.tinker_registry_uri:
-        return None
-    registry: list[Any] = []
+class Registrar:
+    """The registry side of TinkerService: `register(model, checkpoint, name)` makes a saved sampler revision the
+    next MLflow version of the model's policy (alias candidate, `mint.parent`, the session as `tinker.session`; a
+    policy it creates is tagged `mint.kind=tinker`), `unregister(checkpoint)` deletes that version and its catalog
+    rows again. MLflow is imported when the first revision is registered."""
 
-    def register(m: TrainModel, ck: Checkpoint, name: str) -> str:
-        if not registry:  # MLflow is imported only when the first revision is registered
+    def __init__(self, config: ServingConfig, server: Server):
+        self.config = config
+        self.server = server
+        self._registry: Any = None
+
+    @property
+    def registry(self) -> Any:
+        if self._registry is None:
             from mint_core.registry.catalog import Catalog, CatalogConfig
             from mint_core.registry.mlflow_registry import Registry, RegistryConfig
 
+            config, server = self.config, self.server
             url = (
                 config.tinker_catalog_url
                 or config.catalog_url
@@ -43,23 +49,48 @@ def registrar(config: ServingConfig, server: Server) -> Any:
                 if server.catalog is not None and url == config.catalog_url
                 else Catalog(CatalogConfig(url=url))
             )
-            registry.append(
-                Registry(server.store, catalog, RegistryConfig(tracking_uri=config.tinker_registry_uri))
+            assert config.tinker_registry_uri is not None
+            self._registry = Registry(
+                server.store, catalog, RegistryConfig(tracking_uri=config.tinker_registry_uri)
             )
-        rev = registry[0].create_revision(
+        return self._registry
+
+    def register(self, m: TrainModel, ck: Checkpoint, name: str) -> str:
+        from mint_core.registry.mlflow_registry import TINKER_KIND
+
+        rev = self.registry.create_revision(
             m.policy,
             ck.digest,
-            base=server.engine.base.fingerprint,
+            base=self.server.engine.base.fingerprint,
             rank=m.rank,
             parent=m.parent,
             tags={"tinker.session": m.session_id, "tinker.model_id": m.id, "tinker.path": ck.path},
             reason=f"tinker save_weights_for_sampler {name!r}",
+            kind=TINKER_KIND,
         )
         # the version's address serves it too, as the rest of mint names revisions
-        server.engine.load_adapter(rev.address, server.store.local_dir(ck.digest), replace=True)
+        self.server.engine.load_adapter(rev.address, self.server.store.local_dir(ck.digest), replace=True)
         return str(rev.address)
 
-    return register
+    def unregister(self, ck: Checkpoint) -> str | None:
+        """Delete the checkpoint's version; None when deleted (or already gone), else why it stays. The candidate
+        alias follows every save, so only the other aliases protect a version's ancestors here."""
+        from mint_core.registry.mlflow_registry import CANDIDATE
+
+        assert ck.address is not None
+        policy, _, version = ck.address.partition("/v")
+        plan = self.registry.delete_versions(
+            policy,
+            [int(version)],
+            f"tinker checkpoint {ck.path} deleted",
+            lineage_of=lambda alias: alias != CANDIDATE,
+        )
+        return plan.keep.get(int(version))
+
+
+def registrar(config: ServingConfig, server: Server) -> Registrar | None:
+    """The Registrar for TinkerService; None without a registry (`tinker_registry_uri` unset)."""
+    return Registrar(config, server) if config.tinker_registry_uri else None
 
 
 def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
@@ -68,6 +99,7 @@ def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
         raise ValueError(
             "the Tinker API is on but no API key is configured (tinker_api_keys / tinker_api_keys_file)"
         )
+    reg = registrar(config, server)
     svc = TinkerService(
         server.engine,
         server.store,
@@ -76,7 +108,9 @@ def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
         keys,
         window_ms=config.tinker_window_ms,
         lora_alpha=config.tinker_lora_alpha,
-        register=registrar(config, server),
+        register=reg.register if reg else None,
+        unregister=reg.unregister if reg else None,
+        keep_sampler_saves=config.tinker_keep_sampler_saves,
     )
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, QuietPolls) for f in access.filters):

@@ -9,6 +9,7 @@ Supported (every one checks the `X-API-Key` header):
   POST /api/v1/save_weights, /api/v1/load_weights, /api/v1/save_weights_for_sampler
   POST /api/v1/create_sampling_session, /api/v1/asample;  GET /api/v1/samplers/{id}
   POST /api/v1/retrieve_future (long poll: waits up to 20 s for the result, then says try_again)
+  GET  /api/v1/training_runs/{id};  DELETE /api/v1/training_runs/{id}/checkpoints/{weights|sampler_weights}/{name}
 Any other /api/v1 route answers 404 "not supported by this server" (see NOT_SUPPORTED).
 
 Refusals are HTTP errors with `{"detail": message}`, which the SDK raises with the message; a call refused after
@@ -53,7 +54,8 @@ NOT_SUPPORTED = (
     "retrieve_futures, cancel_future, join_sampling_session (the client config turns these off)",
     "create_custom_loss (custom losses run in the SDK: forward_backward_custom works)",
     "save_weights_external, copy_weights, weights_info",
-    "training_runs/..., checkpoints, sessions (listing), billing/..., audit",
+    "training_runs (listing), training_runs/{id}/checkpoints (listing), checkpoints, sessions (listing), "
+    "billing/..., audit",
 )
 
 CLIENT_CONFIG = types.ClientConfigResponse(
@@ -199,6 +201,7 @@ async def create_model(request: Request) -> Any:
             lc.train_attn,
             lc.train_mlp,
             str(meta["policy"]) if meta.get("policy") else None,
+            {str(k): str(v) for k, v in meta.items()} or None,
         )
     )
     return future(svc, who, done(Result(json={"model_id": m.id, "type": "create_model"})), m.id)
@@ -420,6 +423,26 @@ async def asample(request: Request) -> Any:
     return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(len(seqs))]}
 
 
+# ---- training runs and their checkpoints ----------------------------------------------------------------
+
+
+@router.get("/training_runs/{model_id}")
+async def get_training_run(model_id: str, request: Request) -> Any:
+    who = owner(request)
+    return await run(service_of(request).training_run, who, model_id)
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{kind}/{name}")
+async def delete_checkpoint(model_id: str, kind: str, name: str, request: Request) -> Any:
+    """The SDK's `RestClient.delete_checkpoint(run, "sampler_weights/<name>")` (tinker-cookbook's cleanup)."""
+    who = owner(request)
+    svc = service_of(request)
+    if kind not in ("weights", "sampler_weights"):
+        raise TinkerError(400, f"checkpoint kind {kind!r} must be weights or sampler_weights")
+    path = f"tinker://{model_id}/{kind}/{svc.check_name(name)}"
+    return await run(svc.delete_checkpoint, who, path)
+
+
 # ---- futures ---------------------------------------------------------------------------------------------
 
 
@@ -455,6 +478,6 @@ async def not_supported(rest: str, request: Request) -> Any:
     raise TinkerError(
         404,
         f"{request.method} /api/v1/{rest} is not supported by this server (mint's Tinker-compatible training API; "
-        "it serves sessions, create_model, forward/forward_backward, optim_step, save/load weights, sampling and "
-        "futures)",
+        "it serves sessions, create_model, forward/forward_backward, optim_step, save/load weights, sampling, "
+        "futures, get_training_run and delete_checkpoint)",
     )

@@ -19,6 +19,12 @@ the Tinker path the SDK returns (so `/v1/completions` serves it by that name at 
 makes it an MLflow version of the model's policy (alias `candidate`, `mint.parent` = the model's previous
 version or the checkpoint it was loaded from, `tinker.session` = its session), from where the lifecycle's
 evaluation, gate and promotion take it like any other revision.
+
+Growth stays bounded: a training run (a model id) keeps its newest `keep_sampler_saves` named sampler saves, and a
+client deletes a checkpoint (`delete_checkpoint`, as tinker-cookbook's rolling cleanup does). A deleted checkpoint
+leaves the engine, the store's refs (so `mint catalog gc` frees its bytes), the run's record and, unless an alias
+holds it, the registry. Each run's record (`runs/`, beside the checkpoint index) answers `get_training_run`, also
+after its session ended.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,6 +161,8 @@ class TrainModel:
     last_call: float = 0.0  # time.monotonic() of its last queued call
     queue: deque[_Op] = field(default_factory=deque)
     closed: bool = False
+    created: float = field(default_factory=time.time)
+    user_metadata: dict[str, str] | None = None
 
     @property
     def scale(self) -> float:
@@ -182,6 +191,7 @@ class _Op:
     run: Callable[[], Any] | None = None
     adam: AdamStep | None = None  # an optim_step's
     queued: float = field(default_factory=time.monotonic)
+    started: bool = False  # taken by the worker: its future is the worker's to settle
 
 
 @dataclass
@@ -205,9 +215,22 @@ class Checkpoint:
     optimizer_file: str | None = None
     steps: int = 0
     address: str | None = None  # its MLflow version (policy/vN), if registered
+    created: float = 0.0  # unix seconds (0: written before checkpoints carried it)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def to_wire(self) -> dict[str, Any]:
+        """As the SDK's `types.Checkpoint`."""
+        kind = self.path.split("/")[-2]
+        return {
+            "checkpoint_id": f"{kind}/{self.path.rsplit('/', 1)[-1]}",
+            "checkpoint_type": "training" if self.kind == "weights" else "sampler",
+            "time": _iso(self.created),
+            "tinker_path": self.path,
+            "size_bytes": None,
+            "public": False,
+        }
 
 
 class Futures:
@@ -265,9 +288,13 @@ class TinkerService:
         lora_alpha: float = 32.0,
         session_ttl_s: float = 900.0,
         register: Callable[[TrainModel, Checkpoint, str], str] | None = None,
+        unregister: Callable[[Checkpoint], str | None] | None = None,
+        keep_sampler_saves: int | None = None,
     ):
         """`register(model, checkpoint, name)` makes a saved sampler revision an MLflow version and returns its
-        address (None: saves go to the store and the engine only)."""
+        address (None: saves go to the store and the engine only); `unregister(checkpoint)` deletes that version
+        again and returns None, or why the version stays (an alias holds it). `keep_sampler_saves`: each training
+        run keeps its newest this many named sampler saves, older ones are deleted (None: all kept)."""
         self.engine = engine
         self.store = store
         self.base_name = base_name
@@ -278,6 +305,9 @@ class TinkerService:
         self.lora_alpha = lora_alpha
         self.session_ttl_s = session_ttl_s
         self.register = register
+        self.unregister = unregister
+        self.keep_sampler_saves = keep_sampler_saves
+        self._runs_lock = threading.Lock()  # run records: written by the worker (saves) and routes (deletes)
         self.vocab = int(engine.base.config.vocab_size)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
@@ -372,14 +402,18 @@ class TinkerService:
                     self._drop_model(mid)
 
     def _drop_model(self, model_id: str) -> None:
-        """Stop a model: its queued calls fail, its slot is unpinned and freed (its saved revisions stay)."""
+        """Stop a model (under the lock): its queued calls fail, a call running now ends as it would have, its
+        slot is unpinned and freed (its saved revisions stay)."""
         m = self.models.pop(model_id, None)
         if m is None:
             return
         m.closed = True
         while m.queue:
             op = m.queue.popleft()
-            op.future.set_exception(TinkerError(410, f"model {model_id} was closed with its session"))
+            if not op.started:
+                _settle_one(
+                    op.future, error=TinkerError(410, f"model {model_id} was closed with its session")
+                )
         ws = self.engine.working_set
         ws.unpin(model_id)
         ws.remove(model_id)
@@ -398,6 +432,12 @@ class TinkerService:
     def model(self, owner: str, model_id: str) -> TrainModel:
         with self._lock:
             m = self.models.get(model_id)
+            if m is None:
+                s = self.sessions.get(model_id.split(":", 1)[0])
+                if s is not None and s.owner == owner and s.finished and model_id in s.models:
+                    raise TinkerError(
+                        410, f"model {model_id} was closed with its session {s.id}, which has finished"
+                    )
             if m is None or m.owner != owner:
                 raise not_found(
                     f"unknown model_id {model_id!r} (no training model of this API key has that id)"
@@ -418,6 +458,7 @@ class TinkerService:
         train_attn: bool = True,
         train_mlp: bool = True,
         policy: str | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> TrainModel:
         """A fresh LoRA (PEFT's init: A kaiming-uniform, B zero) pinned in a slot of the engine."""
         session = self.session(owner, session_id)
@@ -479,8 +520,10 @@ class TinkerService:
                 slot,
                 policy or _policy_name(session_id, model_seq_id),
             )
+            m.user_metadata = user_metadata
             self.models[model_id] = m
             session.models.add(model_id)
+        self._write_run(m, [])
         logger.info("tinker model %s: rank %d, %d sites, slot %d", model_id, rank, len(sites), slot)
         return m
 
@@ -593,15 +636,20 @@ class TinkerService:
                 heads = self._next_round()
             if heads is None:
                 return
-            fb = [(m, op) for m, op in heads if op.kind in BATCHED]
-            if fb:
-                self._batch(fb)
-            optims = [(m, op) for m, op in heads if op.kind == "optim"]
-            if optims:
-                self._optim(optims)
-            for _, op in heads:
-                if op.kind == "other":
-                    self._one(op)
+            try:
+                fb = [(m, op) for m, op in heads if op.kind in BATCHED]
+                if fb:
+                    self._batch(fb)
+                optims = [(m, op) for m, op in heads if op.kind == "optim"]
+                if optims:
+                    self._optim(optims)
+                for _, op in heads:
+                    if op.kind == "other":
+                        self._one(op)
+            except BaseException as e:  # the worker outlives any one round: its calls fail, later ones run
+                logger.exception("tinker round failed")
+                for _, op in heads:
+                    _settle_one(op.future, error=e)
             with self._cv:
                 for m, op in heads:
                     if m.queue and m.queue[0] is op:
@@ -626,22 +674,24 @@ class TinkerService:
                 continue
             rest = [(m, op) for m, op in heads if op.kind not in BATCHED]
             if rest:
-                return rest
+                return _started(rest)
             now = time.monotonic()
             left = max(min(op.queued for _, op in heads), self._free_since) + self.window_s - now
             recent = now - ACTIVE_S
             if left <= 0 or not any(not m.queue and m.last_call > recent for m in self.models.values()):
-                return heads
+                return _started(heads)
             self._cv.wait(left)
 
     def _one(self, op: _Op) -> None:
         assert op.run is not None
         try:
-            op.future.set_result(op.run())
+            value = op.run()
         except BaseException as e:  # the caller's future carries it
             if not isinstance(e, TinkerError | MintError | ValueError):
                 logger.exception("tinker call failed")
-            op.future.set_exception(e)
+            _settle_one(op.future, error=e)
+            return
+        _settle_one(op.future, value)
 
     def _batch(self, calls: list[tuple[TrainModel, _Op]]) -> None:
         self._settle(calls, "batched forward_backward", lambda: self.run_batch(calls))
@@ -666,10 +716,10 @@ class TinkerService:
         except BaseException as e:  # the callers' futures carry it
             logger.exception("%s failed", what)
             for _, op in calls:
-                op.future.set_exception(e)
+                _settle_one(op.future, error=e)
             return
         for (_, op), res in zip(calls, results, strict=True):
-            op.future.set_result(res)
+            _settle_one(op.future, res)
 
     # ---- the batched step ------------------------------------------------------------------------------
 
@@ -865,9 +915,21 @@ class TinkerService:
         opt_file.parent.mkdir(parents=True, exist_ok=True)
         save_file(state, str(opt_file))
         ck = Checkpoint(
-            path, m.owner, m.id, "weights", str(digest), m.rank, m.alpha, m.sites, str(opt_file), m.steps
+            path,
+            m.owner,
+            m.id,
+            "weights",
+            str(digest),
+            m.rank,
+            m.alpha,
+            m.sites,
+            str(opt_file),
+            m.steps,
+            created=time.time(),
         )
+        self.store.add_ref(path, digest)  # a training checkpoint is in no catalog: the ref keeps it from gc
         self._write_meta(ck)
+        self._add_to_run(m, path)
         return {"path": path, "type": "save_weights"}
 
     def load_weights(self, m: TrainModel, path: str, optimizer: bool) -> dict[str, Any]:
@@ -918,19 +980,161 @@ class TinkerService:
         except AdapterError as e:
             raise TinkerError(500, f"the saved revision {digest[:12]} cannot be served: {e}") from None
         ck = Checkpoint(
-            path, m.owner, m.id, "sampler_weights", str(digest), m.rank, m.alpha, m.sites, None, m.steps
+            path,
+            m.owner,
+            m.id,
+            "sampler_weights",
+            str(digest),
+            m.rank,
+            m.alpha,
+            m.sites,
+            None,
+            m.steps,
+            created=time.time(),
         )
-        if self.register is not None and not ephemeral:
+        if ephemeral:
+            self._write_meta(ck)
+            sid = self.new_sampler(m.owner, self.session(m.owner, m.session_id), path, path)
+            return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
+        self.store.add_ref(path, digest)
+        if self.register is not None:
             ck.address = self.register(m, ck, name)
             m.parent = ck.address
         self._write_meta(ck)
-        if ephemeral:
-            sid = self.new_sampler(m.owner, self.session(m.owner, m.session_id), path, path)
-            return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
+        older = self._add_to_run(m, path)
         logger.info(
             "tinker %s saved %s (%s)%s", m.id, path, digest[:12], f" as {ck.address}" if ck.address else ""
         )
+        if self.keep_sampler_saves is not None:
+            samplers = [p for p in older if "/sampler_weights/" in p]
+            for old in samplers[: max(0, len(samplers) + 1 - self.keep_sampler_saves)]:
+                try:
+                    self.delete_checkpoint(m.owner, old)
+                except (TinkerError, MintError) as e:  # the save stands; the next save tries again
+                    logger.warning("tinker %s: keeping %s for now: %s", m.id, old, e)
         return {"path": path, "type": "save_weights_for_sampler"}
+
+    def delete_checkpoint(self, owner: str, path: str) -> dict[str, Any]:
+        """Delete a named checkpoint: from the registry first (its MLflow version and catalog rows, unless an
+        alias holds the version), then from the engine, the store's refs, the run's record and the checkpoint
+        index, so `mint catalog gc` frees its bytes. Refused (nothing changed) when unknown, another key's, or
+        the registry cannot be reached; deleting it again answers 404."""
+        ck = self.checkpoint(owner, path)
+        kept = None
+        if ck.address is not None and self.unregister is not None:
+            try:
+                kept = self.unregister(ck)
+            except MintError as e:
+                raise TinkerError(503, f"cannot delete {path}: its registry version {ck.address}: {e}") from e
+        for name in (path, ck.address if kept is None else None):
+            if name and self.engine.working_set.get(name) is not None:
+                self.engine.unload_adapter(name)
+        self.store.remove_ref(path)
+        meta = self._meta_file(path)
+        meta.with_suffix(".optimizer.safetensors").unlink(missing_ok=True)
+        self._remove_from_run(ck.model_id, path)
+        meta.unlink(missing_ok=True)
+        logger.info(
+            "tinker deleted %s%s",
+            path,
+            f" (its version {ck.address} stays: {kept})"
+            if kept
+            else f" and {ck.address}"
+            if ck.address
+            else "",
+        )
+        return {"path": path, "deleted": True, "registry_version_kept": kept}
+
+    # ---- training runs (one per model id) ------------------------------------------------------------------
+
+    def _run_file(self, model_id: str) -> Path:
+        return self.state_dir / "runs" / (hashlib.sha256(model_id.encode()).hexdigest() + ".json")
+
+    def _read_run(self, model_id: str) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self._run_file(model_id).read_text()))
+        except FileNotFoundError:
+            return None
+
+    def _put_run(self, record: dict[str, Any]) -> None:
+        f = self._run_file(record["model_id"])
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(f)
+
+    def _write_run(self, m: TrainModel, checkpoints: list[str]) -> None:
+        with self._runs_lock:
+            self._put_run(
+                {
+                    "model_id": m.id,
+                    "owner": m.owner,
+                    "rank": m.rank,
+                    "policy": m.policy,
+                    "user_metadata": m.user_metadata,
+                    "created": m.created,
+                    "last_request": time.time(),
+                    "checkpoints": checkpoints,
+                }
+            )
+
+    def _add_to_run(self, m: TrainModel, path: str) -> list[str]:
+        """Append a named checkpoint to the run's record; returns the run's checkpoints before it."""
+        with self._runs_lock:
+            record = self._read_run(m.id) or {
+                "model_id": m.id,
+                "owner": m.owner,
+                "rank": m.rank,
+                "policy": m.policy,
+                "user_metadata": m.user_metadata,
+                "created": m.created,
+                "checkpoints": [],
+            }
+            older = [p for p in record["checkpoints"] if p != path]
+            record["checkpoints"] = [*older, path]
+            record["last_request"] = time.time()
+            self._put_run(record)
+            return older
+
+    def _remove_from_run(self, model_id: str, path: str) -> None:
+        with self._runs_lock:
+            record = self._read_run(model_id)
+            if record is not None and path in record["checkpoints"]:
+                record["checkpoints"].remove(path)
+                self._put_run(record)
+
+    def training_run(self, owner: str, model_id: str) -> dict[str, Any]:
+        """The SDK's `types.TrainingRun` of a model id: live, or from its record once its session ended."""
+        record = self._read_run(model_id)
+        if record is None or record["owner"] != owner:
+            raise not_found(f"no training run {model_id!r} of this API key")
+        last: dict[str, Checkpoint] = {}
+        for path in record["checkpoints"]:
+            try:
+                ck = self.checkpoint(owner, path)
+            except TinkerError:
+                continue  # deleted meanwhile
+            last[ck.kind] = ck
+        with self._lock:
+            m = self.models.get(model_id)
+            last_request = record.get("last_request", record["created"])
+            if m is not None and m.last_call:
+                last_request = max(last_request, time.time() - (time.monotonic() - m.last_call))
+        meta = record.get("user_metadata")
+        return {
+            "training_run_id": model_id,
+            "base_model": self.base_name,
+            "model_owner": owner,
+            "is_lora": True,
+            "corrupted": False,
+            "lora_rank": record["rank"],
+            "last_request_time": _iso(last_request),
+            "last_checkpoint": last["weights"].to_wire() if "weights" in last else None,
+            "last_sampler_checkpoint": last["sampler_weights"].to_wire()
+            if "sampler_weights" in last
+            else None,
+            "user_metadata": {str(k): str(v) for k, v in meta.items()} if meta else None,
+        }
 
     # ---- samplers ---------------------------------------------------------------------------------------
 
@@ -1028,6 +1232,29 @@ def _record(history: list[int], n: int) -> None:
     history.append(n)
     if len(history) > HISTORY:
         del history[: HISTORY // 2]
+
+
+def _settle_one(fut: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Give a future its result or error, once: a future already settled (its model closed while it ran) keeps
+    what it has."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    except InvalidStateError:
+        logger.debug("a tinker call finished after its future was settled; dropped")
+
+
+def _started(heads: list[tuple[TrainModel, _Op]]) -> list[tuple[TrainModel, _Op]]:
+    """Mark a round's calls as taken by the worker (under the lock): closing their model leaves them be."""
+    for _, op in heads:
+        op.started = True
+    return heads
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat()
 
 
 def _policy_name(session_id: str, seq: int) -> str:
