@@ -199,6 +199,7 @@ class Faults:
                 "prompts_per_step": 4,
                 "seed": 0,
                 "round": round,
+                "data_dir": None,
                 "grpo": {
                     "group_size": 4,
                     "max_new_tokens": 8,
@@ -219,17 +220,32 @@ class Faults:
             cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
 
-    def checkpointed(self, timeout: float = 300) -> None:
-        """Until a training run under the work dir wrote its first checkpoint."""
+    def checkpointed(self, proc: subprocess.Popen[str] | None = None, timeout: float = 300) -> None:
+        """Until a training run under the work dir wrote its first checkpoint (`proc`: the process that trains,
+        which must not end first)."""
         t0 = time.monotonic()
         d = self.ws.work_dir / "checkpoints"
         while not (d.is_dir() and any(p.is_file() for p in d.rglob("*"))):
+            if proc is not None and proc.poll() is not None:
+                out = proc.stdout.read() if proc.stdout else ""
+                raise RuntimeError(
+                    f"the flow ended ({proc.returncode}) before its first checkpoint:{last_line(out)}"
+                )
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"no checkpoint under {d} within {timeout:.0f} s")
             time.sleep(0.2)
 
+    def resumed_from(self, policy: str, version: int) -> str:
+        """The step a version's training run resumed from (its MLflow run's `resumed_from_step`)."""
+        reg = self.ws.registry()
+        run_id = reg.revision(policy, version).run_id
+        if run_id is None:
+            return "?"
+        return str(reg.client.get_run(run_id).data.params.get("resumed_from_step", "?"))
+
     def versions(self, policy: str) -> list[int]:
-        return [r.version for r in self.ws.registry().revisions(policy)]
+        reg = self.ws.registry()
+        return [r.version for r in reg.revisions(policy)] if policy in reg.policies() else []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -317,8 +333,10 @@ def scenario_worker(f: Faults) -> Row:
     if state != "COMPLETED":  # the run died with the worker: rerun it; it resumes, and registers once
         proc = f.lifecycle_process(policy, 6, "w1")
         out, _ = proc.communicate(timeout=900)
-        rerun = f"; rerun exited {proc.returncode}" + (" (resumed)" if "resum" in out.lower() else "")
         versions = f.versions(policy)
+        resumed = f.resumed_from(policy, versions[-1]) if versions else "?"
+        said = last_line(out) if proc.returncode else ""
+        rerun = f"; rerun exited {proc.returncode}{said}, resumed from step {resumed}"
     agree, detail = f.agree(policy)
     ok = versions == [1] and agree
     return Row(
@@ -368,7 +386,7 @@ def scenario_mlflow(f: Faults) -> Row:
 def scenario_prefect(f: Faults) -> Row:
     policy = "f-prefect"
     proc = f.lifecycle_process(policy, 6, "p1")
-    f.checkpointed()
+    f.checkpointed(proc)
     pid = f.kill9("prefect")
     back = f.back("prefect", pid)
     out, _ = proc.communicate(timeout=900)
@@ -377,10 +395,10 @@ def scenario_prefect(f: Faults) -> Row:
     if proc.returncode != 0:
         again = f.lifecycle_process(policy, 6, "p1")
         out2, _ = again.communicate(timeout=900)
-        rerun = f"; rerun exited {again.returncode}" + (
-            " (resumed from its checkpoint)" if "resum" in out2.lower() else ""
-        )
+        rerun = f"; rerun exited {again.returncode}{last_line(out2) if again.returncode else ''}"
     versions = f.versions(policy)
+    if rerun and versions:
+        rerun += f", resumed from step {f.resumed_from(policy, versions[-1])}"
     agree, detail = f.agree(policy)
     ok = versions == [1] and agree
     return Row(
@@ -418,7 +436,10 @@ def scenario_disk(f: Faults) -> Row:
         w = random_adapter(sites, TARGETS, 4, alpha=8, seed=31, base_fingerprint=f.base.fingerprint)
         first = reg.store.put_weights(w, sites)  # one revision fits
         rev = reg.create_revision(policy, first, base=f.base.fingerprint, rank=4, alias=None)
-        with open(mnt / "filler", "wb", buffering=0) as out, contextlib.suppress(OSError):  # fill what is left
+        with (
+            open(mnt / "filler", "wb", buffering=0) as out,
+            contextlib.suppress(OSError),
+        ):  # fill what is left
             while True:
                 out.write(b"\0" * 4096)
                 out.flush()

@@ -1,0 +1,31 @@
+"""The fault suite (scripts/faults.py) end to end: every scenario against real services, each row with nothing lost
+and serving agreeing with the registry. Minutes: the slow tier (`pytest -m faults` runs it alone)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(3600)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_fault_scenario_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "faults.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "faults.py"), "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3500,
+    )
+    assert out.is_file(), run.stdout[-3000:] + run.stderr[-5000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 6, rows
+    for row in rows:
+        assert row["lost"] == 0 and row["ok"], (row, run.stderr[-5000:])
+    assert run.returncode == 0 and "| scenario | what was tried | result | data lost |" in run.stdout
