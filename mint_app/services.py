@@ -683,6 +683,10 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         database = config.prefect_database()
         if database is not None:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
+        if database is None or database.startswith(
+            "sqlite"
+        ):  # Prefect's busy-heartbeat ERROR, said as harmless
+            env["PREFECT_LOGGING_SETTINGS_PATH"] = str(_prefect_logging(config))
         return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
     if name == "hooks":
         env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
@@ -747,6 +751,19 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         env["MINT_SERVE_TINKER_REGISTRY_URI"] = config.url("mlflow")
         env["MINT_SERVE_TINKER_CATALOG_URL"] = hooks_workspace(config)["catalog_url"]
     return cmd, env
+
+
+def _prefect_logging(config: ServicesConfig) -> Path:
+    """The Prefect server's logging config (`mint_app.prefect_logging`), written into the state dir."""
+    from mint_app.prefect_logging import write_config
+
+    default = Path(
+        _bin("prefect")
+    ).parent.parent  # the environment Prefect is installed in: find its logging.yml
+    found = next(default.glob("lib/python*/site-packages/prefect/logging/logging.yml"), None)
+    if found is None:
+        raise ServiceError(f"prefect: its logging.yml is not under {default} (is Prefect installed there?)")
+    return write_config(found, (config.state_dir / "prefect-logging.yml").resolve())
 
 
 def tinker_keys_file(config: ServicesConfig) -> Path:

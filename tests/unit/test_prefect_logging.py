@@ -1,0 +1,82 @@
+"""The Prefect server's logging config as `mint up` writes it: Prefect's own, plus a filter that turns the SQLite
+busy-heartbeat ERROR into a one-line WARNING that says why it is harmless, and lets every other record pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import logging.config
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy.exc
+
+from mint_app.prefect_logging import HARMLESS, HEARTBEAT_LOGGER, SQLiteBusyHeartbeat, write_config
+
+
+def record_of(exc: BaseException) -> logging.LogRecord:
+    try:
+        raise exc
+    except BaseException:
+        info = sys.exc_info()
+    return logging.LogRecord(
+        HEARTBEAT_LOGGER,
+        logging.ERROR,
+        __file__,
+        1,
+        "Worker channel heartbeat persistence failed: work_pool=%s",
+        ("mint-process",),
+        info,
+    )
+
+
+def busy() -> BaseException:
+    driver = sqlite3.OperationalError("database is locked")
+    return sqlalchemy.exc.OperationalError("UPDATE worker SET ...", {}, driver)
+
+
+def test_a_busy_heartbeat_becomes_a_one_line_warning() -> None:
+    r = record_of(busy())
+    assert SQLiteBusyHeartbeat().filter(r)
+    assert (r.levelno, r.levelname, r.getMessage(), r.exc_info) == (
+        logging.WARNING,
+        "WARNING",
+        HARMLESS,
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        sqlalchemy.exc.OperationalError("SELECT", {}, sqlite3.OperationalError("no such table: worker")),
+        RuntimeError("database is locked"),  # not SQLite's: someone else's words
+        ValueError("boom"),
+    ],
+)
+def test_every_other_error_passes_as_it_was(exc: BaseException) -> None:
+    r = record_of(exc)
+    assert SQLiteBusyHeartbeat().filter(r)
+    assert (
+        r.levelno == logging.ERROR
+        and r.exc_info is not None
+        and "heartbeat persistence failed" in r.getMessage()
+    )
+
+
+def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
+    spec = importlib.util.find_spec("prefect")
+    assert spec is not None and spec.origin is not None
+    default = Path(spec.origin).parent / "logging" / "logging.yml"
+    out = write_config(default, tmp_path / "logging.yml")
+    from prefect.logging.configuration import load_logging_config
+
+    config = load_logging_config(out)  # Prefect's loader: its ${...} settings substituted
+    assert config["loggers"][HEARTBEAT_LOGGER]["filters"] == ["sqlite_busy_heartbeat"]
+    assert "${" not in str(config["loggers"][HEARTBEAT_LOGGER]["level"])
+    assert set(config["handlers"]) >= {"console", "api"}  # nothing of Prefect's own was dropped
+    # the factory the server's dictConfig calls (not configured here: it would replace this process's logging)
+    factory = logging.config.BaseConfigurator({}).resolve(config["filters"]["sqlite_busy_heartbeat"]["()"])
+    assert factory is SQLiteBusyHeartbeat
