@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -907,22 +909,38 @@ def requeue_orphaned_runs(config: ServicesConfig) -> int:
     their process died with it) go back to Scheduled, so the worker about to start runs them again: the lifecycle
     resumes from its checkpoint and, keyed by its idempotency key, makes no second version. Called only when no
     worker of this state dir runs (one worker per pool here); returns how many."""
-    api = config.url("prefect") + "/api"
+    return requeue_runs(config.url("prefect") + "/api", work_pool(config))
+
+
+def requeue_runs(api: str, pool: str, crashed_since: float | None = None) -> int:
+    """Flow runs of `pool` left Pending or Running, and with `crashed_since` (epoch s) those that crashed since
+    then (taken down with their worker), back to Scheduled; returns how many. The supervisor of the worker calls
+    it before it starts the worker again after a crash (`python -m mint_app.services requeue ...`)."""
+    types = ["PENDING", "RUNNING"] + (["CRASHED"] if crashed_since is not None else [])
     query = {
-        "work_pools": {"name": {"any_": [work_pool(config)]}},
-        "flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING"]}}},
+        "work_pools": {"name": {"any_": [pool]}},
+        "flow_runs": {"state": {"type": {"any_": types}}},
         "limit": 200,
         "offset": 0,
     }
-    found = httpx.post(f"{api}/flow_runs/filter", json=query, timeout=10, trust_env=False)
+    try:
+        found = httpx.post(f"{api}/flow_runs/filter", json=query, timeout=10, trust_env=False)
+    except httpx.HTTPError as e:
+        logger.warning("could not list the flow runs of pool %s at %s: %s", pool, api, e)
+        return 0
     if found.status_code != 200:
         return 0
     n = 0
     for run in found.json():
+        if run["state_type"] == "CRASHED":
+            ended = run.get("end_time") or (run.get("state") or {}).get("timestamp")
+            when = _epoch(ended)
+            if crashed_since is None or when is None or when < crashed_since:
+                continue  # crashed before this worker died: not ours to run again
         state = {
             "type": "SCHEDULED",
             "name": "Rescheduled",
-            "message": "its worker was gone; mint up requeued it",
+            "message": "its worker was gone; requeued to resume from its checkpoint",
         }
         done = httpx.post(
             f"{api}/flow_runs/{run['id']}/set_state",
@@ -933,12 +951,21 @@ def requeue_orphaned_runs(config: ServicesConfig) -> int:
         if done.status_code in (200, 201):
             n += 1
             logger.info(
-                "requeued flow run %s (%s), left %s by a stopped worker",
+                "requeued flow run %s (%s), left %s by a worker that is gone",
                 run["name"],
                 run["id"],
                 run["state_type"],
             )
     return n
+
+
+def _epoch(timestamp: str | None) -> float | None:
+    if not timestamp:
+        return None
+    try:
+        return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def _prepare(name: ServiceName, config: ServicesConfig) -> None:
@@ -965,8 +992,10 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
             *("--max-bytes", str(config.log_max_bytes), "--backups", str(config.log_backups)),
             *("--health-url", config.url(name) + HEALTH_PATH[name]),
             *("--max-restarts", str(config.max_restarts)),
-            # the worker's flow runs outlive a crash of the worker and report their own end
-            *("--orphans", "keep" if name == "worker" else "kill"),
+            # the worker's flow runs are given 30 s to report their own end after a crash of the worker
+            *("--orphans", "wait 30" if name == "worker" else "kill"),
+            # the runs a crashed worker took down with it are requeued before it starts again (they resume)
+            *(("--before-restart", _requeue_command(config)) if name == "worker" else ()),
             *("--", *cmd),
         ]
     # appended, never truncated: the supervisor writes through its rotating handler, and what it says itself
@@ -984,6 +1013,11 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     _write_record(config, name, proc.pid, config.url(name))
     logger.info("started %s (pid %d), log %s", name, proc.pid, log)
     return proc
+
+
+def _requeue_command(config: ServicesConfig) -> str:
+    api, pool = config.url("prefect") + "/api", work_pool(config)
+    return shlex.join([sys.executable, "-m", "mint_app.services", "requeue", api, pool])
 
 
 def startup_timeout(config: ServicesConfig, name: ServiceName) -> float:
@@ -1168,3 +1202,17 @@ def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list
         logger.info("stopped %s (pid %d)%s", name, pid, ", killed" if killed else "")
         out.append(Service(name, "running", record.get("url") or config.url(name), pid, log))
     return out[::-1]
+
+
+if (
+    __name__ == "__main__"
+):  # `python -m mint_app.services requeue API POOL`: the worker's supervisor, after a crash
+    if sys.argv[1:2] != ["requeue"] or len(sys.argv) != 4:
+        sys.exit(
+            "usage: python -m mint_app.services requeue PREFECT_API_URL POOL  (MINT_SUPERVISE_LAST_START: since)"
+        )
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    since = float(os.environ.get("MINT_SUPERVISE_LAST_START", "0")) or None
+    print(
+        f"requeued {requeue_runs(sys.argv[2], sys.argv[3], crashed_since=since)} run(s) of pool {sys.argv[3]}"
+    )

@@ -14,8 +14,10 @@ group, this process and the service alike). It
 - on SIGTERM or SIGINT passes the signal on, waits for the service and exits: stopping is never a crash.
 - with `--orphans kill` (the default) is the subreaper of the service's processes (Linux): what the service
   started and left behind when it died (MLflow's and Prefect's uvicorn under their CLIs, holding the port) is
-  killed before the restart. `--orphans keep` (the Prefect worker): its flow runs outlive it, finish on their
-  own and report their end to the Prefect server.
+  killed before the restart. `--orphans wait N` (the Prefect worker) gives them N s to end on their own first
+  (its flow runs: Prefect's runner takes them down with the worker, and they report themselves Crashed), so that
+  `--before-restart` (the worker's: requeue those runs, which resume from their checkpoints) never runs a flow
+  run twice at once.
 
 The standard library and psutil only: it starts next to MLflow, Prefect and vLLM and must stay small.
 """
@@ -28,6 +30,7 @@ import ctypes
 import logging
 import logging.handlers
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -77,6 +80,7 @@ class Supervisor:
         window_s: float = 600.0,
         stable_s: float = 60.0,
         kill_orphans: bool = True,
+        orphans_grace_s: float = 0.0,
     ):
         self.command = list(command)
         self.out = out
@@ -85,6 +89,9 @@ class Supervisor:
         self.window_s = window_s
         self.stable_s = stable_s
         self.kill_orphans = kill_orphans
+        self.orphans_grace_s = orphans_grace_s
+        self.before_restart: list[str] = []
+        self.started_at = 0.0  # epoch s of the newest start
         self.stopping = threading.Event()
         self.child: subprocess.Popen[bytes] | None = None
         self.restarts: deque[float] = deque()
@@ -116,6 +123,7 @@ class Supervisor:
     def _run_once(self) -> tuple[int, bool, float]:
         """Start the service and wait for it: (exit status, whether it was healthy once, seconds it ran)."""
         t0 = time.monotonic()
+        self.started_at = time.time()
         child = subprocess.Popen(
             self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
@@ -127,7 +135,9 @@ class Supervisor:
         while child.poll() is None:
             if not healthy and not self.stopping.is_set():
                 healthy = self._healthy()
-            if self.stopping.wait(1.0 if not healthy else 0.5):
+                if healthy:  # from now on a crash is restarted (tests and the fault suite wait for this line)
+                    self.say(f"pid {child.pid} healthy after {time.monotonic() - t0:.1f} s")
+            if self.stopping.wait(0.25 if not healthy else 0.5):
                 break
             if self.kill_orphans:
                 self._reap()
@@ -137,9 +147,24 @@ class Supervisor:
         copier.join(timeout=5)
         return code, healthy, time.monotonic() - t0
 
+    def _before_restart(self) -> None:
+        """Run the --before-restart command (told when the dead run started: MINT_SUPERVISE_LAST_START)."""
+        env = {**os.environ, "MINT_SUPERVISE_LAST_START": f"{self.started_at:.3f}"}
+        try:
+            done = subprocess.run(self.before_restart, env=env, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            self.say(f"before restart: {e}")
+            return
+        said = (done.stdout + done.stderr).strip().replace("\n", "; ")
+        self.say(f"before restart: exit {done.returncode}: {said[-500:]}")
+
     def _kill_orphans(self) -> None:
         """Kill what the service left behind (reparented here as its subreaper) and reap it."""
         left = psutil.Process().children(recursive=True)
+        if left and self.orphans_grace_s > 0:
+            gone, left = psutil.wait_procs(left, timeout=self.orphans_grace_s)
+            if gone:
+                self.say(f"{len(gone)} process(es) the service left behind ended on their own")
         for p in left:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -188,6 +213,8 @@ class Supervisor:
             )
             if self.stopping.wait(backoff):
                 return 0
+            if self.before_restart:
+                self._before_restart()
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
 
@@ -208,9 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stable-s", type=float, default=60.0, help="a run this long resets the back-off")
     parser.add_argument(
         "--orphans",
-        choices=("kill", "keep"),
         default="kill",
-        help="what the service left behind when it died",
+        help="what the service left behind when it died: kill, or wait N (seconds, then kill)",
+    )
+    parser.add_argument(
+        "--before-restart",
+        help="a command run before each restart (MINT_SUPERVISE_LAST_START: the dead run's start)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the service's command line")
     args = parser.parse_args(argv)
@@ -221,10 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.propagate = False
     out.setLevel(logging.INFO)
     out.addHandler(log_handler(args.log, args.max_bytes, args.backups))
-    kill_orphans = args.orphans == "kill" and become_subreaper()
+    grace = 0.0
+    if args.orphans != "kill":
+        try:
+            grace = float(args.orphans.removeprefix("wait").strip())
+        except ValueError:
+            parser.error(f"--orphans: kill, or wait N (seconds); got {args.orphans!r}")
+    kill_orphans = become_subreaper()
     sup = Supervisor(
-        command, out, args.health_url, args.max_restarts, args.window_s, args.stable_s, kill_orphans
+        command, out, args.health_url, args.max_restarts, args.window_s, args.stable_s, kill_orphans, grace
     )
+    sup.before_restart = shlex.split(args.before_restart) if args.before_restart else []
     signal.signal(signal.SIGTERM, sup.stop)
     signal.signal(signal.SIGINT, sup.stop)
     return sup.run()

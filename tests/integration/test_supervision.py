@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from mint_app.services import ServicesConfig, rolled_logs, service_log, start, status, stop
+from mint_app.services import ServiceName, ServicesConfig, rolled_logs, service_log, start, status, stop
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
@@ -70,11 +70,14 @@ class Load:
             time.sleep(0.1)
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[ServicesConfig, str]]:
-    """`mint serve` as `mint up` starts it, over a store and a catalog where POLICY has a champion; nothing is
-    loaded into the server by anyone: the name resolves on demand. Yields the config and the champion's digest."""
-    base_dir = save_tiny_base(tmp_path / "base")
+# vLLM takes 1-2 minutes to start on 2 cores, twice per test: the slow tier
+@pytest.fixture(params=["mint", pytest.param("vllm", marks=pytest.mark.slow)])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[ServicesConfig, str]]:
+    """`mint serve` as `mint up` starts it (serving mint, or vllm: the front and a vLLM behind it), over a store
+    and a catalog where POLICY has a champion; nothing is loaded into the server by anyone: the name resolves on
+    demand. Yields the config and the champion's digest."""
+    vllm = request.param == "vllm"
+    base_dir = save_tiny_base(tmp_path / "base", vllm=vllm)
     base = load_base(base_dir)
     store = AdapterStore(tmp_path / "store")
     adapter = random_adapter(
@@ -95,18 +98,36 @@ def served(tmp_path: Path) -> Iterator[tuple[ServicesConfig, str]]:
             "catalog_url": catalog_url,
             "log_max_bytes": 2**16,
             "log_backups": 2,
+            **({"serving": "vllm", "vllm_port": free_port()} if vllm else {}),
         }
     )
-    start(config, ["serve"])
+    start(config, names_of(config))
     try:
         yield config, digest
     finally:
-        stop(config, ["serve"])
+        stop(config, names_of(config))
 
 
-def serve_child(config: ServicesConfig) -> psutil.Process:
-    """The `mint serve` process under its supervisor (the recorded pid)."""
-    sup = psutil.Process(status(config, ["serve"])[0].pid or 0)
+def names_of(config: ServicesConfig) -> list[ServiceName]:
+    return ["vllm", "serve"] if config.serving == "vllm" else ["serve"]
+
+
+def engine_of(config: ServicesConfig) -> ServiceName:
+    """The service that runs the model: vLLM behind the front, or mint serve itself."""
+    return "vllm" if config.serving == "vllm" else "serve"
+
+
+def supervised_healthy(config: ServicesConfig, name: ServiceName, timeout: float = 60) -> None:
+    """Until the service's supervisor has seen it healthy (a crash before that is not restarted, by design)."""
+    deadline = time.monotonic() + timeout
+    while "healthy after" not in service_log(config, name).read_text():
+        assert time.monotonic() < deadline, f"{name}'s supervisor never saw it healthy"
+        time.sleep(0.1)
+
+
+def serve_child(config: ServicesConfig, name: ServiceName = "serve") -> psutil.Process:
+    """The service's own process under its supervisor (the recorded pid)."""
+    sup = psutil.Process(status(config, [name])[0].pid or 0)
     (child,) = sup.children()
     return child
 
@@ -116,24 +137,25 @@ def test_a_killed_server_is_brought_back_and_answers_with_the_champion(
 ) -> None:
     config, digest = served
     url = config.url("serve")
+    engine = engine_of(config)
     with Load(url, POLICY) as load:
         load.wait_for(5)
-        first = serve_child(config)
+        supervised_healthy(config, engine)
+        first = serve_child(config, engine)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         load.outcomes.clear()  # what follows the kill
-        load.wait_for(10, timeout=180)
-    assert serve_child(config).pid != first.pid
-    assert load.outcomes["404"] == 0 and set(load.outcomes) <= {
-        "200",
-        "ConnectError",
-        "ReadError",
-        "RemoteProtocolError",
-    }, load.outcomes
+        load.wait_for(10, timeout=400)
+    assert serve_child(config, engine).pid != first.pid
+    # while it is down: refused or cut off (mint serve), 502/503 from the front (vLLM); never a 404
+    clean = {"200", "ConnectError", "ReadError", "RemoteProtocolError", "502", "503"}
+    assert load.outcomes["404"] == 0 and set(load.outcomes) <= clean, load.outcomes
     assert set(load.revisions) == {digest}, load.revisions
-    log = service_log(config, "serve").read_text()
+    log = service_log(config, engine).read_text()
     assert f"pid {first.pid} exited with status -9" in log and "restarting in 1 s" in log
-    assert "Uvicorn running" in log.split(f"pid {first.pid} exited")[0]  # the first run's lines are kept
+    assert (
+        f"pid {first.pid} healthy" in log.split(f"pid {first.pid} exited")[0]
+    )  # the first run's lines are kept
 
 
 def test_down_then_up_under_load_has_no_gap(served: tuple[ServicesConfig, str]) -> None:
@@ -141,11 +163,10 @@ def test_down_then_up_under_load_has_no_gap(served: tuple[ServicesConfig, str]) 
     url = config.url("serve")
     with Load(url, POLICY) as load:
         load.wait_for(5)
-        stop(config, ["serve"])
+        stop(config, names_of(config))
         load.outcomes.clear()
-        (svc,) = start(config, ["serve"])
-        assert svc.state == "running"
-        load.wait_for(10, timeout=120)
+        assert all(s.state == "running" for s in start(config, names_of(config)))
+        load.wait_for(10, timeout=400)
     assert load.outcomes["404"] == 0 and load.outcomes["200"] >= 10, load.outcomes
     assert set(load.revisions) == {digest}, load.revisions
     # both runs' output in the log (appended), which rolled over at 64 KiB into at most 2 old files
@@ -157,6 +178,8 @@ def test_down_then_up_under_load_has_no_gap(served: tuple[ServicesConfig, str]) 
 
 def test_logs_roll_over_by_size_and_mint_logs_shows_them(served: tuple[ServicesConfig, str]) -> None:
     config, _ = served
+    if config.serving == "vllm":
+        pytest.skip("the same supervisor and logs as with serving mint")
     url = config.url("serve")
     with httpx.Client(timeout=10) as c:  # each request is an access-log line: fill more than the 64 KiB limit
         for _ in range(1200):
