@@ -95,6 +95,15 @@ class ServingConfig(Settings):
     """Each Tinker training run keeps its newest this many named save_weights_for_sampler checkpoints; an older one
     is deleted (engine, store ref, run record, and its MLflow version unless an alias holds it), so `mint catalog
     gc` frees its bytes. None (`null`): every save is kept until its client deletes it."""
+    tinker_keep_snapshots: int = Field(4, ge=1)
+    """Each Tinker training run keeps its newest this many unnamed snapshots (`save_weights_and_get_sampling_client`,
+    which RL loops call every step); an older one is released (engine, store ref, checkpoint index) with the
+    sampling sessions on it, and sampling from one of those answers 410 naming the snapshot. Raise it for RL loops
+    that sample from policies more steps behind (tinker-cookbook's `max_steps_off_policy`)."""
+    tinker_result_ttl_s: float = Field(600.0, gt=0)
+    """A finished Tinker call's result stays retrievable (`retrieve_future`) this many seconds after it finished,
+    and a finished or expired session (with its sampling sessions) is forgotten this long after it ended: until
+    then a call on it answers 410, after it 404."""
 
     def tinker_keys(self) -> SecretStr:
         """The Tinker API keys as configured, or one generated now when none is."""

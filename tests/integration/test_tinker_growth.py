@@ -1,11 +1,14 @@
 """Bounded growth of the Tinker API against a live `mint serve` with a real MLflow registry, driven by the official
 `tinker` SDK: `get_training_run` and `delete_checkpoint` (the routes tinker-cookbook's rolling cleanup calls), the
-`mint.kind=tinker` tag that keeps sampler saves apart in the MLflow UI, and 50 cookbook-style save/delete cycles
-that leave the registry and the store (after `mint catalog gc`) at the same size at cycle 10 and at cycle 50."""
+`mint.kind=tinker` tag that keeps sampler saves apart in the MLflow UI, 50 cookbook-style save/delete cycles that
+leave the registry and the store (after `mint catalog gc`) at the same size at cycle 10 and at cycle 50, and 50 RL
+steps (an unnamed snapshot and a sample each) that leave the engine, the checkpoint index, the store's refs and the
+server's sessions at the same size at step 10 and at step 50."""
 
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -160,5 +163,83 @@ def test_fifty_save_and_delete_cycles_keep_the_registry_and_the_store_at_a_const
         assert len(out.sequences[0].tokens) == 2
         tc.load_state(previous[0]).result()
         sc.close("success").result()
+    finally:
+        stop_server(proc)
+
+
+def gauges(url: str) -> dict[str, float]:
+    """The server's unlabelled `mint_*` gauges and counters from /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(mint_\w+) (\S+)$", text, re.MULTILINE)}
+
+
+def test_fifty_rl_steps_with_unnamed_snapshots_leave_the_server_at_a_constant_size(
+    base_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """An RL loop's step: forward_backward, optim_step, `save_weights_and_get_sampling_client`, one sample. With
+    `tinker_keep_snapshots` 4, the server holds the same at step 10 as at step 50: the engine's adapters (the
+    training model and 4 snapshots), 4 checkpoint index files, 4 store refs and (after gc) 4 blobs, one session, 4
+    sampling sessions.
+    The first step's sampling client, released long ago, fails with a 410 that names its snapshot."""
+    keep = 4
+    env = {
+        "MINT_SERVE_TINKER_API_KEYS": ALICE,
+        "MINT_SERVE_TINKER_STATE_DIR": str(tmp_path / "tinker"),
+        "MINT_SERVE_MAX_LORA_RANK": str(RANK),
+        "MINT_SERVE_TINKER_KEEP_SNAPSHOTS": str(keep),
+    }
+    store_dir = tmp_path / "store"
+    proc, url = start_server(store_dir, "--base", str(base_dir), env=env)
+    try:
+        sc = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        base = sc.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=0).result()
+        store = AdapterStore(store_dir)
+        sizes: dict[int, dict[str, float]] = {}
+        first: Any = None
+        for step in range(1, 51):
+            train_step(tc)
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            first = first or sampler
+            out = sampler.sample(
+                types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2, seed=step)
+            ).result()
+            assert len(out.sequences[0].tokens) == 2
+            if step in (10, 50):
+                store.gc(set())  # as `mint catalog gc` (no catalog here): keeps what a store ref names
+                g = gauges(url)
+                sizes[step] = {
+                    "engine adapters": g["mint_lora_adapters_loaded"],
+                    "metadata files": len(list((tmp_path / "tinker" / "checkpoints").glob("*.json"))),
+                    "store refs": len(store.refs()),
+                    "store blobs after gc": len(store.list()),
+                    "sessions": g["mint_tinker_sessions"],
+                    "training models": g["mint_tinker_training_models"],
+                    "sampling sessions": g["mint_tinker_sampling_sessions"],
+                    "snapshots": g["mint_tinker_snapshots"],
+                }
+        print(f"step 10: {sizes[10]}\nstep 50: {sizes[50]}")
+        assert (
+            sizes[10]
+            == sizes[50]
+            == {
+                "engine adapters": 1 + keep,
+                "metadata files": keep,
+                "store refs": keep,
+                "store blobs after gc": keep,
+                "sessions": 1,
+                "training models": 1,
+                "sampling sessions": keep,
+                "snapshots": keep,
+            }
+        )
+        with pytest.raises(tinker.APIStatusError, match=r"snapshot-1, which was released") as e:
+            first.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)).result()
+        assert e.value.status_code == 410
+        sc.close("success").result()
+        g = gauges(url)
+        assert g["mint_tinker_snapshots"] == g["mint_tinker_training_models"] == 0
+        assert g["mint_lora_adapters_loaded"] == 0 and not store.refs()
     finally:
         stop_server(proc)

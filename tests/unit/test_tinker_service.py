@@ -24,7 +24,14 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.registry.store import AdapterStore
 from mint_core.serving.tinker import losses
 from mint_core.serving.tinker.mount import QuietPolls
-from mint_core.serving.tinker.service import AdamStep, TinkerError, TinkerService, TrainModel, read_keys
+from mint_core.serving.tinker.service import (
+    AdamStep,
+    Futures,
+    TinkerError,
+    TinkerService,
+    TrainModel,
+    read_keys,
+)
 from mint_core.serving.tinker.wire import (
     Datum,
     Sampled,
@@ -37,11 +44,11 @@ VOCAB = 300
 KEYS = {"tml-alice-key-0000": "alice", "tml-bob-key-00000": "bob"}
 
 
-def make_service(root: Path) -> TinkerService:
+def make_service(root: Path, **kw: Any) -> TinkerService:
     base = build_tiny_base("dense", seed=0, tokenizer=byte_tokenizer())
     engine = Engine(base, EngineConfig(max_loras=4, max_lora_rank=8))
     return TinkerService(
-        engine, AdapterStore(root / "store"), "tiny-dense", root / "tinker", KEYS, window_ms=50
+        engine, AdapterStore(root / "store"), "tiny-dense", root / "tinker", KEYS, window_ms=50, **kw
     )
 
 
@@ -649,3 +656,160 @@ def test_delete_and_retention_free_a_runs_old_checkpoints_for_gc(tmp_path: Path)
         assert service.training_run("alice", a.id)["last_sampler_checkpoint"]["tinker_path"] == paths[3]
     finally:
         service.close()
+
+
+def snapshot(svc: TinkerService, m: TrainModel, seed: int) -> tuple[str, str]:
+    """One RL step's save: train a little, then an unnamed snapshot; its sampling session id and path."""
+    svc.forward_backward(m, [datum(6, seed)], "cross_entropy", {}, False).result(30)
+    step(svc, m)
+    sid = svc.call(m, lambda: svc.save_for_sampler(m, None)).result(30)["sampling_session_id"]
+    path = svc.sampler(m.owner, sid).model_path
+    assert path is not None
+    return sid, path
+
+
+def metadata_files(svc: TinkerService) -> int:
+    return len(list((svc.state_dir / "checkpoints").glob("*.json")))
+
+
+def test_a_run_keeps_its_newest_unnamed_snapshots_and_releases_older_ones_completely(tmp_path: Path) -> None:
+    """Snapshot by snapshot: each run keeps its newest `keep_snapshots`; an older one leaves the engine, the
+    checkpoint index and the store's refs (gc then frees its bytes), and its sampling session answers 410 naming
+    it. Another run's snapshots are its own business."""
+    svc = make_service(tmp_path, keep_snapshots=2)
+    try:
+        a, b = new_model(svc, seed=1), new_model(svc, seed=2)
+        _, b_path = snapshot(svc, b, 0)
+        taken: list[tuple[str, str]] = []
+        for i in range(4):
+            taken.append(snapshot(svc, a, i))
+            live = [p for _, p in taken[-2:]]
+            ws = svc.engine.working_set
+            assert [p for _, p in taken if ws.get(p) is not None] == live, i
+            assert set(svc.store.refs()) == {*live, b_path}, i
+            assert metadata_files(svc) == len(live) + 1, i
+            assert list(a.live_snapshots) == live and list(b.live_snapshots) == [b_path]
+            assert svc.counts()["snapshots"] == len(live) + 1
+        for sid, path in taken[:2]:
+            with pytest.raises(TinkerError, match=f"{sid} sampled {path}, which was released") as e:
+                svc.sampler("alice", sid)
+            assert e.value.status == 410 and "tinker_keep_snapshots" in e.value.message
+            with pytest.raises(TinkerError, match="no checkpoint"):
+                svc.checkpoint("alice", path)
+        with pytest.raises(TinkerError, match="no sampling session"):
+            svc.sampler("bob", taken[0][0])  # another key's: not even its fate is told
+        for sid, path in taken[2:]:
+            assert svc.sampler("alice", sid).adapter == path
+        assert len(svc.samplers) == 3
+        live_digests = {svc.checkpoint("alice", p).digest for p in [taken[2][1], taken[3][1], b_path]}
+        svc.store.gc(set())
+        assert set(svc.store.list()) == live_digests
+        svc.engine.logits(torch.tensor([[5, 6, 7]]), [taken[3][1]])  # the newest still serves after gc
+    finally:
+        svc.close()
+
+
+def test_a_closed_session_releases_its_snapshots_now_and_is_forgotten_after_the_ttl(tmp_path: Path) -> None:
+    """Finishing a session releases its models' snapshots at once (their samplers answer 410 saying why); the
+    session itself answers 410 until `result_ttl_s` after it ended, then it and its sampling sessions are gone
+    (404). An expired session (no heartbeat for `session_ttl_s`) goes the same way."""
+    svc = make_service(tmp_path, result_ttl_s=60)
+    try:
+        a = new_model(svc, seed=1)
+        sid, path = snapshot(svc, a, 0)
+        base_sampler = svc.create_sampler("alice", a.session_id, None, "tiny-dense")
+        svc.finish_session("alice", a.session_id)
+        assert svc.engine.working_set.get(path) is None and metadata_files(svc) == 0 and not svc.store.refs()
+        with pytest.raises(TinkerError, match=f"sampled {path}, which was released when its training model"):
+            svc.sampler("alice", sid)
+        assert svc.sampler("alice", base_sampler).adapter is None
+        with pytest.raises(TinkerError, match="has finished"):
+            svc.session("alice", a.session_id)
+        svc.sweep(time.monotonic() + 61)
+        with pytest.raises(TinkerError, match="no session") as e:
+            svc.session("alice", a.session_id)
+        assert e.value.status == 404
+        with pytest.raises(TinkerError, match="no sampling session"):
+            svc.sampler("alice", base_sampler)
+        b = new_model(svc, seed=2)
+        _, b_path = snapshot(svc, b, 1)
+        svc.sweep(
+            time.monotonic() + svc.session_ttl_s + 1
+        )  # no heartbeat since: expired, its snapshot released
+        assert svc.engine.working_set.get(b_path) is None and metadata_files(svc) == 0
+        svc.sweep(time.monotonic() + svc.session_ttl_s + 62)
+        assert svc.counts() == {
+            "sessions": 0,
+            "training_models": 0,
+            "sampling_sessions": 0,
+            "snapshots": 0,
+            "futures": 0,
+        }
+        assert list(svc.engine.working_set.names()) == []
+    finally:
+        svc.close()
+
+
+def test_a_result_stays_retrievable_for_the_ttl_after_it_finished_retrieved_or_not() -> None:
+    from concurrent.futures import Future
+
+    futures = Futures(keep_s=10)
+    done: Future[Any] = Future()
+    done.set_result(1)
+    pending: Future[Any] = Future()
+    retrieved: Future[Any] = Future()
+    retrieved.set_result(2)
+    ids = [futures.track("alice", f) for f in (done, pending, retrieved)]
+    t0 = time.monotonic()
+    assert futures.get("alice", ids[2]).result() == 2
+    futures.sweep(t0)
+    futures.sweep(t0 + 9)
+    assert len(futures) == 3
+    futures.sweep(t0 + 11)
+    assert len(futures) == 1  # only the call still running
+    with pytest.raises(TinkerError, match="finished more than 10 s ago"):
+        futures.get("alice", ids[0])
+    pending.set_result(3)
+    futures.sweep(t0 + 100)
+    assert futures.get("alice", ids[1]).result() == 3
+    futures.sweep(t0 + 111)
+    assert len(futures) == 0
+
+
+def test_a_deleted_checkpoints_sampling_sessions_answer_410(svc: TinkerService) -> None:
+    a = new_model(svc, seed=1)
+    path = svc.call(a, lambda: svc.save_for_sampler(a, "v1")).result(30)["path"]
+    sid = svc.create_sampler("alice", a.session_id, path, None)
+    svc.delete_checkpoint("alice", path)
+    with pytest.raises(TinkerError, match=f"sampled {path}, which was deleted") as e:
+        svc.sampler("alice", sid)
+    assert e.value.status == 410 and not svc.samplers
+
+
+def test_a_restart_releases_the_unnamed_snapshots_a_previous_process_left(tmp_path: Path) -> None:
+    """Their models and sampling sessions died with the process: a new one frees their index entries and refs at
+    start, written before snapshots were marked too (told by name and by being in no run's record); named saves,
+    even one called snapshot-N, stay."""
+    import json
+
+    svc = make_service(tmp_path)
+    try:
+        a = new_model(svc, seed=1)
+        _, old = snapshot(svc, a, 0)
+        _, legacy = snapshot(svc, a, 1)
+        named = svc.call(a, lambda: svc.save_for_sampler(a, "snapshot-9")).result(30)["path"]
+    finally:
+        svc.close()
+    meta = svc._meta_file(legacy)
+    record = json.loads(meta.read_text())
+    del record["ephemeral"]
+    meta.write_text(json.dumps(record))
+    assert metadata_files(svc) == 3
+    again = make_service(tmp_path)
+    try:
+        assert metadata_files(again) == 1 and set(again.store.refs()) == {named}
+        with pytest.raises(TinkerError, match="no checkpoint"):
+            again.checkpoint("alice", old)
+        assert again.checkpoint("alice", named).kind == "sampler_weights"
+    finally:
+        again.close()

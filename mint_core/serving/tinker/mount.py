@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.server import Server
@@ -111,7 +114,10 @@ def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
         register=reg.register if reg else None,
         unregister=reg.unregister if reg else None,
         keep_sampler_saves=config.tinker_keep_sampler_saves,
+        keep_snapshots=config.tinker_keep_snapshots,
+        result_ttl_s=config.tinker_result_ttl_s,
     )
+    server.metrics.registry.register(TinkerCollector(svc))
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, QuietPolls) for f in access.filters):
         access.addFilter(QuietPolls())
@@ -120,6 +126,28 @@ def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
     app.add_exception_handler(TinkerError, _tinker_error)  # type: ignore[arg-type]
     app.include_router(routes.router)
     return svc
+
+
+GAUGES = {
+    "sessions": "Tinker sessions held (live, and finished ones until tinker_result_ttl_s after they ended)",
+    "training_models": "Tinker training models open (each pins an adapter slot)",
+    "sampling_sessions": "Tinker sampling sessions held",
+    "snapshots": "Unnamed Tinker snapshots live (at most tinker_keep_snapshots per training run)",
+    "futures": "Tinker call results held for retrieve_future",
+}
+"""Help of each `mint_tinker_*` gauge."""
+
+
+class TinkerCollector(Collector):
+    """`mint_tinker_<what>` gauges on /metrics: what the Tinker API holds in memory now (`TinkerService.counts`),
+    each bounded by the retention settings (a server that runs for months watches these stay flat)."""
+
+    def __init__(self, svc: TinkerService):
+        self.svc = svc
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for what, value in self.svc.counts().items():
+            yield GaugeMetricFamily(f"mint_tinker_{what}", GAUGES[what], value=value)
 
 
 class QuietPolls(logging.Filter):

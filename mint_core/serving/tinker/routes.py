@@ -395,6 +395,7 @@ async def asample(request: Request) -> Any:
     try:
         seqs = await server.submit_all([(sampler.adapter, ids, p) for p in params], wake)
     except APIError as e:
+        svc.sampler(who, body.sampling_session_id)  # its snapshot released meanwhile: a 410 that names it
         raise TinkerError(e.status if e.status < 500 else 503, str(e.message)) from None
     fut: Future[Any] = Future()
     rid = svc.futures.track(who, fut)
@@ -413,6 +414,11 @@ async def asample(request: Request) -> Any:
             prompt_lps = seqs[0].prompt_logprobs if body.prompt_logprobs else None
             fut.set_result(Result(proto=write_sample_response(out, prompt_lps)))
         except APIError as e:
+            try:
+                svc.sampler(who, sampler.id)  # its snapshot released while the sample waited: say so
+            except TinkerError as gone:
+                fut.set_exception(gone)
+                return
             fut.set_exception(TinkerError(e.status, str(e.message)))
         except BaseException as e:
             fut.set_exception(e)

@@ -24,7 +24,11 @@ Growth stays bounded: a training run (a model id) keeps its newest `keep_sampler
 client deletes a checkpoint (`delete_checkpoint`, as tinker-cookbook's rolling cleanup does). A deleted checkpoint
 leaves the engine, the store's refs (so `mint catalog gc` frees its bytes), the run's record and, unless an alias
 holds it, the registry. Each run's record (`runs/`, beside the checkpoint index) answers `get_training_run`, also
-after its session ended.
+after its session ended. An unnamed snapshot (`save_weights_and_get_sampling_client`, which RL loops call every
+step) lives while it is among its run's newest `keep_snapshots` and its model is open; then it is released the same
+way, and the sampling sessions on it with it (a later sample answers 410 naming the snapshot). A finished call's
+result stays retrievable for `result_ttl_s`, and a finished or expired session is forgotten `result_ttl_s` after it
+ended, with its sampling sessions.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import math
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -79,6 +83,9 @@ BATCHED = frozenset({"forward", "forward_backward"})
 # A model that queued a call this recently counts as training now: a forward_backward waits the batching window
 # for its next call only while another model does.
 ACTIVE_S = 1.0
+# Sampling sessions released with their snapshot or checkpoint that are still answered with why (410), newest kept.
+GONE_KEEP = 4096
+SNAPSHOT = "/sampler_weights/snapshot-"
 
 
 class TinkerError(MintError):
@@ -131,6 +138,7 @@ class Session:
     owner: str
     last_seen: float
     finished: bool = False
+    ended: float = 0.0  # time.monotonic() when it finished or expired
     models: set[str] = field(default_factory=set)
     samplers: int = 0
 
@@ -141,6 +149,7 @@ class Sampler:
     owner: str
     adapter: str | None  # engine adapter name; None: the bare base
     model_path: str | None
+    session_id: str = ""
 
 
 @dataclass
@@ -158,6 +167,7 @@ class TrainModel:
     parent: str | None = None  # the address its next registered version descends from
     steps: int = 0
     snapshots: int = 0
+    live_snapshots: deque[str] = field(default_factory=deque)  # its unnamed snapshots' paths, oldest first
     last_call: float = 0.0  # time.monotonic() of its last queued call
     queue: deque[_Op] = field(default_factory=deque)
     closed: bool = False
@@ -216,6 +226,7 @@ class Checkpoint:
     steps: int = 0
     address: str | None = None  # its MLflow version (policy/vN), if registered
     created: float = 0.0  # unix seconds (0: written before checkpoints carried it)
+    ephemeral: bool = False  # an unnamed snapshot: released with its model or by newer ones, never registered
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -234,11 +245,12 @@ class Checkpoint:
 
 
 class Futures:
-    """request id -> (owner, future); a finished future is kept until retrieved, then for `keep_s` more.
+    """request id -> (owner, future); a finished future stays retrievable for `keep_s` after it finished (retrieved
+    or not: a client that died never retrieves it), then it is forgotten.
 
     Ids are a random per-process prefix and a counter (no system call per request: a step queues two), and
-    retrieved futures are swept at most once a second rather than on every new id, so neither cost grows with the
-    number of futures held."""
+    finished futures are swept at most once a second rather than on every new id, so neither cost grows with the
+    number of futures held. A future's finishing time is when a sweep or a retrieval first sees it done."""
 
     def __init__(self, keep_s: float = 600.0):
         self._lock = threading.Lock()
@@ -255,16 +267,34 @@ class Futures:
             now = time.monotonic()
             if now >= self._next_sweep:
                 self._next_sweep = now + 1.0
-                for r in [r for r, (_, _, t) in self._items.items() if t < now]:
-                    del self._items[r]
+                self._sweep(now)
             self._items[rid] = (owner, fut, math.inf)
         return rid
+
+    def sweep(self, now: float | None = None) -> None:
+        """Forget the futures that finished more than `keep_s` before `now` (default: now)."""
+        with self._lock:
+            self._sweep(time.monotonic() if now is None else now)
+
+    def _sweep(self, now: float) -> None:
+        for r, (owner, fut, until) in list(self._items.items()):
+            if until == math.inf:
+                if fut.done():
+                    self._items[r] = (owner, fut, now + self.keep_s)
+            elif until < now:
+                del self._items[r]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, owner: str, request_id: str) -> Future[Any]:
         with self._lock:
             item = self._items.get(request_id)
             if item is None or item[0] != owner:
-                raise not_found(f"no request {request_id!r} of this API key (unknown, or retrieved long ago)")
+                raise not_found(
+                    f"no request {request_id!r} of this API key (unknown, or finished more than "
+                    f"{self.keep_s:.0f} s ago: results are kept that long)"
+                )
             if item[1].done() and item[2] == math.inf:
                 self._items[request_id] = (item[0], item[1], time.monotonic() + self.keep_s)
             return item[1]
@@ -290,11 +320,15 @@ class TinkerService:
         register: Callable[[TrainModel, Checkpoint, str], str] | None = None,
         unregister: Callable[[Checkpoint], str | None] | None = None,
         keep_sampler_saves: int | None = None,
+        keep_snapshots: int = 4,
+        result_ttl_s: float = 600.0,
     ):
         """`register(model, checkpoint, name)` makes a saved sampler revision an MLflow version and returns its
         address (None: saves go to the store and the engine only); `unregister(checkpoint)` deletes that version
         again and returns None, or why the version stays (an alias holds it). `keep_sampler_saves`: each training
-        run keeps its newest this many named sampler saves, older ones are deleted (None: all kept)."""
+        run keeps its newest this many named sampler saves, older ones are deleted (None: all kept).
+        `keep_snapshots`: each training run keeps its newest this many unnamed snapshots, older ones are released.
+        `result_ttl_s`: how long a finished call's result stays retrievable, and a finished session known."""
         self.engine = engine
         self.store = store
         self.base_name = base_name
@@ -307,12 +341,19 @@ class TinkerService:
         self.register = register
         self.unregister = unregister
         self.keep_sampler_saves = keep_sampler_saves
+        if keep_snapshots < 1:
+            raise ValueError(f"keep_snapshots must be 1 or more, not {keep_snapshots}")
+        self.keep_snapshots = keep_snapshots
+        self.result_ttl_s = result_ttl_s
         self._runs_lock = threading.Lock()  # run records: written by the worker (saves) and routes (deletes)
         self.vocab = int(engine.base.config.vocab_size)
-        self.futures = Futures()
+        self.futures = Futures(result_ttl_s)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, TrainModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        # sampler id -> (owner, why it is gone): the sampling sessions released with their snapshot or checkpoint
+        self._gone: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._next_sweep = 0.0
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._stopping = False
@@ -323,6 +364,18 @@ class TinkerService:
         self._tokenizer: str | None = None
         self._thread: threading.Thread | None = None  # started by the first call queued
         self._free_since = 0.0  # time.monotonic() when the worker last finished a round
+        self._release_orphan_snapshots()
+
+    def counts(self) -> dict[str, int]:
+        """What this service holds in memory now (the `mint_tinker_*` gauges of /metrics)."""
+        with self._lock:
+            return {
+                "sessions": len(self.sessions),
+                "training_models": len(self.models),
+                "sampling_sessions": len(self.samplers),
+                "snapshots": sum(len(m.live_snapshots) for m in self.models.values()),
+                "futures": len(self.futures),
+            }
 
     def close(self) -> None:
         with self._cv:
@@ -363,13 +416,14 @@ class TinkerService:
     def create_session(self, owner: str) -> str:
         sid = str(uuid.uuid4())
         with self._lock:
-            self._expire()
+            self._maybe_sweep()
             self.sessions[sid] = Session(sid, owner, time.monotonic())
         logger.info("tinker session %s for %s", sid, owner)
         return sid
 
     def session(self, owner: str, session_id: str) -> Session:
         with self._lock:
+            self._maybe_sweep()
             s = self.sessions.get(session_id)
             if s is None or s.owner != owner:
                 raise not_found(f"no session {session_id!r} of this API key")
@@ -388,26 +442,54 @@ class TinkerService:
                 raise not_found(f"no session {session_id!r} of this API key")
             if s.finished:
                 return
-            s.finished = True
-            for mid in list(s.models):
-                self._drop_model(mid)
+            self._end(s, time.monotonic())
 
-    def _expire(self) -> None:
+    def _end(self, s: Session, now: float) -> None:
+        """Finish a session (under the lock): its models close, their snapshots are released."""
+        s.finished = True
+        s.ended = now
+        for mid in list(s.models):
+            self._drop_model(mid)
+
+    def _maybe_sweep(self) -> None:
+        """`sweep`, at most once a second (under the lock)."""
         now = time.monotonic()
-        for s in list(self.sessions.values()):
-            if not s.finished and now - s.last_seen > self.session_ttl_s:
-                logger.info("tinker session %s expired (no heartbeat for %.0f s)", s.id, now - s.last_seen)
-                s.finished = True
-                for mid in list(s.models):
-                    self._drop_model(mid)
+        if now >= self._next_sweep:
+            self._next_sweep = now + 1.0
+            self.sweep(now)
+
+    def sweep(self, now: float | None = None) -> None:
+        """Expire the sessions that sent nothing for `session_ttl_s`, forget the sessions (and their sampling
+        sessions) that ended more than `result_ttl_s` before `now`, and the results that finished that long ago.
+        Until then a call on a finished session answers 410, after it 404."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for s in list(self.sessions.values()):
+                if not s.finished and now - s.last_seen > self.session_ttl_s:
+                    logger.info(
+                        "tinker session %s expired (no heartbeat for %.0f s)", s.id, now - s.last_seen
+                    )
+                    self._end(s, now)
+            gone = {s.id for s in self.sessions.values() if s.finished and now - s.ended > self.result_ttl_s}
+            for sid in gone:
+                del self.sessions[sid]
+            if gone:
+                for sampler in [x for x in self.samplers.values() if x.session_id in gone]:
+                    del self.samplers[sampler.id]
+        self.futures.sweep(now)
 
     def _drop_model(self, model_id: str) -> None:
         """Stop a model (under the lock): its queued calls fail, a call running now ends as it would have, its
-        slot is unpinned and freed (its saved revisions stay)."""
+        slot is unpinned and freed, its unnamed snapshots are released (its named saves stay)."""
         m = self.models.pop(model_id, None)
         if m is None:
             return
         m.closed = True
+        while m.live_snapshots:
+            self._release_snapshot(
+                m.live_snapshots.popleft(),
+                f"released when its training model {model_id} closed with its session",
+            )
         while m.queue:
             op = m.queue.popleft()
             if not op.started:
@@ -991,12 +1073,13 @@ class TinkerService:
             None,
             m.steps,
             created=time.time(),
+            ephemeral=ephemeral,
         )
+        # a live snapshot's bytes too are kept from gc: the engine reads them again once they leave host memory
+        self.store.add_ref(path, digest)
         if ephemeral:
             self._write_meta(ck)
-            sid = self.new_sampler(m.owner, self.session(m.owner, m.session_id), path, path)
-            return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
-        self.store.add_ref(path, digest)
+            return {"sampling_session_id": self._add_snapshot(m, path), "type": "save_weights_for_sampler"}
         if self.register is not None:
             ck.address = self.register(m, ck, name)
             m.parent = ck.address
@@ -1013,6 +1096,70 @@ class TinkerService:
                 except (TinkerError, MintError) as e:  # the save stands; the next save tries again
                     logger.warning("tinker %s: keeping %s for now: %s", m.id, old, e)
         return {"path": path, "type": "save_weights_for_sampler"}
+
+    def _add_snapshot(self, m: TrainModel, path: str) -> str:
+        """A new sampling session on the snapshot just saved at `path`; the run's snapshots beyond its newest
+        `keep_snapshots` are released. A model closed meanwhile releases this one too (nothing left behind)."""
+        with self._lock:
+            session = self.sessions.get(m.session_id)
+            if m.closed or session is None:
+                self._release_snapshot(
+                    path, f"released when its training model {m.id} closed with its session"
+                )
+                raise TinkerError(410, f"model {m.id} was closed with its session")
+            sid = self.new_sampler(m.owner, session, path, path)
+            m.live_snapshots.append(path)
+            while len(m.live_snapshots) > self.keep_snapshots:
+                self._release_snapshot(
+                    m.live_snapshots.popleft(),
+                    f"released: each training run keeps its newest {self.keep_snapshots} unnamed snapshots "
+                    "(tinker_keep_snapshots); sample from a newer save_weights_and_get_sampling_client",
+                )
+            return sid
+
+    def _release_snapshot(self, path: str, why: str) -> None:
+        """Release an unnamed snapshot completely (under the lock): out of the engine (a sample running on it
+        finishes first), the store's refs (so `mint catalog gc` frees its bytes), the checkpoint index, and the
+        sampling sessions on it, which then answer 410 with `why`. Idempotent."""
+        if self.engine.working_set.get(path) is not None:
+            self.engine.unload_adapter(path)
+        self.store.remove_ref(path)
+        self._meta_file(path).unlink(missing_ok=True)
+        self._forget_samplers(path, why)
+        logger.debug("tinker %s %s", path, why)
+
+    def _forget_samplers(self, path: str, why: str) -> None:
+        """Drop the sampling sessions on `path` (under the lock); each answers 410 with `why` for a while."""
+        for s in [s for s in self.samplers.values() if s.adapter == path]:
+            del self.samplers[s.id]
+            self._gone[s.id] = (s.owner, f"sampling session {s.id} sampled {path}, which was {why}")
+            while len(self._gone) > GONE_KEEP:
+                self._gone.popitem(last=False)
+
+    def _release_orphan_snapshots(self) -> None:
+        """At start: release the unnamed snapshots a previous process left (their models and sampling sessions
+        died with it). Snapshots written before they were marked `ephemeral` are told by their name and by being
+        in no run's record."""
+        released = 0
+        records: dict[str, set[str]] = {}
+        for f in sorted((self.state_dir / "checkpoints").glob("*.json")):
+            try:
+                ck = Checkpoint(**json.loads(f.read_text()))
+            except (OSError, ValueError, TypeError) as e:
+                logger.warning("tinker: skipping unreadable checkpoint record %s: %s", f, e)
+                continue
+            if not ck.ephemeral:
+                if ck.kind != "sampler_weights" or SNAPSHOT not in ck.path:
+                    continue
+                if ck.model_id not in records:
+                    records[ck.model_id] = set((self._read_run(ck.model_id) or {}).get("checkpoints", []))
+                if ck.path in records[ck.model_id]:
+                    continue  # a named save called snapshot-N
+            self.store.remove_ref(ck.path)
+            f.unlink(missing_ok=True)
+            released += 1
+        if released:
+            logger.info("tinker: released %d unnamed snapshots left by a previous process", released)
 
     def delete_checkpoint(self, owner: str, path: str) -> dict[str, Any]:
         """Delete a named checkpoint: from the registry first (its MLflow version and catalog rows, unless an
@@ -1034,6 +1181,8 @@ class TinkerService:
         meta.with_suffix(".optimizer.safetensors").unlink(missing_ok=True)
         self._remove_from_run(ck.model_id, path)
         meta.unlink(missing_ok=True)
+        with self._lock:
+            self._forget_samplers(path, "deleted")
         logger.info(
             "tinker deleted %s%s",
             path,
@@ -1142,7 +1291,7 @@ class TinkerService:
         with self._lock:
             session.samplers += 1
             sid = f"{session.id}:sample:{session.samplers}"
-            self.samplers[sid] = Sampler(sid, owner, adapter, model_path)
+            self.samplers[sid] = Sampler(sid, owner, adapter, model_path, session.id)
             return sid
 
     def create_sampler(
@@ -1166,8 +1315,12 @@ class TinkerService:
 
     def sampler(self, owner: str, sampler_id: str) -> Sampler:
         with self._lock:
+            self._maybe_sweep()
             s = self.samplers.get(sampler_id)
             if s is None or s.owner != owner:
+                gone = self._gone.get(sampler_id)
+                if gone is not None and gone[0] == owner:
+                    raise TinkerError(410, gone[1])
                 raise not_found(f"no sampling session {sampler_id!r} of this API key")
             return s
 
