@@ -295,12 +295,15 @@ def serve(
         backend=backend,
     )
     _check_device(cfg.device, "device")  # from the file or MINT_SERVE_DEVICE
+    # a token given (environment, file, `mint up`'s token file) is not printed; a generated one must be
+    generated = cfg.admin_token is None
     token = cfg.admin_secret()
     console.print(f"mint serving [bold]{cfg.base}[/] at http://{cfg.host}:{cfg.port}/v1  (metrics: /metrics)")
     if cfg.backend == "vllm":
         console.print(f"backend: the vLLM server at {cfg.vllm_url}")
     console.print(f"adapter store: {cfg.adapter_root.resolve()}")
-    console.print(f"admin token (load/unload): {token}")
+    # the log outlives the run (appended, `mint logs`): a secret the user gave is never written into it
+    console.print(f"admin token (load/unload): {token if generated else 'as configured (not shown)'}")
     if cfg.tinker and cfg.backend == "mint":  # the training API lives on the embedded engine
         configured = cfg.tinker_api_keys is not None or cfg.tinker_api_keys_file is not None
         key = cfg.tinker_keys().get_secret_value()  # generated now when none is configured
