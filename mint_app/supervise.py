@@ -161,7 +161,7 @@ class Supervisor:
     def _kill_orphans(self) -> None:
         """Kill what the service left behind (reparented here as its subreaper) and reap it."""
         left = psutil.Process().children(recursive=True)
-        if left and self.orphans_grace_s > 0:
+        if left and self.orphans_grace_s > 0 and not self.stopping.is_set():  # stopping: they got SIGTERM too
             gone, left = psutil.wait_procs(left, timeout=self.orphans_grace_s)
             if gone:
                 self.say(f"{len(gone)} process(es) the service left behind ended on their own")
