@@ -124,6 +124,32 @@ def split(task_name: str, n_train: int, n_heldout: int, seed: int) -> tuple[list
     return train, heldout
 
 
+_SOLVERS: dict[str, Callable[[str], str]] = {
+    "add": lambda inp: str(sum(int(x) for x in inp.split("+"))),
+    "reverse": lambda inp: inp[::-1],
+    "copy": lambda inp: inp,
+    "upper": lambda inp: inp.upper(),
+    "sort": lambda inp: "".join(sorted(inp)),
+}
+_PROMPT = re.compile(r"^(?P<task>[a-z]+): (?P<input>\S+) =$")
+_INPUTS = {
+    "add": r"\d{1,2}\+\d{1,2}",
+    "reverse": "[a-z]+",
+    "copy": "[a-z]+",
+    "upper": "[a-z]+",
+    "sort": r"\d+",
+}
+
+
+def example_of(prompt: str) -> Example | None:
+    """The built-in task example a prompt asks, with its answer, or None when the prompt is not one (any other
+    text): what lets a server score its own answers to built-in tasks with the task's reward."""
+    m = _PROMPT.match(prompt.strip())
+    if m is None or m["task"] not in _SOLVERS or not re.fullmatch(_INPUTS[m["task"]], m["input"]):
+        return None
+    return Example(f"served-{m['task']}", m["task"], prompt.strip(), _SOLVERS[m["task"]](m["input"]))
+
+
 def is_well_formed(task_name: str, completion: str) -> bool:
     return re.fullmatch(task(task_name).answer_pattern, completion.strip()) is not None
 

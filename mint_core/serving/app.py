@@ -7,6 +7,7 @@ Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one
   POST /v1/unload_lora_adapter {"lora_name"}                               (admin bearer token)
   GET  /health, GET /metrics
   POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
+  PUT/DELETE/GET /v1/mint/canary/{name}, POST /v1/feedback                 (canary splits, scores: routes/canary.py)
   /api/v1/...  Tinker's training API (the `tinker` SDK), on by default (`tinker`): see serving/tinker/routes.py
 A /v1 body over `max_body_bytes` is refused with 413 before it is parsed (serving/body_limit.py).
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's types and codes; a field out
@@ -36,9 +37,10 @@ from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.validate import BaseSpec
 from mint_core.serving.body_limit import BodyLimit
+from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.protocol import APIError, invalid_request
-from mint_core.serving.routes import completions, extensions, health, models
+from mint_core.serving.routes import canary, completions, extensions, health, models
 from mint_core.serving.server import PromptLimits, Server
 
 logger = logging.getLogger(__name__)
@@ -119,12 +121,14 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     app.state.server = server
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
-    app.add_middleware(
+    app.state.canary, app.state.auth = CanaryState(), server
+    app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
+    app.add_middleware(  # outermost: a body over the limit is refused before anything reads it
         BodyLimit,
         max_bytes=config.max_body_bytes,
         refused=lambda path: _count(server, path, None, 413),
     )
-    for routes in (completions, models, health, extensions):
+    for routes in (completions, models, health, extensions, canary):
         app.include_router(routes.router)
     tinker = None
     if config.tinker:

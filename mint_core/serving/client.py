@@ -78,6 +78,31 @@ class ServingClient:
     def unload_adapter(self, name: str) -> str:
         return self._call("POST", "/v1/unload_lora_adapter", admin=True, json={"lora_name": name}).text
 
+    def put_canary(self, name: str, canary: str, control: str, share: float) -> dict[str, Any]:
+        """PUT /v1/mint/canary/{name}: `share` of `name`'s request keys answered by `canary`, the rest by
+        `control` (serving/canary.py). Repeating it changes nothing."""
+        body = {"canary": canary, "control": control, "share": share}
+        return dict(self._call("PUT", f"/v1/mint/canary/{name}", admin=True, json=body).json())
+
+    def clear_canary(self, name: str) -> bool:
+        """DELETE /v1/mint/canary/{name}; False when there was no split."""
+        try:
+            self._call("DELETE", f"/v1/mint/canary/{name}", admin=True)
+        except ServingError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def canary(self, name: str, after: int = 0) -> dict[str, Any]:
+        """GET /v1/mint/canary/{name}: the split, counts per arm, and score events after `after`."""
+        return dict(self._call("GET", f"/v1/mint/canary/{name}", params={"after": after}).json())
+
+    def feedback(self, response_id: str, score: float) -> dict[str, Any]:
+        """POST /v1/feedback: score an answer in [0, 1] by its response id."""
+        body = {"id": response_id, "score": score}
+        return dict(self._call("POST", "/v1/feedback", json=body).json())
+
     # ---- inference and state ----------------------------------------------------------------------------
 
     def models(self) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
@@ -47,6 +48,7 @@ from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.body_limit import BodyLimit
+from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.chat import chat_prompt
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.protocol import (
@@ -59,6 +61,7 @@ from mint_core.serving.protocol import (
     UnloadLoRAAdapterRequest,
     invalid_request,
 )
+from mint_core.serving.routes import canary as canary_routes
 from mint_core.serving.routes.models import loaded, other_base_warning, resolve_lora_path
 from mint_core.serving.server import PromptLimits, Server
 
@@ -419,11 +422,20 @@ def create_gateway(
 
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
 
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        # routes with typed bodies (canary, feedback): a 400 naming the field, as on mint serve
+        return JSONResponse(invalid_request(e.errors()).response().model_dump(), status_code=400)
+
+    app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
+
     def refused(path: str) -> None:  # a body over the limit, never read: its model is unknown
         if path.endswith("completions"):
             gw.count(None, 413)
 
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refused=refused)
+    app.state.canary, app.state.auth = CanaryState(), gw
+    app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, refused=refused)  # outermost
+    app.include_router(canary_routes.router)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,94 @@
+"""Canary splits and feedback (`serving/canary.py`), the same on both backends:
+
+PUT    /v1/mint/canary/{name}  {"canary", "control", "share"}   put a split (admin token; repeating is a no-op)
+DELETE /v1/mint/canary/{name}                                     end it (admin token); 404 when there is none
+GET    /v1/mint/canary/{name}?after=<seq>&limit=<n>               the split, counts per arm, score events
+GET    /v1/mint/canary                                            every split
+POST   /v1/feedback            {"id", "score"}                    score an answer by its response id (API key)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, cast
+
+from fastapi import APIRouter, Query, Request
+
+from mint_core.serving.canary import (
+    AlreadyScored,
+    CanaryState,
+    CanaryView,
+    Feedback,
+    ScoreEvent,
+    Split,
+    UnknownResponse,
+)
+from mint_core.serving.protocol import APIError
+
+router = APIRouter(tags=["canary"])
+
+
+class Auth(Protocol):
+    def check_api_key(self, request: Request) -> None: ...
+    def check_admin(self, request: Request) -> None: ...
+
+
+def _state(request: Request) -> tuple[CanaryState, Auth]:
+    return cast(CanaryState, request.app.state.canary), cast(Auth, request.app.state.auth)
+
+
+@router.put("/v1/mint/canary/{name}", response_model=CanaryView)
+async def put_split(request: Request, name: str, split: Split) -> CanaryView:
+    state, auth = _state(request)
+    auth.check_admin(request)
+    if split.canary == name or split.control == split.canary:
+        raise APIError(
+            400,
+            f"a canary of {name!r} needs its own served name (got canary {split.canary!r}, control "
+            f"{split.control!r})",
+            "BadRequestError",
+            "canary",
+        )
+    state.put(name, split)
+    return state.view(name, after=2**62)
+
+
+@router.delete("/v1/mint/canary/{name}", response_model=CanaryView)
+async def clear_split(request: Request, name: str) -> CanaryView:
+    state, auth = _state(request)
+    auth.check_admin(request)
+    if state.clear(name) is None:
+        raise APIError(404, f"no canary split for {name!r}", "NotFoundError", "name")
+    return state.view(name, after=2**62)
+
+
+@router.get("/v1/mint/canary/{name}", response_model=CanaryView)
+async def view(
+    request: Request, name: str, after: int = Query(0, ge=0), limit: int = Query(10_000, ge=1, le=100_000)
+) -> CanaryView:
+    state, auth = _state(request)
+    auth.check_api_key(request)
+    return state.view(name, after, limit)
+
+
+@router.get("/v1/mint/canary")
+async def splits(request: Request) -> dict[str, Split]:
+    state, auth = _state(request)
+    auth.check_api_key(request)
+    return dict(state.splits)
+
+
+@router.post("/v1/feedback", response_model=ScoreEvent)
+async def feedback(request: Request, body: Feedback) -> ScoreEvent:
+    state, auth = _state(request)
+    auth.check_api_key(request)
+    try:
+        return state.feedback(body.id, body.score)
+    except UnknownResponse:
+        raise APIError(
+            404,
+            f"no answer with id {body.id!r} (unknown, or older than the last answers kept)",
+            "NotFoundError",
+            "id",
+        ) from None
+    except AlreadyScored:
+        raise APIError(409, f"the answer {body.id!r} is already scored", "ConflictError", "id") from None
