@@ -118,3 +118,41 @@ def read_run_documents(tracking_uri: str, run_id: str, paths: list[str]) -> dict
 def tag_version(client: MlflowClient, policy: str, version: str | int, key: str, value: str) -> None:
     """Set one tag on a policy's model version (the gate's decision, `mint.gate`)."""
     client.set_model_version_tag(policy, str(version), key, value)
+
+
+CANARY_EXPERIMENT = "mint-canary"
+"""Experiment of the canary watch runs: one run per canary, its online estimate over time."""
+
+
+def start_canary_run(client: MlflowClient, policy: str, key: str, params: Mapping[str, Any]) -> str:
+    """The MLflow run of one canary watch (found again by `key` on a retry of the same flow run)."""
+    exp = client.get_experiment_by_name(CANARY_EXPERIMENT)
+    exp_id = exp.experiment_id if exp is not None else client.create_experiment(CANARY_EXPERIMENT)
+    found = client.search_runs([exp_id], filter_string=f"tags.`{IDEMPOTENCY_TAG}` = '{key}'", max_results=1)
+    if found:
+        return str(found[0].info.run_id)
+    run = client.create_run(
+        exp_id, run_name=f"canary-{policy}-{key[:8]}", tags={IDEMPOTENCY_TAG: key, "mint.policy": policy}
+    )
+    run_id = str(run.info.run_id)
+    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+    return run_id
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: Mapping[str, float | None], step: int) -> None:
+    """Metrics at one step (non-finite and None values skipped), stamped now."""
+    now = int(time.time() * 1000)
+    rows = [
+        Metric(k, float(v), now, step)
+        for k, v in metrics.items()
+        if v is not None and math.isfinite(float(v))
+    ]
+    try:
+        client.log_batch(run_id, metrics=rows)
+    except MlflowException as e:
+        raise RunRecordError(f"logging to MLflow run {run_id} failed: {e}") from e
+
+
+def end_run(client: MlflowClient, run_id: str, tags: Mapping[str, str], failed: bool = False) -> None:
+    client.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
+    client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")

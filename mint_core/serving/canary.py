@@ -217,7 +217,7 @@ class CanaryState:
                 since=s.since,
                 arms={k: v.model_copy() for k, v in s.arms.items()},
                 events=events,
-                next=events[-1].seq if events else max(after, 0),
+                next=events[-1].seq if events else min(after, self._seq),
                 missed=after < s.dropped_seq,
             )
 
