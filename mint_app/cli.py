@@ -19,7 +19,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from mint_app.eval_cli import eval_app
-from mint_app.registry_cli import catalog_app, registry_app
+from mint_app.registry_cli import _version, catalog_app, registry_app, run_canary_cmd
 from mint_app.services_cli import register as register_service_commands
 from mint_core import __version__
 from mint_core.data.build import DataParams, write_task_data
@@ -713,6 +713,29 @@ def lifecycle_cmd(
     if steps is not None:
         doc.setdefault("training", {})["steps"] = steps
     _run_wave(True, doc)
+
+
+@app.command("canary")
+def canary_cmd(
+    policy: Annotated[str, typer.Argument(help="The policy (MLflow registered model).")],
+    version: Annotated[str, typer.Argument(help="The candidate version: N or vN.")],
+    share: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Fraction of the policy's users the candidate answers.")
+    ] = 0.1,
+    max_minutes: Annotated[
+        float | None, typer.Option(help="Roll back as inconclusive after this long (default 60).")
+    ] = None,
+    params: _FlowParams = None,
+) -> None:
+    """Canary a version: it answers `share` of the policy's requests beside the champion until the online test
+    (an always-valid sequential test on the answers' scores) promotes it or rolls it back (the canary flow;
+    needs `mint up` and traffic). Exit 0 when promoted, 1 when rolled back or inconclusive."""
+    doc = _flow_params(params)
+    cfg = doc.setdefault("canary", {})
+    cfg["share"] = share
+    if max_minutes is not None:
+        cfg["max_minutes"] = max_minutes
+    run_canary_cmd(policy, _version(version), doc)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ nothing here imports `mlflow`, torch or transformers; only promote and rollback 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -314,17 +314,51 @@ def registry_history(
     _print_moves(moves, f"{policy}: alias moves")
 
 
+def run_canary_cmd(policy: str, version: int, doc: dict[str, Any]) -> None:
+    """Run the canary flow in this process and print its decision and evidence; exit 1 unless promoted."""
+    from flows.canary import canary_flow
+
+    doc.update(policy=policy, version=version)
+    try:
+        out = canary_flow(**doc)
+    except (MintError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    colour = {"promoted": "green", "rolled back": "red"}.get(out.decision, "yellow")
+    console.print(
+        f"{policy}/v{version}: [{colour}]{out.decision}[/] after {out.scored:,} scored of {out.requests:,} "
+        f"requests ({out.seconds:.0f} s): {out.reason}"
+    )
+    if out.decision != "promoted":
+        raise typer.Exit(1)
+
+
 @registry_app.command("promote")
 def registry_promote(
     policy: str,
     version: Annotated[str, typer.Argument(help="N or vN")],
     reason: Annotated[str, typer.Option("--reason", "-m", help="Why (kept in the move log).")],
     alias: Annotated[str, typer.Option(help="The alias to move.")] = "champion",
+    canary: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Canary instead: the version answers this share of the policy's users until the online test "
+            "promotes or rolls it back (`mint canary`; needs `mint up` and traffic).",
+        ),
+    ] = None,
     catalog: CatalogOpt = DEFAULT_CATALOG,
     store: StoreOpt = DEFAULT_STORE,
     tracking_uri: TrackingOpt = DEFAULT_TRACKING,
 ) -> None:
     """Point an alias (champion by default) at a version. Serving follows champion via reconcile."""
+    if canary is not None:
+        if alias != "champion":
+            raise typer.BadParameter("--canary promotes to champion; leave --alias out")
+        workspace = {"tracking_uri": tracking_uri, "store": store, "catalog_url": catalog}
+        run_canary_cmd(policy, _version(version), {"canary": {"share": canary}, "workspace": workspace})
+        return
     try:
         move = _registry(catalog, store, tracking_uri).set_alias(policy, alias, _version(version), reason)
     except MintError as e:

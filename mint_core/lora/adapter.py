@@ -385,6 +385,27 @@ def adapter_bytes(
     return config_bytes, weights_bytes
 
 
+def initial_adapter(
+    sites: dict[str, Site],
+    targets: list[str],
+    rank: int,
+    alpha: float,
+    generator: torch.Generator,
+    base_fingerprint: str | None = None,
+) -> AdapterWeights:
+    """PEFT's default init, a training run's step 0: A kaiming-uniform (a=sqrt(5)), B zero, so the adapter
+    answers exactly as the base until its first update."""
+    tensors: SiteTensors = {}
+    for name, site in sites.items():
+        if site.short not in targets:
+            continue
+        lead = (site.experts,) if site.experts else ()
+        bound = 1.0 / math.sqrt(site.in_features)
+        A = (torch.rand(*lead, rank, site.in_features, generator=generator) * 2 - 1) * bound
+        tensors[name] = (A, torch.zeros(*lead, site.out_features, rank))
+    return AdapterWeights(rank, alpha, tensors, base_fingerprint)
+
+
 def random_adapter(
     sites: dict[str, Site],
     targets: list[str],

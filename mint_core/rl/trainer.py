@@ -41,7 +41,7 @@ from torch import nn
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
-from mint_core.lora.adapter import AdapterWeights, save_adapter
+from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
 from mint_core.lora.layers import _SlotBank
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
@@ -344,16 +344,10 @@ class MultiPolicyTrainer:
     # ---- setup ----------------------------------------------------------------------------------------
 
     def _fresh(self, spec: PolicySpec, g: torch.Generator) -> AdapterWeights:
-        """PEFT's default init: A kaiming-uniform (a=sqrt(5)), B zero, so the policy starts as the base."""
-        tensors = {}
-        for name, site in self.engine.sites.items():
-            if site.short not in spec.targets:
-                continue
-            lead = (site.experts,) if site.experts else ()
-            bound = 1.0 / math.sqrt(site.in_features)
-            A = (torch.rand(*lead, spec.rank, site.in_features, generator=g) * 2 - 1) * bound
-            tensors[name] = (A, torch.zeros(*lead, site.out_features, spec.rank))
-        return AdapterWeights(spec.rank, spec.alpha, tensors, self.engine.base.fingerprint)
+        """PEFT's default init: the policy starts as the base (`lora.adapter.initial_adapter`)."""
+        return initial_adapter(
+            self.engine.sites, spec.targets, spec.rank, spec.alpha, g, self.engine.base.fingerprint
+        )
 
     # ---- one step ------------------------------------------------------------------------------------
 
