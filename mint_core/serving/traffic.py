@@ -2,8 +2,8 @@
 
 It stands in for live traffic in the demo (`mint run`) and the tests: a thread that keeps `concurrency`
 completions in flight against a server, each from one of `users` simulated users (the request's `user`, so one
-user stays on one arm of a split), with prompts drawn fresh from the task's generator (`data.tasks.examples`
-with its own seed, not the training or held-out sets). Which policies it asks: the ones named, or (`follow`)
+user stays on one arm of a split), with prompts drawn from the task's generator with a seed of its own (repeats
+allowed, as in real traffic: `add` has only 10^4 distinct prompts). Which policies it asks: the ones named, or (`follow`)
 every policy that has a canary split on the server right now, each with the task of its name.
 """
 
@@ -14,12 +14,11 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 
-from mint_core.data.tasks import TASKS, examples
+from mint_core.data.tasks import TASKS, prompt_of
 
 logger = logging.getLogger(__name__)
 SEED = 7_000_001
@@ -56,7 +55,7 @@ class Traffic:
         self.stats = TrafficStats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._prompts: dict[str, Iterator[str]] = {}
+        self._prompts: dict[str, random.Random] = {}
 
     def __enter__(self) -> Traffic:
         self._thread = threading.Thread(
@@ -71,9 +70,8 @@ class Traffic:
             self._thread.join(timeout=60)
 
     def _prompt(self, task: str) -> str:
-        if task not in self._prompts:
-            self._prompts[task] = (e.prompt for e in examples(task, SEED))
-        return next(self._prompts[task])
+        rng = self._prompts.setdefault(task, random.Random(f"{task}:{SEED}"))
+        return prompt_of(task, TASKS[task].make(rng)[0])
 
     async def _targets(self, http: httpx.AsyncClient) -> dict[str, str]:
         if self.policies is not None:
@@ -114,7 +112,7 @@ class Traffic:
                         r = await http.post("/v1/completions", json=body)
                         ok = r.status_code == 200
                         why = str(r.status_code)
-                    except httpx.HTTPError as e:
+                    except Exception as e:  # the generator keeps going whatever one request met
                         ok, why = False, type(e).__name__
                     if ok:
                         self.stats.answered += 1
