@@ -12,6 +12,17 @@ and passes only when all of them pass:
   interval of its difference from the baseline lies above `-guard_margin` (a one-sided score test of
   H0: difference <= -guard_margin at level alpha/2, the CONSORT convention).
 
+The guards are per task: each other built-in task is guarded on its own suite (`guard:add`, `guard:reverse`,
+...; `GatePolicy.guard_tasks`, by default every built-in task but the policy's own whenever the guard group is
+a guard, as in the lifecycle's default gate), so a candidate is rejected when any single other task regresses
+beyond the margin. A pooled guard cannot see that: the guard group (`guard:guard`) pools 64 generation and 64
+log-likelihood items of every task, the policy's own task included, so the first `sort` revision that took
+`add` from 0.494 to 0.331 (-0.163 on the 320-item `add` suite) passed it at -0.006 [-0.031, +0.018], its own
+task's items (+14 of 128) covering `add`'s (-9 of 128). The pooled guard stays as one more guard because it is
+the only check that reads the log-likelihood items (does the candidate still rank a right answer above a near
+miss) and the guard group's generation items, which no task suite holds; and at 640 items it is the tightest
+guard against a loss spread thinly over every task (detectable margin 0.035 at discordance 0.1).
+
 Every comparison is paired: item i of a suite is the same prompt for both revisions, so what carries the
 evidence is the discordant items, b (only the candidate right) and c (only the baseline right). The effect is
 the difference in accuracy, (b - c) / n. Its confidence interval is Tango's score interval for a difference of
@@ -33,11 +44,21 @@ disagree on one item in five, an assumption until real runs measure it: every ch
 | own suite, true gain 0.05 (= `min_effect`) | 626 |
 | guard, margin 0.10 | 157 |
 | guard, margin 0.05 (= `guard_margin`) | 628: **320 items per guard task, 640 in the guard group** (`results.GUARD_LIMIT`) |
+| per-task guard, margin 0.05, discordance 0.1 | 314: **the task's suite, 320 items** (`results.EVAL_LIMIT`) |
 
 So 320 items per task suite detect the +0.10 a training round is meant to bring, at p < 0.01 too. `min_effect` 0.05 is the
 practical floor every promotion must clear besides significance, not the effect the suites are sized for: an
 observed-gain threshold as large as the design effect would halve the power for it. Smaller suites still gate
 correctly (a false promotion stays below alpha); they only reject more real gains, and the decision warns.
+
+A per-task guard reads the other task's suite, n = 320 (the same items its own policy's gain is measured on),
+and shows non-inferiority within (1.96 + 0.84) sqrt(d / 320) = 0.157 sqrt(d) at discordance d: 0.035 at d 0.05,
+0.050 at d 0.10, 0.070 at d 0.20; a truly harmless revision passes such a guard with probability 0.98 at d 0.05,
+0.8 at d 0.10. Measured on the first `add` and `sort` revisions of the built-in recipe (two rounds each, against
+the base): on the letter tasks (`reverse`, `copy`, `upper`) they changed 3-11% of the items (detectable margin
+0.027-0.052: 320 items hold the 0.05 margin there) and lost 0.00-0.03; on each other's digit task 21-32% (margin
+0.072-0.088, and the gate warns), where they lost 0.15-0.18, three times the margin, which fails at any size.
+The held-out split has no more items to give (450 per task: 320 for the task suite, 2 x 64 for the guard group).
 
 With no baseline scores at all (`champion=None`) or with `compare=False`, only the sample counts and floors
 are checked and the reasons say so. A suite the gate needs but one side was not evaluated on (or not on the
@@ -54,6 +75,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.table import Table
+
+from mint_core.data.tasks import TASKS
+from mint_core.eval.suites import GUARD
 
 GATE_TAG = "mint.gate"
 """Model-version tag holding the decision as compact JSON."""
@@ -107,7 +131,14 @@ class GatePolicy(BaseModel):
     suite: str = Field(min_length=1)
     """The policy's own suite: the one its training is meant to improve."""
     guard_suites: list[str] = Field(default_factory=list)
-    """Other suites (other tasks, general ability) on which the candidate must be non-inferior."""
+    """Other suites (other tasks, general ability) on which the candidate must be non-inferior, each as one
+    pool of its items (a group such as `guard` pools every task's)."""
+    guard_tasks: list[str] | None = None
+    """Built-in tasks (`mint_core.data.tasks.TASKS`) each guarded on its own suite, `guard:<task>`: the same
+    paired non-inferiority test and margin, so that one task's regression cannot hide among the other tasks'
+    items in a pooled guard. None: when `guard_suites` names the guard group (`suites.GUARD`, as the
+    lifecycle's default gate does), every built-in task but the policy's own suite (and those already in
+    `guard_suites`); otherwise none. [] turns them off. Resolved when the policy is made."""
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
     """Significance level: the own-suite gain needs an exact two-sided McNemar p below it, and every
     confidence interval reported (and a guard's) has coverage 1 - alpha."""
@@ -143,6 +174,17 @@ class GatePolicy(BaseModel):
     def _consistent(self) -> GatePolicy:
         if self.suite in self.guard_suites:
             raise ValueError(f"suite {self.suite!r} is the policy's own suite and cannot also be a guard")
+        if self.guard_tasks is None:
+            pooled = GUARD in self.guard_suites
+            self.guard_tasks = [t for t in TASKS if pooled and t != self.suite and t not in self.guard_suites]
+        unknown = [t for t in self.guard_tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(
+                f"guard_tasks {unknown} are not built-in tasks ({', '.join(TASKS)}); guard other suites with "
+                "guard_suites"
+            )
+        if self.suite in self.guard_tasks:
+            raise ValueError(f"task {self.suite!r} is the policy's own suite and cannot also be a guard")
         bad = {k: v for k, v in self.floors.items() if not 0.0 <= v <= 1.0}
         if bad:
             raise ValueError(f"floors must lie in [0, 1]: {bad}")
@@ -153,9 +195,13 @@ class GatePolicy(BaseModel):
             raise ValueError(f"power {self.power:g} must exceed alpha {self.alpha:g}")
         return self
 
+    def guards(self) -> list[str]:
+        """Every guarded suite, each once: the per-task guards (`guard_tasks`), then the `guard_suites`."""
+        return list(dict.fromkeys([*(self.guard_tasks or []), *self.guard_suites]))
+
     def suites(self) -> list[str]:
-        """Every suite the gate reads, own suite first, each once."""
-        return list(dict.fromkeys([self.suite, *self.guard_suites, *self.floors]))
+        """Every suite the gate reads (and the lifecycle evaluates), own suite first, each once."""
+        return list(dict.fromkeys([self.suite, *self.guards(), *self.floors]))
 
     def min_samples_for(self, suite: str) -> int:
         return self.min_samples_by_suite.get(suite, self.min_samples)
@@ -268,8 +314,9 @@ class GateDecision(BaseModel):
 
     def tag_value(self) -> str:
         """Compact JSON for the `mint.gate` model-version tag: the verdict, the baseline, the reasons, the failed
-        checks and the paired checks' numbers (`stats`: effect, CI, p, n, MDE). To fit an MLflow tag, trailing
-        stats, then reasons, then failed names are dropped, with `"truncated": true`."""
+        checks and every paired check's numbers (`stats`: effect, CI, p, n, MDE; a gain and each guard, one per
+        guarded task). To fit an MLflow tag, trailing reasons (warnings first: the prose of what `stats` and
+        `failed` already hold), then trailing stats, then failed names are dropped, with `"truncated": true`."""
         reasons, failed = list(self.reasons), [c.name for c in self.failed()]
         stats = [(c.name, _compact(c.stats)) for c in self.checks if c.stats is not None]
 
@@ -287,8 +334,8 @@ class GateDecision(BaseModel):
             return json.dumps(doc, separators=(",", ":"))
 
         text = dump(False)
-        while len(text) > _TAG_MAX_CHARS and (stats or reasons or failed):
-            (stats or reasons or failed).pop()
+        while len(text) > _TAG_MAX_CHARS and (reasons or stats or failed):
+            (reasons or stats or failed).pop()
             text = dump(True)
         return text
 
@@ -556,7 +603,7 @@ def decide(
     checks: list[Check] = []
     warnings: list[str] = []
 
-    compared = {policy.suite, *policy.guard_suites}  # the suites read on the baseline's side too
+    compared = {policy.suite, *policy.guards()}  # the suites read on the baseline's side too
     readable: set[str] = set()  # suites every side the gate compares on has, with enough samples
     for suite in policy.suites():
         need = policy.min_samples_for(suite)
@@ -589,7 +636,7 @@ def decide(
             checks.append(Check(name=f"floor:{suite}", passed=ok, detail=detail))
 
     if base is not None:
-        for suite, guard in [(policy.suite, False), *((g, True) for g in policy.guard_suites)]:
+        for suite, guard in [(policy.suite, False), *((g, True) for g in policy.guards())]:
             if suite in readable:
                 check, warning = _paired_check(policy, suite, cand[suite], base[suite], baseline, guard)
                 checks.append(check)

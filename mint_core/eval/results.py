@@ -36,14 +36,21 @@ gain (what a first revision must bring, issue #16) at p < 0.01 with 80% power wh
 first revisions of `add` disagree with the base on 28% of the items: at the 200 items used before, a +0.100 gain
 came out at p = 0.0105 in one fresh clone (MDE 0.104). A +0.05 gain (the gate's default `min_effect`) needs about
 470-780 items at such disagreement, so the gate warns that it cannot see one at this size; there a gain is
-promoted only when it is large enough to be significant."""
+promoted only when it is large enough to be significant.
+
+The same suites are the per-task guards (`guard:<task>`: every other built-in task's suite, read by the gate of
+each policy), so each has n = 320 too: non-inferiority within the 0.05 margin at 80% power up to a discordance of
+0.10 (`gate.detectable_margin(320, 0.1)` = 0.0495): the first `add` and `sort` revisions changed 3-11% of the
+letter tasks' items (`gate`'s docstring has the measurements)."""
 
 
 GUARD_LIMIT = 320
 """Items per task of the guard group (`mint_guard_generate`, `mint_guard_choice`) the lifecycle evaluates by
 default, 640 in all: the gate's non-inferiority test needs 628 for 80% power to show a 0.05 margin (its
 `guard_margin`) at alpha 0.05 when the revisions disagree on a fifth of the items (`gate.detectable_margin(640,
-0.2)` = 0.0495; at 400 items it was 0.063, so a guard that cost a policy 0.01-0.02 failed about every other run)."""
+0.2)` = 0.0495; at 400 items it was 0.063, so a guard that cost a policy 0.01-0.02 failed about every other run).
+The group pools every task (128 items each); a regression of one task is the per-task guards' to catch, on the
+tasks' own suites (`EVAL_LIMIT` items each)."""
 
 
 class EvalConfig(BaseModel):

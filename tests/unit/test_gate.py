@@ -196,6 +196,103 @@ def test_gate_checks_every_suite_it_names() -> None:
     ]
 
 
+# ---- per-task guards ------------------------------------------------------------------------------------------
+
+OTHERS = ["add", "reverse", "copy", "upper"]
+
+
+def first_sort_revision(
+    add: tuple[int, int, int, int] = (320, 100, 6, 58),
+) -> tuple[list[SuiteScore], list[SuiteScore]]:
+    """A `sort` revision against the base as measured on the built-in base: +0.156 on its own suite, `add` at
+    -0.163 (6 gained, 58 lost of 320 by default), the other tasks barely touched, and the pooled guard group at
+    -0.006 (its own task's items make up for `add`'s)."""
+    shapes = {
+        "sort": (320, 240, 55, 5),
+        "add": add,
+        "reverse": (320, 30, 1, 3),
+        "copy": (320, 210, 2, 3),
+        "upper": (320, 200, 2, 3),
+        "guard": (640, 440, 25, 29),
+    }
+    pairs = [paired(name, *shape) for name, shape in shapes.items()]
+    return [c for c, _ in pairs], [b for _, b in pairs]
+
+
+def test_the_guard_group_brings_a_guard_per_other_task() -> None:
+    p = GatePolicy(suite="sort", guard_suites=["guard"])
+    assert p.guard_tasks == OTHERS
+    assert p.guards() == [*OTHERS, "guard"]
+    assert p.suites() == ["sort", *OTHERS, "guard"]  # what the lifecycle evaluates, the base included
+    # a task already a guard suite is guarded once; explicit tasks, or none
+    assert GatePolicy(suite="sort", guard_suites=["guard", "add"]).guards() == [*OTHERS[1:], "guard", "add"]
+    assert GatePolicy(suite="add", guard_suites=["guard"], guard_tasks=["sort"]).guards() == ["sort", "guard"]
+    assert GatePolicy(suite="add", guard_suites=["guard"], guard_tasks=[]).guards() == ["guard"]
+    # no guard group named, no per-task guards: what a policy asks for is what it gets
+    assert GatePolicy(suite="add").guards() == [] and POLICY.guards() == ["copy"]
+    # a custom own suite (not a built-in task) guards every built-in task
+    assert GatePolicy(suite="mine", guard_suites=["guard"]).guard_tasks == [*OTHERS, "sort"]
+    # resolved once: the policy round-trips through its JSON (the flows' parameters) unchanged
+    assert GatePolicy.model_validate_json(p.model_dump_json()) == p
+
+
+def test_one_task_regression_fails_its_own_guard_though_the_pool_passes() -> None:
+    """The issue's case: a `sort` revision that costs `add` 0.163 passed the pooled guard, and now fails
+    `guard:add` alone, with every other guard shown passing beside it."""
+    cand, base = first_sort_revision()
+    pooled_only = decide(
+        GatePolicy(suite="sort", guard_suites=["guard"], guard_tasks=[]), cand, base, baseline="base"
+    )
+    assert pooled_only.passed, pooled_only.reasons
+    d = decide(GatePolicy(suite="sort", guard_suites=["guard"]), cand, base, baseline="base")
+    assert not d.passed and [c.name for c in d.failed()] == ["guard:add"]
+    assert [c.name for c in d.checks if c.name.startswith(("gain", "guard"))] == [
+        "gain:sort",
+        *(f"guard:{t}" for t in OTHERS),
+        "guard:guard",
+    ]
+    add = d.check("guard:add")
+    assert add is not None and add.stats is not None
+    assert (add.stats.n, add.stats.b, add.stats.c) == (320, 6, 58)
+    assert (
+        add.stats.effect == pytest.approx(-52 / 320) and add.stats.ci[1] < -0.05
+    )  # all of it beyond the margin
+    assert add.detail.startswith("-0.163 (0.494 -> 0.331), 95% CI [")
+    assert "below -margin -0.050 (p >= alpha/2 = 0.025): cannot rule out a regression" in add.detail
+    assert any(r.startswith("guard:add: -0.163 (0.494 -> 0.331)") for r in d.reasons)
+    for t in OTHERS[1:]:  # the tasks it left alone: a handful of items changed, CI well within the margin
+        g = d.check(f"guard:{t}")
+        assert g is not None and g.passed and g.stats is not None and g.stats.n == 320
+        assert g.stats.ci[0] > -0.05 and g.stats.p_value < 0.025
+    # within the margin on add too: promoted
+    ok = decide(GatePolicy(suite="sort", guard_suites=["guard"]), *first_sort_revision(add=(320, 100, 4, 6)))
+    assert ok.passed, ok.reasons
+
+
+def test_every_per_task_guard_is_in_the_table_the_artifact_and_the_tag() -> None:
+    cand, base = first_sort_revision()
+    d = decide(GatePolicy(suite="sort", guard_suites=["guard"]), cand, base, baseline="base")
+    guards = [f"guard:{t}" for t in [*OTHERS, "guard"]]
+    md = d.markdown()
+    console = Console(record=True, width=250)
+    console.print(d.table())
+    text = console.export_text()
+    tag = json.loads(d.tag_value())
+    assert len(d.tag_value()) <= 5000 and "truncated" not in tag
+    for name in guards:
+        check = d.check(name)
+        assert check is not None and check.stats is not None
+        s = check.stats
+        ci = f"[{s.ci[0]:+.3f}, {s.ci[1]:+.3f}]"
+        row = f"| {name} | {'pass' if check.passed else 'FAIL'} | {s.effect:+.3f} | {ci} | {s.p_value:.3g} | {s.n} |"
+        assert row in md, md
+        assert name in text and ci in text
+        assert tag["stats"][name]["n"] == s.n and tag["stats"][name]["effect"] == round(s.effect, 4)
+        assert tag["stats"][name]["ci"] == [round(s.ci[0], 4), round(s.ci[1], 4)]
+        assert tag["stats"][name]["p"] == float(f"{s.p_value:.4g}")
+    assert tag["failed"] == ["guard:add"]
+
+
 # ---- the statistics against hand-computed numbers --------------------------------------------------------------
 
 
@@ -317,6 +414,8 @@ BAD_POLICIES = [
     ("power 1", {"power": 1.0}, "power\n  Input should be less than 1"),
     ("power below alpha", {"power": 0.04}, "power 0.04 must exceed alpha 0.05"),
     ("own suite as guard", {"guard_suites": ["add"]}, "cannot also be a guard"),
+    ("own task as guard task", {"guard_tasks": ["add", "sort"]}, "task 'add' is the policy's own suite"),
+    ("unknown guard task", {"guard_tasks": ["guard"]}, r"guard_tasks \['guard'\] are not built-in tasks"),
     ("floor above 1", {"floors": {"add": 1.5}}, r"floors must lie in \[0, 1\]"),
     ("old raw margin", {"margin": 0.0}, "`margin` .* is gone: use `min_effect`"),
     ("old significance switch", {"significance": "none"}, "`significance` is gone"),
@@ -388,11 +487,11 @@ def test_tag_value_fits_an_mlflow_tag(n_suites: int) -> None:
     tag = d.tag_value()
     assert len(tag) <= 5000 < len(json.dumps(d.reasons))
     doc = json.loads(tag)
-    assert doc["truncated"] is True and doc["passed"] is False and doc["stats"] == {}
-    assert (
-        doc["reasons"] == d.reasons[: len(doc["reasons"])]
-    )  # stats go first, then trailing reasons, then names
+    assert doc["truncated"] is True and doc["passed"] is False and doc["reasons"] == []
+    # reasons go first (prose of what stats and failed hold), then trailing stats, then names
+    assert list(doc["stats"]) == [c.name for c in d.checks if c.stats is not None][: len(doc["stats"])]
     assert doc["failed"] == [c.name for c in d.failed()][: len(doc["failed"])]
+    assert doc["stats"] or n_suites > 150
 
 
 def test_record_gate_on_a_real_registry(tmp_path: Path) -> None:
