@@ -7,6 +7,11 @@
 `wave` runs N policies through it at once over one shared base: one batched rollout and one batched update per
 step for all of them, then export, evaluation, gate and promotion per policy. `lifecycle` is a wave of one.
 
+With `training.early_stop`, every few steps a greedy probe on a few held-out items (not the gate's) scores each
+policy still training; a policy whose probe does not rise over its step-0 probe within `patience` probes
+leaves the next steps and is not exported, evaluated or gated (status "stopped"). With `training.draw="fresh"`
+each round trains on new prompts from the task generators, none of them a held-out or eval-suite prompt.
+
 A run is identified by its idempotency key (policy spec, data revision, GRPO config, schedule, seed, base, round):
 a rerun finds the version the key made and trains nothing twice, a run killed mid-training resumes from its last
 checkpoint, and a run killed mid-promotion finishes the promotion it had started.
@@ -44,8 +49,16 @@ from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base
 from tasks.registry import current_champion, export, find_revision, gate
 from tasks.training import (
+    EarlyStop,
+    Plateau,
+    ProbeLog,
+    ProbePoint,
+    ProbeResult,
     PromptSet,
+    freeze,
     grpo_update,
+    probe,
+    probe_gain,
     rollout,
     start_training,
     validate_data,
@@ -71,6 +84,10 @@ class PolicyRun(BaseModel):
     evaluated are the ones the gate reads."""
     served_name: str | None = Field(None, pattern=f"^{NAME_RE.pattern}$")
     """Adapter name the champion is served under (default: the policy's name)."""
+    rejected: int = Field(0, ge=0)
+    """Candidates of this policy the gate rejected in a row since its champion (`retrain` reads it from the
+    registry). With `training.early_stop`, from `early_stop.after_rejections` on, the policy gets one probe to
+    show a gain, else it is skipped."""
 
     @model_validator(mode="after")
     def _known_task(self) -> PolicyRun:
@@ -119,7 +136,16 @@ class Training(BaseModel):
     """With the round, seeds the draw of the prompts, the adapters' initialisation and the rollouts
     (`mint_core.lifecycle.round_seed`): each round trains on new prompts and samples."""
     data_dir: Path | None = Path("data/tasks")
-    """The DVC `task_data` output (train/<task>.jsonl); None generates the prompts from `seed`."""
+    """The DVC `task_data` output (train/<task>.jsonl, heldout/<task>.jsonl); None generates the prompts from
+    `seed` (only with `draw="train"` and no `early_stop`: leaving the held-out prompts out needs them)."""
+    draw: Literal["train", "fresh"] = "train"
+    """Where a round's prompts come from. "train": drawn by the round from `data_dir`/train (the examples the
+    built-in base was pretrained on, one fixed pool of 5000 a task). "fresh": new ones from the task generators
+    at the round's seed (`mint_core.lifecycle.round_seed`, recorded as the run's `fresh_seed`), leaving out every
+    held-out and eval-suite prompt and the early-stop probe's, so evaluation stays honest."""
+    early_stop: EarlyStop | None = None
+    """Probe each policy's held-out reward every few steps and stop it when that does not rise (`EarlyStop`); a
+    policy stopped without gain is not exported or gated. None: every policy trains every step."""
     round: str | None = None
     """Names this training round: runs with the same parameters and round are one run, so a rerun makes no
     second version. Default: today's UTC date, so a daily schedule trains once a day."""
@@ -130,6 +156,14 @@ class Training(BaseModel):
     def round_name(self) -> str:
         return self.round or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
 
+    def key_round(self) -> str:
+        """The round as the run's idempotency key names it: its name, and the draw and early stop where they are
+        not the defaults (they change what trains, so a run with others is another run)."""
+        extra = [] if self.draw == "train" else [f"draw={self.draw}"]
+        if self.early_stop is not None:
+            extra.append(f"early_stop={self.early_stop.model_dump_json()}")
+        return "|".join([self.round_name(), *extra])
+
 
 class StepTiming(BaseModel):
     step: str
@@ -139,7 +173,8 @@ class StepTiming(BaseModel):
     """The mint_core work inside the task; wall - work is Prefect's overhead."""
 
 
-Status = Literal["promoted", "rejected", "unchanged", "failed"]
+Status = Literal["promoted", "rejected", "unchanged", "failed", "stopped"]
+""""stopped": early stopping ended its training without a gain on the probe; nothing was exported or gated."""
 
 
 class PolicyOutcome(BaseModel):
@@ -155,6 +190,34 @@ class PolicyOutcome(BaseModel):
     """The gate's decision, every check with its effect, CI, p-value and n (None: the gate did not run)."""
     scores: dict[str, dict[str, SuiteScore]] = Field(default_factory=dict)
     """Suite scores by side: "candidate", and "champion" or "base" (what it was compared with)."""
+    gain: float | None = None
+    """The candidate's paired effect on its own suite over its baseline (the gate's `gain:<suite>`); for a
+    "stopped" policy, its probe's change from step 0 to the stop. None: not measured."""
+    p_value: float | None = None
+    """Exact two-sided McNemar p of `gain`."""
+    gain_on: str | None = None
+    """Where `gain` was measured: `suite:<name>` (the gate's items) or `probe` (the early-stop probe's)."""
+    steps: int | None = None
+    """GRPO steps this policy trained in this run (None: its candidate was reused, nothing trained)."""
+    stop_reason: str | None = None
+    """Why its training ended: "finished" (all steps), "plateau" (rose, then flat) or "no gain", with the
+    probe's numbers; or that the candidate was reused."""
+    probe: list[ProbePoint] = Field(default_factory=list)
+    """The early-stop probe's score per probed step (empty: no early stop)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The row of the per-policy tables: status, gain, p, steps, why training stopped."""
+        return {
+            "policy": self.policy,
+            "status": self.status,
+            "gain": None if self.gain is None else round(self.gain, 4),
+            "p_value": None if self.p_value is None else float(f"{self.p_value:.4g}"),
+            "gain_on": self.gain_on,
+            "steps": self.steps,
+            "stop_reason": self.stop_reason,
+            "candidate": self.candidate,
+            "champion_after": self.champion_after,
+        }
 
 
 class WaveReport(BaseModel):
@@ -215,9 +278,19 @@ def run_wave(
 
     # what each policy starts from, its prompts, and the identity of this run
     champions = {p.name: clock(current_champion, ws, p.name) for p in policies}
+    early = training.early_stop
     prompts = {
         p.name: clock(
-            validate_data, p.spec, n, training.seed, training.data_dir, checks.prompts, training.round_name()
+            validate_data,
+            p.spec,
+            n,
+            training.seed,
+            training.data_dir,
+            checks.prompts,
+            training.round_name(),
+            training.draw == "fresh",
+            evaluation.suites_dir / "data",
+            early.probe_items if early else 0,
         )
         for p in policies
     }
@@ -231,7 +304,7 @@ def run_wave(
             training.prompts_per_step,
             training.seed,
             str(Path(ws.base).resolve()),
-            training.round_name(),
+            training.key_round(),
         )
         for p in policies
     }
@@ -247,45 +320,59 @@ def run_wave(
     # training: every step is one batched rollout, its check, one batched update, for all policies at once
     curve: list[dict[str, Any]] = []
     resumed = 0
+    trained: dict[str, Trained] = {}
     if to_train:
-        trained, curve, resumed = train(
+        made, curve, resumed, trained = train(
             to_train, prompts, champions, keys, data_rev, training, checks, ws, clock, progress
         )
-        candidates.update(trained)
+        candidates.update(made)
 
     # the bare base is revision 0: a policy without a champion is gated against it, on the same suites; every
     # report shows it (evaluated once per base and suites, then read from the cache)
-    suites = sorted({s for p in policies for s in p.gate_policy().suites()})
-    base = clock(
-        cached_in(evaluate_base, ws), ws, evaluation.model_copy(update={"suites": suites}), checks.eval
-    )
+    gated = [p for p in policies if candidates[p.name] is not None]
+    suites = sorted({s for p in gated for s in p.gate_policy().suites()})
+    base = None
+    if gated:
+        base = clock(
+            cached_in(evaluate_base, ws), ws, evaluation.model_copy(update={"suites": suites}), checks.eval
+        )
 
     # per policy: evaluate the candidate against the champion (or the base), gate, promote
     outcomes = []
     for i, p in enumerate(policies):
         cand = candidates[p.name]
-        assert cand is not None
+        t = trained.get(p.name)
         try:
-            outcome = _evaluate_gate_promote(
-                p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock, base
-            )
+            if cand is None:  # early stopping ended its training without a gain: nothing to gate
+                assert t is not None
+                outcome = _stopped(p, champions[p.name], t)
+            else:
+                outcome = _evaluate_gate_promote(
+                    p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock, base
+                )
         except Exception as e:
             log.error("%s: %s: %s", p.name, type(e).__name__, e)
             champ = champions[p.name]
             outcome = PolicyOutcome(
                 policy=p.name,
                 status="failed",
-                candidate=cand.address,
+                candidate=cand.address if cand else None,
                 champion_before=champ.address if champ else None,
                 champion_after=champ.address if champ else None,
                 reasons=[f"{type(e).__name__}: {e}"],
             )
         outcome.reused = p.name not in {q.name for q in to_train}
+        _account(outcome, p, t)
         outcomes.append(outcome)
         update_progress_artifact(
             progress, 80.0 + 20.0 * (i + 1) / len(policies), description=f"{p.name}: {outcome.status}"
         )
 
+    create_table_artifact(
+        [o.summary() for o in outcomes],
+        key="wave-summary",
+        description="per policy: status, gain and p-value, GRPO steps spent, why its training stopped",
+    )
     create_table_artifact(
         [o.model_dump(mode="json") | {"reasons": "; ".join(o.reasons)} for o in outcomes],
         key="wave-outcomes",
@@ -303,6 +390,21 @@ def run_wave(
     return report
 
 
+class Trained(BaseModel):
+    """How one policy's training in this run went."""
+
+    steps: int
+    """GRPO steps it trained (the run's, or fewer where early stopping stopped it)."""
+    reason: str
+    """Why its training ended (`Plateau.reason`, or "finished: all N steps")."""
+    exported: bool
+    """False: stopped without a gain on the probe, so nothing was exported."""
+    probe: list[ProbePoint] = Field(default_factory=list)
+    probe_gain: float | None = None
+    """The probe's paired change from its first probe to its last (None: not probed)."""
+    probe_p: float | None = None
+
+
 def train(
     to_train: list[PolicyRun],
     prompts: dict[str, PromptSet],
@@ -314,21 +416,24 @@ def train(
     ws: Workspace,
     clock: Clock,
     progress: UUID,
-) -> tuple[dict[str, RevisionRef | None], list[dict[str, Any]], int]:
-    """k x (one batched rollout -> its check -> one batched GRPO update) for all policies at once, then export
-    each: its candidate revisions, the reward curve, and the steps restored from a checkpoint."""
+) -> tuple[dict[str, RevisionRef | None], list[dict[str, Any]], int, dict[str, Trained]]:
+    """k x (one batched rollout -> its check -> one batched GRPO update) for all policies at once, with early
+    stopping every few steps a probe of the policies still training, then export each that is worth gating:
+    its candidate revisions (None: stopped without gain), the reward curve, the steps restored from a
+    checkpoint, and how each policy's training went."""
     log = get_run_logger()
     names = [p.name for p in to_train]
     candidates: dict[str, RevisionRef | None] = {}
     parents = {p.name: _digest(champions[p.name]) for p in to_train}
     run_dir = ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
+    run_seed = round_seed(training.seed, training.round_name())
     run = clock(
         start_training,
         ws,
         [p.spec for p in to_train],
         parents,
         training.grpo,
-        round_seed(training.seed, training.round_name()),
+        run_seed,
         quote({p.name: prompts[p.name].examples for p in to_train}),
         training.steps,
         training.prompts_per_step,
@@ -342,6 +447,42 @@ def train(
         }
     )
 
+    # early stopping: a probe of every policy still training before the first step, every `every` steps and
+    # after the last; the rule (`Plateau`) takes a policy out of the next steps (its log survives a restart)
+    early = training.early_stop
+    items = {p.name: prompts[p.name].probe for p in to_train} if early else {}
+    rejected = {p.name: p.rejected for p in to_train}
+    plateaus = {n: Plateau.of(early, rejected[n]) for n in items} if early else {}
+    probe_file = run.checkpoint_dir / "probes.json"
+    probes = ProbeLog.read(probe_file, items, run.trainer.steps)
+    first: dict[str, list[bool]] = {}
+    last: dict[str, list[bool]] = {}
+
+    def watch(result: ProbeResult) -> None:
+        stopping = []
+        for name, got in result.correct.items():
+            first.setdefault(name, got)
+            last[name] = got
+            if plateaus[name].add(result.step, result.score(name)):
+                stopping.append(name)
+                log.info(
+                    "%s stops after step %d: %s", name, result.step, plateaus[name].reason(training.steps)
+                )
+        freeze(run, stopping)
+
+    def take_probe() -> None:
+        result = clock(probe, run, quote({n: items[n] for n in run.prompts}))  # the policies still training
+        probes.probes.append(result)
+        probes.write(probe_file)
+        log.info("probe after step %d: %s", result.step, _fmt({n: result.score(n) for n in result.correct}))
+        watch(result)
+
+    if early:
+        for result in probes.probes:  # a resumed run: where each policy stood at its checkpoint
+            watch(result)
+        if not probes.probes:
+            take_probe()
+
     def step() -> None:
         """One step of the recipe's loop as three tasks: the batched rollout, its check, the batched update."""
         # quote: hundreds of rows need no walk for upstream futures (tens of ms per task otherwise)
@@ -354,6 +495,8 @@ def train(
             80.0 * stats.step / training.steps,
             description=f"GRPO step {stats.step}/{training.steps}",
         )
+        if early and (stats.step % early.every == 0 or stats.step == training.steps):
+            take_probe()
 
     # a policy continues from its champion with the champion's rank, alpha and targets, whatever the form says
     trained_specs = {p.name: run.trainer.policies[p.name].spec for p in to_train}
@@ -368,11 +511,35 @@ def train(
                 "; ".join(overridden[p.name]),
             )
 
-    run.run(step)
+    if run.prompts:  # else early stopping had stopped every policy before the run was resumed
+        run.run(step, stop=lambda: not run.prompts)
     curve = run.history
+    went: dict[str, Trained] = {}
     for p in to_train:
-        # a step where the policy took no update has no loss
-        rows = [c for c in curve if c["policy"] == p.name]
+        plateau = plateaus.get(p.name)
+        done = run.trainer.steps
+        if plateau is not None and plateau.stopped_at is not None:
+            done = min(done, plateau.stopped_at)
+        reason = plateau.reason(training.steps) if plateau else f"finished: all {training.steps} steps"
+        if early and plateau is not None and plateau.stopped and rejected[p.name] >= early.after_rejections:
+            reason = (
+                f"its last {rejected[p.name]} candidates were rejected, so one probe to show a gain: {reason}"
+            )
+        gain, p_value = probe_gain(first[p.name], last[p.name]) if p.name in first else (None, None)
+        went[p.name] = Trained(
+            steps=done,
+            reason=reason,
+            exported=plateau is None or not plateau.stopped or plateau.gained,
+            probe=plateau.points if plateau else [],
+            probe_gain=gain,
+            probe_p=p_value,
+        )
+        if not went[p.name].exported:
+            log.info("%s: not exported or gated (%s)", p.name, reason)
+            candidates[p.name] = None
+            continue
+        # a step where the policy took no update has no loss; steps after it stopped are not its own
+        rows = [c for c in curve if c["policy"] == p.name and c["step"] <= done]
         own = [_curve_point(c) for c in rows]
         times = [c["time"] for c in rows] if rows and all(c.get("time") for c in rows) else None
         started = times[0] - float(rows[0]["seconds"]) if times else None
@@ -382,11 +549,20 @@ def train(
             "steps": str(training.steps),
             "prompts_per_step": str(training.prompts_per_step),
             "seed": str(training.seed),
-            "round_seed": str(round_seed(training.seed, training.round_name())),
+            "round_seed": str(run_seed),
             "round": training.round_name(),
             "data_rev": data_rev,
             "resumed_from_step": str(run.resumed_step),
+            "draw": training.draw,
+            "prompts_source": prompts[p.name].source,
+            "steps_trained": str(done),
+            "stop_reason": reason,
         }
+        if prompts[p.name].fresh_seed is not None:
+            params["fresh_seed"] = str(prompts[p.name].fresh_seed)
+        if early is not None:
+            params["early_stop"] = early.model_dump_json()
+            params["probe"] = json.dumps([[q.step, q.score] for q in went[p.name].probe])
         if overridden[p.name]:
             # `policy` is what trained (what retraining reads back); the form asked for this
             params["form_policy"] = p.spec.model_dump_json()
@@ -410,7 +586,41 @@ def train(
         create_table_artifact(
             curve, key="reward-curve", description=f"GRPO reward per step ({', '.join(names)})"
         )
-    return candidates, curve, run.resumed_step
+    if early is not None and probes.probes:
+        create_table_artifact(
+            [{"step": r.step} | {n: round(r.score(n), 4) for n in r.correct} for r in probes.probes],
+            key="probe-curve",
+            description=f"early stopping: greedy exact match on {early.probe_items} probe items per policy",
+        )
+    return candidates, curve, run.resumed_step, went
+
+
+def _stopped(p: PolicyRun, champ: RevisionRef | None, t: Trained) -> PolicyOutcome:
+    """The outcome of a policy early stopping ended without a gain: nothing exported, the champion stays."""
+    before = champ.address if champ else None
+    return PolicyOutcome(
+        policy=p.name,
+        status="stopped",
+        candidate=None,
+        champion_before=before,
+        champion_after=before,
+        reasons=[f"{t.reason}; not exported, evaluated or gated"],
+    )
+
+
+def _account(outcome: PolicyOutcome, p: PolicyRun, t: Trained | None) -> None:
+    """Fill in what the per-policy report shows: its gain and p-value (the gate's on its own suite, else the
+    probe's), the steps it trained and why it stopped."""
+    check = outcome.decision.check(f"gain:{p.gate_policy().suite}") if outcome.decision else None
+    if check is not None and check.stats is not None:
+        outcome.gain, outcome.p_value = check.stats.effect, check.stats.p_value
+        outcome.gain_on = f"suite:{p.gate_policy().suite}"
+    elif t is not None and t.probe_gain is not None:
+        outcome.gain, outcome.p_value, outcome.gain_on = t.probe_gain, t.probe_p, "probe"
+    if t is None:
+        outcome.stop_reason = "reused: an earlier run with this idempotency key made the candidate"
+        return
+    outcome.steps, outcome.stop_reason, outcome.probe = t.steps, t.reason, t.probe
 
 
 def _evaluate_gate_promote(

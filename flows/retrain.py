@@ -8,13 +8,22 @@ Cancelled. A policy already being trained by another run (a `wave` or `lifecycle
 on the Prefect server, started from the dashboard or by `mint wave`), or whose promotion lease is held in the
 catalog, is skipped with a log line. Rounds are named by the UTC date (`Training.round`), so a rerun the same
 day finds the versions the first run made and trains nothing twice.
+
+A retrain that keeps paying, or says why not (issue 28): by default (`RETRAIN_TRAINING`) each round trains on
+fresh prompts from the task generators (a seed per round, no held-out or eval-suite prompt among them, recorded
+on the MLflow run as `fresh_seed` beside `data_rev`), and stops a policy whose greedy probe of held-out reward
+does not rise within a few probes (`EarlyStop`), skipping its export and evaluation; a policy whose last
+candidates were rejected gets one probe to show a gain. The report says, per policy, its gain and p-value,
+the steps it trained and why it stopped (`RetrainReport.policies`, the `retrain-report` artifact).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -29,11 +38,25 @@ from pydantic import BaseModel, Field
 
 from flows.lifecycle import PolicyRun, Training, WaveReport, wave
 from mint_core.data.checks import CheckParams
+from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, champion
+from mint_core.registry.mlflow_registry import Registry
+from mint_core.registry.reader import Revision
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import RETRY_DELAYS, transient
+from tasks.training import EarlyStop
+
+RETRAIN_STEPS = 100
+"""Most GRPO steps a nightly wave gives each policy. On the built-in base (`benchmarks/learning_curves.py`,
+`add`, `sort` and `reverse` at once) 100 steps take a first revision from the bare base past the gate (+0.056 to
++0.091, p < 0.004); a champion's next 100-step waves gained +0.01 to +0.03 (p 0.09 to 0.78), below the gate's
+0.05, and their probe first dips as the restarted rate shakes the adapter: early stopping ends such a wave
+after 30 steps (3 probes without a rise) instead of 100."""
+
+RETRAIN_TRAINING = Training(steps=RETRAIN_STEPS, draw="fresh", early_stop=EarlyStop())
+"""The nightly wave's training: fresh prompts each round, early stopping on the default probe."""
 
 TRAINING_FLOWS = ["wave", "lifecycle"]
 """Flows whose Pending or Running runs mark their policies as being trained."""
@@ -44,11 +67,35 @@ class Skipped(BaseModel):
     reason: str
 
 
+class PolicyReport(BaseModel):
+    """One policy's night: what became of it, what it gained, what it cost, why it stopped."""
+
+    policy: str
+    status: str
+    """The wave's outcome ("promoted", "rejected", "unchanged", "failed", "stopped"), or "skipped" when the wave
+    did not take it."""
+    gain: float | None = None
+    """Paired effect of its candidate over its champion on its own suite (the gate's); for "stopped", the
+    probe's change over the steps it trained."""
+    p_value: float | None = None
+    """Exact two-sided McNemar p of `gain`."""
+    gain_on: str | None = None
+    """`suite:<name>` or `probe`."""
+    steps: int | None = None
+    """GRPO steps it trained tonight (None: none)."""
+    stop_reason: str | None = None
+    """Why its training ended, or why it was skipped."""
+    rejected_before: int = 0
+    """Its candidates rejected in a row before tonight."""
+
+
 class RetrainReport(BaseModel):
     trained: list[str] = Field(default_factory=list)
     """Policies the wave took."""
     skipped: list[Skipped] = Field(default_factory=list)
     wave: WaveReport | None = None
+    policies: list[PolicyReport] = Field(default_factory=list)
+    """Per policy, those the wave took and those it did not: status, gain, p-value, steps, why it stopped."""
 
 
 @task(cache_policy=NO_CACHE, retries=3, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
@@ -70,8 +117,29 @@ def champions_to_retrain(ws: Workspace, names: list[str] | None) -> tuple[list[P
         if spec is None:
             skipped.append(Skipped(policy=name, reason=f"{rev.address} has no training run naming its spec"))
             continue
-        runs.append(PolicyRun(spec=PolicySpec.model_validate_json(spec)))
+        rejected = rejected_in_a_row(reg, name, rev)
+        runs.append(PolicyRun(spec=PolicySpec.model_validate_json(spec), rejected=rejected))
     return runs, skipped
+
+
+def rejected_in_a_row(reg: Registry, policy: str, champ: Revision) -> int:
+    """How many of the policy's newest versions after its champion the gate rejected, newest first, up to one it
+    passed (or one it never gated: an attempt that failed before the gate neither counts nor breaks the run)."""
+    n = 0
+    for rev in sorted(reg.revisions(policy), key=lambda r: r.version, reverse=True):
+        if rev.version <= champ.version:
+            break
+        tag = rev.tags.get(GATE_TAG)
+        if tag is None:
+            continue
+        try:
+            passed = bool(json.loads(tag).get("passed"))
+        except (ValueError, AttributeError):
+            continue
+        if passed:
+            break
+        n += 1
+    return n
 
 
 def _policies_of(parameters: dict[str, Any]) -> set[str]:
@@ -111,13 +179,14 @@ def being_trained(ws: Workspace, names: list[str]) -> dict[str, str]:
 @flow(name="retrain", log_prints=True)
 def retrain(
     policies: list[str] | None = None,
-    training: Training = Training(),
+    training: Training = RETRAIN_TRAINING,
     evaluation: EvalConfig = EvalConfig(limit=EVAL_LIMIT, guard_limit=GUARD_LIMIT),
     checks: CheckParams = CheckParams(),
     workspace: Workspace = Workspace(),
 ) -> RetrainReport:
-    """Train every policy that has a champion (or the named ones) one wave from it, then gate and promote each;
-    policies another run is training now are skipped."""
+    """Train every policy that has a champion (or the named ones) one wave from it, on fresh prompts, each
+    stopped when its held-out probe does not rise, then gate and promote each; policies another run is training
+    now are skipped. Reports per policy its gain, p-value, steps and why it stopped."""
     log = get_run_logger()
     runs, skipped = champions_to_retrain(workspace, policies)
     for s in skipped:
@@ -127,9 +196,61 @@ def retrain(
         log.info("skipping %s: already being trained (%s)", name, why)
         skipped.append(Skipped(policy=name, reason=f"already being trained: {why}"))
     runs = [r for r in runs if r.name not in busy]
-    if not runs:
+    for r in runs:
+        if r.rejected:
+            log.info("%s: its last %d candidate(s) were rejected", r.name, r.rejected)
+    report = RetrainReport(trained=[r.name for r in runs], skipped=skipped)
+    if runs:
+        log.info("retraining %s from their champions", ", ".join(r.name for r in runs))
+        report.wave = wave(runs, training, evaluation, checks, workspace)
+    else:
         log.info("nothing to retrain")
-        return RetrainReport(skipped=skipped)
-    log.info("retraining %s from their champions", ", ".join(r.name for r in runs))
-    report = wave(runs, training, evaluation, checks, workspace)
-    return RetrainReport(trained=[r.name for r in runs], skipped=skipped, wave=report)
+    report.policies = policy_reports(runs, skipped, report.wave)
+    create_markdown_artifact(
+        markdown=report_markdown(report.policies),
+        key="retrain-report",
+        description="per policy: status, gain and p-value, GRPO steps, why it stopped or was skipped",
+    )
+    return report
+
+
+def policy_reports(
+    runs: list[PolicyRun], skipped: list[Skipped], report: WaveReport | None
+) -> list[PolicyReport]:
+    """The night per policy: the wave's outcomes, then the policies it did not take."""
+    rejected = {r.name: r.rejected for r in runs}
+    out = [
+        PolicyReport(
+            policy=o.policy,
+            status=o.status,
+            gain=o.gain,
+            p_value=o.p_value,
+            gain_on=o.gain_on,
+            steps=o.steps,
+            stop_reason=o.stop_reason,
+            rejected_before=rejected.get(o.policy, 0),
+        )
+        for o in (report.outcomes if report else [])
+    ]
+    out += [PolicyReport(policy=s.policy, status="skipped", stop_reason=s.reason) for s in skipped]
+    return out
+
+
+def report_markdown(rows: list[PolicyReport]) -> str:
+    """The per-policy report as a markdown table."""
+    if not rows:
+        return "### Retrain\n\nNo policy to retrain.\n"
+    lines = [
+        "### Retrain",
+        "",
+        "| policy | status | gain | p | on | steps | rejected before | why it stopped |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        gain = "-" if r.gain is None else f"{r.gain:+.3f}"
+        p = "-" if r.p_value is None else f"{r.p_value:.3g}"
+        why = (r.stop_reason or "").replace("|", "/")
+        steps = "-" if r.steps is None else str(r.steps)
+        cells = [r.policy, r.status, gain, p, r.gain_on or "-", steps, str(r.rejected_before), why]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -6,6 +6,11 @@ a lock whose outputs are byte-for-byte the same gives the same revision even if 
 changed around them, and any rebuilt output that came out different gives a new one. It reads the lock as it is
 on disk (committed or not); `dvc status` says whether the working tree still matches it, and
 `git log -- dvc.lock` finds the commit that introduced a revision.
+
+Training need not read its prompts from those files: a round can draw fresh ones from the task generators
+(`fresh_examples`), named by the round's seed beside the data revision, and watch its progress on a small fixed
+probe set (`probe_examples`). Neither ever holds a prompt that evaluation reads (`evaluated_prompts`: the
+held-out split and the eval suites' items), so evaluation stays honest whatever a round draws.
 """
 
 from __future__ import annotations
@@ -17,9 +22,16 @@ from typing import Any
 
 import yaml
 
+from mint_core.data.build import HELDOUT, TRAIN, read_split
+from mint_core.data.tasks import Example, examples, read_jsonl, take
+
 DATA_REV_TAG = "mint.data_rev"
 """Tag (MLflow run and model version) holding the data revision."""
 DATA_REV_CHARS = 12
+PROBE_SEED = 7_000_001
+"""Generator seed of the probe sets (`probe_examples`): fixed, so every round probes the same items. Far from the
+seeds of the DVC splits (`params.yaml` data.seed and held-out's seed + 1_000_003); the probe excludes their
+prompts anyway."""
 
 
 def lock_outputs(repo_root: str | Path = ".") -> dict[str, dict[str, str]]:
@@ -48,3 +60,44 @@ def _content_hash(out: dict[str, Any]) -> str:
             return f"{key}:{out[key]}"
     # no content hash (an output never built): its whole entry, so that building it changes the revision
     return json.dumps(out, sort_keys=True, default=str)
+
+
+# ---- fresh draws and probes ---------------------------------------------------------------------------------
+
+
+def evaluated_prompts(data_dir: str | Path, *more: str | Path) -> set[str]:
+    """Every prompt that evaluation may read: those of `data_dir/heldout/*.jsonl` (the DVC `task_data` output)
+    and of every JSONL row with a `prompt` in the directories `more` that exist (the eval suites' `data/`,
+    whatever they were built from)."""
+    out = {ex.prompt for rows in read_split(data_dir, HELDOUT).values() for ex in rows}
+    for d in more:
+        for path in sorted(Path(d).glob("*.jsonl")):
+            with path.open() as f:
+                out.update(json.loads(line)["prompt"] for line in f if '"prompt"' in line)
+    return out
+
+
+def train_prompts(data_dir: str | Path, task: str) -> set[str]:
+    """The prompts of `data_dir/train/<task>.jsonl` (the examples the built-in base was pretrained on); empty
+    when there is no such file."""
+    path = Path(data_dir) / TRAIN / f"{task}.jsonl"
+    return {ex.prompt for ex in read_jsonl(path)} if path.is_file() else set()
+
+
+def probe_examples(task: str, n: int, exclude: set[str]) -> list[Example]:
+    """A task's probe set: the first `n` examples of its generator at `PROBE_SEED` whose prompt is not in
+    `exclude` (the evaluated prompts and the train split: the probe asks what a policy does on prompts it was
+    never trained on). The same arguments give the same items."""
+    return take(examples(task, PROBE_SEED, exclude), n)
+
+
+def fresh_examples(task: str, n: int, seed: int, exclude: set[str]) -> list[Example]:
+    """`n` new training examples of a task from its generator with `seed` (a round's own), none whose prompt is
+    in `exclude` (the evaluated prompts and the probe's). Not a fixed pool like the train split: each seed draws
+    its own prompts from the whole task, and the same seed the same ones again."""
+    try:
+        return take(examples(task, seed, exclude), n)
+    except ValueError as e:
+        raise ValueError(
+            f"cannot draw {n} fresh {task} prompts outside the {len(exclude)} excluded: {e}"
+        ) from e

@@ -1,0 +1,302 @@
+"""Learning curves of nightly retraining on the built-in base: does a retrain keep paying, and where does it stop?
+
+`--waves` waves (default 4) of `add`, `sort` and `reverse`, each wave continuing from the champion the waves
+before it left (the first from a fresh adapter, with the bare base as its champion), as the `retrain`
+deployment runs them, without the servers (the library directly, as benchmarks/grpo_learning.py does):
+- the policies train at once over one base with the built-in recipe, `--steps` GRPO steps at most (retrain's
+  `RETRAIN_STEPS`), each wave on fresh prompts drawn at its round's seed (`fresh_examples`: no held-out or
+  eval-suite prompt, nor a probe item);
+- early stopping as retrain's default (`EarlyStop`): a greedy probe on `--probe` items outside every split
+  every `--every` steps, the rule of `Plateau` (no rise of `--min-delta` over step 0 in `--patience` probes:
+  stop; `--stop-after-gain`: also at a plateau after a rise), one probe for a policy whose last candidates were
+  rejected; a policy that stops without gain is skipped (no gate in the flow; here it is still scored, to check
+  that the gate would have rejected it); `--no-early-stop` trains every step and says where the rule would
+  have stopped;
+- the gate's own-suite test: greedy exact match on the first EVAL_LIMIT held-out items of the task (the
+  items of its eval suite), candidate against champion, paired (exact McNemar); promoted when the gain is
+  significant at alpha 0.05 and at least 0.05 (`GatePolicy` defaults; the guard suites are not run here).
+
+Prints one row per wave and task as it goes, then a table, then the JSON line: per task the champion's score
+after each wave (`<task>_curve`), the waves that promoted, the first wave after which no wave promoted
+(`<task>_plateau_wave`), and every row (probe curve, steps spent, why it stopped, gain, p, decision).
+
+    python benchmarks/learning_curves.py [--tasks add,sort,reverse] [--waves 4] [--steps 100]
+        [--every 10] [--patience 3] [--min-delta 0.025] [--probe 128] [--prompts-per-step 16]
+        [--stop-after-gain] [--no-early-stop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see mint_app/cli.py train
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import add_device, checked_device, report
+
+from flows.retrain import RETRAIN_STEPS
+from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
+from mint_core.data.tasks import Example, read_jsonl
+from mint_core.eval.gate import GatePolicy, SuiteScore, decide
+from mint_core.eval.results import EVAL_LIMIT
+from mint_core.eval.suites import SUITES_DIR
+from mint_core.lifecycle import round_seed
+from mint_core.rl.evaluate import heldout_correct
+from mint_core.rl.recipe import (
+    BUILTIN_PROMPTS_PER_STEP,
+    BUILTIN_RECIPE,
+    TrainingRun,
+    builtin_spec,
+    load_trainer,
+)
+from tasks.training import EarlyStop, Plateau, freeze, probe_gain
+
+DEFAULTS = EarlyStop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", type=Path, default=Path("data/base"))
+    ap.add_argument("--data", type=Path, default=Path("data/tasks"))
+    ap.add_argument("--suites", type=Path, default=SUITES_DIR, help="eval suites (their data/ is left out)")
+    ap.add_argument("--tasks", default="add,sort,reverse")
+    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=RETRAIN_STEPS, help="most GRPO steps a wave (RETRAIN_STEPS)")
+    ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
+    ap.add_argument("--every", type=int, default=DEFAULTS.every)
+    ap.add_argument("--patience", type=int, default=DEFAULTS.patience)
+    ap.add_argument("--min-delta", type=float, default=DEFAULTS.min_delta)
+    ap.add_argument("--probe", type=int, default=DEFAULTS.probe_items, help="probe items per task")
+    ap.add_argument("--after-rejections", type=int, default=DEFAULTS.after_rejections)
+    ap.add_argument(
+        "--stop-after-gain", action="store_true", help="also stop a policy at a plateau after a gain"
+    )
+    ap.add_argument("--no-early-stop", action="store_true", help="train every step (probes still recorded)")
+    ap.add_argument("--heldout", type=int, default=EVAL_LIMIT, help="gate items per task (EVAL_LIMIT)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefix", default="curve", help="rounds are named <prefix>-0, <prefix>-1, ...")
+    add_device(ap)
+    args = ap.parse_args()
+    device = checked_device(ap, args.device)
+    torch.set_num_threads(args.threads)
+    if not (args.base / "config.json").is_file():
+        ap.error(f"no built-in base at {args.base}: run `.venv/bin/dvc repro` first")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    early = EarlyStop(
+        every=args.every,
+        probe_items=args.probe,
+        patience=args.patience,
+        min_delta=args.min_delta,
+        after_rejections=args.after_rejections,
+        stop_after_gain=args.stop_after_gain,
+    )
+    t_start = time.perf_counter()
+
+    # the gate's items, the probe's, and everything fresh draws leave out (as validate_data does)
+    gate_items = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in tasks}
+    evaluated = evaluated_prompts(args.data, args.suites / "data")
+    probes = {t: probe_examples(t, early.probe_items, evaluated | train_prompts(args.data, t)) for t in tasks}
+
+    champion_dir: dict[str, Path | None] = dict.fromkeys(tasks)
+    champion_correct: dict[str, list[bool]] = {}
+    champion_label = dict.fromkeys(tasks, "base")
+    rejected = dict.fromkeys(tasks, 0)
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, list[float]] = {t: [] for t in tasks}
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in range(args.waves):
+            name = f"{args.prefix}-{w}"
+            seed = round_seed(0, name)
+            specs = [builtin_spec(t, t) for t in tasks]
+            t0 = time.perf_counter()
+            trainer = load_trainer(args.base, specs, BUILTIN_RECIPE, seed, dict(champion_dir), device=device)
+            engine = trainer.engine
+            if w == 0:
+                champion_correct = {t: heldout_correct(engine, None, gate_items[t]) for t in tasks}
+            plateaus = {t: Plateau.of(early, rejected[t]) for t in tasks}
+            prompts = {
+                t: fresh_examples(
+                    t, args.prompts_per_step * args.steps, seed, evaluated | {e.prompt for e in probes[t]}
+                )
+                for t in tasks
+            }
+            run = TrainingRun.start(trainer, prompts, args.steps, args.prompts_per_step, Path(tmp) / name, 0)
+            seen, probe_s = _train(run, probes, plateaus, early.every, not args.no_early_stop)
+            train_s = time.perf_counter() - t0
+            for t in tasks:
+                p = plateaus[t]
+                stop = p.reason(args.steps).split(":")[0]
+                steps = run.trainer.steps
+                if p.stopped_at is not None and args.no_early_stop:
+                    stop = f"finished (would stop: {stop} @{p.stopped_at})"
+                elif p.stopped_at is not None:
+                    steps = min(steps, p.stopped_at)
+                skipped = not args.no_early_stop and p.stopped and not p.gained
+                cand = heldout_correct(engine, t, gate_items[t])
+                decision = decide(
+                    GatePolicy(suite=t),
+                    [SuiteScore(name=t, score=_mean(cand), n=len(cand), correct=cand)],
+                    [
+                        SuiteScore(
+                            name=t, score=_mean(champion_correct[t]), n=len(cand), correct=champion_correct[t]
+                        )
+                    ],
+                )
+                gain_check = decision.check(f"gain:{t}")
+                assert gain_check is not None and gain_check.stats is not None
+                stats = gain_check.stats
+                pg, pp = probe_gain(seen[t][0][1], seen[t][-1][1])
+                promoted = decision.passed and not skipped
+                row = {
+                    "wave": w + 1,
+                    "task": t,
+                    "from": champion_label[t],
+                    "rejected_before": rejected[t],
+                    "steps": steps,
+                    "stop": stop,
+                    "stop_reason": p.reason(args.steps),
+                    "probe": [[s, round(_mean(got), 4)] for s, got in seen[t]],
+                    "probe_gain": round(pg, 4),
+                    "probe_p": float(f"{pp:.4g}"),
+                    "champion": round(stats.baseline, 4),
+                    "candidate": round(stats.candidate, 4),
+                    "gain": round(stats.effect, 4),
+                    "p": float(f"{stats.p_value:.4g}"),
+                    "gate": "pass" if decision.passed else "reject",
+                    "decision": "skipped" if skipped else ("promoted" if promoted else "rejected"),
+                    "train_s": round(train_s, 1),
+                    "probe_s": round(probe_s, 1),
+                }
+                rows.append(row)
+                print(row, flush=True)
+                if promoted:
+                    saved = Path(tmp) / f"{t}-w{w + 1}"
+                    trainer.export(t, saved)
+                    champion_dir[t], champion_correct[t] = saved, cand
+                    champion_label[t] = f"wave {w + 1}"
+                    rejected[t] = 0
+                elif not skipped:
+                    rejected[t] += 1
+                curves[t].append(round(_mean(champion_correct[t]), 4))
+
+    out: dict[str, Any] = {
+        "tasks": tasks,
+        "waves": args.waves,
+        "steps_max": args.steps,
+        "prompts_per_step": args.prompts_per_step,
+        "early_stop": None if args.no_early_stop else early.model_dump(),
+        "gate_items": args.heldout,
+        "threads": args.threads,
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "steps_spent": sum(r["steps"] for r in rows),
+        "steps_budget": args.steps * args.waves * len(tasks),
+        "skips_the_gate_would_reject": sum(
+            r["decision"] == "skipped" and r["gate"] == "reject" for r in rows
+        ),
+        "skips_the_gate_would_pass": sum(r["decision"] == "skipped" and r["gate"] == "pass" for r in rows),
+        "rows": rows,
+    }
+    for t in tasks:
+        mine = [r for r in rows if r["task"] == t]
+        waves_promoted = [r["wave"] for r in mine if r["decision"] == "promoted"]
+        out[f"{t}_base"] = mine[0]["champion"]
+        out[f"{t}_curve"] = curves[t]
+        out[f"{t}_promoted_waves"] = waves_promoted
+        # the champion stops moving after its last promotion: the curve's plateau (None: still rising)
+        last = (waves_promoted or [0])[-1]
+        out[f"{t}_plateau_wave"] = None if last == args.waves else last
+    _table(rows, curves, args.waves)
+    report(out)
+
+
+def _train(
+    run: TrainingRun,
+    probes: dict[str, list[Example]],
+    plateaus: dict[str, Plateau],
+    every: int,
+    stop_early: bool,
+) -> tuple[dict[str, list[tuple[int, list[bool]]]], float]:
+    """Run a wave's steps with a probe of every policy still training before the first step, every `every`
+    steps and after the last, as the flow does; returns each policy's probes and the seconds they took."""
+    seen: dict[str, list[tuple[int, list[bool]]]] = {t: [] for t in run.prompts}
+    spent = [0.0]
+
+    def take_probe() -> None:
+        t0 = time.perf_counter()
+        stopping = []
+        for t in list(run.prompts):
+            got = heldout_correct(run.trainer.engine, t, probes[t])
+            seen[t].append((run.trainer.steps, got))
+            p = plateaus[t]
+            if not p.stopped and p.add(run.trainer.steps, _mean(got)):
+                stopping.append(t)
+        if stop_early:
+            freeze(run, stopping)
+        spent[0] += time.perf_counter() - t0
+
+    def step() -> None:
+        run.step()
+        if run.trainer.steps % every == 0 or run.trainer.steps == run.steps:
+            take_probe()
+
+    take_probe()
+    run.run(step, stop=lambda: not run.prompts)
+    return seen, spent[0]
+
+
+def _mean(xs: list[bool]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _table(rows: list[dict[str, Any]], curves: dict[str, list[float]], waves: int) -> None:
+    head = [
+        "wave",
+        "task",
+        "steps",
+        "stop",
+        "probe 0 -> best",
+        "champion",
+        "candidate",
+        "gain",
+        "p",
+        "decision",
+    ]
+    lines = [head]
+    for r in rows:
+        probe = r["probe"]
+        best = max(probe, key=lambda q: q[1]) if probe else None
+        lines.append(
+            [
+                str(r["wave"]),
+                r["task"],
+                str(r["steps"]),
+                r["stop"],
+                f"{probe[0][1]:.3f} -> {best[1]:.3f} @{best[0]}" if best else "-",
+                f"{r['champion']:.3f}",
+                f"{r['candidate']:.3f}",
+                f"{r['gain']:+.3f}",
+                f"{r['p']:.3g}",
+                r["decision"] + ("" if r["decision"] != "skipped" else f" (gate: {r['gate']})"),
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)))
+    print()
+    print("champion's held-out reward after each wave:")
+    for t, curve in curves.items():
+        print(f"  {t:8s} " + "  ".join(f"w{i + 1} {v:.3f}" for i, v in enumerate(curve[:waves])))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
