@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.data.revision import data_rev
-from mint_core.data.tasks import Example, read_jsonl, split
+from mint_core.data.tasks import TASKS, Example, read_jsonl, split
 from mint_core.errors import MintError
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
 from mint_core.registry.index import new_holder
@@ -194,6 +194,30 @@ def load_prompts(
         return split(task, n, 0, seed)[0], f"generated:{task}:seed={seed}"
     rs = round_seed(seed, round_name)
     return split(task, n, 0, rs)[0], f"generated:{task}:seed={rs}"
+
+
+def with_replay(
+    task: str,
+    examples: list[Example],
+    replay: float,
+    seed: int,
+    data_dir: Path | None,
+    round_name: str | None = None,
+) -> list[Example]:
+    """`examples` with a `replay` share of them replaced by the other built-in tasks' (`PolicySpec.replay`), as
+    evenly as the count allows, all drawn the way `load_prompts` draws (the train split: never an evaluated
+    prompt), and shuffled by the round's seed so each step's slice carries about the same mix."""
+    n_replay = round(len(examples) * replay)
+    others = [t for t in TASKS if t != task]
+    if n_replay == 0 or not others:
+        return examples
+    mixed = list(examples[: len(examples) - n_replay])
+    for i, other in enumerate(others):
+        k = n_replay // len(others) + (i < n_replay % len(others))
+        if k:
+            mixed += load_prompts(other, k, seed, data_dir, round_name)[0]
+    random.Random(round_seed(seed, round_name) + 1).shuffle(mixed)
+    return mixed
 
 
 def data_revision(data_dir: Path | None, sources: list[str], repo_root: Path = Path(".")) -> str:

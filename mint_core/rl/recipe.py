@@ -79,7 +79,16 @@ def builtin_spec(
     and trains at the run's."""
     r = rank if rank is not None else BUILTIN_TASK_RANKS.get(task, BUILTIN_RANK)
     lr = None if r == BUILTIN_RANK else learning_rate * math.sqrt(BUILTIN_RANK / r)
-    return PolicySpec(name=name, task=task, rank=r, alpha=2.0 * r, learning_rate=lr)
+    return PolicySpec(name=name, task=task, rank=r, alpha=2.0 * r, learning_rate=lr, replay=BUILTIN_REPLAY)
+
+
+BUILTIN_REPLAY = 0.25
+"""Share of a built-in policy's prompts from the other tasks (`PolicySpec.replay`): 4 of its 16 a step, one of
+each other task. Trained on its own task alone, the first `add` revision cost `sort` -0.15 to -0.17 and the first
+`sort` revision cost `add` -0.14 to -0.18 (the adapters shift digit output in general: 120 for 121), which the
+gate's per-task guards reject; a KL penalty to the base (0.05, 0.3) and attention-only or MLP-only adapters kept
+0.6-0.9 of that loss. With 12 own prompts and one of each other task a step, `add` gained +0.103 and its guards
+held (`sort` +0.047); `sort`'s worst guard was -0.034 (session 13's measurements, 300 steps, round r1)."""
 
 
 BUILTIN_PROMPTS_PER_STEP = 16

@@ -110,6 +110,10 @@ class PolicySpec(BaseModel):
         min_length=1,
     )
     """Short names of the sites it adapts."""
+    replay: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of its training prompts drawn from the other built-in tasks' train splits (each scored with its own
+    task's reward), so the adapter keeps answering them as the base did: what the gate's per-task guards check.
+    0: its own task only."""
 
     @field_validator("reward")
     @classmethod
