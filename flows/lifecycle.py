@@ -34,6 +34,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.utilities.annotations import quote
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from flows.canary import CanaryOutcome, run_canary
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
 from mint_core.data.tasks import TASKS
@@ -45,6 +46,7 @@ from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, spec_changes
 from mint_core.rl.trainer import PolicySpec
+from tasks.canary import CanaryConfig
 from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base
 from tasks.registry import current_champion, export, find_revision, gate
@@ -84,6 +86,10 @@ class PolicyRun(BaseModel):
     evaluated are the ones the gate reads."""
     served_name: str | None = Field(None, pattern=f"^{NAME_RE.pattern}$")
     """Adapter name the champion is served under (default: the policy's name)."""
+    canary: CanaryConfig | None = None
+    """Promote through a canary: once the gate passes the candidate, it answers `canary.share` of the policy's
+    users beside the champion, and the online test on their answers' scores promotes it or rolls it back
+    (flows/canary.py). None: the gate's pass promotes at once."""
     rejected: int = Field(0, ge=0)
     """Candidates of this policy the gate rejected in a row since its champion (`retrain` reads it from the
     registry). With `training.early_stop`, from `early_stop.after_rejections` on, the policy gets one probe to
@@ -204,6 +210,8 @@ class PolicyOutcome(BaseModel):
     probe's numbers; or that the candidate was reused."""
     probe: list[ProbePoint] = Field(default_factory=list)
     """The early-stop probe's score per probed step (empty: no early stop)."""
+    canary: CanaryOutcome | None = None
+    """The canary's decision and evidence, for a policy promoted through one (`PolicyRun.canary`)."""
 
     def summary(self) -> dict[str, Any]:
         """The row of the per-policy tables: status, gain, p, steps, why training stopped."""
@@ -680,6 +688,17 @@ def _evaluate_gate_promote(
     if not decision.passed:
         log.info("%s rejected: %s", cand.address, "; ".join(decision.reasons))
         return outcome("rejected", before, decision.reasons)
+    if p.canary is not None:
+        # the gate passed it offline; live traffic decides whether it replaces the champion
+        done = clock(run_canary, ws, p.name, cand.version, p.served, p.canary, f"{key}-canary")
+        promoted = done.decision == "promoted"
+        out = outcome(
+            "promoted" if promoted else "rejected",
+            cand.address if promoted else before,
+            [*decision.reasons, f"canary {done.decision}: {done.reason}"],
+        )
+        out.canary = done
+        return out
     expect = champ.version if champ else None
     clock(promote_and_refresh, ws, p.name, p.served, cand.version, cand.digest, expect, expect)
     log.info("%s promoted (champion was %s), served as %s", cand.address, before, p.served)

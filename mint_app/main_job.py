@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ from typing import Any, Literal
 
 import redis
 import torch
+import transformers
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -41,19 +43,24 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from flows.canary import CanaryOutcome, canary_flow
 from flows.lifecycle import PolicyOutcome, PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
 from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, services_for, start
 from mint_core.data.tasks import read_jsonl
+from mint_core.engine.base import load_base
 from mint_core.engine.device import check_device
 from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace
+from mint_core.lora.adapter import initial_adapter, save_adapter
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, builtin_spec
+from mint_core.serving.traffic import Traffic
 from mint_core.settings import Settings
 from mint_core.types import Device
+from tasks.canary import CanaryConfig
 from tasks.registry import EXPERIMENT
 
 STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
@@ -102,6 +109,16 @@ class MainJobConfig(Settings):
     (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""
     seed: int = 0
     """Seeds the adapters' initialisation and the rollouts."""
+    canary: list[str] = Field(default_factory=lambda: ["sort"])
+    """Policies whose first revision, once the gate passes it, is promoted through a canary (the online test on
+    live traffic decides) instead of at once. Names not in `policies` are ignored."""
+    canary_share: float = Field(0.1, gt=0.0, lt=1.0)
+    """Share of a policy's users (request keys) a canary answers, in the job's canaries."""
+    canary_demo: bool = True
+    """End with a canary of a deliberately worse candidate (the first policy's step-0 checkpoint: an adapter
+    as PEFT initialises it, which answers as the base), which the online test rolls back."""
+    traffic_concurrency: int = Field(8, ge=1)
+    """Requests the built-in traffic generator keeps in flight to policies under a canary."""
     round: str | None = None
     """Names this run's training rounds (idempotency keys); default: a UTC timestamp, so every run trains."""
     state_dir: Path = Path(".mint")
@@ -329,11 +346,27 @@ def redis_up(host: str = "127.0.0.1", port: int = 6379) -> bool:
 # ---- 3. waves ----------------------------------------------------------------------------------------------
 
 
+def canary_config(cfg: MainJobConfig) -> CanaryConfig:
+    """The job's canaries: the share asked for, scores read every second, at most 5 minutes each."""
+    return CanaryConfig(share=cfg.canary_share, poll_s=1.0, max_minutes=5.0)
+
+
 def run_wave(
-    cfg: MainJobConfig, ws: Workspace, names: list[str], steps: int, round_name: str
+    cfg: MainJobConfig,
+    ws: Workspace,
+    names: list[str],
+    steps: int,
+    round_name: str,
+    canary: list[str] | None = None,
 ) -> tuple[WaveReport, str]:
-    """The wave flow over `names`; its report and flow run id."""
-    runs = [PolicyRun(spec=builtin_spec(t, t, cfg.rank, cfg.learning_rate)) for t in names]
+    """The wave flow over `names` (those in `canary` promoted through a canary); its report and flow run id."""
+    runs = [
+        PolicyRun(
+            spec=builtin_spec(t, t, cfg.rank, cfg.learning_rate),
+            canary=canary_config(cfg) if t in (canary or []) else None,
+        )
+        for t in names
+    ]
     training = Training(
         steps=steps,
         prompts_per_step=cfg.prompts_per_step,
@@ -567,37 +600,54 @@ def base_model_name(ws: Workspace) -> str:
 SHOWN_PROMPTS = 3
 """Held-out prompts per policy in the served-completions table: one answer says little about a policy that is
 right on three items in four."""
+SEARCHED_PROMPTS = 40
+"""Held-out prompts searched for ones where the champion and the base answer differently."""
 
 
 def completions_table(cfg: MainJobConfig, ws: Workspace) -> tuple[Table, int]:
-    """The first `SHOWN_PROMPTS` held-out prompts of each policy (never trained on): the base's answer and the
-    champion's (served under the policy's name), with the revision that answered."""
+    """Per policy, `SHOWN_PROMPTS` held-out prompts (never trained on) where its champion (served under the
+    policy's name) answers differently from the base: what the adapter changed, not what the base already knew.
+    The caption says how many of the prompts searched differ at all."""
     reg = ws.registry()
     base_name = base_model_name(ws)
     table = Table(
         "policy", "prompt", "expected", "base says", "policy says", "answered by", title="served completions"
     )
     n = 0
+    found: list[str] = []
     for task in cfg.policies:
         version = reg.alias_version(task, "champion")
         if version is None:
             table.add_row(task, "", "", "", "[yellow]no champion[/]", "")
             continue
         rev = reg.revision(task, version)
-        for i in range(SHOWN_PROMPTS):
+        shown = differ = 0
+        for i in range(SEARCHED_PROMPTS):
             prompt, expected = heldout_prompt(cfg, task, i)
             base_text, _ = served_answer(ws, base_name, prompt)
             text, fp = served_answer(ws, task, prompt)
+            if text.strip() == base_text.strip():
+                continue
+            differ += 1
+            if shown == SHOWN_PROMPTS:
+                continue
+            shown += 1
             ok = "[green]✓[/]" if text.strip() == expected.strip() else "[red]✗[/]"
+            base_ok = "✓ " if base_text.strip() == expected.strip() else "✗ "
             table.add_row(
                 task,
                 Text(prompt),
                 Text(expected.strip()),
-                Text(base_text.strip()),
+                Text(base_ok + base_text.strip()),
                 Text.from_markup(ok) + Text(f" {text.strip()}"),
                 _who(fp, rev.digest, f"{task}/v{version}"),
             )
+        found.append(f"{task} {differ} of {SEARCHED_PROMPTS}")
         n += 1
+    table.caption = (
+        "held-out prompts where the champion and the base answer differently (greedy); they differ on "
+        + ", ".join(found)
+    )
     return table, n
 
 
@@ -648,6 +698,65 @@ def show_rollback(cfg: MainJobConfig, ws: Workspace, policy: str, console: Conso
     )
     summary = f"{policy}: v{moved.from_version} -> v{moved.to_version}"
     return summary, str(state.state_details.flow_run_id)
+
+
+# ---- 6. a canary rolled back -----------------------------------------------------------------------------
+
+
+def step0_checkpoint(cfg: MainJobConfig, ws: Workspace, policy: str) -> int:
+    """Register `policy`'s step-0 checkpoint as a new version: the adapter its training starts from (PEFT's
+    init, B = 0), which answers as the base. The same bytes every run, so a rerun finds the same version."""
+    reg = ws.registry()
+    spec = builtin_spec(policy, policy, cfg.rank, cfg.learning_rate)
+    transformers.utils.logging.disable_progress_bar()  # a tiny base: no bar in the job's output
+    base = load_base(cfg.base)
+    weights = initial_adapter(
+        base.sites,
+        spec.targets,
+        spec.rank,
+        spec.alpha,
+        torch.Generator().manual_seed(cfg.seed),
+        base.fingerprint,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        save_adapter(weights, Path(tmp) / "step-0", base.sites)
+        digest = reg.store.put_dir(Path(tmp) / "step-0")
+    rev = reg.create_revision(
+        policy,
+        digest,
+        base=base.fingerprint,
+        rank=spec.rank,
+        alias=None,
+        reason="step-0 checkpoint (canary demo)",
+    )
+    return rev.version
+
+
+def canaries_table(canaries: list[tuple[str, CanaryOutcome]]) -> Table:
+    """Each canary of the job: what it compared, what the online test decided, on how many requests."""
+    table = Table(
+        "canary",
+        "candidate",
+        "vs",
+        "decision",
+        "requests (scored)",
+        "canary - champion, always-valid 95% interval",
+        "seconds",
+        title="canaries: the online test on live traffic",
+    )
+    style = {"promoted": "green", "rolled back": "red"}
+    for what, o in canaries:
+        diff = "-" if o.diff is None else f"{o.diff:+.3f} [{o.lo:+.3f}, {o.hi:+.3f}]"
+        table.add_row(
+            what,
+            f"{o.policy}/v{o.version}",
+            f"v{o.champion_before}" if o.champion_before else "base",
+            Text(o.decision, style=style.get(o.decision, "yellow")),
+            f"{o.requests:,} ({o.scored:,})",
+            diff,
+            f"{o.seconds:.0f}",
+        )
+    return table
 
 
 # ---- the job --------------------------------------------------------------------------------------------
@@ -758,7 +867,12 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
     prefect_url = started["prefect"].url
     runs: list[tuple[str, str]] = []
     waves: list[tuple[str, WaveReport]] = []
-    with _prefect_api(started["prefect"].api_url):
+    canaries: list[tuple[str, CanaryOutcome]] = []
+    # live traffic for the canaries: users asking task prompts of every policy while it has a canary split
+    traffic = Traffic(
+        ws.serving_url, api_key=os.environ.get("MINT_SERVE_API_KEY"), concurrency=cfg.traffic_concurrency
+    )
+    with _prefect_api(started["prefect"].api_url), traffic:
         reg = ws.registry()
         fresh = [t for t in cfg.policies if reg.alias_version(t, "champion") is None]
         if fresh:
@@ -768,8 +882,23 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                     "evaluate the candidate and the bare base (revision 0) on the same suites, gate (paired "
                     "test against the base), promote, serve"
                 )
-                first, run_id = run_wave(cfg, ws, fresh, cfg.first_steps, round_name + "-first")
+                by_canary = [t for t in fresh if t in cfg.canary]
+                if by_canary:
+                    console.print(
+                        f"  {', '.join(by_canary)}: once the gate passes it, the candidate answers "
+                        f"{cfg.canary_share:.0%} of the users (live traffic from the built-in generator) and the "
+                        "online test (always-valid, on the task's reward of each answer) promotes or rolls it back"
+                    )
+                first, run_id = run_wave(
+                    cfg, ws, fresh, cfg.first_steps, round_name + "-first", canary=by_canary
+                )
                 waves.append(("first", first))
+                for o in first.outcomes:
+                    if o.canary is not None:
+                        canaries.append(("a first revision", o.canary))
+                        note.append(
+                            f"{o.policy} canary {o.canary.decision} after {o.canary.requests:,} requests"
+                        )
                 runs.append(("wave (first revisions)", run_id))
                 print_outcomes(first, "first revisions (gated against the base)", console)
                 console.print(f"  mean rollout reward, first -> last step: {rewards_line(first)}")
@@ -818,12 +947,44 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 runs.append(("rollback", run_id))
                 note.append(summary)
 
-    with timer.step("6. the Prefect worker (started beside the waves)") as note:
+        reg = ws.registry()
+        champions = [t for t in cfg.policies if reg.alias_version(t, "champion") is not None]
+        if cfg.canary_demo and not champions:
+            with timer.step("6. canary: a deliberately worse candidate") as note:
+                console.print("[yellow]no policy has a champion to compare a candidate with: no canary[/]")
+                note.append("no champion")
+        elif cfg.canary_demo:
+            policy = champions[0]
+            with timer.step(f"6. canary: a deliberately worse candidate of {policy}") as note:
+                version = step0_checkpoint(cfg, ws, policy)
+                console.print(
+                    f"  {policy}/v{version} is {policy}'s step-0 checkpoint (PEFT's init: it answers as the base); "
+                    f"it answers {cfg.canary_share:.0%} of {policy}'s users beside the champion until the online "
+                    "test decides"
+                )
+                state = canary_flow(
+                    policy=policy, version=version, canary=canary_config(cfg), workspace=ws, return_state=True
+                )
+                out = state.result()
+                assert out is not None
+                canaries.append(("a step-0 checkpoint", out))
+                runs.append(("canary", str(state.state_details.flow_run_id)))
+                console.print(Text(f"  {policy}/v{version} {out.decision}: {out.reason}"))
+                note.append(f"{policy}/v{version} {out.decision} after {out.requests:,} requests")
+        sent = traffic.stats
+        console.print(
+            f"  traffic: {sent.answered:,} requests answered, {sent.failed:,} failed"
+            + (f" ({sent.errors})" if sent.errors else "")
+        )
+
+    with timer.step("7. the Prefect worker (started beside the waves)") as note:
         started["worker"] = worker.result()
         _say_started(started["worker"], console)
         note.append(started["worker"].detail or "running")
 
     console.print(final_table(waves))
+    if canaries:
+        console.print(canaries_table(canaries))
     console.print(f"  (every number, with n and each check's effect, CI and p-value: {summary_file})")
     console.print(timer.table())
     where(cfg, started, prefect_url, runs, console, training_runs_url(ws, started["mlflow"].url))
