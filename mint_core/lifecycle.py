@@ -326,7 +326,7 @@ def smoke_check(client: ServingClient, name: str, digest: str, prompt: str = "ad
         raise SmokeCheckFailed(f"{client.base_url} lists {name!r} as {listed}, expected {want}")
     t0 = time.perf_counter()
     try:
-        out = client.complete(name, prompt, max_tokens=4, temperature=0.0)
+        out = client.complete(name, prompt, direct=True, max_tokens=4, temperature=0.0)
     except ServingError as e:
         raise SmokeCheckFailed(f"{client.base_url}: a completion under {name!r} failed: {e}") from e
     got = str(out.get("system_fingerprint"))

@@ -10,7 +10,8 @@ of `serving/routes/canary.py` over one `CanaryState`, so a split works the same 
   same key always lands on the same arm, so one user's conversation stays on one revision.
 - **Naming the revision.** The response's `model` is the served name that answered (`add@canary` or `add`), its
   `system_fingerprint` the revision's sha256 (as for every response), and the header `X-Mint-Arm` says
-  `canary` or `control`.
+  `canary` or `control`. A request with `X-Mint-Route: direct` is answered by the name it asks for, past the
+  split: the promotion's smoke check of the name.
 - **Scores.** Every answer under a served policy name is remembered by its response id for a while
   (`MAX_RESPONSES`). An answer to a built-in task's prompt (`mint_core.data.tasks.example_of`) is scored at once
   with the task's own reward (exact match, in [0, 1]); anything else is scored by `POST /v1/feedback` {"id",
@@ -327,7 +328,10 @@ class CanaryMiddleware:
         headers = dict(scope["headers"])
         key = data.get("user") if isinstance(data.get("user"), str) and data.get("user") else None
         key = key or headers.get(b"x-mint-key", b"").decode(errors="replace") or uuid.uuid4().hex
-        target, arm = self.state.route(name, key)
+        if headers.get(b"x-mint-route", b"") == b"direct":  # a smoke check of the name itself
+            target, arm = name, "none"
+        else:
+            target, arm = self.state.route(name, key)
         if target != name:
             data["model"] = target
             body = bytearray(json.dumps(data).encode())

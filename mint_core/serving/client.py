@@ -9,6 +9,9 @@ import httpx
 
 from mint_core.errors import MintError
 
+DIRECT_HEADER = "X-Mint-Route"
+"""With the value `direct`, a request is answered by the name it asks for, past any canary split."""
+
 
 class ServingError(MintError):
     """A non-2xx answer from a serving endpoint, with its status, error type and message."""
@@ -52,7 +55,8 @@ class ServingClient:
 
     def _call(self, method: str, path: str, admin: bool = False, **kw: Any) -> httpx.Response:
         try:
-            r = self._http.request(method, path, headers=self._headers(admin), **kw)
+            headers = {**self._headers(admin), **(kw.pop("headers", None) or {})}
+            r = self._http.request(method, path, headers=headers, **kw)
         except httpx.HTTPError as e:
             raise ServingError(0, "ConnectionError", str(e) or type(e).__name__, self.base_url + path) from e
         if r.status_code >= 400:
@@ -108,9 +112,12 @@ class ServingClient:
     def models(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/v1/models").json()["data"])
 
-    def complete(self, model: str, prompt: str, **params: Any) -> dict[str, Any]:
+    def complete(self, model: str, prompt: str, direct: bool = False, **params: Any) -> dict[str, Any]:
+        """POST /v1/completions. `direct`: answered by what `model` names itself, past any canary split of it
+        (a smoke check of the name)."""
         body = {"model": model, "prompt": prompt, **params}
-        return dict(self._call("POST", "/v1/completions", json=body).json())
+        headers = {DIRECT_HEADER: "direct"} if direct else None
+        return dict(self._call("POST", "/v1/completions", json=body, headers=headers).json())
 
     def health(self) -> bool:
         try:

@@ -121,7 +121,7 @@ def policy(
                 c.unload_adapter(n)
 
 
-CONFIG = CanaryConfig(share=0.3, poll_s=0.5, min_per_arm=20, max_requests=5000, max_minutes=2)
+CONFIG = CanaryConfig(share=0.5, poll_s=0.5, min_per_arm=20, max_requests=5000, max_minutes=2)
 
 
 def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
@@ -154,6 +154,25 @@ def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
     with ws.client() as c:
         out = c.complete(name, "Rate me", max_tokens=2, user="anyone")
         assert out["system_fingerprint"].removeprefix("sha256:") == digests[2]
+
+
+def test_a_first_revision_canaried_against_the_base_is_promoted(
+    endpoint: Endpoint, policy: tuple[Workspace, str, dict[int, str]]
+) -> None:
+    """With no champion the control arm is the bare base; the promotion's smoke check of the name goes past the
+    split (it would otherwise be answered by the base)."""
+    ws, name, digests = policy
+    reg = ws.registry()
+    reg.set_alias(name, "champion", None, "test: no champion yet", expect=1)
+    with ws.client() as c:
+        c.unload_adapter(name)
+    with RatingUsers(endpoint, name, {"canary": 0.9, "control": 0.3}) as users:
+        out = canary_flow(policy=name, version=2, canary=CONFIG, workspace=ws)
+    assert out.decision == "promoted" and out.champion_before is None, out.reason
+    assert reg.alias_version(name, "champion") == 2
+    assert users.arms.get("control", 0) > 0 and set(users.outcomes) <= {"200", "404"}, users.outcomes
+    with ws.client() as c:
+        assert served_revision(c, name) == f"sha256:{digests[2]}"
 
 
 def test_a_canary_of_the_champion_or_an_unknown_version_changes_nothing(
