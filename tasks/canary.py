@@ -131,7 +131,7 @@ def start_canary(
     with ws.client() as client:
         champ_digest = reg.revision(policy, champ).digest if champ is not None else None
         if champ_digest is not None:
-            control, control_rev = served, champ_digest
+            control, control_rev = served, str(champ_digest)
             if served_revision(client, served) != f"sha256:{champ_digest}":  # serving follows the registry
                 client.load_adapter(served, ws.lora_path(champ_digest), inplace=True)
         else:
@@ -225,9 +225,8 @@ def watch_canary(ws: Workspace, started: CanaryStarted, config: CanaryConfig) ->
         try:
             with ws.client(timeout=30) as client:
                 view = client.canary(started.served, after=after)
-                if (
-                    view.get("split") is None
-                ):  # the server restarted (the split lives in its memory): put it back
+                # the server restarted (the split lives in its memory): put it back
+                if view.get("split") is None:
                     log.warning("the split of %s was gone from the server: putting it back", started.served)
                     client.put_canary(started.served, started.canary_name, started.control, started.share)
         except ServingError as e:
@@ -236,14 +235,14 @@ def watch_canary(ws: Workspace, started: CanaryStarted, config: CanaryConfig) ->
             log.warning("reading the canary's scores failed (%s); retrying", e)
             time.sleep(config.poll_s)
             continue
-        for e in view["events"]:
-            arm = e["arm"]
+        for event in view["events"]:
+            arm = event["arm"]
             if arm not in want:
                 continue
-            if str(e["revision"]).removeprefix("sha256:") != want[arm]:
+            if str(event["revision"]).removeprefix("sha256:") != want[arm]:
                 ignored += 1
                 continue
-            test.update(arm, float(e["score"]))
+            test.update(arm, float(event["score"]))
         after = int(view["next"])
         requests = sum(int(a.get("requests", 0)) for k, a in view.get("arms", {}).items() if k in want)
         est = test.estimate()

@@ -328,6 +328,7 @@ class CanaryMiddleware:
         headers = dict(scope["headers"])
         key = data.get("user") if isinstance(data.get("user"), str) and data.get("user") else None
         key = key or headers.get(b"x-mint-key", b"").decode(errors="replace") or uuid.uuid4().hex
+        arm: Arm
         if headers.get(b"x-mint-route", b"") == b"direct":  # a smoke check of the name itself
             target, arm = name, "none"
         else:
