@@ -735,24 +735,23 @@ def step0_checkpoint(cfg: MainJobConfig, ws: Workspace, policy: str) -> int:
 def canaries_table(canaries: list[tuple[str, CanaryOutcome]]) -> Table:
     """Each canary of the job: what it compared, what the online test decided, on how many requests."""
     table = Table(
-        "canary",
         "candidate",
         "vs",
         "decision",
-        "requests (scored)",
-        "canary - champion, always-valid 95% interval",
-        "seconds",
+        "requests",
+        "canary - champion [95% always-valid]",
+        "s",
         title="canaries: the online test on live traffic",
+        caption="requests: scored answers the test read (each the task's reward of one served answer)",
     )
     style = {"promoted": "green", "rolled back": "red"}
     for what, o in canaries:
         diff = "-" if o.diff is None else f"{o.diff:+.3f} [{o.lo:+.3f}, {o.hi:+.3f}]"
         table.add_row(
-            what,
-            f"{o.policy}/v{o.version}",
+            f"{o.policy}/v{o.version} ({what})",
             f"v{o.champion_before}" if o.champion_before else "base",
             Text(o.decision, style=style.get(o.decision, "yellow")),
-            f"{o.requests:,} ({o.scored:,})",
+            f"{o.scored:,}",
             diff,
             f"{o.seconds:.0f}",
         )
@@ -895,7 +894,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 waves.append(("first", first))
                 for o in first.outcomes:
                     if o.canary is not None:
-                        canaries.append(("a first revision", o.canary))
+                        canaries.append(("first revision", o.canary))
                         note.append(
                             f"{o.policy} canary {o.canary.decision} after {o.canary.requests:,} requests"
                         )
@@ -909,9 +908,9 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             console.print(
                 f"  {cfg.steps} GRPO steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per policy, "
                 "all policies in one batched rollout and update per step; then per policy: evaluate the "
-                "candidate and the champion (lm-eval through the server), gate (paired test: a significant own-suite "
-                "gain >= 0.05, guard non-inferior within 0.05), promote + refresh serving + smoke check in one "
-                "transaction"
+                "candidate and the champion (lm-eval through the server), gate (paired test: a significant "
+                "own-suite gain >= 0.05, each other task non-inferior within 0.10, the pooled guard within 0.05), "
+                "promote + refresh serving + smoke check in one transaction"
             )
             main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
             waves.append(("main", main))
@@ -967,7 +966,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 )
                 out = state.result()
                 assert out is not None
-                canaries.append(("a step-0 checkpoint", out))
+                canaries.append(("step-0", out))
                 runs.append(("canary", str(state.state_details.flow_run_id)))
                 console.print(Text(f"  {policy}/v{version} {out.decision}: {out.reason}"))
                 note.append(f"{policy}/v{version} {out.decision} after {out.requests:,} requests")
