@@ -12,9 +12,13 @@ deployment runs them, without the servers (the library directly, as benchmarks/g
   rejected; a policy that stops without gain is skipped (no gate in the flow; here it is still scored, to check
   that the gate would have rejected it); `--no-early-stop` trains every step and says where the rule would
   have stopped;
-- the gate's own-suite test: greedy exact match on the first EVAL_LIMIT held-out items of the task (the
-  items of its eval suite), candidate against champion, paired (exact McNemar); promoted when the gain is
-  significant at alpha 0.05 and at least 0.05 (`GatePolicy` defaults; the guard suites are not run here).
+- each policy trains with the built-in recipe's replay (`PolicySpec.replay`: a quarter of its prompts from the
+  other tasks' train splits, `mint_core.lifecycle.with_replay`);
+- the gate's own-suite test and its per-task guards: greedy exact match on the first EVAL_LIMIT held-out items
+  of every built-in task (the items of their eval suites), candidate against champion, paired; promoted when
+  the own gain is significant at alpha 0.05 and at least 0.05 and no other task is worse beyond
+  `task_guard_margin` (`GatePolicy` defaults; the pooled guard group, which reads log-likelihood items, is not
+  run here).
 
 Prints one row per wave and task as it goes, then a table, then the JSON line: per task the champion's score
 after each wave (`<task>_curve`), the waves that promoted, the first wave after which no wave promoted
@@ -45,11 +49,11 @@ from _common import add_device, checked_device, report
 
 from flows.retrain import RETRAIN_STEPS
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
-from mint_core.data.tasks import Example, read_jsonl
+from mint_core.data.tasks import TASKS, Example, read_jsonl
 from mint_core.eval.gate import GatePolicy, SuiteScore, decide
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
-from mint_core.lifecycle import round_seed
+from mint_core.lifecycle import round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
@@ -102,12 +106,12 @@ def main() -> None:
     t_start = time.perf_counter()
 
     # the gate's items, the probe's, and everything fresh draws leave out (as validate_data does)
-    gate_items = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in tasks}
+    gate_items = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in TASKS}
     evaluated = evaluated_prompts(args.data, args.suites / "data")
     probes = {t: probe_examples(t, early.probe_items, evaluated | train_prompts(args.data, t)) for t in tasks}
 
     champion_dir: dict[str, Path | None] = dict.fromkeys(tasks)
-    champion_correct: dict[str, list[bool]] = {}
+    champion_correct: dict[str, dict[str, list[bool]]] = {}
     champion_label = dict.fromkeys(tasks, "base")
     rejected = dict.fromkeys(tasks, 0)
     rows: list[dict[str, Any]] = []
@@ -120,14 +124,25 @@ def main() -> None:
             t0 = time.perf_counter()
             trainer = load_trainer(args.base, specs, BUILTIN_RECIPE, seed, dict(champion_dir), device=device)
             engine = trainer.engine
-            if w == 0:
-                champion_correct = {t: heldout_correct(engine, None, gate_items[t]) for t in tasks}
+            if w == 0:  # the base, on every task's items: the own suite and the per-task guards
+                on_base = {g: heldout_correct(engine, None, gate_items[g]) for g in TASKS}
+                champion_correct = {t: dict(on_base) for t in tasks}
             plateaus = {t: Plateau.of(early, rejected[t]) for t in tasks}
             prompts = {
-                t: fresh_examples(
-                    t, args.prompts_per_step * args.steps, seed, evaluated | {e.prompt for e in probes[t]}
+                s.task: with_replay(
+                    s.task,
+                    fresh_examples(
+                        s.task,
+                        args.prompts_per_step * args.steps,
+                        seed,
+                        evaluated | {e.prompt for e in probes[s.task]},
+                    ),
+                    s.replay,
+                    seed,
+                    args.data,
+                    name,
                 )
-                for t in tasks
+                for s in specs
             }
             run = TrainingRun.start(trainer, prompts, args.steps, args.prompts_per_step, Path(tmp) / name, 0)
             seen, probe_s = _train(run, probes, plateaus, early.every, not args.no_early_stop)
@@ -141,16 +156,21 @@ def main() -> None:
                 elif p.stopped_at is not None:
                     steps = min(steps, p.stopped_at)
                 skipped = not args.no_early_stop and p.stopped and not p.gained
-                cand = heldout_correct(engine, t, gate_items[t])
+                cand = {g: heldout_correct(engine, t, gate_items[g]) for g in TASKS}
                 decision = decide(
-                    GatePolicy(suite=t),
-                    [SuiteScore(name=t, score=_mean(cand), n=len(cand), correct=cand)],
+                    GatePolicy(suite=t, guard_tasks=[g for g in TASKS if g != t]),
+                    [SuiteScore(name=g, score=_mean(c), n=len(c), correct=c) for g, c in cand.items()],
                     [
-                        SuiteScore(
-                            name=t, score=_mean(champion_correct[t]), n=len(cand), correct=champion_correct[t]
-                        )
+                        SuiteScore(name=g, score=_mean(c), n=len(c), correct=c)
+                        for g, c in champion_correct[t].items()
                     ],
                 )
+                guards = {
+                    c.name.removeprefix("guard:"): round(c.stats.effect, 4)
+                    for c in decision.checks
+                    if c.name.startswith("guard:") and c.stats is not None
+                }
+                failed_guards = [c.name for c in decision.failed() if c.name.startswith("guard:")]
                 gain_check = decision.check(f"gain:{t}")
                 assert gain_check is not None and gain_check.stats is not None
                 stats = gain_check.stats
@@ -172,6 +192,8 @@ def main() -> None:
                     "gain": round(stats.effect, 4),
                     "p": float(f"{stats.p_value:.4g}"),
                     "gate": "pass" if decision.passed else "reject",
+                    "guards": guards,
+                    "failed_guards": failed_guards,
                     "decision": "skipped" if skipped else ("promoted" if promoted else "rejected"),
                     "train_s": round(train_s, 1),
                     "probe_s": round(probe_s, 1),
@@ -186,7 +208,7 @@ def main() -> None:
                     rejected[t] = 0
                 elif not skipped:
                     rejected[t] += 1
-                curves[t].append(round(_mean(champion_correct[t]), 4))
+                curves[t].append(round(_mean(champion_correct[t][t]), 4))
 
     out: dict[str, Any] = {
         "tasks": tasks,
@@ -257,6 +279,14 @@ def _mean(xs: list[bool]) -> float:
     return sum(xs) / len(xs)
 
 
+def _worst(row: dict[str, Any]) -> str:
+    """The other task that lost most, and whether its guard failed."""
+    if not row["guards"]:
+        return "-"
+    task, effect = min(row["guards"].items(), key=lambda kv: kv[1])
+    return f"{task} {effect:+.3f}" + (" FAIL" if f"guard:{task}" in row["failed_guards"] else "")
+
+
 def _table(rows: list[dict[str, Any]], curves: dict[str, list[float]], waves: int) -> None:
     head = [
         "wave",
@@ -268,6 +298,7 @@ def _table(rows: list[dict[str, Any]], curves: dict[str, list[float]], waves: in
         "candidate",
         "gain",
         "p",
+        "worst guard",
         "decision",
     ]
     lines = [head]
@@ -285,6 +316,7 @@ def _table(rows: list[dict[str, Any]], curves: dict[str, list[float]], waves: in
                 f"{r['candidate']:.3f}",
                 f"{r['gain']:+.3f}",
                 f"{r['p']:.3g}",
+                _worst(r),
                 r["decision"] + ("" if r["decision"] != "skipped" else f" (gate: {r['gate']})"),
             ]
         )
