@@ -16,12 +16,15 @@ from pathlib import Path
 import httpx
 import pytest
 from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.canary import canary_flow
 from mint_core.lifecycle import Workspace, served_revision
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.store import AdapterStore
 from tasks.canary import CANARY, CANARY_TAG, CanaryConfig
+from tasks.common import artifact_key
 from tests.integration.conftest import Endpoint
 
 pytestmark = pytest.mark.integration
@@ -143,6 +146,12 @@ def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
     history = MlflowClient(ws.tracking_uri).get_metric_history(tag["run_id"], "online/diff")
     assert len(history) >= 2 and history[-1].step == good.scored
     assert set(users.outcomes) == {"200"}, users.outcomes  # no request failed across the canary and the swap
+    # the flow's artifact shows the running estimate and the decision
+    with get_client(sync_client=True) as client:
+        shown = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("canary", name)]))
+        )
+    assert shown and any("**promote**" in str(a.data) and "| scored |" in str(a.data) for a in shown)
 
     with RatingUsers(endpoint, name, {"canary": 0.2, "control": 0.7}) as users:
         bad = canary_flow(policy=name, version=3, canary=CONFIG, workspace=ws)
