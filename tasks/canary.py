@@ -43,8 +43,11 @@ class CanaryConfig(BaseModel):
     rolls back one no worse), however long it watches."""
     margin: float = Field(0.0, ge=-1.0, le=1.0)
     """Promote when the interval of (canary - champion) lies above it, roll back when it lies below."""
-    min_per_arm: int = Field(30, ge=1)
-    """Scores each arm needs before any decision (the test is asymptotic)."""
+    min_per_arm: int = Field(100, ge=1)
+    """Scores each arm needs before any decision. The test is asymptotic, and with skewed scores and a small
+    share its early intervals are too narrow: simulated at equal quality with continuous monitoring (2,000
+    streams of 3,000 requests), share 0.1 and both arms right 90-95% of the time, it decided wrongly in 7.6% of
+    the streams with 30 scores per arm, 5.6-6.9% with 60, and 3.7-5.0% with 100 (alpha 0.05)."""
     max_requests: int = Field(20_000, ge=1)
     """Scored requests after which an undecided canary is rolled back as inconclusive."""
     max_minutes: float = Field(60.0, gt=0)
