@@ -135,7 +135,7 @@ def worker(plane: Plane) -> ServicesConfig:
     t0 = time.perf_counter()
     (svc,) = start(plane.services, ["worker"])
     print(f"\nworker: {svc.detail}; healthy {time.perf_counter() - t0:.1f} s after start")
-    assert svc.state == "running" and svc.detail and svc.detail.startswith("registered 7 deployments")
+    assert svc.state == "running" and svc.detail and svc.detail.startswith("registered 8 deployments")
     return plane.services
 
 

@@ -64,7 +64,7 @@ def registered(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
         {"state_dir": root / "run", "prefect_port": port, "deployments": root / "prefect.yaml"}
     )
     config.state_dir.mkdir(parents=True)
-    assert register_deployments(config).startswith("registered 7 deployments")
+    assert register_deployments(config).startswith("registered 8 deployments")
     return prefect_server.removesuffix("/api")
 
 

@@ -80,7 +80,7 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         assert f"{urls['prefect']}/api" in status.stdout
 
         # the worker's deployments: every flow, registered once, with this state dir's workspace
-        assert re.search(r"registered 7 deployments in \d", up.stdout), up.stdout
+        assert re.search(r"registered 8 deployments in \d", up.stdout), up.stdout
         api = urls["prefect"] + "/api"
         found = httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()
         assert {d["name"] for d in found} == {*FLOWS}, found

@@ -20,6 +20,7 @@ WITH_DEVICE = [
     "dashboard_run.py",
     "eval_revision.py",
     "grpo_learning.py",
+    "learning_curves.py",
     "grpo_vs_trl.py",
     "hot_swap.py",
     "mixed_adapter_decode.py",
