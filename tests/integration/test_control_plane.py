@@ -157,12 +157,12 @@ def artifacts(run: FlowRun) -> dict[str, str]:
 def test_the_second_start_reuses_worker_and_registration(plane: Plane, worker: ServicesConfig) -> None:
     (svc,) = start(worker, ["worker"])
     # (flows/ edited meanwhile in a shared checkout would register again: the fingerprint includes them)
-    assert svc.reused and svc.detail == "7 deployments unchanged"
+    assert svc.reused and svc.detail == "8 deployments unchanged"
     (st,) = status(worker, ["worker"])
     assert st.state == "running" and st.pid == svc.pid
     with get_client(sync_client=True) as client:
         deps = {d.name: d for d in client.read_deployments()}
-    for name in ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch"):
+    for name in ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary"):
         d = deps[name]
         assert d.description and (d.parameter_openapi_schema or {}).get("properties"), name
         assert d.enforce_parameter_schema, name

@@ -28,7 +28,7 @@ from tests.integration.conftest import require
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch")
+FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary")
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 

@@ -26,7 +26,7 @@ from mint_app.services import REDIS_PIDFILE, SERVICES, ServicesConfig, stop, sto
 from tests.integration.conftest import PG_ADMIN_URL, free_port, mint_cli
 
 pytestmark = pytest.mark.integration
-FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch")
+FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary")
 """A deployment of each, registered by `mint up` from infra/prefect.yaml."""
 
 
@@ -92,8 +92,10 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         again = mint("up", *flags)  # idempotent: reuses every service, registers nothing again
         assert again.returncode == 0, again.stdout + again.stderr
         assert again.stdout.count("already running") == len(SERVICES), again.stdout
-        assert "7 deployments unchanged" in again.stdout, again.stdout
-        assert len(httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()) == 7
+        assert "8 deployments unchanged" in again.stdout, again.stdout
+        assert len(
+            httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()
+        ) == len(FLOWS)
         assert {name: int((state / f"{name}.pid").read_text()) for name in ports} == pids
 
         down = mint("down", "--state-dir", str(state))
