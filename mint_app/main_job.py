@@ -109,7 +109,7 @@ class MainJobConfig(Settings):
     (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""
     seed: int = 0
     """Seeds the adapters' initialisation and the rollouts."""
-    canary: list[str] = Field(default_factory=lambda: ["sort"])
+    canary: list[str] = Field(default_factory=lambda: ["add"])
     """Policies whose first revision, once the gate passes it, is promoted through a canary (the online test on
     live traffic decides) instead of at once. Names not in `policies` are ignored."""
     canary_share: float = Field(0.1, gt=0.0, lt=1.0)

@@ -64,12 +64,12 @@ def test_main_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         for p in POLICIES:
             assert re.search(rf"│ {p}\s+│ {p}: .*│ {p}/v[12] [0-9a-f]{{8}}", served), (p, served)
 
-        # canaries on live traffic: sort's first revision promoted by the online test against the base, add's
+        # canaries on live traffic: add's first revision promoted by the online test against the base, then add's
         # step-0 checkpoint rolled back against add's champion, each with its request count in the job's table
         canaries = out[out.index("canaries: the online test on live traffic") :]
-        assert re.search(r"│ sort/v1 \(first[^│]*│ base\s+│ promoted\s+│ [\d,]+\s+│ \+", canaries), canaries
+        assert re.search(r"│ add/v1 \(first[^│]*│ base\s+│ promoted\s+│ [\d,]+\s+│ \+", canaries), canaries
         assert re.search(r"│ add/v\d+ \(step-0\)\s+│ v1\s+│ rolled back\s+│ [\d,]+\s+│ -", canaries), canaries
-        assert re.search(r"sort canary promoted after [\d,]+ requests", out)
+        assert re.search(r"add canary promoted after [\d,]+ requests", out)
         assert re.search(r"add/v\d+ rolled back after [\d,]+ requests", out)
 
         # a rollback of a policy the wave promoted, and a completion from the revision it restored; when the
