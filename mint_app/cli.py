@@ -720,7 +720,12 @@ def canary_cmd(
     policy: Annotated[str, typer.Argument(help="The policy (MLflow registered model).")],
     version: Annotated[str, typer.Argument(help="The candidate version: N or vN.")],
     share: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="Fraction of the policy's users the candidate answers.")
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Fraction of the policy's users the candidate answers.",
+        ),
     ] = 0.1,
     max_minutes: Annotated[
         float | None, typer.Option(help="Roll back as inconclusive after this long (default 60).")

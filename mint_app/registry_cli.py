@@ -316,6 +316,11 @@ def registry_history(
 
 def run_canary_cmd(policy: str, version: int, doc: dict[str, Any]) -> None:
     """Run the canary flow in this process and print its decision and evidence; exit 1 unless promoted."""
+    share = doc.get("canary", {}).get("share")
+    if share is not None and not 0.0 < share < 1.0:
+        raise typer.BadParameter(
+            f"--share/--canary {share:g}: a canary answers a share strictly between 0 and 1"
+        )
     from flows.canary import canary_flow
 
     doc.update(policy=policy, version=version)
