@@ -4,8 +4,9 @@ BIN := $(VENV)/bin
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: venv vllm-venv run demo test test-unit test-slow check fmt bench up down
+.PHONY: venv vllm-venv run demo test test-unit test-slow check docs fmt bench up down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -32,6 +33,11 @@ check: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/mkdocs build --strict --quiet
+
+# the documentation (docs/, MkDocs + Material) at http://127.0.0.1:8008, rebuilt as pages change
+docs: venv
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8008
 
 fmt: venv
 	$(BIN)/ruff format .

@@ -4,7 +4,7 @@ happened, and what was lost. Run with the project's venv from the repository roo
 
     .venv/bin/python scripts/faults.py [--only NAME[,NAME]] [--json FILE] [--keep]
 
-It prints one Markdown table (the README's fault table is this output) and exits 1 when a scenario lost data or
+It prints one Markdown table (docs/faults.md's table is this output) and exits 1 when a scenario lost data or
 left serving disagreeing with the registry. Scenarios (names for --only):
 
   server    kill -9 `mint serve` mid-stream: the client gets a clean error, supervision brings the server back,

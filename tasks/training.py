@@ -216,7 +216,7 @@ class EarlyStop(BaseModel):
     """Stop training a policy whose reward on held-out probe items does not rise, so no compute goes into steps
     (or an evaluation) the gate would reject. The probe is greedy exact match on a few items of the policy's task
     that no training, held-out or eval-suite prompt is (`mint_core.data.revision.probe_examples`): cheap, and
-    not the gate's items. Defaults from benchmarks/learning_curves.py on the built-in base (README there)."""
+    not the gate's items. Defaults from benchmarks/learning_curves.py on the built-in base (docs/lifecycle.md, "Retraining")."""
 
     model_config = ConfigDict(extra="forbid")
 

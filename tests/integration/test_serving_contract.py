@@ -1255,7 +1255,7 @@ def test_adapter_for_another_base(
     http: httpx.Client,
 ) -> None:
     """A recorded base fingerprint decides (another base's: refused); without one, a name that is not the served
-    base's is loaded with a warning in the answer and the server's log (README, "Serving")."""
+    base's is loaded with a warning in the answer and the server's log (docs/serving.md, "Serving")."""
     name = "other-" + re.sub(r"[^a-z0-9]+", "-", case.lower()).strip("-")
     d = endpoint.make_adapter(name, seed=41)
     _edit_config(d, base_model_name_or_path=named.format(base=endpoint.base_name))
