@@ -39,3 +39,13 @@ class DataCheckError(MintError):
         where = f" on {source}" if source else ""
         body = "\n".join(f"  - {f}" for f in self.failures)
         super().__init__(f"data check {suite!r}{where} failed ({len(self.failures)} expectation(s)):\n{body}")
+
+
+class BaseError(MintError):
+    """A base model directory that mint cannot train or serve; names the directory and every problem found."""
+
+    def __init__(self, path: str, problems: list[str]):
+        self.path = path
+        self.problems = list(problems)
+        body = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"base {path} cannot be used ({len(self.problems)} problem(s)):\n{body}")

@@ -16,12 +16,14 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from mint_core.engine.device import check_device
+from mint_core.engine.tokenizer import CHAT_TOKENS, ChatFamily, chat_bpe_tokenizer
 from mint_core.types import EXPERT_PARAMS, Site
 
 logger = logging.getLogger(__name__)
@@ -207,3 +209,57 @@ def build_tiny_base(
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.to(where)  # type: ignore[arg-type]
     return from_model(model, tokenizer, f"tiny-{family}")
+
+
+def tiny_chat_config(
+    family: ChatFamily, tokenizer: PreTrainedTokenizerBase, **overrides: Any
+) -> PretrainedConfig:
+    """A tiny config of a chat family sized to `tokenizer`. Heads of 32 dimensions: the smallest vLLM's CPU attention
+    takes (CPUAttentionBackend.get_supported_head_sizes: 32, 64, 80, 96, 112, 128, ...)."""
+    kw: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        # the small Qwen checkpoints (0.5B-4B) tie the output head to the embeddings; Llama 3 8B does not
+        tie_word_embeddings=family != "llama",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    kw.update(overrides)
+    return AutoConfig.for_model({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family], **kw)
+
+
+def build_tiny_chat_base(out: Path, family: ChatFamily, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random chat base of a family as a normal Hugging Face directory and return it: config.json,
+    model.safetensors, a BPE tokenizer trained here (tokenizer.json) with the family's special tokens and chat
+    template (tokenizer_config.json), and generation_config.json whose eos_token_id lists the EOS and the
+    end-of-turn token. No download; the same files for the same seed. `overrides` change the model config."""
+    out = Path(out)
+    tokenizer = chat_bpe_tokenizer(family)
+    spec = CHAT_TOKENS[family]
+    torch.manual_seed(seed)
+    cfg = tiny_chat_config(family, tokenizer, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in dict.fromkeys((spec.eos, spec.end_of_turn, spec.pad))]
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # the template inside tokenizer_config.json, where every transformers version and vLLM look for it
+    jinja = out / "chat_template.jinja"
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc["chat_template"] = spec.template
+    # the generic class, which transformers 4 and 5 (mint's and vLLM's) both map to tokenizer.json as written
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, sort_keys=True) + "\n")
+    jinja.unlink(missing_ok=True)
+    logger.info("wrote tiny %s chat base to %s (vocab %d)", family, out, len(tokenizer))
+    return out
