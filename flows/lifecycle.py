@@ -69,6 +69,10 @@ from tasks.training import (
 
 R = TypeVar("R")
 
+# the attribute a GRPO step's log record carries (step, steps, reward per policy): a console can draw one
+# progress bar from these records instead of printing a line per step (`mint run` does)
+STEP_RECORD = "mint_step"
+
 
 # ---- parameters (the dashboard's form) ---------------------------------------------------------------------
 
@@ -497,7 +501,13 @@ def train(
         batch = clock(rollout, run)
         clock(validate_rollouts, quote(batch), bounds)
         stats = clock(grpo_update, run, quote(batch))
-        log.info("step %d/%d: reward %s", stats.step, training.steps, _fmt(stats.reward))
+        log.info(
+            "step %d/%d: reward %s",
+            stats.step,
+            training.steps,
+            _fmt(stats.reward),
+            extra={STEP_RECORD: {"step": stats.step, "steps": training.steps, "reward": dict(stats.reward)}},
+        )
         update_progress_artifact(
             progress,
             80.0 * stats.step / training.steps,

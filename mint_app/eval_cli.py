@@ -9,15 +9,15 @@ from typing import Annotated
 
 import typer
 from pydantic import SecretStr
-from rich.console import Console
 from rich.table import Table
 
+from mint_app.console import make_console
 from mint_core.errors import MintError
 from mint_core.eval.results import EvalConfig, EvalResult, LocalModel, ServedModel
 from mint_core.eval.suites import build_suite_data
 
 eval_app = typer.Typer(help="Evaluate adapter revisions on the lm-eval suites.", no_args_is_help=True)
-console = Console()
+console = make_console()  # a kept log's tables keep their width
 
 
 @eval_app.command("build-suites")

@@ -47,6 +47,8 @@ from flows.canary import CanaryOutcome, canary_flow
 from flows.lifecycle import PolicyOutcome, PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
+from mint_app.console import quiet_libraries, rule
+from mint_app.progress import step_bar
 from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, services_for, start
 from mint_core.data.tasks import read_jsonl
 from mint_core.engine.base import load_base
@@ -164,7 +166,7 @@ class Timer:
     @contextmanager
     def step(self, name: str) -> Iterator[list[str]]:
         """Time a step; the yielded list collects a short note for the table."""
-        self.console.rule(f"[bold]{name}")
+        rule(self.console, f"[bold]{name}")
         note: list[str] = []
         t0 = time.perf_counter()
         try:
@@ -548,6 +550,39 @@ def final_table(waves: list[tuple[str, WaveReport]]) -> Table:
     return table
 
 
+def what_happened(
+    waves: list[tuple[str, WaveReport]],
+    canaries: list[tuple[str, CanaryOutcome]],
+    rollback: str,
+    seconds: float,
+) -> list[str]:
+    """The job in a few lines: per policy what each wave's candidate became and what serves now; the rollback;
+    each canary's decision; the time."""
+    by: dict[str, dict[str, PolicyOutcome]] = {}
+    for wave_name, report in waves:
+        for o in report.outcomes:
+            by.setdefault(o.policy, {})[wave_name] = o
+    lines = []
+    for policy, got in by.items():
+        said = []
+        for wave_name, what in (("first", "first revision"), ("main", "this round's candidate")):
+            one = got.get(wave_name)
+            if one is None:
+                continue
+            how = f" ({one.candidate})" if one.candidate else ""
+            if one.canary is not None:
+                how += f", by its canary after {one.canary.requests:,} requests"
+            said.append(f"{what} {one.status}{how}")
+        last = got.get("main") or got.get("first")
+        serves = last.champion_after if last is not None and last.champion_after else "the base (no champion)"
+        lines.append(f"{policy}: {'; '.join(said)}; serves {serves}")
+    lines.append(f"rollback: {rollback}")
+    for what, c in canaries:
+        lines.append(f"canary {c.policy}/v{c.version} ({what}): {c.decision} after {c.requests:,} requests")
+    lines.append(f"in {int(seconds // 60)} min {seconds % 60:.0f} s")
+    return lines
+
+
 def rewards_line(report: WaveReport) -> str:
     """First and last step's mean rollout reward per policy."""
     first: dict[str, float] = {}
@@ -781,9 +816,9 @@ def _no_task_run_chatter(record: logging.LogRecord) -> bool:
 @contextmanager
 def _job_console() -> Iterator[None]:
     """The console the job's reader sees: flow logs (steps, rewards, gate decisions) stamped with the seconds
-    since the job started; no progress bars, no task-run chatter, no MLflow run links (printed once at the end),
+    since the job started; no progress bars of libraries (training's own bar is `step_bar`), no task-run chatter, no MLflow run links (printed once at the end),
     no lm-eval batch-size warning."""
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    quiet_libraries()
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     root = logging.getLogger()
     handlers = [h for h in root.handlers if isinstance(h, logging.StreamHandler)]
@@ -888,9 +923,10 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                         f"{cfg.canary_share:.0%} of the users (live traffic from the built-in generator) and the "
                         "online test (always-valid, on the task's reward of each answer) promotes or rolls it back"
                     )
-                first, run_id = run_wave(
-                    cfg, ws, fresh, cfg.first_steps, round_name + "-first", canary=by_canary
-                )
+                with step_bar(console, f"GRPO {', '.join(fresh)}"):
+                    first, run_id = run_wave(
+                        cfg, ws, fresh, cfg.first_steps, round_name + "-first", canary=by_canary
+                    )
                 waves.append(("first", first))
                 for o in first.outcomes:
                     if o.canary is not None:
@@ -912,7 +948,8 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 "own-suite gain >= 0.05, each other task non-inferior within 0.10, the pooled guard within 0.05), "
                 "promote + refresh serving + smoke check in one transaction"
             )
-            main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
+            with step_bar(console, f"GRPO {', '.join(cfg.policies)}"):
+                main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
             waves.append(("main", main))
             summary_file = write_summary(cfg, round_name, waves)
             console.print(f"  summary: {summary_file}")
@@ -986,6 +1023,10 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         console.print(canaries_table(canaries))
     console.print(f"  (every number, with n and each check's effect, CI and p-value: {summary_file})")
     console.print(timer.table())
+    rule(console, "[bold]what happened")
+    rolled_back = next((note for name, _, note in timer.rows if name.startswith("5.")), "-")
+    for line in what_happened(waves, canaries, rolled_back, time.perf_counter() - timer.t0):
+        console.print(Text(line), soft_wrap=True)
     where(cfg, started, prefect_url, runs, console, training_runs_url(ws, started["mlflow"].url))
 
 
@@ -1048,7 +1089,7 @@ def where(
     """Where to look, and how to stop."""
     mlflow = services["mlflow"].url
     serve = services["serve"].url
-    console.rule("[bold]where to look")
+    rule(console, "[bold]where to look")
     say = functools.partial(console.print, soft_wrap=True)
     say(f"Prefect dashboard   {prefect_url}")
     for what, run_id in runs:

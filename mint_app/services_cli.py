@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from mint_app.console import make_console, rule
 from mint_app.services import (
     ALL_SERVICES,
     Service,
@@ -28,7 +28,7 @@ from mint_app.services import (
     stop_started_redis,
 )
 
-console = Console()
+console = make_console()  # a kept log's tables keep their width
 
 StateDir = Annotated[
     Path | None,
@@ -209,7 +209,7 @@ def logs_cmd(
     for name in names:
         log = service_log(cfg, name)
         if len(names) > 1 or rolled:
-            console.rule(f"{TITLES[name]}: {log}")
+            rule(console, f"{TITLES[name]}: {log}")
         if rolled:
             for old in rolled_logs(cfg, name):
                 console.print(f"  rolled over: {old} ({old.stat().st_size} bytes)")
