@@ -5,7 +5,7 @@ adapters itself but loads and serves others (NaN weights, a shape mismatch, a la
 adapter), and a NaN adapter poisons every other tenant of the server until vLLM restarts; mint's front refuses all
 of them before vLLM reads them, and the other tenants keep their answers byte for byte.
 
-Phase `raw`: one vLLM (loopback, its key, no resolver plugin) on the tiny head_dim-32 base, with two healthy
+Phase `raw`: one vLLM (loopback, its key, no resolver plugin, without mint's seal: vLLM's own surface) on the tiny head_dim-32 base, with two healthy
 adapters loaded straight into it. The greedy answers (temperature 0, ignore_eos, 16 tokens, 4 prompts) of the base
 and both adapters are the reference. Each case is a healthy adapter corrupted one way, loaded directly into vLLM
 (`POST /v1/load_lora_adapter`, absolute path); recorded: vLLM's status and message, whether `/v1/models` lists it,
@@ -399,7 +399,8 @@ class RawVLLM:
         port = free_port()
         self.n += 1
         t0 = time.monotonic()
-        self.proc = start_vllm(self.base_dir, port, None, self.logs / f"vllm-raw-{self.n}.log")
+        # unsealed: this phase measures what vLLM itself lets through (mint starts every vLLM sealed)
+        self.proc = start_vllm(self.base_dir, port, None, self.logs / f"vllm-raw-{self.n}.log", seal=False)
         self.starts_s.append(round(time.monotonic() - t0, 1))
         self.target = Target(f"http://127.0.0.1:{port}", VLLM_KEY, VLLM_KEY)
         for name in HEALTHY:

@@ -56,11 +56,13 @@ ENV_PREFIX = "MINT_SERVICES_"
 HEALTH_PATH: dict[ServiceName, str] = {
     "mlflow": "/health",
     "prefect": "/api/health",
-    "vllm": "/health",  # vLLM's key guards /v1 only
+    "vllm": "/health",  # sealed: asked with vLLM's key (HEALTH_KEY_ENV), as every route of it
     "serve": "/health",
     "hooks": "/health",
     "worker": "/health",  # the worker's healthcheck server: 200 while it polls its work pool
 }
+# The variable holding the key a service demands on its health route (mint's seal on vLLM covers every route)
+HEALTH_KEY_ENV: dict[ServiceName, str] = {"vllm": "VLLM_API_KEY"}
 LOG_TAIL_LINES = 40
 # The directory `dvc repro` builds the built-in base into (relative to the working directory).
 BUILTIN_BASE = Path("data/base")
@@ -464,12 +466,18 @@ def _terminate(pid: int, timeout: float) -> bool:
     return True
 
 
-def _healthy(url: str, path: str, timeout: float = 2.0) -> bool:
+def _healthy(url: str, path: str, timeout: float = 2.0, key: str | None = None) -> bool:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         # trust_env=False: a proxy from the environment must not stand between us and a loopback service
-        return httpx.get(url + path, timeout=timeout, trust_env=False).status_code == 200
+        return httpx.get(url + path, timeout=timeout, trust_env=False, headers=headers).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _health_key(config: ServicesConfig, name: ServiceName) -> str | None:
+    """The key `name`'s health route demands: vLLM's (its seal refuses /health without it), else none."""
+    return _vllm_key(config) if name in HEALTH_KEY_ENV else None
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -991,6 +999,8 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
             *(sys.executable, "-m", "mint_app.supervise", "--log", str(log)),
             *("--max-bytes", str(config.log_max_bytes), "--backups", str(config.log_backups)),
             *("--health-url", config.url(name) + HEALTH_PATH[name]),
+            # the key the service itself was started with (in its environment, never on a command line)
+            *(("--health-key-env", HEALTH_KEY_ENV[name]) if env.get(HEALTH_KEY_ENV.get(name, "")) else ()),
             *("--max-restarts", str(config.max_restarts)),
             # the worker's flow runs are given 30 s to report their own end after a crash of the worker
             *("--orphans", "wait 30" if name == "worker" else "kill"),
@@ -1057,7 +1067,9 @@ def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> li
             out.append(Service(name, "stopped", config.url(name), None, log))
             continue
         url = record.get("url") or config.url(name)
-        state: State = "running" if _healthy(url, HEALTH_PATH[name]) else "unhealthy"
+        state: State = (
+            "running" if _healthy(url, HEALTH_PATH[name], key=_health_key(config, name)) else "unhealthy"
+        )
         out.append(Service(name, state, url, record["pid"], log))
     return out
 
@@ -1124,7 +1136,7 @@ def start(
                     f"{name} exited{code} before answering {url}{HEALTH_PATH[name]}:\n{log_tail(log)}"
                 )
                 _remove_record(config, name)
-            elif _healthy(url, HEALTH_PATH[name]):
+            elif _healthy(url, HEALTH_PATH[name], key=_health_key(config, name)):
                 del launched[name]
                 ms = None if proc is None else time.monotonic() - t0
                 results[name] = Service(name, "running", url, pid, log, reused=proc is None, startup_s=ms)

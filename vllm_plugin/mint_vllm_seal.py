@@ -1,0 +1,103 @@
+"""mint's seal on a vLLM it starts: every request without mint's key is refused, on every route.
+
+vLLM's own `--api-key` guards only paths under /v1, /v2, /inference and /cohere
+(`vllm/entrypoints/serve/middleware/authenticate.py`, 0.32). Everything else answers anyone who reaches the port:
+the SageMaker adapter routes (`POST /adapters` registers an adapter from any path on the host, and one NaN adapter
+poisons every tenant of the server until it restarts), `/invocations`, `/tokenize`, `/metrics`, `/docs`. Loopback
+keeps out other hosts, not other users or containers on the same host. mint starts vLLM with
+`--middleware mint_vllm_seal.Seal`: vLLM's own seam for outside middleware, added last and so the outermost of
+vLLM's middlewares. It asks every HTTP request and websocket, on every path and method (OPTIONS, /health and
+/metrics included), for `Authorization: Bearer <key>`, the key mint gave vLLM in VLLM_API_KEY; anything else is
+answered 401 before vLLM's app sees it.
+
+Why a key rather than a Unix socket (`--uds` in a 0700 directory): mint's replica fleet puts `vllm-router` before
+the replicas, and the router reaches its workers over TCP only (`http://host:port` worker URLs through reqwest,
+vllm-project/router `src/core/worker.rs`); a socket would keep the router out as well. A key works over any
+transport, on one host or many. The router health-checks a worker with a bare `GET /health` (no header), so a
+fleet behind it starts its replicas with MINT_SEAL_OPEN_HEALTH=1, which lets exactly `GET`/`HEAD /health` through
+unkeyed (it changes nothing and tells nothing beyond "up"); mint's single vLLM keeps it sealed too.
+
+The standard library only: it runs inside vLLM's environment, and mint's tests run it in mint's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+KEY_ENV = "VLLM_API_KEY"
+OPEN_HEALTH_ENV = "MINT_SEAL_OPEN_HEALTH"
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class Seal:
+    """Pure ASGI middleware: 401 for any http or websocket request that lacks mint's bearer key."""
+
+    def __init__(self, app: ASGIApp, key: str | None = None, open_health: bool | None = None) -> None:
+        key = os.environ.get(KEY_ENV, "") if key is None else key
+        if not key:
+            # fail closed, and loudly: vLLM does not start rather than start unsealed
+            raise RuntimeError(f"mint_vllm_seal: {KEY_ENV} is not set; refusing to serve vLLM unsealed")
+        self.app = app
+        self._digest = hashlib.sha256(key.encode()).digest()
+        if open_health is None:
+            open_health = os.environ.get(OPEN_HEALTH_ENV, "") == "1"
+        self.open_health = open_health
+        logger.info("mint seal: every route needs the key%s", " (GET /health open)" if open_health else "")
+
+    def allowed(self, scope: Scope) -> bool:
+        probe = (
+            scope["type"] == "http"
+            and scope.get("method") in ("GET", "HEAD")
+            and scope.get("path") == "/health"
+        )
+        if self.open_health and probe:
+            return True
+        for name, value in scope.get("headers") or ():
+            if name.lower() == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    # hashed first: compare_digest then compares equal lengths, so timing tells nothing
+                    return secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest)
+                return False
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or self.allowed(scope):
+            await self.app(scope, receive, send)  # lifespan, or a request with the key
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})  # policy violation, before accept
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "Unauthorized: mint's key is required",
+                    "type": "Unauthorized",
+                    "code": 401,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
