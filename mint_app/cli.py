@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 import yaml
-from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from mint_app.console import make_console
 from mint_app.eval_cli import eval_app
 from mint_app.registry_cli import _version, catalog_app, registry_app, run_canary_cmd
 from mint_app.services_cli import register as register_service_commands
@@ -40,7 +40,7 @@ app.add_typer(catalog_app, name="catalog")
 app.add_typer(registry_app, name="registry")
 app.add_typer(eval_app, name="eval")
 register_service_commands(app)  # mint up / down / status
-console = Console()
+console = make_console()  # a kept log's tables keep their width
 
 
 @app.callback()
@@ -71,14 +71,33 @@ def _check_device(name: str, what: str = "--device") -> None:
 @base_app.command("build-tiny")
 def build_tiny(
     out: Annotated[Path, typer.Argument(help="Directory to write the Hugging Face model into.")],
-    family: Annotated[str, typer.Option(help="dense, moe, mla or dsa")] = "dense",
+    family: Annotated[
+        str, typer.Option(help="dense, moe, mla or dsa; with --chat: llama, qwen2 or qwen3")
+    ] = "dense",
     seed: int = 0,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat",
+            help="A chat base: a BPE tokenizer trained here, the family's special tokens and chat template, "
+            "generation_config listing EOS and the end-of-turn token.",
+        ),
+    ] = False,
 ) -> None:
-    """Write a tiny random base of one family (with a byte-level tokenizer) as a local HF model directory."""
+    """Write a tiny random base of one family (with a byte-level tokenizer, or with --chat a BPE one and a chat
+    template) as a local HF model directory."""
     # deferred: torch and transformers, which `mint --help` need not load
-    from mint_core.engine.base import FAMILIES, build_tiny_base
-    from mint_core.engine.tokenizer import byte_tokenizer
+    from mint_core.engine.base import FAMILIES, build_tiny_base, build_tiny_chat_base
+    from mint_core.engine.tokenizer import CHAT_FAMILIES, byte_tokenizer
 
+    if chat:
+        if family not in CHAT_FAMILIES:
+            raise typer.BadParameter(
+                f"with --chat, family must be one of {', '.join(CHAT_FAMILIES)}, not {family!r}"
+            )
+        build_tiny_chat_base(out, family, seed=seed)  # type: ignore[arg-type]
+        console.print(f"wrote a tiny {family} chat base to {out}")
+        return
     if family not in FAMILIES:
         raise typer.BadParameter(f"family must be one of {', '.join(FAMILIES)}, not {family!r}")
     base = build_tiny_base(family, seed=seed, tokenizer=byte_tokenizer())  # type: ignore[arg-type]
@@ -654,12 +673,18 @@ def _flow_params(path: Path | None) -> dict[str, Any]:
 def _run_wave(one: bool, doc: dict[str, Any]) -> None:
     """Run the lifecycle (one policy) or wave flow in this process and print each policy's outcome."""
     from flows.lifecycle import WaveFailed, lifecycle, wave
+    from mint_app.stack import flow_run_url, flow_workspace, on_stack
 
-    try:
-        report = lifecycle(**doc) if one else wave(**doc)
-    except WaveFailed as e:
-        console.print(f"[red]{e}[/]")
-        raise typer.Exit(1) from None
+    with on_stack(console.print) as stack:
+        doc["workspace"] = flow_workspace(stack, doc.get("workspace"))
+        state = lifecycle(**doc, return_state=True) if one else wave(**doc, return_state=True)
+        console.print(f"flow run: {flow_run_url(stack, state.state_details.flow_run_id)}")
+        try:
+            report = state.result()
+        except WaveFailed as e:
+            console.print(f"[red]{e}[/]")
+            raise typer.Exit(1) from None
+    assert report is not None
     table = Table("policy", "status", "candidate", "champion before", "champion after", "why")
     for o in report.outcomes:
         table.add_row(

@@ -223,7 +223,6 @@ def tiny_chat_config(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=2048,
         # the small Qwen checkpoints (0.5B-4B) tie the output head to the embeddings; Llama 3 8B does not
         tie_word_embeddings=family != "llama",
@@ -231,8 +230,10 @@ def tiny_chat_config(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if family != "qwen2":  # Qwen2 (in transformers and vLLM) takes hidden_size / num_attention_heads
+        kw["head_dim"] = 32
     kw.update(overrides)
-    return AutoConfig.for_model({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family], **kw)
+    return AutoConfig.for_model(family, **kw)
 
 
 def build_tiny_chat_base(out: Path, family: ChatFamily, seed: int = 0, **overrides: Any) -> Path:

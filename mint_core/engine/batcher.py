@@ -215,7 +215,7 @@ class Batcher:
         s.out_ids.append(token)
         if logprob is not None and p.logprobs:
             s.out_logprobs.append(logprob)
-        if token == self.engine.eos_id and not p.ignore_eos:
+        if token in self.engine.eos_ids and not p.ignore_eos:
             # kept in the tokens and logprobs, as vLLM does (its text is empty): lm-eval's scoring drops the
             # one generated token at the end of an echoed prompt, so that token must be there
             s.finish_reason = "stop"

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.engine.base import Base
 from mint_core.engine.batcher import Batcher
+from mint_core.engine.chat import stop_token_ids
 from mint_core.engine.sequence import Completion, Request, RequestError, Sequence
 from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import AdapterError
@@ -108,6 +109,10 @@ class Engine:
         self._generator = torch.Generator(device=base.device).manual_seed(0)
         eos = self.tokenizer.eos_token_id
         self.eos_id: int | None = int(eos) if eos is not None else None
+        # generation ends at any of these: the tokenizer's EOS and generation_config's eos_token_id (a chat
+        # template's end of turn), the set vLLM stops at
+        gen = getattr(base.model, "generation_config", None)
+        self.eos_ids: frozenset[int] = stop_token_ids(self.tokenizer, getattr(gen, "eos_token_id", None))
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (eos or 0))
         positions = getattr(base.config, "max_position_embeddings", None) or config.max_model_len

@@ -91,9 +91,14 @@ def _conversations(sample: Any) -> list[str | Messages]:
     return items
 
 
+# vLLM's models of these types size heads as hidden_size / num_attention_heads whatever config.json's head_dim says
+# (vllm/model_executor/models/qwen2.py: `self.head_dim = hidden_size // self.total_num_heads`)
+_HEAD_DIM_FROM_HIDDEN = frozenset({"qwen2"})
+
+
 def head_dim(cfg: Mapping[str, Any]) -> int | None:
-    """The attention head size a config gives (its head_dim, else hidden_size / num_attention_heads)."""
-    if cfg.get("head_dim"):
+    """The attention head size vLLM gives a config (its head_dim, else hidden_size / num_attention_heads)."""
+    if cfg.get("head_dim") and cfg.get("model_type") not in _HEAD_DIM_FROM_HIDDEN:
         return int(cfg["head_dim"])
     hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
     return int(hidden) // int(heads) if hidden and heads else None
@@ -212,7 +217,7 @@ def _vllm_problems(
     size = head_dim(cfg)
     sizes = support.cpu_head_sizes if support is not None else VLLM_CPU_HEAD_SIZES
     if device == "cpu" and not mla and size is not None and size not in sizes:
-        how = "head_dim" if cfg.get("head_dim") else "hidden_size / num_attention_heads"
+        how = "hidden_size / num_attention_heads" if size != cfg.get("head_dim") else "head_dim"
         problems.append(
             f"config.json: head_dim {size} ({how}) is not a head size vLLM's CPU attention supports "
             f"({', '.join(map(str, sizes))})"

@@ -253,8 +253,8 @@ def test_max_tokens_and_eos(engine):
     # make a token the greedy path produces count as EOS: generation stops at it, keeping it in the tokens (as
     # vLLM does, so echo + logprobs scoring sees every generated token) but not in the text
     eos_at = 2
-    engine.eos_id = out.token_ids[eos_at]
-    first = out.token_ids.index(engine.eos_id)
+    engine.eos_ids = frozenset({out.token_ids[eos_at]})
+    first = out.token_ids.index(out.token_ids[eos_at])
     stopped = engine.generate([Request("Hello", "r4", SamplingParams(max_tokens=5, logprobs=True))])[0]
     assert (stopped.token_ids, stopped.finish_reason) == (out.token_ids[: first + 1], "stop")
     assert len(stopped.logprobs or []) == first + 1
