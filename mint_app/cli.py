@@ -24,7 +24,7 @@ from mint_app.services_cli import register as register_service_commands
 from mint_core import __version__
 from mint_core.data.build import DataParams, write_task_data
 from mint_core.engine.cpu_pin import pin_cpu_kernels
-from mint_core.errors import DataCheckError
+from mint_core.errors import DataCheckError, MintError
 
 if TYPE_CHECKING:
     from mint_core.rl.recipe import TrainingRun
@@ -681,7 +681,7 @@ def _run_wave(one: bool, doc: dict[str, Any]) -> None:
         console.print(f"flow run: {flow_run_url(stack, state.state_details.flow_run_id)}")
         try:
             report = state.result()
-        except WaveFailed as e:
+        except (WaveFailed, MintError) as e:  # a failure the flow names (its run's log has the traceback)
             console.print(f"[red]{e}[/]")
             raise typer.Exit(1) from None
     assert report is not None

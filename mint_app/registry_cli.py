@@ -10,9 +10,10 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from mint_app.console import make_console
+from mint_app.stack import tracking_uri as resolve_tracking
 from mint_core.errors import MintError
 from mint_core.registry.reader import RegistryConfig, RegistryReader
 from mint_core.registry.store import AdapterStore
@@ -25,7 +26,7 @@ catalog_app = typer.Typer(help="The adapter catalog: every addressable revision.
 registry_app = typer.Typer(
     help="The MLflow registry: policies, their revisions, promotion and rollback.", no_args_is_help=True
 )
-console = Console()
+console = make_console()  # a kept log's tables keep their width
 
 CatalogOpt = Annotated[
     str,
@@ -37,8 +38,14 @@ StoreOpt = Annotated[
     str, typer.Option("--store", envvar="MINT_STORE", help="Adapter store root (a folder or fsspec URL).")
 ]
 TrackingOpt = Annotated[
-    str,
-    typer.Option("--tracking-uri", envvar="MLFLOW_TRACKING_URI", help="The MLflow tracking server."),
+    str | None,
+    typer.Option(
+        "--tracking-uri",
+        envvar="MLFLOW_TRACKING_URI",
+        help="The MLflow tracking server \\[default: the one `mint up` runs for this workspace, else "
+        "http://127.0.0.1:5000].",
+        show_default=False,
+    ),
 ]
 DEFAULT_CATALOG = "sqlite:///.mint/catalog.db"
 DEFAULT_STORE = ".mint/store"
@@ -61,17 +68,18 @@ def _catalog(url: str) -> Catalog:
     return Catalog(CatalogConfig(url=url))
 
 
-def _reader(tracking_uri: str) -> RegistryReader:
-    reader = RegistryReader(RegistryConfig(tracking_uri=tracking_uri))
+def _reader(tracking_uri: str | None) -> RegistryReader:
+    reader = RegistryReader(RegistryConfig(tracking_uri=resolve_tracking(tracking_uri, DEFAULT_TRACKING)))
     reader.check_reachable()
     return reader
 
 
-def _registry(catalog: str, store: str, tracking_uri: str) -> Registry:
+def _registry(catalog: str, store: str, tracking_uri: str | None) -> Registry:
     # deferred: the MLflow client takes over a second to import; only the commands that write need it
     from mint_core.registry.mlflow_registry import Registry
 
-    return Registry(AdapterStore(store), _catalog(catalog), RegistryConfig(tracking_uri=tracking_uri))
+    tracking = resolve_tracking(tracking_uri, DEFAULT_TRACKING)
+    return Registry(AdapterStore(store), _catalog(catalog), RegistryConfig(tracking_uri=tracking))
 
 
 # ---- catalog ----
@@ -156,7 +164,7 @@ def catalog_gc(
     ] = True,
     catalog: CatalogOpt = DEFAULT_CATALOG,
     store: StoreOpt = DEFAULT_STORE,
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """Remove store revisions no catalog entry, version or alias references (never a referenced one)."""
     try:
@@ -185,7 +193,7 @@ def catalog_rebuild(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would change.")] = False,
     catalog: CatalogOpt = DEFAULT_CATALOG,
     store: StoreOpt = DEFAULT_STORE,
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """Rebuild the catalog's versions and aliases from MLflow (the truth) and the store; idempotent."""
     from mint_core.registry.index import rebuild_catalog  # deferred with the catalog (SQLAlchemy)
@@ -231,7 +239,7 @@ def _version(text: str) -> int:
 @registry_app.command("ls")
 def registry_ls(
     policy: Annotated[str | None, typer.Argument(help="A policy; without it, list the policies.")] = None,
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """List policies, or one policy's revisions with their aliases and gate decisions."""
     try:
@@ -276,7 +284,7 @@ def registry_ls(
 @registry_app.command("lineage")
 def registry_lineage(
     address: Annotated[str, typer.Argument(help="policy/vN")],
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """A revision and its ancestors through mint.parent, newest first, down to the bare base: revision 0 of
     every policy, what its first revision was trained from and gated against."""
@@ -322,13 +330,19 @@ def run_canary_cmd(policy: str, version: int, doc: dict[str, Any]) -> None:
             f"--share/--canary {share:g}: a canary answers a share strictly between 0 and 1"
         )
     from flows.canary import canary_flow
+    from mint_app.stack import flow_run_url, flow_workspace, on_stack
 
     doc.update(policy=policy, version=version)
-    try:
-        out = canary_flow(**doc)
-    except (MintError, ValueError) as e:
-        console.print(f"[red]error:[/] {e}")
-        raise typer.Exit(2) from None
+    with on_stack(console.print) as stack:
+        doc["workspace"] = flow_workspace(stack, doc.get("workspace"))
+        try:
+            state = canary_flow(**doc, return_state=True)
+            console.print(f"flow run: {flow_run_url(stack, state.state_details.flow_run_id)}")
+            out = state.result()
+        except (MintError, ValueError) as e:
+            console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
+    assert out is not None
     colour = {"promoted": "green", "rolled back": "red"}.get(out.decision, "yellow")
     console.print(
         f"{policy}/v{version}: [{colour}]{out.decision}[/] after {out.scored:,} scored of {out.requests:,} "
@@ -355,13 +369,15 @@ def registry_promote(
     ] = None,
     catalog: CatalogOpt = DEFAULT_CATALOG,
     store: StoreOpt = DEFAULT_STORE,
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """Point an alias (champion by default) at a version. Serving follows champion via reconcile."""
     if canary is not None:
         if alias != "champion":
             raise typer.BadParameter("--canary promotes to champion; leave --alias out")
-        workspace = {"tracking_uri": tracking_uri, "store": store, "catalog_url": catalog}
+        workspace = {"store": store, "catalog_url": catalog}  # MLflow: the flag's, else the stack's
+        if tracking_uri:
+            workspace["tracking_uri"] = tracking_uri
         run_canary_cmd(policy, _version(version), {"canary": {"share": canary}, "workspace": workspace})
         return
     try:
@@ -380,7 +396,7 @@ def registry_rollback(
     reason: Annotated[str, typer.Option("--reason", "-m", help="Why (kept in the move log).")] = "rollback",
     catalog: CatalogOpt = DEFAULT_CATALOG,
     store: StoreOpt = DEFAULT_STORE,
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """Move champion back to an earlier version."""
     try:
@@ -406,7 +422,7 @@ def registry_retain(
     reason: Annotated[str, typer.Option("--reason", "-m", help="Why (logged).")] = "retention",
     catalog: CatalogOpt = DEFAULT_CATALOG,
     store: StoreOpt = DEFAULT_STORE,
-    tracking_uri: TrackingOpt = DEFAULT_TRACKING,
+    tracking_uri: TrackingOpt = None,
 ) -> None:
     """Delete old versions: keep every aliased version, the lineage (mint.parent) of every aliased version across
     policies, and the newest N; the rest leave MLflow and the catalog. A dry run unless --apply; then run

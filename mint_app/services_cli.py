@@ -158,6 +158,8 @@ def up(
             console.print(f"  {s.detail}")
     print_table(status(cfg, names))
     by_name = {s.name: s for s in started}
+    if "mlflow" in by_name or "prefect" in by_name:
+        console.print("the mint commands run in this directory use these servers; for other tools:")
     if "mlflow" in by_name:
         console.print(f"export MLFLOW_TRACKING_URI={by_name['mlflow'].api_url}")
     if "prefect" in by_name:

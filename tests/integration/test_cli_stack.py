@@ -1,0 +1,86 @@
+"""The `mint` commands that run a flow find the stack `mint up` started for the workspace (its records in
+`.mint/run`): run from a clean environment (no PREFECT_API_URL, no MLFLOW_TRACKING_URI, no state dir variable) in
+the workspace's directory, each says which Prefect server it used, and its flow run is on that server, with the
+workspace's MLflow as its tracking server; none starts a temporary Prefect server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mint_app.services import ServicesConfig, start, stop
+from tests.integration.conftest import cli_env, free_port
+
+pytestmark = pytest.mark.integration
+
+UNSET = (
+    "PREFECT_API_URL",
+    "MLFLOW_TRACKING_URI",
+    "MINT_SERVICES_STATE_DIR",
+    "MINT_CATALOG_URL",
+    "PREFECT_HOME",
+)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, ServicesConfig]]:
+    """A workspace directory whose `.mint/run` holds a running MLflow and Prefect server, as `mint up` leaves it
+    (on free ports: the defaults may be taken on a shared machine)."""
+    home = tmp_path_factory.mktemp("workspace")
+    config = ServicesConfig.model_validate(
+        {"state_dir": home / ".mint" / "run", "mlflow_port": free_port(), "prefect_port": free_port()}
+    )
+    start(config, ["mlflow", "prefect"])
+    try:
+        yield home, config
+    finally:
+        stop(config, ["mlflow", "prefect"])
+
+
+# each command runs its flow for a policy nobody registered: the flow run is made, then fails fast
+COMMANDS = {
+    "canary": (("canary", "nosuch", "1", "--share", "0.5"), "canary"),
+    "registry promote --canary": (
+        ("registry", "promote", "nosuch", "1", "--canary", "0.5", "-m", "tried"),
+        "canary",
+    ),
+    "lifecycle": (("lifecycle", "--params", "bad.yaml"), "lifecycle"),
+    "wave": (("wave", "--params", "bad.yaml"), "wave"),
+}
+
+
+@pytest.mark.parametrize("case", list(COMMANDS))
+def test_flow_command_runs_on_the_workspace_stack(case: str, workspace: tuple[Path, ServicesConfig]) -> None:
+    home, config = workspace
+    args, flow_name = COMMANDS[case]
+    # a policy whose base does not exist: the flow run starts, then fails before any training
+    (home / "bad.yaml").write_text("training: {steps: 1}\nworkspace: {base: no-such-base}\n")
+    env_home = home / f"prefect-home-{flow_name}"  # a user who never configured Prefect
+    out = subprocess.run(
+        [sys.executable, "-m", "mint_app.cli", *args],
+        cwd=home,
+        capture_output=True,
+        text=True,
+        env=cli_env(UNSET, PREFECT_HOME=str(env_home)),
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    prefect = config.url("prefect")
+    assert f"Prefect: {prefect} (the workspace's" in text, text[-3000:]
+    assert "temporary" not in text.lower(), text[-3000:]
+    found = re.search(rf"flow run: {re.escape(prefect)}/runs/flow-run/([0-9a-f-]{{36}})", text)
+    assert found, text[-3000:]
+    assert out.returncode != 0, text[-3000:]  # the flow failed: nobody registered the policy
+    api = config.url("prefect") + "/api"
+    run = httpx.get(f"{api}/flow_runs/{found.group(1)}", timeout=10, trust_env=False)
+    assert run.status_code == 200, run.text
+    flow = httpx.get(f"{api}/flows/{run.json()['flow_id']}", timeout=10, trust_env=False).json()
+    assert flow["name"] == flow_name
+    workspace_param = run.json()["parameters"].get("workspace") or {}
+    assert workspace_param.get("tracking_uri") == config.url("mlflow"), run.json()["parameters"]
