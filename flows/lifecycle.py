@@ -37,7 +37,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from flows.canary import CanaryOutcome, run_canary
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
-from mint_core.data.tasks import TASKS
+from mint_core.data.spec import registry as task_registry
+from mint_core.data.spec import task_dirs
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
@@ -102,8 +103,12 @@ class PolicyRun(BaseModel):
     @model_validator(mode="after")
     def _known_task(self) -> PolicyRun:
         # checked when the run's parameters are, before anything trains: a typo fails the run at once
-        if self.spec.task not in TASKS:
-            raise ValueError(f"spec.task: unknown task {self.spec.task!r}; choose from {', '.join(TASKS)}")
+        known = task_registry().names()
+        if self.spec.task not in known:
+            raise ValueError(
+                f"spec.task: unknown task {self.spec.task!r}; registered: {', '.join(known)} (a task is a spec "
+                f"file in a task folder: {', '.join(str(d) for d in task_dirs())})"
+            )
         return self
 
     @property

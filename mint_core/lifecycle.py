@@ -25,7 +25,8 @@ import matplotlib.pyplot as plt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.data.revision import data_rev
-from mint_core.data.tasks import TASKS, Example, read_jsonl, split
+from mint_core.data.spec import registry as task_registry
+from mint_core.data.tasks import Example, has_generator, read_jsonl, split
 from mint_core.errors import MintError
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
 from mint_core.registry.index import new_holder
@@ -178,7 +179,18 @@ def load_prompts(
     """`n` training examples of a task and where they came from: `data_dir/train/<task>.jsonl` (the DVC
     `task_data` output) when given, else generated from `seed`. Without a round, the first `n`; with one, `n`
     drawn without replacement by the round's seed (`round_seed`), in the order drawn: a new round trains on new
-    prompts, the same round on the same ones."""
+    prompts, the same round on the same ones. A task that no generator here makes (a user's spec) reads its
+    spec's train file, wherever `data_dir` points: the first `n` rows (passes over the file when it has fewer),
+    or, with a round, `n` in the order the round's seed shuffles them."""
+    if not has_generator(task):
+        spec = task_registry().get(task)
+        rows = spec.train_rows()
+        source = spec.resolve(spec.data.train)
+        order = list(range(len(rows)))
+        if round_name is not None:
+            random.Random(round_seed(seed, round_name)).shuffle(order)
+            source += f"#round={round_name}"
+        return [rows[order[i % len(rows)]] for i in range(n)], source
     if data_dir is not None:
         path = Path(data_dir) / "train" / f"{task}.jsonl"
         if not path.is_file():
@@ -204,11 +216,11 @@ def with_replay(
     data_dir: Path | None,
     round_name: str | None = None,
 ) -> list[Example]:
-    """`examples` with a `replay` share of them replaced by the other built-in tasks' (`PolicySpec.replay`), as
+    """`examples` with a `replay` share of them replaced by the other registered tasks' (`PolicySpec.replay`), as
     evenly as the count allows, all drawn the way `load_prompts` draws (the train split: never an evaluated
     prompt), and shuffled by the round's seed so each step's slice carries about the same mix."""
     n_replay = round(len(examples) * replay)
-    others = [t for t in TASKS if t != task]
+    others = [t for t in task_registry().names() if t != task]
     if n_replay == 0 or not others:
         return examples
     mixed = list(examples[: len(examples) - n_replay])

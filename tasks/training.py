@@ -22,17 +22,21 @@ from mint_core.data.checks import (
     PromptBounds,
     RolloutBounds,
     check,
+    check_task,
     prompts_frame,
     rollout_frame,
 )
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
-from mint_core.data.tasks import Example
+from mint_core.data.spec import prompt_text
+from mint_core.data.spec import registry as task_registry
+from mint_core.data.tasks import Example, has_generator
 from mint_core.errors import DataCheckError
 from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.lifecycle import LifecycleError, Workspace, fault, load_prompts, round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.recipe import TrainingRun, load_trainer
+from mint_core.rl.rewards import Rewarder
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import Timed, artifact_key
@@ -131,7 +135,9 @@ def validate_data(
         probe_items = probe_examples(spec.task, probe, evaluated | train_prompts(data_dir, spec.task))
     fresh_seed = round_seed(seed, round_name) if fresh else None
     if fresh_seed is not None:
-        examples = fresh_examples(spec.task, n, fresh_seed, evaluated | {e.prompt for e in probe_items})
+        examples = fresh_examples(
+            spec.task, n, fresh_seed, evaluated | {prompt_text(e.prompt) for e in probe_items}
+        )
         source = f"fresh:{spec.task}:seed={fresh_seed}"
     else:
         examples, source = load_prompts(spec.task, n, seed, data_dir, round_name)
@@ -139,7 +145,14 @@ def validate_data(
         examples = with_replay(spec.task, examples, spec.replay, seed, data_dir, round_name)
         source += f"+replay={spec.replay:g}"
     with _stored_on_failure(f"prompts {spec.name}"):
-        report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
+        task = task_registry().get(spec.task)
+        if has_generator(
+            spec.task
+        ):  # the built-in generators' formats and lengths (params.yaml checks.prompts)
+            report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
+        else:  # the task's own suite over its files, and its rewards import with a signature the data fits
+            report = check_task(task)
+            Rewarder().check(task, ["answer", *examples[0].columns])
     return PromptSet(
         policy=spec.name,
         examples=examples,

@@ -18,7 +18,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,6 +35,7 @@ from great_expectations.data_context.types.base import (
 from great_expectations.expectations.row_conditions import Column
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mint_core.data.spec import TaskSpec, prompt_text
 from mint_core.data.tasks import TASKS, Example
 from mint_core.errors import DataCheckError
 
@@ -158,8 +159,14 @@ class CheckReport:
 def prompts_frame(rows: Iterable[Example | Mapping[str, Any]]) -> pd.DataFrame:
     """Examples (or their JSON objects) as a frame; the columns are whatever the rows carry, so a wrong schema
     shows up in the check rather than here. No rows: an empty frame with the expected columns."""
-    records = [asdict(r) if isinstance(r, Example) else dict(r) for r in rows]
+    records = [_prompt_record(r) if isinstance(r, Example) else dict(r) for r in rows]
     return pd.DataFrame(records) if records else pd.DataFrame(columns=PROMPT_COLUMNS)
+
+
+def _prompt_record(e: Example) -> dict[str, Any]:
+    """An example's row of the prompts table: a chat prompt as its text (`spec.prompt_text`); the other data
+    columns stay out (the rewards read them, the checks of `task_suite` look at them)."""
+    return {"id": e.id, "task": e.task, "prompt": prompt_text(e.prompt), "answer": e.answer}
 
 
 def read_prompts(path: str | Path) -> pd.DataFrame:
@@ -316,6 +323,39 @@ def prompt_suite(bounds: PromptBounds | None = None) -> ExpectationSuite:
     return gx.ExpectationSuite(name="prompts", expectations=exps)
 
 
+def task_suite(spec: TaskSpec, min_rows: int = 1) -> ExpectationSuite:
+    """One task's expectation suite, from its spec alone, over train and held-out rows together (`split` column):
+    the columns are there, no prompt is empty, ids and prompts are unique (so no held-out prompt is also a train
+    prompt), every row is the task's, and where the spec has an `answer_format`, every answer matches it."""
+    cols = [*PROMPT_COLUMNS, "split"]
+    exps: list[Any] = [
+        gxe.ExpectTableColumnsToMatchSet(column_set=cols, exact_match=True),
+        gxe.ExpectTableRowCountToBeBetween(min_value=min_rows),
+        gxe.ExpectColumnValuesToNotBeNull(column="prompt"),
+        gxe.ExpectColumnValueLengthsToBeBetween(column="prompt", min_value=1),
+        gxe.ExpectColumnValuesToMatchRegex(column="prompt", regex=r"\S"),
+        gxe.ExpectColumnValuesToBeUnique(column="id"),
+        gxe.ExpectColumnValuesToBeUnique(column="prompt"),
+        gxe.ExpectColumnValuesToBeInSet(column="task", value_set=[spec.name]),
+        gxe.ExpectColumnValuesToBeInSet(column="split", value_set=["train", "heldout"]),
+    ]
+    if spec.answer_format is not None:
+        exps.append(gxe.ExpectColumnValuesToMatchRegex(column="answer", regex=rf"^(?:{spec.answer_format})$"))
+    return gx.ExpectationSuite(name=f"task:{spec.name}", expectations=exps)
+
+
+def check_task(spec: TaskSpec) -> CheckReport:
+    """Run `task_suite` on a task's data files; raises DataCheckError naming the spec, the data and every
+    failing expectation."""
+    train, heldout = spec.train_rows(), spec.heldout_rows()
+    frame = pd.DataFrame(
+        [{**_prompt_record(e), "split": "train"} for e in train]
+        + [{**_prompt_record(e), "split": "heldout"} for e in heldout]
+    )
+    source = f"task {spec.name} ({spec.path})"
+    return check(frame, "prompts", source=source, suite=task_suite(spec))
+
+
 def rollout_suite(bounds: RolloutBounds | None = None) -> ExpectationSuite:
     """Schema, finite rewards in range, equal group sizes, completion lengths within the limit, finite
     logprobs (none above 0, no more of them than completion tokens), and only stop/length finishes."""
@@ -404,6 +444,7 @@ def check(
     source: str = "<frame>",
     raise_on_failure: bool = True,
     quick: bool = False,
+    suite: ExpectationSuite | None = None,
 ) -> CheckReport:
     """Validate a flat table of one kind; raise `DataCheckError` listing every failing expectation (unless
     `raise_on_failure` is False), else return the report.
@@ -414,7 +455,7 @@ def check(
     A passing quick report's `result_json` then holds only each expectation's success."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
-    suite = _suite(kind, params or CheckParams())
+    suite = suite if suite is not None else _suite(kind, params or CheckParams())
     batch = _batch_definition(kind).get_batch(batch_parameters={"dataframe": frame})
     result = batch.validate(suite, result_format="BOOLEAN_ONLY" if quick else "SUMMARY")
     if quick and not result.success:

@@ -23,7 +23,8 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import HELDOUT, TRAIN, read_split
-from mint_core.data.tasks import Example, examples, read_jsonl, take
+from mint_core.data.spec import prompt_text, registry
+from mint_core.data.tasks import Example, examples, has_generator, read_jsonl, take
 
 DATA_REV_TAG = "mint.data_rev"
 """Tag (MLflow run and model version) holding the data revision."""
@@ -69,7 +70,7 @@ def evaluated_prompts(data_dir: str | Path, *more: str | Path) -> set[str]:
     """Every prompt that evaluation may read: those of `data_dir/heldout/*.jsonl` (the DVC `task_data` output)
     and of every JSONL row with a `prompt` in the directories `more` that exist (the eval suites' `data/`,
     whatever they were built from)."""
-    out = {ex.prompt for rows in read_split(data_dir, HELDOUT).values() for ex in rows}
+    out = {prompt_text(ex.prompt) for rows in read_split(data_dir, HELDOUT).values() for ex in rows}
     for d in more:
         for path in sorted(Path(d).glob("*.jsonl")):
             with path.open() as f:
@@ -81,13 +82,16 @@ def train_prompts(data_dir: str | Path, task: str) -> set[str]:
     """The prompts of `data_dir/train/<task>.jsonl` (the examples the built-in base was pretrained on); empty
     when there is no such file."""
     path = Path(data_dir) / TRAIN / f"{task}.jsonl"
-    return {ex.prompt for ex in read_jsonl(path)} if path.is_file() else set()
+    return {prompt_text(ex.prompt) for ex in read_jsonl(path)} if path.is_file() else set()
 
 
 def probe_examples(task: str, n: int, exclude: set[str]) -> list[Example]:
     """A task's probe set: the first `n` examples of its generator at `PROBE_SEED` whose prompt is not in
     `exclude` (the evaluated prompts and the train split: the probe asks what a policy does on prompts it was
-    never trained on). The same arguments give the same items."""
+    never trained on). The same arguments give the same items. A task with no generator (a spec's data files
+    alone) sets the last `n` rows of its train file aside instead: `fresh_examples` never draws them."""
+    if not has_generator(task):
+        return _file_rows(task, exclude)[-n:] if n else []
     return take(examples(task, PROBE_SEED, exclude), n)
 
 
@@ -95,9 +99,36 @@ def fresh_examples(task: str, n: int, seed: int, exclude: set[str]) -> list[Exam
     """`n` new training examples of a task from its generator with `seed` (a round's own), none whose prompt is
     in `exclude` (the evaluated prompts and the probe's). Not a fixed pool like the train split: each seed draws
     its own prompts from the whole task, and the same seed the same ones again."""
+    if not has_generator(task):
+        return _epochs(task, n, seed, exclude)
     try:
         return take(examples(task, seed, exclude), n)
     except ValueError as e:
         raise ValueError(
             f"cannot draw {n} fresh {task} prompts outside the {len(exclude)} excluded: {e}"
         ) from e
+
+
+def _file_rows(task: str, exclude: set[str]) -> list[Example]:
+    """A spec task's train rows whose prompt is not in `exclude`, in file order."""
+    rows = [e for e in registry().get(task).train_rows() if prompt_text(e.prompt) not in exclude]
+    if not rows:
+        raise ValueError(f"task {task!r} has no train rows outside the {len(exclude)} excluded prompts")
+    return rows
+
+
+def _epochs(task: str, n: int, seed: int, exclude: set[str]) -> list[Example]:
+    """`n` rows of a spec task's train file for a round: passes over the file (less the probe's rows, the last
+    ones) in an order that the round's seed shuffles, so consecutive rounds see all of it before any row again;
+    never a row whose prompt is in `exclude`."""
+    import random
+
+    spec_rows = registry().get(task).train_rows()
+    pool = [e for e in spec_rows if prompt_text(e.prompt) not in exclude]
+    if not pool:
+        raise ValueError(
+            f"task {task!r}: every train row is held out, probed or evaluated; nothing to train on"
+        )
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    return [pool[order[i % len(pool)]] for i in range(n)]

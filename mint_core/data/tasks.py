@@ -12,8 +12,9 @@ import random
 import re
 import string
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 LETTERS = string.ascii_lowercase
 
@@ -67,15 +68,29 @@ TASKS: dict[str, Task] = {
 }
 
 
+Prompt = str | list[dict[str, str]]
+"""Plain text, or chat messages ({role, content}) that the base's chat template renders."""
+
+
 @dataclass(frozen=True)
 class Example:
+    """One row of a task: a prompt, the `answer` column (empty where the data has none; without the leading
+    space or EOS), and every other column of the row, which the rewards see as keywords."""
+
     id: str
     task: str
-    prompt: str
-    answer: str  # without the leading space or EOS
+    prompt: Prompt
+    answer: str
+    columns: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        doc: dict[str, Any] = {"id": self.id, "task": self.task, "prompt": self.prompt, "answer": self.answer}
+        return json.dumps({**doc, "columns": self.columns} if self.columns else doc)
+
+
+def has_generator(name: str) -> bool:
+    """Whether a task's rows come from a generator here (the built-ins) rather than only from its spec's files."""
+    return name in TASKS
 
 
 def task(name: str) -> Task:
@@ -120,7 +135,7 @@ def take(stream: Iterable[Example], n: int) -> list[Example]:
 def split(task_name: str, n_train: int, n_heldout: int, seed: int) -> tuple[list[Example], list[Example]]:
     """Train and held-out sets of one task; no held-out prompt appears in train."""
     train = take(examples(task_name, seed), n_train)
-    heldout = take(examples(task_name, seed + 1_000_003, exclude={e.prompt for e in train}), n_heldout)
+    heldout = take(examples(task_name, seed + 1_000_003, exclude={str(e.prompt) for e in train}), n_heldout)
     return train, heldout
 
 

@@ -159,7 +159,7 @@ def evaluate(
         exs = examples[:per_task]
         if not exs:
             continue
-        done = engine.generate([Request(e.prompt, None, greedy) for e in exs])
+        done = engine.generate([Request(str(e.prompt), None, greedy) for e in exs])
         texts = [c.text for c in done]
         out[name] = {
             "exact_match": sum(t.strip() == e.answer for t, e in zip(texts, exs, strict=True)) / len(exs),

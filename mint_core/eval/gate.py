@@ -81,7 +81,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.table import Table
 
-from mint_core.data.tasks import TASKS
+from mint_core.data.spec import registry as task_registry
 from mint_core.eval.suites import GUARD
 
 GATE_TAG = "mint.gate"
@@ -139,10 +139,11 @@ class GatePolicy(BaseModel):
     """Other suites (other tasks, general ability) on which the candidate must be non-inferior, each as one
     pool of its items (a group such as `guard` pools every task's)."""
     guard_tasks: list[str] | None = None
-    """Built-in tasks (`mint_core.data.tasks.TASKS`) each guarded on its own suite, `guard:<task>`: the same
+    """Registered tasks (`mint_core.data.spec.registry`: the built-ins and the workspace's task folders) each
+    guarded on its own suite, `guard:<task>`: the same
     paired non-inferiority test and margin, so that one task's regression cannot hide among the other tasks'
     items in a pooled guard. None: when `guard_suites` names the guard group (`suites.GUARD`, as the
-    lifecycle's default gate does), every built-in task but the policy's own suite (and those already in
+    lifecycle's default gate does), every registered task but the policy's own suite (and those already in
     `guard_suites`); otherwise none. [] turns them off. Resolved when the policy is made."""
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
     """Significance level: the own-suite gain needs an exact two-sided McNemar p below it, and every
@@ -187,11 +188,16 @@ class GatePolicy(BaseModel):
             raise ValueError(f"suite {self.suite!r} is the policy's own suite and cannot also be a guard")
         if self.guard_tasks is None:
             pooled = GUARD in self.guard_suites
-            self.guard_tasks = [t for t in TASKS if pooled and t != self.suite and t not in self.guard_suites]
-        unknown = [t for t in self.guard_tasks if t not in TASKS]
+            self.guard_tasks = [
+                t
+                for t in task_registry().names()
+                if pooled and t != self.suite and t not in self.guard_suites
+            ]
+        known = task_registry().names()
+        unknown = [t for t in self.guard_tasks if t not in known]
         if unknown:
             raise ValueError(
-                f"guard_tasks {unknown} are not built-in tasks ({', '.join(TASKS)}); guard other suites with "
+                f"guard_tasks {unknown} are not registered tasks ({', '.join(known)}); guard other suites with "
                 "guard_suites"
             )
         if self.suite in self.guard_tasks:

@@ -42,7 +42,7 @@ from mint_core.eval.results import (
     ServedModel,
     SuiteResult,
 )
-from mint_core.eval.suites import GUARD, SuiteError, suite_tasks
+from mint_core.eval.suites import GUARD, SuiteError, spec_metrics, suite_tasks
 from mint_core.lora.adapter import digest_dir
 from mint_core.serving.client import ServingClient, ServingError
 
@@ -106,8 +106,9 @@ def _metrics_of(entry: dict[str, Any]) -> dict[str, float]:
     return {(m if counts[m] == 1 else f"{m}_{f}"): v for m, f, v in pairs}
 
 
-def _sample(task: str, s: dict[str, Any]) -> SampleResult:
-    metric = s["metrics"][0]
+def _sample(task: str, s: dict[str, Any], metric: str | None = None) -> SampleResult:
+    """One item; `metric`: the one its task's spec names, else lm-eval's first."""
+    metric = metric if metric is not None and metric in s else s["metrics"][0]
     value = float(s[metric])
     doc = s.get("doc") or {}
     prompt = s["arguments"][0][0]
@@ -141,12 +142,13 @@ def _sample(task: str, s: dict[str, Any]) -> SampleResult:
 def _suite_results(out: dict[str, Any], tasks: dict[str, list[str]]) -> dict[str, SuiteResult]:
     results, samples = out.get("results", {}), out.get("samples", {})
     suites = {}
+    wanted = spec_metrics()
     for name, leaves in tasks.items():
         missing = [t for t in leaves if t not in results]
         if missing:
             raise EvalError(f"lm-eval returned no results for suite {name!r} (tasks {missing})")
         items = [
-            _sample(leaf, s)
+            _sample(leaf, s, wanted.get(leaf))
             for leaf in leaves
             for s in sorted(samples.get(leaf, []), key=lambda s: s["doc_id"])
         ]

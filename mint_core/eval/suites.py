@@ -30,6 +30,8 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import DataParams, read_split
+from mint_core.data.spec import TaskSpec
+from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import TASKS, Example, split
 from mint_core.errors import MintError
 
@@ -58,7 +60,7 @@ def suite_name(lm_eval_task: str) -> str:
 
 def _input_of(ex: Example) -> str:
     """The task input inside the prompt `"<task>: <input> ="`."""
-    return ex.prompt.removeprefix(f"{ex.task}: ").removesuffix(" =")
+    return str(ex.prompt).removeprefix(f"{ex.task}: ").removesuffix(" =")
 
 
 def _perturb(s: str) -> str:
@@ -282,9 +284,12 @@ def suite_tasks(
     directory); the runner aggregates the members itself, as the group's `aggregate_metric_list` does."""
     d = Path(suites_dir).resolve()
     known = available_suites(d)
-    unknown = [s for s in suites if s not in known]
+    specs = task_registry().specs
+    unknown = [s for s in suites if s not in known and s not in specs]
     if unknown or not suites:
-        raise SuiteError(f"unknown suites {unknown}; known in {d}: {', '.join(known)}")
+        raise SuiteError(
+            f"unknown suites {unknown}; known in {d}: {', '.join(known)}; registered tasks: {', '.join(specs)}"
+        )
     tasks_by_name = {}
     for path in _yaml_files(d):
         cfg = _load(path)
@@ -293,6 +298,9 @@ def suite_tasks(
     root = d.parent
     out: dict[str, list[dict[str, Any]]] = {}
     for s in suites:
+        if s not in known:
+            out[s] = [spec_task_config(specs[s])]
+            continue
         cfg = _load(known[s])
         if "group" not in cfg:
             out[s] = [_absolute_data(cfg, root, known[s])]
@@ -307,3 +315,31 @@ def suite_tasks(
             raise SuiteError(f"{known[s]}: group {cfg['group']!r} has no tasks")
         out[s] = members
     return out
+
+
+def spec_task_config(spec: TaskSpec) -> dict[str, Any]:
+    """The lm-eval task config a task spec's `eval` names: the task of that name in its `include` YAML (or in
+    a YAML of its `include` folder), with its local `data_files` made absolute against the YAML's folder."""
+    if spec.eval.include is None:
+        raise SuiteError(
+            f"task {spec.name!r} ({spec.path}): eval.include is not set; mint scores a task's suite from a local "
+            "task YAML (lm-eval's hub tasks need a download, which this setup cannot make)"
+        )
+    inc = Path(spec.resolve(spec.eval.include))
+    files = [inc] if inc.is_file() else _yaml_files(inc) if inc.is_dir() else []
+    if not files:
+        raise SuiteError(
+            f"task {spec.name!r} ({spec.path}): eval.include {inc} is no YAML file or folder of them"
+        )
+    for path in files:
+        cfg = _load(path)
+        if cfg.get("task") == spec.eval.task and "group" not in cfg:
+            return _absolute_data(cfg, path.parent, path)
+    raise SuiteError(
+        f"task {spec.name!r} ({spec.path}): eval.task {spec.eval.task!r} is not defined in {inc}"
+    )
+
+
+def spec_metrics() -> dict[str, str]:
+    """lm-eval task name -> the per-item metric its spec names (what the gate reads of each item)."""
+    return {s.eval.task: s.eval.metric for s in task_registry().specs.values()}

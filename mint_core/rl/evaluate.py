@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from mint_core.data.tasks import Example
+from mint_core.engine.chat import render_prompt
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.rl.rewards import reward as reward_fn
+from mint_core.rl.rewards import builtin_scores
 
 
 def _greedy_rewards(
@@ -15,9 +16,10 @@ def _greedy_rewards(
     if not examples:
         raise ValueError("no examples to score")
     params = SamplingParams(max_tokens=max_new_tokens)
-    out = engine.generate([Request(ex.prompt, adapter, params) for ex in examples])
-    fn = reward_fn(reward)
-    return [fn(ex, c.text) for ex, c in zip(examples, out, strict=True)]
+    out = engine.generate(
+        [Request(render_prompt(engine.tokenizer, ex.prompt), adapter, params) for ex in examples]
+    )
+    return builtin_scores(reward, examples, [c.text for c in out])
 
 
 def heldout_correct(

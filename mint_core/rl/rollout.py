@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mint_core.data.tasks import Example
+from mint_core.engine.chat import render_prompt
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.rl.rewards import reward as reward_fn
+from mint_core.rl.rewards import Rewarder, builtin_scores
 
 
 @dataclass
@@ -26,14 +27,16 @@ class RolloutRow:
 def rollout(
     engine: Engine,
     prompts: dict[str, list[Example]],
-    rewards: dict[str, str],
+    rewarder: Rewarder,
     group_size: int,
     max_new_tokens: int,
     temperature: float = 1.0,
     seed: int | None = None,
     greedy_in_group: bool = False,
+    overrides: dict[str, str | None] | None = None,
 ) -> list[RolloutRow]:
-    """`group_size` samples of every prompt of every policy (adapter name -> its examples), one engine batch.
+    """`group_size` samples of every prompt of every policy (adapter name -> its examples), one engine batch,
+    each scored by its task's rewards (`rewarder`), or by the built-in reward a policy names in `overrides`.
     With `greedy_in_group`, each group's first completion is the greedy one (what a served greedy request
     answers) and the others are sampled at `temperature`."""
     requests: list[Request] = []
@@ -48,12 +51,21 @@ def rollout(
                     logprobs=True,
                     seed=None if seed is None else hash((seed, group, g)) & 0x7FFFFFFF,
                 )
-                requests.append(Request(ex.prompt, policy, params))
+                requests.append(Request(render_prompt(engine.tokenizer, ex.prompt), policy, params))
                 meta.append((policy, group, ex))
             group += 1
     out = engine.generate(requests)
+    scores = [0.0] * len(out)
+    by_override: dict[str | None, list[int]] = {}
+    for i, (policy, _, _) in enumerate(meta):
+        by_override.setdefault((overrides or {}).get(policy), []).append(i)
+    for name, idx in by_override.items():
+        exs, texts = [meta[i][2] for i in idx], [out[i].text for i in idx]
+        got = rewarder.score(exs, texts) if name is None else builtin_scores(name, exs, texts)
+        for i, s in zip(idx, got, strict=True):
+            scores[i] = s
     rows = []
-    for (policy, g, ex), c in zip(meta, out, strict=True):
+    for j, ((policy, g, ex), c) in enumerate(zip(meta, out, strict=True)):
         ids = list(c.token_ids)
         if c.finish_reason == "stop" and engine.eos_id is not None and not requests[0].params.stop:
             ids.append(engine.eos_id)
@@ -66,7 +78,7 @@ def rollout(
                 completion_ids=ids,
                 sampling_logprobs=list(c.logprobs or []),
                 text=c.text,
-                reward=reward_fn(rewards[policy])(ex, c.text),
+                reward=scores[j],
                 finish_reason=c.finish_reason,
             )
         )

@@ -45,7 +45,7 @@ from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
 from mint_core.lora.layers import _SlotBank
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
-from mint_core.rl.rewards import REWARDS
+from mint_core.rl.rewards import OVERRIDES, Rewarder
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
 
@@ -95,9 +95,11 @@ class PolicySpec(BaseModel):
     """Adapter name (also its MLflow registered model and catalog policy later, so spelled as a policy of an
     address: 1-128 of [A-Za-z0-9._-], starting with a letter or digit)."""
     task: str
-    """Task whose prompts it trains on (see mint_core.data.tasks)."""
-    reward: str = "match_and_format"
-    """Reward function name (see mint_core.rl.rewards)."""
+    """Task whose prompts it trains on: the name of a registered task spec (`mint_core.data.spec`), whose rewards
+    score its rollouts."""
+    reward: str | None = None
+    """None: the task's own rewards (its spec). Or a built-in reward over the task's `answer` column that replaces
+    them for this policy: exact_match, char_overlap, well_formed, match_and_format (`mint_core.rl.rewards`)."""
     rank: int = Field(8, ge=1, le=MAX_RANK)
     """LoRA rank (at most `MAX_RANK`). A policy that continues from its champion takes the champion's rank
     (`mint_core.rl.recipe.continue_spec`)."""
@@ -117,9 +119,9 @@ class PolicySpec(BaseModel):
 
     @field_validator("reward")
     @classmethod
-    def _known_reward(cls, v: str) -> str:
-        if v not in REWARDS:
-            raise ValueError(f"unknown reward {v!r}; choose from {', '.join(REWARDS)}")
+    def _known_reward(cls, v: str | None) -> str | None:
+        if v is not None and v not in OVERRIDES:
+            raise ValueError(f"unknown reward {v!r}; choose from {', '.join(OVERRIDES)}, or leave it unset")
         return v
 
 
@@ -323,6 +325,8 @@ class MultiPolicyTrainer:
         self.engine = engine
         self.config = config
         self.seed = seed
+        self.rewarder = Rewarder()
+        """Scores every rollout by its task's spec (a user's reward runs in its process pool)."""
         self.micro_batch_rows = micro_batch_rows
         if fused_head_min_bytes < 0:
             raise ValueError(f"fused_head_min_bytes must be >= 0, got {fused_head_min_bytes}")
@@ -371,12 +375,13 @@ class MultiPolicyTrainer:
         return rollout(
             self.engine,
             prompts,
-            {p: self.policies[p].spec.reward for p in prompts},
+            self.rewarder,
             cfg.group_size,
             cfg.max_new_tokens,
             cfg.temperature,
             seed=rollout_seed(self.seed, self.steps),
             greedy_in_group=cfg.greedy_in_group,
+            overrides={p: self.policies[p].spec.reward for p in prompts},
         )
 
     def update(self, rows: list[RolloutRow], lr_scale: float = 1.0) -> StepStats:

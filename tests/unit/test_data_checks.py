@@ -44,7 +44,7 @@ def rows() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for name in ("add", "reverse", "copy", "upper", "sort"):
         train, heldout = split(name, 20, 5, seed=0)
-        out += [e.__dict__ for e in train + heldout]
+        out += [json.loads(e.to_json()) for e in train + heldout]
     return out
 
 

@@ -198,7 +198,7 @@ def test_gate_checks_every_suite_it_names() -> None:
 
 # ---- per-task guards ------------------------------------------------------------------------------------------
 
-OTHERS = ["add", "reverse", "copy", "upper"]
+OTHERS = ["add", "copy", "reverse", "upper"]  # registered tasks, in the order of their spec files
 
 
 def first_sort_revision(
@@ -231,7 +231,7 @@ def test_the_guard_group_brings_a_guard_per_other_task() -> None:
     # no guard group named, no per-task guards: what a policy asks for is what it gets
     assert GatePolicy(suite="add").guards() == [] and POLICY.guards() == ["copy"]
     # a custom own suite (not a built-in task) guards every built-in task
-    assert GatePolicy(suite="mine", guard_suites=["guard"]).guard_tasks == [*OTHERS, "sort"]
+    assert GatePolicy(suite="mine", guard_suites=["guard"]).guard_tasks == [*OTHERS[:3], "sort", "upper"]
     # resolved once: the policy round-trips through its JSON (the flows' parameters) unchanged
     assert GatePolicy.model_validate_json(p.model_dump_json()) == p
 
@@ -415,7 +415,7 @@ BAD_POLICIES = [
     ("power below alpha", {"power": 0.04}, "power 0.04 must exceed alpha 0.05"),
     ("own suite as guard", {"guard_suites": ["add"]}, "cannot also be a guard"),
     ("own task as guard task", {"guard_tasks": ["add", "sort"]}, "task 'add' is the policy's own suite"),
-    ("unknown guard task", {"guard_tasks": ["guard"]}, r"guard_tasks \['guard'\] are not built-in tasks"),
+    ("unknown guard task", {"guard_tasks": ["guard"]}, r"guard_tasks \['guard'\] are not registered tasks"),
     ("floor above 1", {"floors": {"add": 1.5}}, r"floors must lie in \[0, 1\]"),
     ("old raw margin", {"margin": 0.0}, "`margin` .* is gone: use `min_effect`"),
     ("old significance switch", {"significance": "none"}, "`significance` is gone"),
