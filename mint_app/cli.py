@@ -621,6 +621,13 @@ def run_cmd(
             help="cpu, cuda or cuda:N: where the waves train and mint serve serves \\[default: cpu]."
         ),
     ] = None,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            help="The base: a Hugging Face causal-LM directory with its tokenizer (and chat template), which the "
+            "waves train and mint serve (or vLLM) serves; checked before anything starts \\[default: data/base]."
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(help="YAML/JSON of MainJobConfig fields; then MINT_RUN_<FIELD> variables, then flags."),
@@ -646,6 +653,7 @@ def run_cmd(
             serve_port=serve_port,
             serving=serving,
             device=device,
+            base=base,
             build=None if build else False,  # --no-build wins; the default leaves the file's value
         )
     except ValueError as e:  # pydantic's ValidationError included

@@ -37,7 +37,7 @@ import yaml
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from mint_core.errors import MintError
+from mint_core.errors import BaseError, MintError
 from mint_core.serving.config import ServingConfig
 from mint_core.settings import Settings
 from mint_core.types import Device
@@ -319,6 +319,8 @@ def _read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | 
 def _write_record(config: ServicesConfig, name: ServiceName, pid: int, url: str) -> None:
     pid_file, info_file, log = _paths(config, name)
     info = {"url": url, "started_at": time.time(), "create_time": _create_time(pid), "log": str(log)}
+    if name == "serve":  # what the flows of this stack train on (`mint up --base`), read back by running_base
+        info["base"] = str(Path(serve_base(config)).resolve())
     info_file.write_text(json.dumps(info, indent=1) + "\n")
     pid_file.write_text(f"{pid}\n")
 
@@ -555,6 +557,15 @@ def register_webhook(config: ServicesConfig) -> str:
     except MintError as e:
         raise ServiceError(f"hooks: {e}") from e
     return f"MLflow alias webhook {hook} -> {url}"
+
+
+def running_base(config: ServicesConfig) -> str | None:
+    """The base the running mint serve of this state dir was started on (its record), unless the config names
+    one: so `mint up --base DIR` and a later command with no --base agree on what the flows train."""
+    if config.serve_base is not None:
+        return None
+    record = _read_record(config, "serve") or {}
+    return record.get("base") if record and _alive(record["pid"], record.get("create_time")) else None
 
 
 def serve_base(config: ServicesConfig) -> str:
@@ -822,7 +833,7 @@ def workspace_defaults(config: ServicesConfig) -> dict[str, str]:
         "store": str(store.resolve()),
         "catalog_url": f"sqlite:///{home / 'catalog.db'}",
         "work_dir": str(home / "lifecycle"),
-        "base": str(Path(serve_base(config)).resolve()),
+        "base": str(Path(running_base(config) or serve_base(config)).resolve()),
         "device": config.serve_device or ServingConfig.load(config.serve_config).device,
     }
 
@@ -1041,14 +1052,35 @@ def _check_serving(config: ServicesConfig, names: list[ServiceName]) -> None:
     if config.serving == "mint":
         if "vllm" in names:
             raise ServiceError("vllm: it runs behind mint serve with serving vllm (mint up --serving vllm)")
-        return
-    if "vllm" in names:
+    elif "vllm" in names:
         vllm_config(config)  # raises ServiceError naming what is wrong
     elif "serve" in names and status(config, ["vllm"])[0].state == "stopped":
         raise ServiceError(
             "serve: with serving vllm, mint serve fronts the vLLM server, which is not running "
             "(start it too: mint up --serving vllm --only vllm,serve)"
         )
+    _check_base(config, names)
+
+
+def _check_base(config: ServicesConfig, names: list[ServiceName]) -> None:
+    """The base that serve (and vllm) will load, checked before either starts: its files and what the serving
+    backend runs (vLLM: its architectures and CPU head sizes). ServiceError naming the directory and every
+    problem. The tokenizer itself is checked where torch loads anyway (the flows' check_base, mint serve)."""
+    from mint_core.serving.base_check import check_base  # reads files only here: no torch in the supervisor
+
+    starting = [
+        s.name for s in status(config, [n for n in ("vllm", "serve") if n in names]) if s.state == "stopped"
+    ]
+    base = Path(serve_base(config)) if starting else None
+    if base is None or not base.is_dir():
+        return
+    device = config.serve_device or ServingConfig.load(config.serve_config).device
+    try:
+        check_base(
+            base, serving=config.serving, vllm_python=config.vllm_python, device=device, load_tokenizer=False
+        )
+    except BaseError as e:
+        raise ServiceError(f"{starting[0]}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------

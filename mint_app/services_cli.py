@@ -115,7 +115,14 @@ def up(
         str | None, typer.Option(help="Prefect database URL (default SQLite in the state dir).")
     ] = None,
     serve_base: Annotated[
-        str | None, typer.Option(help="Base of mint serve (default data/base, else a tiny dense base).")
+        str | None,
+        typer.Option(
+            "--base",
+            "--serve-base",
+            help="The base: a Hugging Face causal-LM directory with its tokenizer (and chat template), which "
+            "mint serve (or vLLM) serves and the registered flows train on (default data/base, else a tiny "
+            "dense base). Checked before anything starts.",
+        ),
     ] = None,
     serve_config: Annotated[Path | None, typer.Option(help="ServingConfig file for mint serve.")] = None,
     serve_adapter_root: Annotated[Path | None, typer.Option(help="Adapter store of mint serve.")] = None,

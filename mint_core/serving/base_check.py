@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from mint_core.engine.chat import Messages, generation_eos, render_prompt, stop_token_ids
 from mint_core.errors import BaseError
-from mint_core.serving.vllm_process import DEFAULT_PYTHON, vllm_available
+from mint_core.serving.vllm_process import DEFAULT_PYTHON, has_chat_template, vllm_available
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +112,15 @@ def check_base(
     vllm_python: Path = DEFAULT_PYTHON,
     device: str = "cpu",
     max_model_len: int | None = None,
+    load_tokenizer: bool = True,
 ) -> BaseReport:
     """Check that `path` is a causal-LM directory mint can train and `serving` (None: neither backend's limits)
     can load, and that its chat template renders `sample_messages` (one conversation, or a list of prompts, each
     text or a conversation; None: a one-line user turn). Raises BaseError naming the directory and every problem;
-    changes nothing."""
+    changes nothing.
+
+    Without `load_tokenizer`, only the files are read (config.json, generation_config.json, which files exist):
+    no transformers, so no torch, for the service supervisor."""
     path = Path(path)
     where = str(path)
     if not path.is_dir():
@@ -129,14 +133,17 @@ def check_base(
         problems.append("no config.json: not a Hugging Face model directory")
     except ValueError as e:
         problems.append(f"config.json is not JSON ({e})")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     model_type = str(cfg.get("model_type") or "")
     architectures = tuple(cfg.get("architectures") or ())
     if cfg and not model_type:
         problems.append("config.json: no model_type")
-    elif cfg and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        problems.append(f"config.json: model_type {model_type!r} is not a causal LM that transformers knows")
+    elif cfg and load_tokenizer:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            problems.append(
+                f"config.json: model_type {model_type!r} is not a causal LM that transformers knows"
+            )
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         problems.append("no weights (model.safetensors or model-*.safetensors)")
 
@@ -145,7 +152,7 @@ def check_base(
         problems.append(
             "no tokenizer (tokenizer.json or tokenizer_config.json): mint needs the base's own tokenizer"
         )
-    else:
+    elif load_tokenizer:
         from transformers import AutoTokenizer
 
         try:
@@ -182,16 +189,12 @@ def check_base(
                 problems.append(f"chat template renders sample {i} as an empty prompt")
             rendered.append(text)
 
+    # (mint's engine serves up to the base's positions whatever max_model_len asks: nothing to check for it)
     if serving == "vllm" and cfg:
         problems += _vllm_problems(cfg, architectures, vllm_python, device, max_model_len)
-    elif max_model_len is not None and cfg.get("max_position_embeddings", max_model_len) < max_model_len:
-        problems.append(
-            f"config.json: max_position_embeddings {cfg['max_position_embeddings']} is below the served "
-            f"max_model_len {max_model_len}"
-        )
     if problems:
         raise BaseError(where, problems)
-    has_template = bool(getattr(tokenizer, "chat_template", None))
+    has_template = bool(getattr(tokenizer, "chat_template", None)) or has_chat_template(path)
     return BaseReport(path, model_type, architectures, has_template, stops, rendered)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
+from mint_app import services
 from mint_app.cli import app
+from mint_app.services import ServiceError, ServicesConfig, start
 from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import render_prompt
 from mint_core.engine.engine import Engine, EngineConfig, Request
@@ -319,3 +322,23 @@ def test_a_good_base_passes_with_the_tasks_messages(chat_bases: dict[str, Path],
     assert report.stop_token_ids == {
         tok.convert_tokens_to_ids(t) for t in (spec.eos, spec.end_of_turn, spec.pad)
     }
+
+
+def test_mint_up_refuses_a_base_without_a_tokenizer_before_starting_anything(
+    tmp_path: Path, chat_bases: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in list(os.environ):  # the shell's serving settings must not count
+        if key.startswith(("MINT_SERVE_", "MINT_SERVICES_")):
+            monkeypatch.delenv(key)
+    d = tmp_path / "base"
+    shutil.copytree(chat_bases["llama"], d)
+    _remove("tokenizer.json", "tokenizer_config.json")(d)
+    cfg = ServicesConfig(state_dir=tmp_path / "state", serve_base=str(d), serve_port=18131)
+
+    def launched(name: str, config: ServicesConfig) -> None:
+        raise AssertionError(f"{name} was launched")
+
+    monkeypatch.setattr(services, "_launch", launched)
+    with pytest.raises(ServiceError, match=rf"serve: base {d} cannot be used .*\n  - no tokenizer"):
+        start(cfg, ["serve"])
+    assert not list(cfg.state_dir.glob("*.pid"))

@@ -46,11 +46,15 @@ def _no_serving_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def write_base(
     path: Path, hidden: int = 64, heads: int = 2, head_dim: int | None = 32, positions: int = 512
 ) -> Path:
-    """A model directory as far as `mint up` reads it (config.json: it never loads weights)."""
+    """A model directory as far as `mint up` reads it (config.json, and which files are there: it never loads
+    weights or the tokenizer)."""
     path.mkdir(parents=True)
     cfg = {"model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads}
     cfg |= {"max_position_embeddings": positions} | ({"head_dim": head_dim} if head_dim else {})
+    cfg |= {"architectures": ["LlamaForCausalLM"]}
     (path / "config.json").write_text(json.dumps(cfg))
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
     return path
 
 
