@@ -53,12 +53,13 @@ from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig
 from mint_core.data.tasks import read_jsonl
 from mint_core.engine.base import load_base
 from mint_core.engine.device import check_device
-from mint_core.errors import MintError
+from mint_core.errors import BaseError, MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace
 from mint_core.lora.adapter import initial_adapter, save_adapter
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, builtin_spec
+from mint_core.serving.base_check import check_base
 from mint_core.serving.traffic import Traffic
 from mint_core.settings import Settings
 from mint_core.types import Device
@@ -127,7 +128,9 @@ class MainJobConfig(Settings):
     """Everything the job writes: run/ (services: pids, logs, databases, admin token), store/ (adapter store),
     catalog.db, lifecycle/ (checkpoints, cached task results)."""
     base: Path = Path("data/base")
-    """The built-in base (the DVC builtin_base stage's output)."""
+    """The base the waves train and mint serve (or vLLM) serves: any Hugging Face causal-LM directory with its
+    tokenizer (chat prompts use its chat template). Default: the built-in base (the DVC builtin_base stage's
+    output)."""
     data_dir: Path = Path("data/tasks")
     """The task data (the DVC task_data stage's output)."""
     build: bool = True
@@ -876,6 +879,10 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         for need in (cfg.base / "config.json", cfg.data_dir / "train"):
             if not need.exists():
                 raise MainJobError(f"{need} is missing: run `dvc repro` (or drop --no-build)")
+        try:  # before anything starts or trains: its tokenizer and template, and what the serving backend runs
+            check_base(cfg.base, serving=cfg.serving, device=cfg.device)
+        except BaseError as e:
+            raise MainJobError(str(e)) from None
 
     serving = "vLLM behind mint serve" if cfg.serving == "vllm" else "mint serve"
     with timer.step(f"2. start the servers (MLflow, Prefect, {serving})") as note:
