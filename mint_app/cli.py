@@ -201,7 +201,12 @@ def base_pretrain(
     from mint_core.engine.pretrain import PretrainParams, pretrain
 
     m = pretrain(
-        out, PretrainParams(**_params(params, "base")), data, metrics_path=metrics, timings_path=timings
+        out,
+        PretrainParams(**_params(params, "base")),
+        data,
+        metrics_path=metrics,
+        timings_path=timings,
+        progress=os.isatty(2),  # a bar in a terminal; none in a kept log (the main job's DVC step in a file)
     )
     table = Table("task", "exact match", "well formed", "n")
     for task_name, v in m["heldout"].items():
