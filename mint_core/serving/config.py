@@ -69,6 +69,17 @@ class ServingConfig(Settings):
     """With backend vllm: the key vLLM was started with (`--api-key`); users never see it."""
     resolver_token: SecretStr | None = None
     """With backend vllm: the bearer token of mint's vLLM resolver plugin on `/v1/mint/resolve`."""
+    golden_interval_s: float = Field(15.0, ge=0)
+    """With backend vllm: seconds between golden probes of the vLLM replica (also one after every load through
+    this front); 0 turns the probe off. A probe asks vLLM for the greedy answers to `golden_prompts` under the base
+    and under one champion, recorded once when first seen; a replica whose answers change is taken out of rotation
+    (503) and restarted by its supervisor (serving/golden.py)."""
+    golden_prompts: list[str] = Field(
+        default_factory=lambda: ["The capital of France is", "add: 12+30 =", "Once upon a time"], min_length=1
+    )
+    """With backend vllm: the golden probe's prompts (greedy, `golden_max_tokens` tokens each)."""
+    golden_max_tokens: int = Field(8, ge=1, le=64)
+    """With backend vllm: tokens the golden probe generates per prompt."""
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest request body of a /v1 route, on both backends: 413 beyond, before any JSON is parsed. The default,
     4 MiB, holds a prompt far longer than any context mint serves; Tinker's routes (/api/v1) are not limited by it."""

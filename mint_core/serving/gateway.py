@@ -14,6 +14,9 @@ reach the front, which adds what vLLM lacks (measured on vLLM 0.32, infra/vllm/R
 - **Revision identity.** vLLM lists an adapter's `root` (the path it was loaded from); the front loads only
   content-addressed paths, so the digest the front reports is read off vLLM's own state. `/v1/models` carries
   `revision`, and every completion's `system_fingerprint` names the revision that answered (as on mint serve).
+- **A golden probe** (serving/golden.py): vLLM's greedy answers to a few fixed prompts, under the base and one
+  champion, asked at a steady interval and after every load; a replica whose answers change is taken out of
+  rotation (503), its evidence logged, and its process killed for its supervisor to restart.
 - **Atomic swaps.** vLLM overwrites an adapter's weights in place, so a request running during an in-place load
   can mix two revisions. The front holds a per-name read/write lock: requests under a name share it, a swap of
   that name waits for them to finish and holds new ones back until vLLM has the new revision. Every request is
@@ -51,6 +54,7 @@ from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.chat import chat_prompt
 from mint_core.serving.config import ServingConfig
+from mint_core.serving.golden import GoldenProbe
 from mint_core.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -173,6 +177,10 @@ class Gateway:
             "Completion requests answered, by model and HTTP status",
             ["model", "outcome"],
             registry=self.registry,
+        )
+        self.base_adapter = BASE_ADAPTER
+        self.golden = GoldenProbe(
+            self, config.golden_prompts, config.golden_max_tokens, config.golden_interval_s
         )
 
     def count(self, model: object, status: int) -> None:
@@ -317,6 +325,8 @@ class Gateway:
             self.served[name] = digest
             self._changes += 1
         logger.info("vLLM serves %s as sha256:%s", name, digest[:12])
+        if name != BASE_ADAPTER:
+            self.golden.after_load(name)
 
 
 def _relayed(r: httpx.Response) -> APIError:
@@ -411,7 +421,13 @@ def create_gateway(
         except APIError as e:  # vLLM may still be starting; /health says so meanwhile
             logger.info("vLLM not reachable yet: %s", e.message)
         logger.info("fronting vLLM at %s for base %s", config.vllm_url, base_name)
+        probing = asyncio.ensure_future(gw.golden.run()) if gw.golden.on else None
         yield
+        if probing is not None:
+            probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probing
+        await gw.golden.close()
         await gw.vllm.aclose()
 
     app = FastAPI(title="mint (vLLM backend)", lifespan=lifespan)
@@ -439,6 +455,7 @@ def create_gateway(
 
     @app.get("/health")
     async def health() -> Response:
+        gw.golden.check_rotation()
         try:
             r = await gw.vllm.get("/health", timeout=5)
         except httpx.HTTPError as e:
@@ -487,6 +504,7 @@ def create_gateway(
         raw = await request.body()
         with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
             request.state.model = json.loads(raw).get("model")  # for the request counter, even when refused
+        gw.golden.check_rotation()
         data, body = _parse(raw, model)
         score_only = _check_prompts(gw, data, body)
         if score_only:
@@ -627,6 +645,7 @@ def create_gateway(
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         gw.check_admin(request)
+        gw.golden.check_rotation()
         _, body = _parse(await request.body(), LoadLoRAAdapterRequest)
         if not body.lora_name or not body.lora_path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
@@ -705,6 +724,7 @@ def create_gateway(
             return {"lora_path": str(gw.base_dir), "digest": f"sha256:{gw.base_digest}"}
         digest, path = await run_in_threadpool(gw.vet_address, body.address)
         gw.served[body.address] = digest
+        gw.golden.after_load(body.address, delay_s=2.0)  # vLLM loads it once this answer reaches it
         return {"lora_path": str(path), "digest": f"sha256:{digest}"}
 
     return app

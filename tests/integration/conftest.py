@@ -290,14 +290,18 @@ def start_front(
     catalog_url: str | None,
     *extra: str,
     api_key: str | None = None,
+    golden_interval_s: float = 0,
 ) -> tuple[subprocess.Popen[str], str]:
-    """`mint serve --backend vllm` before the vLLM at `vllm_url` (inference keyed with `api_key` if given)."""
+    """`mint serve --backend vllm` before the vLLM at `vllm_url` (inference keyed with `api_key` if given). Its
+    golden probe is off unless `golden_interval_s` is given: the session's vLLM is not supervised (a poisoned one
+    would be killed for good), and tests that count vLLM's requests must see only their own."""
     env = {
         "MINT_SERVE_BACKEND": "vllm",
         "MINT_SERVE_VLLM_URL": vllm_url,
         "MINT_SERVE_VLLM_API_KEY": VLLM_KEY,
         "MINT_SERVE_RESOLVER_TOKEN": RESOLVER_TOKEN,
         "MINT_SERVE_MAX_LORA_RANK": "16",
+        "MINT_SERVE_GOLDEN_INTERVAL_S": str(golden_interval_s),
     }
     if catalog_url:
         env["MINT_SERVE_CATALOG_URL"] = catalog_url
