@@ -54,6 +54,16 @@ def render_prompt(tokenizer: Any, prompt: str | Messages) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
 
 
+def prompt_ids(tokenizer: Any, prompt: str | Messages) -> list[int]:
+    """A prompt's token ids as the serving routes tokenize it: plain text as `/v1/completions` does (with the
+    tokenizer's own special tokens, e.g. an added BOS), chat messages as `/v1/chat/completions` does on vLLM (the
+    rendered template, which writes any BOS itself, with nothing added). Rollouts of chat rows use it too, so
+    training sees the tokens serving does."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    return list(tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+
+
 def stop_token_ids(tokenizer: Any, generation_eos: int | Sequence[int] | None = None) -> frozenset[int]:
     """Every token that ends a generation: the tokenizer's EOS and each id of generation_config's eos_token_id
     (a chat model's end-of-turn token, e.g. `<|im_end|>`, `<|eot_id|>`), as vLLM stops at both."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mint_core.engine.chat import FALLBACK_CHAT_TEMPLATE, render_prompt
+from mint_core.engine.chat import FALLBACK_CHAT_TEMPLATE, prompt_ids, render_prompt
 
 if TYPE_CHECKING:
     from mint_core.serving.protocol import ChatCompletionMessageParam
@@ -19,4 +19,10 @@ def chat_prompt(tok: Any, messages: list[ChatCompletionMessageParam]) -> str:
     return render_prompt(tok, [{"role": m.role, "content": m.text()} for m in messages])
 
 
-__all__ = ["FALLBACK_CHAT_TEMPLATE", "chat_prompt", "render_prompt"]
+def chat_ids(tok: Any, messages: list[ChatCompletionMessageParam]) -> list[int]:
+    """The conversation's token ids as vLLM's chat route makes them: the rendered prompt, no special token added
+    (a template such as Llama 3's writes its BOS itself)."""
+    return prompt_ids(tok, [{"role": m.role, "content": m.text()} for m in messages])
+
+
+__all__ = ["FALLBACK_CHAT_TEMPLATE", "chat_ids", "chat_prompt", "prompt_ids", "render_prompt"]

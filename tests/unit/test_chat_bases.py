@@ -21,7 +21,7 @@ from mint_app import services
 from mint_app.cli import app
 from mint_app.services import ServiceError, ServicesConfig, start
 from mint_core.engine.base import build_tiny_chat_base, load_base
-from mint_core.engine.chat import render_prompt
+from mint_core.engine.chat import prompt_ids, render_prompt
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.tokenizer import CHAT_FAMILIES, CHAT_TOKENS, ChatFamily, byte_tokenizer
@@ -342,3 +342,20 @@ def test_mint_up_refuses_a_base_without_a_tokenizer_before_starting_anything(
     with pytest.raises(ServiceError, match=rf"serve: base {d} cannot be used .*\n  - no tokenizer"):
         start(cfg, ["serve"])
     assert not list(cfg.state_dir.glob("*.pid"))
+
+
+def test_a_chat_prompt_gets_one_bos_where_the_tokenizer_adds_one_too(chat_bases: dict[str, Path]) -> None:
+    """Llama 3's real tokenizer adds <|begin_of_text|> to every encoding and its template writes one as well:
+    a conversation is tokenized as vLLM's chat route does (nothing added), plain text as /v1/completions does."""
+    from tokenizers import processors
+
+    tok = AutoTokenizer.from_pretrained(chat_bases["llama"], local_files_only=True)
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    msgs = CONVERSATIONS[0]
+    assert tok(render_prompt(tok, msgs))["input_ids"][:2] == [bos, bos]  # what encoding the text would give
+    ids = prompt_ids(tok, msgs)
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert prompt_ids(tok, "12 + 7 =")[:1] == [bos]

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from mint_core.engine.engine import Engine
 from mint_core.engine.sequence import Sequence
-from mint_core.serving.chat import chat_prompt
+from mint_core.serving.chat import chat_ids
 from mint_core.serving.protocol import (
     APIError,
     ChatCompletionLogProb,
@@ -111,7 +111,7 @@ async def chat_completions(
     server.check_api_key(request)
     adapter = await server.resolve_model(body.model)
     engine = server.engine
-    ids = server.tokenize(chat_prompt(engine.tokenizer, body.messages))
+    ids = server.tokenize(chat_ids(engine.tokenizer, body.messages))
     max_tokens = server.max_tokens(body.requested_max_tokens(), len(ids), echo=False)
     jobs: list[Job] = [(adapter, ids, server.sampling_params(body, max_tokens, j)) for j in range(body.n)]
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -1,0 +1,111 @@
+"""A tiny Qwen2 chat base (a BPE tokenizer trained here, ChatML template, generation_config listing <|endoftext|>
+and <|im_end|>) served by both backends: mint serve answers /v1/chat/completions through the official `openai`
+client with the prompt render_prompt gives, and a real vLLM renders the same prompt tokens and stops at the end of
+turn (which only generation_config names: the tokenizer's EOS is <|endoftext|>)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from mint_core.engine.base import build_tiny_chat_base
+from mint_core.engine.chat import render_prompt
+from mint_core.serving.base_check import check_base
+from mint_core.serving.vllm_process import vllm_available
+from tests.integration.conftest import (
+    VLLM_KEY,
+    VLLM_PYTHON,
+    free_port,
+    require,
+    start_server,
+    start_vllm,
+    stop_server,
+)
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [
+    {"role": "system", "content": "Answer with a number."},
+    {
+        "role": "user",
+        "content": "Question: Tom has 12 apples and gets 7 more. How many apples does Tom have now?",
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def chat_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_chat_base(tmp_path_factory.mktemp("chat") / "tiny-qwen2-chat", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def mint_url(chat_base: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    store = tmp_path_factory.mktemp("store")
+    proc, url = start_server(store, "--base", str(chat_base))
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+def test_mint_serve_answers_chat_with_the_rendered_prompt(chat_base: Path, mint_url: str) -> None:
+    tok = AutoTokenizer.from_pretrained(chat_base, local_files_only=True)
+    rendered = render_prompt(tok, MESSAGES)
+    oai = OpenAI(base_url=mint_url + "/v1", api_key="unused")
+    chat = oai.chat.completions.create(
+        model=chat_base.name,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(tok(rendered)["input_ids"])
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    # a chat is its rendered prompt completed: the same greedy answer through /v1/completions
+    plain = oai.completions.create(model=chat_base.name, prompt=rendered, max_tokens=12, temperature=0)
+    assert plain.choices[0].text == chat.choices[0].message.content
+    assert plain.usage is not None and plain.usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_vllm_serves_the_chat_base_with_the_same_prompt_and_stops_at_the_end_of_turn(
+    chat_base: Path, tmp_path: Path
+) -> None:
+    require(vllm_available(VLLM_PYTHON), f"vLLM's environment {VLLM_PYTHON} (make vllm-venv)")
+    check_base(chat_base, MESSAGES, serving="vllm", vllm_python=VLLM_PYTHON, max_model_len=512)
+    tok = AutoTokenizer.from_pretrained(chat_base, local_files_only=True)
+    im_end, endoftext = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.eos_token_id == endoftext != im_end
+    port = free_port()
+    proc = start_vllm(chat_base, port, None, tmp_path / "vllm.log")
+    try:
+        headers = {"Authorization": f"Bearer {VLLM_KEY}"}
+        body = {"model": chat_base.name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={**body, "return_token_ids": True},
+            headers=headers,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["prompt_token_ids"] == tok(render_prompt(tok, MESSAGES))["input_ids"]
+        # the end of turn made the likeliest token: vLLM stops there (from generation_config's eos_token_id)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={**body, "return_token_ids": True, "logit_bias": {str(im_end): 100}},
+            headers=headers,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["finish_reason"], choice["token_ids"], choice["message"]["content"]) == (
+            "stop",
+            [im_end],
+            "",
+        )
+    finally:
+        stop_server(proc, timeout=60)
