@@ -4,7 +4,7 @@ Model: the 6-layer, 256-wide Llama of mixed_adapter_decode.py (random weights, f
 by default: on cuda both sides run on the GPU, TRL where accelerate puts it, hence cuda and not cuda:N) with the
 byte tokenizer's 259-token vocabulary; both sides get their own copy built from the same seed. Policy: LoRA rank 8,
 alpha 16, on q,k,v,o (no dropout). Batch: 4 prompts of the "add" task x group 8 = 32 completions of at most 8
-new tokens, temperature 1, no top-k/top-p. Reward: mint_core.rl.rewards `char_overlap` on both sides.
+new tokens, temperature 1, no top-k/top-p. Reward: mint_core.data.rewards `char_overlap` on both sides.
 
 One step is the same work on both sides:
   - sample 32 completions of <= 8 tokens with the LoRA policy (mint: its engine, one batch of 32 with the
@@ -59,7 +59,7 @@ from mint_core.engine.base import from_model
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.rl.grpo import GRPOConfig as MintGRPOConfig
-from mint_core.rl.rewards import reward
+from mint_core.data.rewards import reward
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
 TASK = "add"

@@ -31,20 +31,24 @@ A row is an `Example`: its `prompt` is plain text or a list of chat messages, it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mint_core.data.tasks import Example
+from mint_core.data.tasks import Example, example_of, has_generator, split
 from mint_core.errors import MintError
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 """The five built-in tasks' specs (their data: the DVC `task_data` stage's output under data/tasks)."""
@@ -252,6 +256,7 @@ class TaskRegistry:
     """Every task spec in some folders, by name."""
 
     specs: dict[str, TaskSpec]
+    _index: dict[str, Example] | None = field(default=None, repr=False)
 
     @classmethod
     def load(cls, dirs: Iterable[str | Path] | None = None) -> TaskRegistry:
@@ -278,6 +283,26 @@ class TaskRegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self.specs
+
+    def lookup(self, prompt: str | list[dict[str, str]]) -> Example | None:
+        """The row of a registered task whose prompt this is (held-out rows first, then train), or None: what
+        lets a server score its answers to a task's prompts with the task's own rewards. Rows of a task whose
+        files are missing or unreadable are left out (logged once)."""
+        if self._index is None:
+            index: dict[str, Example] = {}
+            for spec in self.specs.values():
+                for which in ("train", "heldout"):  # held-out last, so it wins a prompt in both
+                    try:
+                        rows = read_rows(spec, which)  # type: ignore[arg-type]
+                    except SpecError as e:
+                        logger.info("task %s: its %s rows are not indexed: %s", spec.name, which, e)
+                        continue
+                    index.update((prompt_text(r.prompt), r) for r in rows)
+            self._index = index
+        found = self._index.get(prompt_text(prompt))
+        if found is None and isinstance(prompt, str):  # a generated task's prompt outside its files
+            found = example_of(prompt)
+        return found if found is None or found.task in self.specs else None
 
 
 _REGISTRY: dict[tuple[str, ...], TaskRegistry] = {}
@@ -325,7 +350,7 @@ def _read_table(ref: str) -> list[dict[str, Any]]:
     raise ValueError("not a .jsonl or .parquet file")
 
 
-def is_messages(prompt: Any) -> bool:
+def is_messages(prompt: Any) -> TypeGuard[list[dict[str, str]]]:
     """Chat messages: a non-empty list of {role, content} mappings with string values."""
     return (
         isinstance(prompt, list)
@@ -352,6 +377,8 @@ def read_rows(spec: TaskSpec, which: Literal["train", "heldout"]) -> list[Exampl
     try:
         raw = _read_table(ref)
     except FileNotFoundError as e:
+        if has_generator(spec.name):  # a checkout without the DVC outputs: the rows `mint data build` writes
+            return list(_generated(spec.name)[0 if which == "train" else 1])
         raise SpecError(f"{where}: no such file") from e
     except (OSError, ValueError) as e:
         raise SpecError(f"{where}: cannot read: {e}") from e
@@ -393,6 +420,18 @@ def read_rows(spec: TaskSpec, which: Literal["train", "heldout"]) -> list[Exampl
     return out
 
 
+@functools.cache
+def _generated(task: str) -> tuple[list[Example], list[Example]]:
+    """A generated task's train and held-out rows as the DVC `task_data` stage writes them (params.yaml's
+    `data` section beside the repository's dvc.yaml, else its defaults)."""
+    from mint_core.data.build import DataParams
+
+    params = BUILTIN_DIR.parents[2] / "params.yaml"
+    doc = (yaml.safe_load(params.read_text()) or {}).get("data", {}) if params.is_file() else {}
+    p = DataParams(**doc)
+    return split(task, p.n_train, p.n_heldout, p.seed)
+
+
 def check_disjoint(spec: TaskSpec, train: Sequence[Example], heldout: Sequence[Example]) -> None:
     """No held-out prompt may be a train prompt: the gate would score what was trained on."""
     seen = {prompt_text(e.prompt) for e in train}
@@ -402,4 +441,3 @@ def check_disjoint(spec: TaskSpec, train: Sequence[Example], heldout: Sequence[E
                 f"task {spec.name!r} ({spec.path}): held-out row {e.id!r} is also in train "
                 f"(data.heldout {spec.data.heldout}, data.train {spec.data.train}): {prompt_text(e.prompt)[:80]!r}"
             )
-

@@ -6,7 +6,7 @@ from mint_core.data.tasks import Example
 from mint_core.engine.chat import render_prompt
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.rl.rewards import builtin_scores
+from mint_core.data.rewards import builtin_scores
 
 
 def _greedy_rewards(

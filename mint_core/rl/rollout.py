@@ -8,7 +8,7 @@ from mint_core.data.tasks import Example
 from mint_core.engine.chat import render_prompt
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.rl.rewards import Rewarder, builtin_scores
+from mint_core.data.rewards import Rewarder, builtin_scores
 
 
 @dataclass

@@ -45,7 +45,7 @@ from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
 from mint_core.lora.layers import _SlotBank
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
-from mint_core.rl.rewards import OVERRIDES, Rewarder
+from mint_core.data.rewards import OVERRIDES, Rewarder
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
 
@@ -99,7 +99,7 @@ class PolicySpec(BaseModel):
     score its rollouts."""
     reward: str | None = None
     """None: the task's own rewards (its spec). Or a built-in reward over the task's `answer` column that replaces
-    them for this policy: exact_match, char_overlap, well_formed, match_and_format (`mint_core.rl.rewards`)."""
+    them for this policy: exact_match, char_overlap, well_formed, match_and_format (`mint_core.data.rewards`)."""
     rank: int = Field(8, ge=1, le=MAX_RANK)
     """LoRA rank (at most `MAX_RANK`). A policy that continues from its champion takes the champion's rank
     (`mint_core.rl.recipe.continue_spec`)."""

@@ -13,8 +13,9 @@ of `serving/routes/canary.py` over one `CanaryState`, so a split works the same 
   `canary` or `control`. A request with `X-Mint-Route: direct` is answered by the name it asks for, past the
   split: the promotion's smoke check of the name.
 - **Scores.** Every answer under a served policy name is remembered by its response id for a while
-  (`MAX_RESPONSES`). An answer to a built-in task's prompt (`mint_core.data.tasks.example_of`) is scored at once
-  with the task's own reward (exact match, in [0, 1]); anything else is scored by `POST /v1/feedback` {"id",
+  (`MAX_RESPONSES`). An answer to a registered task's prompt (a row of its data: `TaskRegistry.lookup`, the
+  completion's prompt text or the chat's messages) is scored at once with the task's own rewards (its spec, in
+  [0, 1]); anything else is scored by `POST /v1/feedback` {"id",
   "score"} (the API key). Scores are kept as events per requested name, read back in order by
   `GET /v1/mint/canary/{name}?after=<seq>`: what the canary watch flow turns into its sequential test and into
   MLflow metrics.
@@ -25,6 +26,7 @@ watch flow, which puts the split again on every poll, restores it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -39,7 +41,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mint_core.data.tasks import example_of
+from mint_core.data.rewards import Rewarder
+from mint_core.data.spec import is_messages
+from mint_core.errors import MintError
 
 Arm = Literal["canary", "control", "none"]
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -229,21 +233,25 @@ def bucket(name: str, key: str) -> float:
     return int.from_bytes(h[:8], "big") / 2**64
 
 
-def task_score(prompt: str, texts: list[str]) -> float | None:
-    """The task's own reward (exact match, averaged over the choices) when `prompt` is a built-in task's."""
-    ex = example_of(prompt)
+def task_score(rewarder: Rewarder, prompt: str | list[dict[str, str]], texts: list[str]) -> float | None:
+    """The task's own reward (its spec's rewards, averaged over the choices) when `prompt` is a row of a
+    registered task (`TaskRegistry.lookup`); None otherwise, or when the reward failed."""
+    ex = rewarder.tasks.lookup(prompt)
     if ex is None or not texts:
         return None
-    return sum(float(t.strip() == ex.answer) for t in texts) / len(texts)
+    try:
+        scores = rewarder.score([ex] * len(texts), texts)
+    except MintError:  # failing past its share: nothing to learn from this answer
+        return None
+    return sum(scores) / len(scores)
 
 
-def _prompt_of(path: str, data: dict[str, Any]) -> str | None:
+def _prompt_of(path: str, data: dict[str, Any]) -> str | list[dict[str, str]] | None:
+    """What a request asked, in the form a task row holds it: a completion's text, or a chat's messages."""
     if path.endswith("/chat/completions"):
         msgs = data.get("messages")
-        if isinstance(msgs, list):
-            users = [m for m in msgs if isinstance(m, dict) and m.get("role") == "user"]
-            content = users[-1].get("content") if users else None
-            return content if isinstance(content, str) else None
+        if is_messages(msgs):
+            return [{"role": m["role"], "content": m["content"]} for m in msgs]
         return None
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -299,10 +307,18 @@ class CanaryMiddleware:
     """ASGI middleware over the completion routes: routes a request by the split of the model it names, and
     remembers (and, for built-in tasks, scores) what answered. Other paths pass through untouched."""
 
-    def __init__(self, app: ASGIApp, state: CanaryState, served: Callable[[str], bool] | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: CanaryState,
+        served: Callable[[str], bool] | None = None,
+        rewarder: Rewarder | None = None,
+    ):
         self.app, self.state = app, state
         self.served = served or (lambda name: True)
         """Whether a requested name is worth remembering answers of (not the base, not unknown names)."""
+        self.rewarder = rewarder or Rewarder()
+        """Scores an answer to a registered task's prompt by the task's spec (user rewards in its pool)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
@@ -362,7 +378,9 @@ class CanaryMiddleware:
             return
         prompt = _prompt_of(scope["path"], data)
         texts = [collected.texts[i] for i in sorted(collected.texts)]
-        score = task_score(prompt, texts) if prompt is not None else None
+        score = None
+        if prompt is not None:  # off the event loop: a user's reward runs in a pool, with its timeout
+            score = await asyncio.to_thread(task_score, self.rewarder, prompt, texts)
         self.state.answered(
             collected.id, name, arm, collected.model or target, collected.fingerprint or "", score
         )

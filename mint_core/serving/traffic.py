@@ -1,8 +1,9 @@
-"""A built-in traffic generator: users asking built-in task prompts of the policies under a canary.
+"""A built-in traffic generator: users asking a registered task's prompts of the policies under a canary.
 
 It stands in for live traffic in the demo (`mint run`) and the tests: a thread that keeps `concurrency`
 completions in flight against a server, each from one of `users` simulated users (the request's `user`, so one
-user stays on one arm of a split), with prompts drawn from the task's generator with a seed of its own (repeats
+user stays on one arm of a split), with prompts drawn from the task's held-out rows (its spec's data; a chat
+prompt goes to /v1/chat/completions as its messages, a text prompt to /v1/completions) with a seed of its own (repeats
 allowed, as in real traffic: `add` has only 10^4 distinct prompts). Which policies it asks: the ones named, or (`follow`)
 every policy that has a canary split on the server right now, each with the task of its name.
 """
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from mint_core.data.tasks import TASKS, prompt_of
+from mint_core.data.spec import registry
+from mint_core.data.tasks import Example
 
 logger = logging.getLogger(__name__)
 SEED = 7_000_001
@@ -56,6 +58,8 @@ class Traffic:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._prompts: dict[str, random.Random] = {}
+        self._rows: dict[str, list[Example]] = {}
+        self.tasks = registry()
 
     def __enter__(self) -> Traffic:
         self._thread = threading.Thread(
@@ -69,9 +73,11 @@ class Traffic:
         if self._thread is not None:
             self._thread.join(timeout=60)
 
-    def _prompt(self, task: str) -> str:
+    def _prompt(self, task: str) -> str | list[dict[str, str]]:
         rng = self._prompts.setdefault(task, random.Random(f"{task}:{SEED}"))
-        return prompt_of(task, TASKS[task].make(rng)[0])
+        if task not in self._rows:
+            self._rows[task] = self.tasks.get(task).heldout_rows()
+        return rng.choice(self._rows[task]).prompt
 
     async def _targets(self, http: httpx.AsyncClient) -> dict[str, str]:
         if self.policies is not None:
@@ -81,7 +87,7 @@ class Traffic:
             names = list(r.json()) if r.status_code == 200 else []
         except (httpx.HTTPError, ValueError):
             names = []
-        return {n: n for n in names if n in TASKS}
+        return {n: n for n in names if n in self.tasks}
 
     async def _run(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -100,16 +106,20 @@ class Traffic:
                         await asyncio.sleep(0.2)
                         continue
                     policy = self.rng.choice(sorted(targets))
-                    body = {
+                    prompt = self._prompt(targets[policy])
+                    body: dict[str, object] = {
                         "model": policy,
-                        "prompt": self._prompt(targets[policy]),
                         "max_tokens": self.max_tokens,
                         "temperature": self.temperature,
                         "user": f"user-{self.rng.randrange(self.users)}",
                     }
+                    if isinstance(prompt, str):
+                        route, body["prompt"] = "/v1/completions", prompt
+                    else:
+                        route, body["messages"] = "/v1/chat/completions", prompt
                     self.stats.sent += 1
                     try:
-                        r = await http.post("/v1/completions", json=body)
+                        r = await http.post(route, json=body)
                         ok = r.status_code == 200
                         why = str(r.status_code)
                     except Exception as e:  # the generator keeps going whatever one request met

@@ -33,7 +33,7 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.store import AdapterStore
-from mint_core.rl.rewards import reward
+from mint_core.data.rewards import reward
 from tests.integration.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.integration

@@ -7,6 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from mint_core.data.rewards import Rewarder
 from mint_core.data.tasks import TASKS, example_of, examples, take
 from mint_core.serving.canary import (
     AlreadyScored,
@@ -85,14 +86,15 @@ def test_a_bad_split_names_its_field(split: dict[str, object], field: str) -> No
         Split.model_validate(split)
 
 
-def test_every_task_prompt_is_scored_by_its_own_answer() -> None:
-    for t in TASKS:
+def test_every_task_prompt_is_scored_by_its_own_reward() -> None:
+    rewarder = Rewarder()
+    for t in TASKS:  # the built-in specs: 0.8 for the exact answer, 0.2 for an answer of the right shape
         for ex in take(examples(t, 5), 50):
-            assert task_score(ex.prompt, [f" {ex.answer}"]) == 1.0
-            assert task_score(ex.prompt, ["nope"]) == 0.0
-            assert task_score(ex.prompt, [ex.answer, "x"]) == 0.5
+            assert task_score(rewarder, ex.prompt, [f" {ex.answer}"]) == pytest.approx(1.0)
+            assert task_score(rewarder, ex.prompt, ["no pe"]) == 0.0
+            assert task_score(rewarder, ex.prompt, [ex.answer, "no pe"]) == pytest.approx(0.5)
     for not_a_task in ("Once upon a time", "add: 1+2", "add: a+b =", "sum: 1+2 =", "sort: 12 34 ="):
-        assert example_of(not_a_task) is None and task_score(not_a_task, ["3"]) is None
+        assert example_of(not_a_task) is None and task_score(rewarder, not_a_task, ["3"]) is None
 
 
 def test_answers_are_read_off_whole_and_streamed_responses() -> None:
