@@ -84,3 +84,41 @@ def test_flow_command_runs_on_the_workspace_stack(case: str, workspace: tuple[Pa
     assert flow["name"] == flow_name
     workspace_param = run.json()["parameters"].get("workspace") or {}
     assert workspace_param.get("tracking_uri") == config.url("mlflow"), run.json()["parameters"]
+
+
+def test_registry_commands_use_the_workspace_mlflow(workspace: tuple[Path, ServicesConfig]) -> None:
+    """`mint registry promote` / `rollback` / `ls` from a clean environment read and move the aliases of the
+    workspace's MLflow (not the default :5000), with the catalog and store beside the state dir."""
+    from mlflow import MlflowClient
+
+    from mint_core.registry.catalog import Catalog, CatalogConfig
+    from mint_core.registry.mlflow_registry import Registry
+    from mint_core.registry.reader import RegistryConfig
+    from mint_core.registry.store import AdapterStore
+    from tests.integration.test_registry import BASE, _put
+
+    home, config = workspace
+    mlflow = config.url("mlflow")
+    store = AdapterStore(home / ".mint" / "store")
+    catalog = Catalog(CatalogConfig(url=f"sqlite:///{home}/.mint/catalog.db"))
+    reg = Registry(store, catalog, RegistryConfig(tracking_uri=mlflow))
+    for seed in (1, 2):
+        reg.create_revision("pol", _put(store, home, seed), base=BASE, rank=2)
+
+    def mint(*args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "mint_app.cli", *args],
+            cwd=home,
+            capture_output=True,
+            text=True,
+            env=cli_env(UNSET),
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    assert "unset -> v1" in mint("registry", "promote", "pol", "1", "-m", "first")
+    assert "v1 -> v2" in mint("registry", "promote", "pol", "2", "-m", "better")
+    assert "v2 -> v1" in mint("registry", "rollback", "pol", "-m", "regressed")
+    assert "champion" in mint("registry", "ls", "pol")
+    assert MlflowClient(mlflow).get_model_version_by_alias("pol", "champion").version == "1"
