@@ -581,6 +581,8 @@ def train(
             "steps_trained": str(done),
             "stop_reason": reason,
         }
+        task = task_registry().get(trained_specs[p.name].task)
+        params |= {"task": task.name, "task_spec": task.digest(), "reward": task.reward_digest()}
         if prompts[p.name].fresh_seed is not None:
             params["fresh_seed"] = str(prompts[p.name].fresh_seed)
         if early is not None:

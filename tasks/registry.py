@@ -46,6 +46,11 @@ def _export_cache_key(context: Any, parameters: dict[str, Any]) -> str:
     return f"export-{parameters['policy']}-{parameters['key']}-{where}"
 
 
+TASK_TAGS = ("task", "task_spec", "reward")
+"""Run parameters that also tag the version: `mint.task` (its task's name), `mint.task_spec` (sha256 of the spec
+file) and `mint.reward` (sha256 of the rewards' definitions and their source files)."""
+
+
 @task(cache_key_fn=_export_cache_key, persist_result=True, **_RETRY)
 def export(
     ws: Workspace,
@@ -75,7 +80,7 @@ def export(
         parent=parent.address if parent else None,
         data_rev=data_rev,
         run_id=run_id,
-        tags={IDEMPOTENCY_TAG: key},
+        tags={IDEMPOTENCY_TAG: key} | {f"mint.{k}": params[k] for k in TASK_TAGS if params.get(k)},
         reason=f"trained: {len(curve)} GRPO steps (run {key[:8]})",
     )
     fault("export")

@@ -2,7 +2,8 @@
 
     policy      = an MLflow registered model
     revision    = a model version; its `source` is the revision's store URI, its tags say what it is:
-                  mint.digest, mint.base, mint.parent, mint.rank, mint.data_rev (and mint.gate once gated)
+                  mint.digest, mint.base, mint.parent, mint.rank, mint.data_rev (and mint.gate once gated; mint.task,
+                  mint.task_spec and mint.reward where a training run made it)
     champion    = the alias serving follows; `candidate` = the revision under evaluation
 
 MLflow is the truth for which versions a policy has and where its aliases point; the catalog is an index of it
@@ -181,7 +182,10 @@ class Registry:
         }
         extra = {k: str(v) for k, v in (tags or {}).items()}
         bad = [
-            k for k in extra if k.startswith(TAG_PREFIX) and k not in ("mint.gate", "mint.idempotency_key")
+            k
+            for k in extra
+            if k.startswith(TAG_PREFIX)
+            and k not in ("mint.gate", "mint.idempotency_key", "mint.task", "mint.task_spec", "mint.reward")
         ]
         if bad:
             raise RegistryError(
