@@ -19,6 +19,9 @@ left serving disagreeing with the registry. Scenarios (names for --only):
             no half revision is left (store, registry, catalog)
   race      two promotions of one policy at once, one as the MLflow UI makes it (REST alias call), one from
             `mint registry promote`: one champion, and serving answers with it
+  poison    a NaN adapter forced into vLLM behind mint's back (serving vllm, its own vLLM and front): the sealed
+            vLLM refuses it unkeyed; forced with mint's key (a compromised path), the golden probe notices,
+            takes the replica out of rotation and has its supervisor restart it, and it comes back clean
 
 Minutes on 2 cores (a flow trains a few steps of a tiny policy). The `faults` tests run it (tests/integration/
 test_faults.py, slow tier).
@@ -38,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +60,7 @@ from mint_core.lifecycle import Workspace, reconcile, served_revision  # noqa: E
 from mint_core.lora.adapter import random_adapter  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj"]
-SCENARIOS = ("server", "worker", "mlflow", "prefect", "disk", "race")
+SCENARIOS = ("server", "worker", "mlflow", "prefect", "disk", "race", "poison")
 
 
 @dataclass
@@ -540,6 +544,227 @@ def scenario_race(f: Faults) -> Row:
     )
 
 
+def nan_adapter(base_dir: Path, out: Path, seed: int) -> Path:
+    """A healthy-looking adapter for the base with one NaN in a lora_B weight: what mint's validation refuses, and
+    what poisons every tenant of a vLLM that loads it (benchmarks/vllm_bad_adapters.py)."""
+    from safetensors.torch import load_file, save_file
+
+    from mint_core.lora.adapter import WEIGHTS_FILE, save_adapter
+
+    base = load_base(base_dir)
+    save_adapter(
+        random_adapter(base.sites, TARGETS, 8, seed=seed, std=0.3, base_fingerprint=base.fingerprint),
+        out,
+        base.sites,
+    )
+    w = load_file(out / WEIGHTS_FILE)
+    key = sorted(k for k in w if "lora_B" in k)[0]
+    w[key][0, 0] = float("nan")
+    save_file(w, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    return out
+
+
+def scenario_poison(f: Faults) -> Row:
+    """serving vllm, started as `mint up --serving vllm` starts it (vLLM sealed and supervised, the front with its
+    golden probe at the default interval), over a tiny head_dim-32 base, with a champion in the catalog. Traffic
+    runs through the front (base and champion, greedy, each answer compared with the one given before the attack).
+    vLLM is attacked as issue #34 describes: unkeyed `POST /adapters` and `/v1/load_lora_adapter` (the seal must
+    refuse both); then, since the seal leaves no unkeyed way in, as a compromised path that holds mint's key: the
+    NaN adapter loaded straight into vLLM and requests under it in batches with other tenants'. Recorded: seconds
+    from the poisoning requests to the front taking the replica out of rotation, bad answers served in between
+    (none may follow detection), seconds out of rotation, and whether every answer after it came back equals the
+    one before the attack."""
+    from mint_app.services import ServicesConfig, hooks_workspace
+    from mint_core.registry.catalog import Catalog, CatalogConfig
+    from mint_core.registry.store import AdapterStore
+    from mint_core.serving.config import ServingConfig
+
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.is_file():
+        return Row("NaN adapter forced into vLLM", "", "not run: no .venv-vllm (make vllm-venv)", 1, False, 0)
+    root = f.root / "poison"
+    base_dir = root / "tiny-vllm"
+    tiny = build_tiny_base(
+        "dense", seed=0, tokenizer=byte_tokenizer(), num_attention_heads=2, num_key_value_heads=1, head_dim=32
+    )
+    tiny.model.save_pretrained(base_dir)
+    assert tiny.tokenizer is not None
+    tiny.tokenizer.save_pretrained(base_dir)
+    base = load_base(base_dir)
+    cfg = ServicesConfig.model_validate(
+        {
+            "state_dir": root / "run",
+            "serving": "vllm",
+            "vllm_python": vllm_python,
+            "vllm_port": free_port(),
+            "serve_port": free_port(),
+            "serve_base": str(base_dir),
+            "serve_adapter_root": root / "store",
+            "catalog_url": f"sqlite:///{root / 'catalog.db'}",
+            "startup_timeout": 300,
+        }
+    )
+    interval = ServingConfig().golden_interval_s  # the default the front runs with
+    # the champion: a healthy revision in the store, the catalog's champion of `f-champ` (resolved on demand)
+    store = AdapterStore(cfg.serve_adapter_root or root / "store")
+    champ = random_adapter(base.sites, TARGETS, 8, seed=5, std=0.3, base_fingerprint=base.fingerprint)
+    digest = str(store.put_weights(champ, base.sites))
+    cat = Catalog(CatalogConfig(url=hooks_workspace(cfg)["catalog_url"]))
+    version = cat.register(digest, base.fingerprint, 8, str(store.local_dir(digest)), policy="f-champ")
+    assert version is not None
+    cat.set_alias("f-champ", "champion", version)
+    evil = nan_adapter(base_dir, root / "evil", seed=6)
+    t_start = time.monotonic()
+    start(cfg, ["vllm", "serve"], progress=lambda m: say(m))
+    say(f"vllm and its front up ({time.monotonic() - t_start:.0f} s)")
+    front, vllm = cfg.url("serve"), cfg.url("vllm")
+    key = {"Authorization": "Bearer " + (cfg.state_dir / "vllm.key").read_text().strip()}
+    log = service_log(cfg, "serve")
+    prompts = {"tiny-vllm": "Hello, world", "f-champ": "add: 2+3 ="}
+    gen = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    try:
+        with httpx.Client(timeout=120, trust_env=False) as h:
+
+            def ask(model: str) -> httpx.Response:
+                return h.post(
+                    front + "/v1/completions", json={"model": model, "prompt": prompts[model], **gen}
+                )
+
+            expected = {
+                m: ask(m).json()["choices"][0]["text"] for m in prompts
+            }  # f-champ: resolved on demand
+            t0 = time.monotonic()
+            while 'mint_golden_recorded{of="champion f-champ"}' not in h.get(front + "/metrics").text:
+                if time.monotonic() - t0 > 120:  # the probe after its load records it
+                    raise TimeoutError("the golden probe never recorded the champion's answers")
+                time.sleep(0.5)
+            say(f"golden answers recorded; before the attack: {expected}")
+
+            answers: list[tuple[float, str, int, bool]] = []  # (when, model, status, as before)
+            stop_traffic = threading.Event()
+
+            def traffic() -> None:
+                i = 0
+                while not stop_traffic.is_set():
+                    model = list(prompts)[i % 2]
+                    i += 1
+                    try:
+                        r = ask(model)
+                    except httpx.HTTPError:
+                        answers.append((time.monotonic(), model, 0, False))
+                        time.sleep(0.2)
+                        continue
+                    good = r.status_code == 200 and r.json()["choices"][0]["text"] == expected[model]
+                    answers.append((time.monotonic(), model, r.status_code, good))
+                    if r.status_code != 200:
+                        time.sleep(0.2)
+
+            th = threading.Thread(target=traffic, daemon=True)
+            th.start()
+            time.sleep(2)
+            # the attack of issue #34, from a process without mint's key
+            unkeyed = {
+                "POST /adapters": h.post(
+                    vllm + "/adapters", json={"name": "evil", "src": str(evil)}
+                ).status_code,
+                "POST /v1/load_lora_adapter": h.post(
+                    vllm + "/v1/load_lora_adapter", json={"lora_name": "evil", "lora_path": str(evil)}
+                ).status_code,
+            }
+            sealed = all(code == 401 for code in unkeyed.values())
+            # a compromised path with mint's key: straight into vLLM, past the front's validation
+            forced = h.post(
+                vllm + "/v1/load_lora_adapter",
+                json={"lora_name": "evil", "lora_path": str(evil)},
+                headers=key,
+            ).status_code
+            # requests under it that share vLLM's batch with other tenants' (its NaN reaches them there, and
+            # stays: measured, one request alone under it left the others' answers as they were)
+            poisoned_at = time.monotonic()
+
+            def direct(model: str) -> int:
+                body = {"model": model, "prompt": "Hello, world", "max_tokens": 16, "ignore_eos": True}
+                return h.post(vllm + "/v1/completions", json=body, headers=key).status_code
+
+            with ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(direct, ["evil", "tiny-vllm", "evil", "_mint_base"] * 3))
+            try:
+                alone = h.post(
+                    vllm + "/v1/completions",
+                    json={"model": "tiny-vllm", "prompt": prompts["tiny-vllm"], **gen},
+                    headers=key,
+                )
+                base_now = (
+                    alone.json()["choices"][0]["text"] if alone.status_code == 200 else alone.status_code
+                )
+            except httpx.HTTPError as e:  # the probe may have found it first and killed it
+                base_now = f"no answer ({type(e).__name__})"
+            poisoned = base_now != expected["tiny-vllm"]
+            say(
+                f"unkeyed: {unkeyed}; forced with the key: {forced}; requests under it batched with others: "
+                f"{codes}; vLLM's base now answers {base_now!r} (before: {expected['tiny-vllm']!r})"
+            )
+            detected_at = back_at = None
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < interval + 600:
+                time.sleep(0.5)
+                after = [a for a in answers if a[0] > poisoned_at]
+                if detected_at is None and any(a[2] == 503 for a in after):
+                    detected_at = next(a[0] for a in after if a[2] == 503)
+                if detected_at is not None:
+                    later = [a for a in after if a[0] > detected_at and a[2] == 200]
+                    if len(later) >= 20:
+                        back_at = later[0][0]
+                        break
+            stop_traffic.set()
+            th.join(120)
+    finally:
+        stop(cfg)
+    text = log.read_text()
+    after = [a for a in answers if a[0] > poisoned_at]
+    bad_before = [
+        a for a in after if a[2] == 200 and not a[3] and (detected_at is None or a[0] < detected_at)
+    ]
+    bad_after = [
+        a for a in after if a[2] == 200 and not a[3] and detected_at is not None and a[0] >= detected_at
+    ]
+    refused = [a for a in after if a[2] == 503]
+    came_back = [a for a in after if back_at is not None and a[0] >= back_at]
+    clean = bool(came_back) and all(a[2] == 200 and a[3] for a in came_back)
+    evidence = "golden evidence:" in text and "restarting it" in text
+    detect_s = None if detected_at is None else detected_at - poisoned_at
+    out_s = None if back_at is None or detected_at is None else back_at - detected_at
+    ok = (
+        sealed
+        and forced == 200
+        and poisoned
+        and detected_at is not None
+        and evidence
+        and clean
+        and not bad_after
+    )
+    fmt = lambda x: "never" if x is None else f"{x:.1f} s"  # noqa: E731
+    result = (
+        f"unkeyed {', '.join(f'{k} {v}' for k, v in unkeyed.items())}; forced with mint's key: {forced}, "
+        f"poisoned: {poisoned} (vLLM's base answered {base_now!r}); "
+        f"detected {fmt(detect_s)} after the poisoning requests (probe every {interval:g} s); "
+        f"bad answers served: {len(bad_before)} of {len(after)} after it ({len(bad_after)} after detection); "
+        f"out of rotation (503, {len(refused)} refused) for {fmt(out_s)}; restarted by its supervisor, "
+        f"back clean: {clean} ({len(came_back)} answers after, all as before the attack: {clean}); "
+        f"evidence logged: {evidence}"
+    )
+    return Row(
+        "NaN adapter forced into vLLM behind mint's back",
+        "issue #34's attack on a sealed vLLM (unkeyed /adapters, /v1/load_lora_adapter); then, as a compromised "
+        "path with mint's key, a NaN adapter loaded straight into vLLM and requests under it batched with other "
+        "tenants', under traffic through the front",
+        result,
+        len(bad_after) + (0 if clean else 1),
+        ok,
+        0,
+    )
+
+
 RUNS: dict[str, tuple[Callable[[Faults], Row], list[ServiceName]]] = {
     "server": (scenario_server, ["mlflow", "serve", "hooks"]),
     "worker": (scenario_worker, ["mlflow", "prefect", "serve", "hooks", "worker"]),
@@ -547,6 +772,7 @@ RUNS: dict[str, tuple[Callable[[Faults], Row], list[ServiceName]]] = {
     "prefect": (scenario_prefect, ["mlflow", "prefect", "serve", "hooks"]),
     "disk": (scenario_disk, ["mlflow", "serve"]),
     "race": (scenario_race, ["mlflow", "serve", "hooks"]),
+    "poison": (scenario_poison, []),  # its own vLLM and front (serving vllm)
 }
 
 
@@ -600,7 +826,9 @@ def main() -> int:
         say(f"state in {root}")
         f = Faults(root)
         try:
-            f.up(sorted({s for n in names for s in RUNS[n][1]}, key=list(RUNS["worker"][1]).index))
+            needed = sorted({s for n in names for s in RUNS[n][1]}, key=list(RUNS["worker"][1]).index)
+            if needed:
+                f.up(needed)
             for name in names:
                 fn, _ = RUNS[name]
                 say(f"scenario {name} ...")

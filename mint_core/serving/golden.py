@@ -152,7 +152,10 @@ class GoldenProbe:
         """Probe every interval_s until cancelled."""
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.probe(f"every {self.interval_s:g} s")
+            try:
+                await self.probe(f"every {self.interval_s:g} s")
+            except Exception:  # an answer of an unexpected shape must not end the probing for good
+                logger.exception("golden probe failed")
 
     def after_load(self, name: str, delay_s: float = 0.0) -> None:
         """A load through the front (or, with `delay_s`, one vLLM makes on the resolver's answer) ended: probe.
@@ -164,7 +167,10 @@ class GoldenProbe:
 
         async def later() -> None:
             await asyncio.sleep(delay_s)
-            await self.probe(f"after the load of {name}", loaded=name)
+            try:
+                await self.probe(f"after the load of {name}")
+            except Exception:
+                logger.exception("golden probe after the load of %s failed", name)
 
         self._spawn(later())
 
@@ -257,7 +263,7 @@ class GoldenProbe:
                 self.recorded.labels(self.champion.label).set(len(got))
                 logger.info("golden probe: %s's answers recorded (sha256:%s): %s", name, digest[:12], got)
 
-    async def probe(self, reason: str, loaded: str | None = None) -> bool | None:
+    async def probe(self, reason: str) -> bool | None:
         """True: every answer as recorded; False: the replica is poisoned (out of rotation, being restarted);
         None: nothing compared (off, out of rotation already, vLLM unreachable)."""
         if not self.on or self.out_of_rotation is not None:
