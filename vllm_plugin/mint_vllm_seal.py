@@ -11,11 +11,14 @@ vLLM's middlewares. It asks every HTTP request and websocket, on every path and 
 answered 401 before vLLM's app sees it.
 
 Why a key rather than a Unix socket (`--uds` in a 0700 directory): mint's replica fleet puts `vllm-router` before
-the replicas, and the router reaches its workers over TCP only (`http://host:port` worker URLs through reqwest,
-vllm-project/router `src/core/worker.rs`); a socket would keep the router out as well. A key works over any
-transport, on one host or many. The router health-checks a worker with a bare `GET /health` (no header), so a
-fleet behind it starts its replicas with MINT_SEAL_OPEN_HEALTH=1, which lets exactly `GET`/`HEAD /health` through
-unkeyed (it changes nothing and tells nothing beyond "up"); mint's single vLLM keeps it sealed too.
+the replicas, and the router reaches its workers over TCP only (`http://host:port` worker URLs, requests built with
+reqwest as `format!("{}{}", worker_url, route)`, vllm-project/router `src/routers/http/router.rs`); a socket would
+keep the router out as well. A key works over any transport, on one host or many, and passes the router: it copies
+the incoming request's headers onto the request to the worker, so the key mint's front sends reaches the replica.
+The router health-checks a worker with a bare `GET <url>/health` (no header, `src/core/worker.rs`), so a fleet
+behind it starts its replicas with MINT_SEAL_OPEN_HEALTH=1, which lets exactly `GET`/`HEAD /health` through unkeyed
+(it changes nothing and tells nothing beyond "up"); mint's single vLLM keeps /health sealed too. A socket in a
+private directory would add little on top of the key: it keeps out other users, as the key does, not mint's own.
 
 The standard library only: it runs inside vLLM's environment, and mint's tests run it in mint's.
 """
