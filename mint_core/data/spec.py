@@ -1,10 +1,12 @@
 """A task is data, not code: one small YAML file names its data, its rewards and the lm-eval task its gate reads.
 
-Layout: a *task folder* holds one `<name>.yaml` per task, and each spec's relative paths (data files, a reward's
-`file.py`, the eval YAML) resolve against the folder that holds the spec. So a user's task is a folder they own
-and can copy, version and track with DVC as one unit (`examples/number-words/`), and mint's five built-in tasks are
-the same kind of files (`mint_core/data/builtin/`), read by the same code. A workspace lists its task folders
-(`MINT_TASK_DIRS`, `:`-separated, after the built-ins); a file added to one shows up with no code change.
+Layout: one task is one folder with a `task.yaml` in it, beside its data, its reward's `.py` and its eval YAML;
+every relative path of the spec resolves against that folder. So a user's task is a folder they own and can copy,
+version and track with DVC as one unit (`examples/gsm8k-format/`), the spec stays small (it names files, it does
+not hold them), and the task's name is the folder's unless the spec says otherwise. mint's five built-in tasks are
+the same kind of folders (`mint_core/data/builtin/<task>/task.yaml`), read by the same code. The registry reads a
+list of folders, each either a task folder or a folder of task folders (one level down): the built-ins, then
+`MINT_TASK_DIRS` (`:`-separated); a task folder added to one shows up with no code change.
 
     name: add                      # default: the file's stem
     description: the sum of two numbers below 100
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 """The five built-in tasks' specs (their data: the DVC `task_data` stage's output under data/tasks)."""
+SPEC_FILE = "task.yaml"
 TASK_DIRS_ENV = "MINT_TASK_DIRS"
 """More task folders, `:`-separated, read after the built-ins (a name defined twice is an error)."""
 BuiltinReward = Literal["exact_match", "math_verify", "regex_match", "char_overlap", "well_formed"]
@@ -232,7 +235,7 @@ def load_spec(path: str | Path) -> TaskSpec:
         raise SpecError(f"task spec {p}: not YAML: {e}") from e
     if not isinstance(doc, dict):
         raise SpecError(f"task spec {p}: expected a mapping of fields, got {type(doc).__name__}")
-    doc.setdefault("name", p.stem)
+    doc.setdefault("name", p.parent.name if p.name == SPEC_FILE else p.stem)
     try:
         return TaskSpec(**doc, path=p.resolve())
     except ValidationError as e:
@@ -260,13 +263,18 @@ class TaskRegistry:
 
     @classmethod
     def load(cls, dirs: Iterable[str | Path] | None = None) -> TaskRegistry:
-        """The specs in `dirs` (default: `task_dirs()`); a folder that does not exist is an error, and so is a
-        name two files define."""
+        """The specs in `dirs` (default: `task_dirs()`): each folder's own `task.yaml`, or those of its
+        subfolders; a folder that does not exist, or holds no spec, is an error, and so is a name two specs
+        define."""
         specs: dict[str, TaskSpec] = {}
         for d in task_dirs() if dirs is None else [Path(x) for x in dirs]:
             if not Path(d).is_dir():
                 raise SpecError(f"task folder {d} does not exist")
-            for f in sorted(Path(d).glob("*.yaml")):
+            own = Path(d) / SPEC_FILE
+            files = [own] if own.is_file() else sorted(Path(d).glob(f"*/{SPEC_FILE}"))
+            if not files:
+                raise SpecError(f"task folder {d} holds no {SPEC_FILE}, nor any subfolder with one")
+            for f in files:
                 spec = load_spec(f)
                 if spec.name in specs:
                     raise SpecError(f"task {spec.name!r} is defined twice: {specs[spec.name].path} and {f}")
