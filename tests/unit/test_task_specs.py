@@ -210,7 +210,7 @@ def test_the_task_suite_finds_a_held_out_row_in_train_and_a_malformed_answer(tmp
         check_task(load_spec(d / "task.yaml"))
     d = make_task(tmp_path / "b", answer_format=r"\d+")
     _rows(d, "train", lambda r: {**r, "answer": "seven"} if r["id"] == "t7" else r)
-    with pytest.raises(DataCheckError, match="(?s)task mine .* expect_column_values_to_match_regex.*seven"):
+    with pytest.raises(DataCheckError, match=r"(?s)task mine .* expect_column_values_to_match_regex.*seven"):
         check_task(load_spec(d / "task.yaml"))
 
 
@@ -289,8 +289,9 @@ def test_weights_and_none(tmp_path: Path) -> None:
 def test_the_dry_run_refuses_a_reward_with_no_signal(tmp_path: Path) -> None:
     spec = load_spec(make_task(tmp_path, reward="reward.py:constant") / "task.yaml")
     rows = spec.train_rows()[:4]
-    with Rewarder(TaskRegistry({spec.name: spec})) as r, pytest.raises(
-        NoRewardSignal, match="task 'mine': its reward gave all 4 of the base's completions"
+    with (
+        Rewarder(TaskRegistry({spec.name: spec})) as r,
+        pytest.raises(NoRewardSignal, match="task 'mine': its reward gave all 4 of the base's completions"),
     ):
         dry_run(r, spec, rows, ["a", "b", "c", "d"])
     spec = load_spec(make_task(tmp_path / "b") / "task.yaml")
@@ -308,7 +309,7 @@ def test_a_tasks_eval_yaml_is_its_suite_and_a_broken_one_is_named(tmp_path: Path
         spec_task_config(load_spec(tmp_path / "mine" / "task.yaml"))
     (tmp_path / "mine" / "data" / "heldout.jsonl").unlink()
     _spec(tmp_path / "mine", lambda s: {**s, "eval": {"task": "mine_eval", "include": "eval.yaml"}})
-    with pytest.raises(SuiteError, match="data file data/heldout.jsonl not found"):
+    with pytest.raises(SuiteError, match=r"data file data/heldout\.jsonl not found"):
         spec_task_config(load_spec(tmp_path / "mine" / "task.yaml"))
 
 
@@ -324,7 +325,7 @@ def test_the_gsm8k_format_example_scores_with_math_verify() -> None:
 
 
 def test_a_task_folder_that_holds_no_spec_is_named(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match="holds no task.yaml"):
+    with pytest.raises(SpecError, match=r"holds no task\.yaml"):
         TaskRegistry.load([tmp_path])
     make_task(tmp_path / "a", "same")
     make_task(tmp_path / "b", "same")
