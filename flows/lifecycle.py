@@ -167,6 +167,10 @@ class Training(BaseModel):
     checkpoint_every: int = Field(1, ge=0)
     """Checkpoint the run every this many steps and at its end (a killed run resumes from the newest); 0: only
     at the end."""
+    dry_run: int = Field(8, ge=0)
+    """Before the first step, score the bare base's own completions of this many prompts per policy
+    (`grpo.group_size` samples each) and refuse to train, naming the task, when its reward gives them all one
+    score: GRPO would have no signal. 0 skips it (a plumbing test on a random base)."""
 
     def round_name(self) -> str:
         return self.round or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
@@ -456,6 +460,7 @@ def train(
         training.prompts_per_step,
         training.checkpoint_every,
         run_dir / _parents_tag(parents),
+        training.dry_run,
     )
     bounds = checks.rollouts.model_copy(
         update={

@@ -27,6 +27,7 @@ from mint_core.data.checks import (
     rollout_frame,
 )
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
+from mint_core.data.rewards import Rewarder
 from mint_core.data.spec import prompt_text
 from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import Example, has_generator
@@ -35,8 +36,7 @@ from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.lifecycle import LifecycleError, Workspace, fault, load_prompts, round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import TrainingRun, load_trainer
-from mint_core.rl.rewards import Rewarder
+from mint_core.rl.recipe import TrainingRun, dry_run_rewards, load_trainer
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import Timed, artifact_key
@@ -176,12 +176,17 @@ def start_training(
     prompts_per_step: int,
     checkpoint_every: int,
     checkpoint_dir: Path,
+    dry_run: int = 0,
 ) -> TrainingRun:
-    """Load the base, put every policy's parent (digest; None: fresh) in its slot, resume from a checkpoint."""
+    """Load the base, put every policy's parent (digest; None: fresh) in its slot, resume from a checkpoint;
+    before a first step, the reward's dry run on `dry_run` prompts per policy (`recipe.dry_run_rewards`)."""
     store = ws.registry().store
     dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
     trainer = load_trainer(ws.base, specs, grpo, seed, dirs, device=ws.device)
-    return TrainingRun.start(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every)
+    run = TrainingRun.start(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every)
+    if dry_run and trainer.steps == 0:
+        dry_run_rewards(trainer, prompts, dry_run)
+    return run
 
 
 @task(cache_policy=NO_CACHE)

@@ -23,9 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mint_core.data.rewards import dry_run, override_spec
 from mint_core.data.tasks import Example
 from mint_core.engine.base import load_base
-from mint_core.engine.engine import Engine, EngineConfig
+from mint_core.engine.chat import render_prompt
+from mint_core.engine.engine import Engine, EngineConfig, Request
+from mint_core.engine.sampling import SamplingParams
 from mint_core.errors import MintError
 from mint_core.lora.adapter import CONFIG_FILE, AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.validate import read_adapter
@@ -392,3 +395,41 @@ class TrainingRun:
         self.resumed_step = self.trainer.steps
         self.resumed_checkpoint = ckpt
         logger.info("resumed from %s (step %d of %d)", ckpt, self.trainer.steps, self.steps)
+
+
+def dry_run_rewards(
+    trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]], k: int
+) -> dict[str, float]:
+    """Before the first step: the bare base's own completions of each policy's first `k` prompts (`group_size`
+    samples each, as the rollouts sample), scored by the policy's reward; `NoRewardSignal` names the task whose
+    reward gives them all one score (GRPO would learn nothing). Returns each policy's mean dry-run reward."""
+    cfg = trainer.config
+    out = {}
+    for name, examples in prompts.items():
+        exs = [e for e in examples[:k] for _ in range(cfg.group_size)]
+        params = [
+            SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
+            for i in range(len(exs))
+        ]
+        eng = trainer.engine
+        done = eng.generate(
+            [
+                Request(render_prompt(eng.tokenizer, e.prompt), None, p)
+                for e, p in zip(exs, params, strict=True)
+            ]
+        )
+        texts = [c.text for c in done]
+        spec = trainer.policies[name].spec
+        task = trainer.rewarder.tasks.get(spec.task)
+        if spec.reward is not None:
+            task = override_spec(task, spec.reward)
+        scores = dry_run(trainer.rewarder, task, exs, texts)
+        out[name] = sum(scores) / len(scores)
+        logger.info(
+            "dry run of %s (task %s): mean reward %.3f on %d base completions",
+            name,
+            task.name,
+            out[name],
+            len(scores),
+        )
+    return out

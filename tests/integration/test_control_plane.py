@@ -67,7 +67,7 @@ class Plane:
 
 
 def training(round: str, steps: int = 1) -> dict[str, Any]:
-    t = Training(steps=steps, prompts_per_step=4, grpo=GRPO, data_dir=None, round=round)
+    t = Training(steps=steps, prompts_per_step=4, grpo=GRPO, data_dir=None, round=round, dry_run=0)
     return t.model_dump(mode="json")
 
 

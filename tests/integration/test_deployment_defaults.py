@@ -145,6 +145,7 @@ def quick_run(state: MainJobState, deployment: str, flow: Any) -> dict[str, Any]
     takes = inspect.signature(flow.fn).parameters
     if "training" in takes:
         params.setdefault("training", {})["data_dir"] = str(state.data)
+        params["training"]["dry_run"] = 0  # the tiny random base: its rewards have no signal to check
     if "evaluation" in takes:  # limits: the form's defaults (320, capped by the data)
         params["evaluation"] = {"suites_dir": str(state.suites)}
     params["workspace"] = state.ws.model_dump(mode="json")
