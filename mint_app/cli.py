@@ -21,6 +21,7 @@ from mint_app.console import make_console
 from mint_app.eval_cli import eval_app
 from mint_app.registry_cli import _version, catalog_app, registry_app, run_canary_cmd
 from mint_app.services_cli import register as register_service_commands
+from mint_app.task_cli import task_app
 from mint_core import __version__
 from mint_core.data.build import DataParams, write_task_data
 from mint_core.engine.cpu_pin import pin_cpu_kernels
@@ -39,6 +40,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(registry_app, name="registry")
 app.add_typer(eval_app, name="eval")
+app.add_typer(task_app, name="task")
 register_service_commands(app)  # mint up / down / status
 console = make_console()  # a kept log's tables keep their width
 
@@ -88,7 +90,8 @@ def build_tiny(
     template) as a local HF model directory."""
     # deferred: torch and transformers, which `mint --help` need not load
     from mint_core.engine.base import FAMILIES, build_tiny_base, build_tiny_chat_base
-    from mint_core.engine.tokenizer import CHAT_FAMILIES, byte_tokenizer
+    from mint_core.engine.chat_tokenizer import CHAT_FAMILIES
+    from mint_core.engine.tokenizer import byte_tokenizer
 
     if chat:
         if family not in CHAT_FAMILIES:
@@ -230,6 +233,48 @@ def base_info(path: Path) -> None:
     for s in base.sites.values():
         table.add_row(s.name, str(s.in_features), str(s.out_features), str(s.experts or ""))
     console.print(table)
+
+
+@base_app.command("check")
+def base_check(
+    path: Path,
+    serving: Annotated[
+        Literal["mint", "vllm"] | None,
+        typer.Option(help="Also check what this serving backend runs (vllm: its architectures, head sizes)."),
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help="A JSONL file whose rows' `prompt` (text or chat messages) the chat template must render, "
+            "e.g. a task's train file (the first 50 rows)."
+        ),
+    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(min=1, help="The context vLLM will serve.")] = None,
+) -> None:
+    """Check a base directory before training or serving it: tokenizer, EOS, chat template on the prompts, and
+    what the serving backend runs. Exit 1 naming the directory and every problem."""
+    from mint_core.errors import BaseError
+    from mint_core.serving.base_check import check_base
+
+    samples: list[Any] | None = None
+    if prompts is not None:
+        try:
+            rows = [json.loads(line) for line in prompts.read_text().splitlines()[:50] if line.strip()]
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"{prompts}: {e}", param_hint="--prompts") from None
+        samples = [r["prompt"] for r in rows if isinstance(r, dict) and "prompt" in r]
+        if not samples:
+            raise typer.BadParameter(f"{prompts} has no row with a prompt", param_hint="--prompts")
+    try:
+        report = check_base(path, samples, serving=serving, max_model_len=max_model_len)
+    except BaseError as e:
+        console.print(f"[red]{e}[/]", soft_wrap=True)
+        raise typer.Exit(1) from None
+    template = "its own chat template" if report.chat_template else "no chat template (role: content lines)"
+    console.print(
+        f"{path}: {report.model_type} {list(report.architectures)}, {template}, generation stops at token ids "
+        f"{sorted(report.stop_token_ids)}; {len(report.rendered)} prompt(s) rendered"
+    )
 
 
 @adapter_app.command("inspect")

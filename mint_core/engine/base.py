@@ -22,8 +22,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from mint_core.engine.chat_tokenizer import CHAT_TOKENS, ChatFamily, chat_bpe_tokenizer
 from mint_core.engine.device import check_device
-from mint_core.engine.tokenizer import CHAT_TOKENS, ChatFamily, chat_bpe_tokenizer
 from mint_core.types import EXPERT_PARAMS, Site
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,12 @@ def build_tiny_base(
     """A randomly initialised base of one family on `device`, frozen and fingerprinted (no download). The weights
     are drawn on the CPU, so a seed gives the same base (and fingerprint) on every device."""
     where = check_device(device)
+    if tokenizer is not None:
+        # the tokenizer's ids, not the family config's defaults (Llama's eos 2, DeepSeek's 1: byte tokens here),
+        # since generation stops at the config's and generation_config's EOS too, on mint's engine and on vLLM
+        # (not pad_token_id: it would zero that row of the embeddings, so the weights would depend on it)
+        for key in ("bos_token_id", "eos_token_id"):
+            overrides.setdefault(key, getattr(tokenizer, key))
     torch.manual_seed(seed)
     cfg = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -22,9 +22,10 @@ from mint_app.cli import app
 from mint_app.services import ServiceError, ServicesConfig, start
 from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import prompt_ids, render_prompt
+from mint_core.engine.chat_tokenizer import CHAT_FAMILIES, CHAT_TOKENS, ChatFamily
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.engine.tokenizer import CHAT_FAMILIES, CHAT_TOKENS, ChatFamily, byte_tokenizer
+from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.errors import BaseError
 from mint_core.serving.base_check import VLLM_CPU_HEAD_SIZES, check_base
 from mint_core.serving.chat import chat_prompt
@@ -359,3 +360,21 @@ def test_a_chat_prompt_gets_one_bos_where_the_tokenizer_adds_one_too(chat_bases:
     ids = prompt_ids(tok, msgs)
     assert ids[0] == bos and ids.count(bos) == 1
     assert prompt_ids(tok, "12 + 7 =")[:1] == [bos]
+
+
+def test_base_check_from_the_cli_renders_a_task_files_prompts(
+    tmp_path: Path, chat_bases: dict[str, Path]
+) -> None:
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(
+        "\n".join(json.dumps({"prompt": p, "answer": "7"}) for p in [CONVERSATIONS[0], "3 + 4 ="]) + "\n"
+    )
+    ok = CliRunner().invoke(app, ["base", "check", str(chat_bases["qwen3"]), "--prompts", str(rows)])
+    assert ok.exit_code == 0, ok.output
+    assert "its own chat template" in ok.output and "2 prompt(s) rendered" in ok.output
+    d = tmp_path / "base"
+    shutil.copytree(chat_bases["qwen3"], d)
+    _template(SYSTEM_FIRST)(d)
+    bad = CliRunner().invoke(app, ["base", "check", str(d), "--prompts", str(rows)])
+    assert bad.exit_code == 1
+    assert f"base {d} cannot be used" in bad.output and "the first message must be a system one" in bad.output
