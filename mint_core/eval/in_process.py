@@ -13,6 +13,7 @@ from lm_eval.models.huggingface import HFLM
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mint_core.engine.chat import stop_token_ids
 from mint_core.eval.lm_eval_runner import build_result, run_lm_eval
 from mint_core.eval.results import EvalConfig, EvalError, EvalResult, LocalModel
 from mint_core.eval.suites import SuiteError, suite_tasks
@@ -32,8 +33,11 @@ def evaluate_in_process(target: LocalModel, config: EvalConfig | None = None) ->
     model: Any = AutoModelForCausalLM.from_pretrained(
         target.base, dtype=getattr(torch, target.dtype), local_files_only=True
     )
-    # mint's engine ends a sequence at the tokenizer's EOS; make generate() do the same
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # mint's engine (and vLLM) end a sequence at the tokenizer's EOS and at generation_config's (a chat template's
+    # end of turn); make generate() do the same
+    model.generation_config.eos_token_id = sorted(
+        stop_token_ids(tokenizer, model.generation_config.eos_token_id)
+    )
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     revision = None
     if target.adapter is not None:
