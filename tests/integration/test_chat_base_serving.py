@@ -13,6 +13,8 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from mint_app.services import ServicesConfig, start, stop
+from mint_app.stack import find_stack
 from mint_core.engine.base import build_tiny_chat_base
 from mint_core.engine.chat import render_prompt
 from mint_core.serving.base_check import check_base
@@ -109,3 +111,20 @@ def test_vllm_serves_the_chat_base_with_the_same_prompt_and_stops_at_the_end_of_
         )
     finally:
         stop_server(proc, timeout=60)
+
+
+def test_mint_up_with_a_base_serves_it_and_the_stacks_flows_train_on_it(
+    chat_base: Path, tmp_path: Path
+) -> None:
+    """`mint up --base DIR` (serve only here): mint serve loads DIR, and a later command of the same state dir
+    that names no base (a `mint lifecycle`, the dashboard's runs) gets DIR as its workspace's base."""
+    config = ServicesConfig(state_dir=tmp_path / "run", serve_port=free_port(), serve_base=str(chat_base))
+    try:
+        (served,) = start(config, ["serve"])
+        assert served.state == "running"
+        models = httpx.get(served.api_url + "/v1/models", timeout=30).json()["data"]
+        assert chat_base.name in {m["id"] for m in models}
+        later = ServicesConfig(state_dir=tmp_path / "run", serve_port=config.serve_port)
+        assert find_stack(later).workspace["base"] == str(chat_base.resolve())
+    finally:
+        stop(config, ["serve"])
