@@ -224,6 +224,11 @@ def _completions_model(**kwargs: Any) -> LM:
     predicts EOS right after an answer. Slicing `[ctxlen:len(prompt)]` is right either way."""
 
     class Completions(LocalCompletionsAPI):  # type: ignore[misc]
+        def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            # no "Tokenizing inputs" bar (lm-eval passes disable=False to tqdm, whatever TQDM_DISABLE says): the
+            # callers report what an evaluation did
+            return list(super().loglikelihood(requests, disable_tqdm=True))
+
         @staticmethod
         def parse_logprobs(
             outputs: dict[str, Any] | list[dict[str, Any]],

@@ -182,3 +182,24 @@ def test_no_library_progress_bars(mode: str, tmp_path: Path) -> None:
     )
     noisy = "Generating train split" in got.stderr + got.stdout
     assert noisy == (mode != "quiet"), got.stderr[-2000:]
+
+
+BAR = textwrap.dedent(
+    """
+    import sys
+    if sys.argv[1] == "mint":
+        import mint_app  # what every `mint` command imports first
+    from tqdm import tqdm
+    for _ in tqdm(range(3), desc="a library's bar"):  # as lm-eval's per-task and "Requesting API" bars: no disable=
+        pass
+    """
+)
+
+
+@pytest.mark.parametrize("process", ["mint", "plain"])
+def test_library_tqdm_bars_are_off_in_mint(process: str) -> None:
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
+    got = subprocess.run(
+        [sys.executable, "-c", BAR, process], capture_output=True, text=True, check=True, env=env
+    )
+    assert ("a library's bar" in got.stderr) == (process == "plain"), got.stderr
