@@ -453,7 +453,8 @@ def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
     )
     console.print(table)
     for o in report.outcomes:
-        console.print(Text(f"  gate {o.candidate}: " + "; ".join(o.reasons)))
+        # soft_wrap: one line in a kept log, however long the reasons
+        console.print(Text(f"  gate {o.candidate}: " + "; ".join(o.reasons)), soft_wrap=True)
 
 
 def _outcome_doc(o: PolicyOutcome) -> dict[str, Any]:
