@@ -21,7 +21,7 @@ from mint_app.console import make_console
 from mint_app.eval_cli import eval_app
 from mint_app.registry_cli import _version, catalog_app, registry_app, run_canary_cmd
 from mint_app.services_cli import register as register_service_commands
-from mint_app.task_cli import task_app
+from mint_app.task_cli import TasksOption, add_task_dirs, task_app
 from mint_core import __version__
 from mint_core.data.build import DataParams, write_task_data
 from mint_core.engine.cpu_pin import pin_cpu_kernels
@@ -682,6 +682,7 @@ def run_cmd(
         Path | None,
         typer.Option(help="YAML/JSON of MainJobConfig fields; then MINT_RUN_<FIELD> variables, then flags."),
     ] = None,
+    tasks: TasksOption = None,
 ) -> None:
     """The main job: build what is missing (DVC), start the servers, train/evaluate/gate/promote/serve a wave
     of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
@@ -689,6 +690,7 @@ def run_cmd(
     # deferred: the main job imports torch, Prefect and MLflow, which `mint --help` need not load
     from mint_app.main_job import MainJobConfig, MainJobError, run_main_job
 
+    add_task_dirs(tasks)  # before anything starts: the servers and the worker inherit them
     try:
         cfg = MainJobConfig.load(
             config,

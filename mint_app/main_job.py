@@ -50,7 +50,9 @@ from flows.reconcile import reconcile
 from mint_app.console import quiet_libraries, rule
 from mint_app.progress import step_bar
 from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, services_for, start
-from mint_core.data.tasks import read_jsonl
+from mint_core.data.spec import SpecError, prompt_text
+from mint_core.data.spec import registry as task_registry
+from mint_core.data.tasks import Prompt
 from mint_core.engine.base import load_base
 from mint_core.engine.device import check_device
 from mint_core.errors import BaseError, MintError
@@ -86,7 +88,8 @@ class MainJobConfig(Settings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
     policies: list[str] = Field(default_factory=lambda: ["add", "sort"], min_length=1)
-    """Tasks (mint_core.data.tasks), one policy per task, named after it. Default: the built-in tasks GRPO
+    """Registered tasks (`mint task list`; a user's with `--tasks DIR`), one policy per task, named after it.
+    Default: the built-in tasks GRPO
     measurably improves on the built-in base (see `mint_core.rl.recipe.BUILTIN_RECIPE` for why not the others)."""
     steps: int = Field(40, ge=1)
     """GRPO steps of the wave that trains every policy from its champion."""
@@ -614,19 +617,19 @@ def timings_table(report: WaveReport, title: str) -> Table:
 # ---- 4./5. served completions and a rollback ------------------------------------------------------------
 
 
-def heldout_prompt(cfg: MainJobConfig, task: str, index: int = 0) -> tuple[str, str]:
-    """A held-out prompt of a task (never trained on) and its expected answer."""
-    rows = read_jsonl(cfg.data_dir / "heldout" / f"{task}.jsonl")
+def heldout_prompt(cfg: MainJobConfig, task: str, index: int = 0) -> tuple[Prompt, str]:
+    """A held-out prompt of a task (never trained on; its spec's held-out rows) and its expected answer."""
+    rows = task_registry().get(task).heldout_rows()
     ex = rows[index % len(rows)]
     return ex.prompt, ex.answer
 
 
-def served_answer(ws: Workspace, model: str, prompt: str) -> tuple[str, str | None]:
-    """Greedy completion from the server under `model`: its text and the revision that answered."""
+def served_answer(ws: Workspace, model: str, prompt: Prompt) -> tuple[str, str | None]:
+    """Greedy completion from the server under `model` (a chat prompt through the chat route): its text and the
+    revision that answered."""
+    max_tokens = 16
     with ws.client(timeout=60) as client:
-        out = client.complete(model, prompt, max_tokens=16, temperature=0.0)
-    fp = out.get("system_fingerprint")
-    return str(out["choices"][0]["text"]), (str(fp) if fp else None)
+        return client.ask(model, prompt, max_tokens=max_tokens, temperature=0.0)
 
 
 def base_model_name(ws: Workspace) -> str:
@@ -675,7 +678,7 @@ def completions_table(cfg: MainJobConfig, ws: Workspace) -> tuple[Table, int]:
             base_ok = "✓ " if base_text.strip() == expected.strip() else "✗ "
             table.add_row(
                 task,
-                Text(prompt),
+                Text(prompt_text(prompt)),
                 Text(expected.strip()),
                 Text(base_ok + base_text.strip()),
                 Text.from_markup(ok) + Text(f" {text.strip()}"),
@@ -880,9 +883,12 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         for need in (cfg.base / "config.json", cfg.data_dir / "train"):
             if not need.exists():
                 raise MainJobError(f"{need} is missing: run `dvc repro` (or drop --no-build)")
-        try:  # before anything starts or trains: its tokenizer and template, and what the serving backend runs
-            check_base(cfg.base, serving=cfg.serving, device=cfg.device)
-        except BaseError as e:
+        try:  # before anything starts or trains: the policies' tasks, the base's tokenizer and its template on
+            # their prompts, and what the serving backend runs
+            tasks = [task_registry().get(p) for p in cfg.policies]
+            samples = [t.train_rows()[0].prompt for t in tasks]
+            check_base(cfg.base, sample_messages=samples, serving=cfg.serving, device=cfg.device)
+        except (BaseError, SpecError) as e:
             raise MainJobError(str(e)) from None
 
     serving = "vLLM behind mint serve" if cfg.serving == "vllm" else "mint serve"
@@ -1109,8 +1115,9 @@ def where(
     say(f"mint serve          {serve}/v1/models  (metrics: {serve}/metrics)")
     p0 = cfg.policies[0]
     prompt, _ = heldout_prompt(cfg, p0)
-    body = json.dumps({"model": p0, "prompt": prompt, "max_tokens": 8, "temperature": 0})
-    say(f"  curl -s {serve}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+    field, route = ("prompt", "completions") if isinstance(prompt, str) else ("messages", "chat/completions")
+    body = json.dumps({"model": p0, field: prompt, "max_tokens": 8, "temperature": 0})
+    say(f"  curl -s {serve}/v1/{route} -H 'Content-Type: application/json' -d '{body}'")
     run_dir = cfg.state_dir / "run"
     flag = "" if run_dir == Path(".mint/run") else f" --state-dir {run_dir}"
     say(f"from the shell      mint status{flag}")

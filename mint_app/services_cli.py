@@ -27,6 +27,7 @@ from mint_app.services import (
     stop,
     stop_started_redis,
 )
+from mint_app.task_cli import TasksOption, add_task_dirs
 
 console = make_console()  # a kept log's tables keep their width
 
@@ -129,10 +130,13 @@ def up(
     worker_port: Annotated[
         int | None, typer.Option(help="Healthcheck port of the Prefect worker (default 4201).")
     ] = None,
+    tasks: TasksOption = None,
 ) -> None:
     """Start the local services (MLflow, Prefect, mint serve, a Prefect worker running the deployments of
     infra/prefect.yaml, registered first) in the background; reuse those already up. With --serving vllm, a vLLM
-    server on loopback first, which mint serve fronts (validation, auth, revision identity)."""
+    server on loopback first, which mint serve fronts (validation, auth, revision identity). With --tasks, the
+    worker's flows and the servers' canary scoring know those tasks too."""
+    add_task_dirs(tasks)
     cfg = _config(
         config,
         state_dir=state_dir,

@@ -33,6 +33,7 @@ from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import Example, has_generator
 from mint_core.errors import DataCheckError
 from mint_core.eval.gate import discordant, mcnemar_p
+from mint_core.eval.suites import check_eval
 from mint_core.lifecycle import LifecycleError, Workspace, fault, load_prompts, round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
@@ -150,9 +151,11 @@ def validate_data(
             spec.task
         ):  # the built-in generators' formats and lengths (params.yaml checks.prompts)
             report = check(prompts_frame(examples), "prompts", CheckParams(prompts=bounds), source=source)
-        else:  # the task's own suite over its files, and its rewards import with a signature the data fits
+        else:  # the task's own suite over its files, its rewards import with a signature the data fits, and
+            # lm-eval builds its eval: a broken file fails the run here, before anything trains
             report = check_task(task)
             Rewarder().check(task, ["answer", *examples[0].columns])
+            check_eval(task)
     return PromptSet(
         policy=spec.name,
         examples=examples,

@@ -255,18 +255,21 @@ def available_suites(suites_dir: str | Path = SUITES_DIR) -> dict[str, Path]:
     return {k: v for k, v in sorted(found.items()) if k not in members}
 
 
-def _absolute_data(cfg: dict[str, Any], root: Path, path: Path) -> dict[str, Any]:
+def _absolute_data(cfg: dict[str, Any], root: Path, path: Path, hint: str | None = None) -> dict[str, Any]:
+    """`cfg` with its `data_files` absolute against `root` (then against the folder above it, where mint's own
+    suites name theirs from)."""
     kwargs = dict(cfg.get("dataset_kwargs") or {})
     files = kwargs.get("data_files")
     if not isinstance(files, dict) or not files:
         raise SuiteError(f"{path}: dataset_kwargs.data_files must map split names to local JSONL files")
     resolved = {}
     for split_name, f in files.items():
-        p = Path(f) if Path(f).is_absolute() else root / f
+        tried = [Path(f)] if Path(f).is_absolute() else [root / f, root.parent / f]
+        p = next((t for t in tried if t.is_file()), tried[0])
         if not p.is_file():
             raise SuiteError(
-                f"{path}: data file {f} not found (looked at {p}); build it with "
-                "`mint eval build-suites --out eval_suites/data`"
+                f"{path}: data file {f} not found (looked at {', '.join(str(t) for t in tried)}); "
+                + (hint or "build it with `mint eval build-suites --out eval_suites/data`")
             )
         resolved[split_name] = str(p)
     return {**cfg, "dataset_kwargs": {**kwargs, "data_files": resolved}}
@@ -334,7 +337,7 @@ def spec_task_config(spec: TaskSpec) -> dict[str, Any]:
     for path in files:
         cfg = _load(path)
         if cfg.get("task") == spec.eval.task and "group" not in cfg:
-            return _absolute_data(cfg, path.parent, path)
+            return _absolute_data(cfg, path.parent, path, hint=f"task {spec.name!r} ({spec.path})")
     raise SuiteError(
         f"task {spec.name!r} ({spec.path}): eval.task {spec.eval.task!r} is not defined in {inc}"
     )
@@ -343,3 +346,28 @@ def spec_task_config(spec: TaskSpec) -> dict[str, Any]:
 def spec_metrics() -> dict[str, str]:
     """lm-eval task name -> the per-item metric its spec names (what the gate reads of each item)."""
     return {s.eval.task: s.eval.metric for s in task_registry().specs.values()}
+
+
+def check_eval(spec: TaskSpec) -> int:
+    """A task's eval as lm-eval builds it from its local data, before anything trains: its YAML is found and
+    read, lm-eval accepts the config, and its documents load. Returns the number of items; a SuiteError names the
+    spec, the YAML and lm-eval's complaint."""
+    cfg = spec_task_config(spec)
+    from lm_eval.tasks import TaskManager  # deferred: 1.4 s to import
+
+    try:
+        loaded = TaskManager(include_defaults=False).load([cfg])
+        task = loaded["tasks"][spec.eval.task]
+        n = len(task.eval_docs)
+    except Exception as e:  # lm-eval raises whatever its config classes and datasets raise
+        raise SuiteError(
+            f"task {spec.name!r} ({spec.path}): lm-eval rejects eval {spec.eval.task!r} from {spec.eval.include}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    metrics = {m.get("metric") for m in cfg.get("metric_list") or [] if isinstance(m, dict)}
+    if metrics and spec.eval.metric not in metrics:
+        raise SuiteError(
+            f"task {spec.name!r} ({spec.path}): eval.metric {spec.eval.metric!r} is not one of the eval's "
+            f"metric_list ({', '.join(sorted(str(m) for m in metrics))})"
+        )
+    return n

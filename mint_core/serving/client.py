@@ -119,6 +119,19 @@ class ServingClient:
         headers = {DIRECT_HEADER: "direct"} if direct else None
         return dict(self._call("POST", "/v1/completions", json=body, headers=headers).json())
 
+    def ask(self, model: str, prompt: str | list[dict[str, str]], **params: Any) -> tuple[str, str | None]:
+        """A task row's prompt, asked as it is held: text to /v1/completions, chat messages to
+        /v1/chat/completions. Returns the answer's text and the revision that gave it (system_fingerprint)."""
+        if isinstance(prompt, str):
+            out = self.complete(model, prompt, **params)
+            text = out["choices"][0]["text"]
+        else:
+            body = {"model": model, "messages": prompt, **params}
+            out = dict(self._call("POST", "/v1/chat/completions", json=body).json())
+            text = out["choices"][0]["message"]["content"]
+        fp = out.get("system_fingerprint")
+        return str(text or ""), (str(fp) if fp else None)
+
     def health(self) -> bool:
         try:
             return self._http.get("/health", timeout=5).status_code == 200
