@@ -15,8 +15,9 @@ from transformers import AutoTokenizer
 
 from mint_app.services import ServicesConfig, start, stop
 from mint_app.stack import find_stack
-from mint_core.engine.base import build_tiny_chat_base
+from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import render_prompt
+from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.serving.base_check import check_base
 from mint_core.serving.vllm_process import vllm_available
 from tests.integration.conftest import (
@@ -109,6 +110,26 @@ def test_vllm_serves_the_chat_base_with_the_same_prompt_and_stops_at_the_end_of_
             [im_end],
             "",
         )
+        # a LoRA revision of the chat base (every linear of its layers) loads and answers
+        base = load_base(chat_base)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        a = random_adapter(base.sites, targets, 8, seed=1, std=0.3, base_fingerprint=base.fingerprint)
+        save_adapter(a, tmp_path / "rev", base.sites)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/load_lora_adapter",
+            json={"lora_name": "rev", "lora_path": str(tmp_path / "rev")},
+            headers=headers,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={**body, "model": "rev"},
+            headers=headers,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         stop_server(proc, timeout=60)
 
