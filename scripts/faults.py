@@ -659,9 +659,22 @@ def scenario_poison(f: Faults) -> Row:
                     if r.status_code != 200:
                         time.sleep(0.2)
 
-            th = threading.Thread(target=traffic, daemon=True)
-            th.start()
-            time.sleep(2)
+            def probes(outcome: str) -> float:
+                for line in h.get(front + "/metrics").text.splitlines():
+                    if line.startswith(f'mint_golden_probes_total{{outcome="{outcome}"}}'):
+                        return float(line.split()[-1])
+                return 0.0
+
+            # two clients, so the probe runs beside batched traffic before the attack: it must not cry wolf
+            threads = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
+            for th in threads:
+                th.start()
+            passed_before = probes("pass")
+            t0 = time.monotonic()
+            while probes("pass") < passed_before + 2 and time.monotonic() - t0 < 4 * interval:
+                time.sleep(1)
+            soak = (probes("pass") - passed_before, probes("fail"), time.monotonic() - t0)
+            say(f"before the attack, beside traffic: {soak[0]:.0f} probes passed, {soak[1]:.0f} failed")
             # the attack of issue #34, from a process without mint's key
             unkeyed = {
                 "POST /adapters": h.post(
@@ -686,23 +699,35 @@ def scenario_poison(f: Faults) -> Row:
                 body = {"model": model, "prompt": "Hello, world", "max_tokens": 16, "ignore_eos": True}
                 return h.post(vllm + "/v1/completions", json=body, headers=key).status_code
 
-            with ThreadPoolExecutor(8) as pool:
-                codes = list(pool.map(direct, ["evil", "tiny-vllm", "evil", "_mint_base"] * 3))
-            try:
-                alone = h.post(
-                    vllm + "/v1/completions",
-                    json={"model": "tiny-vllm", "prompt": prompts["tiny-vllm"], **gen},
-                    headers=key,
-                )
-                base_now = (
-                    alone.json()["choices"][0]["text"] if alone.status_code == 200 else alone.status_code
-                )
-            except httpx.HTTPError as e:  # the probe may have found it first and killed it
-                base_now = f"no answer ({type(e).__name__})"
-            poisoned = base_now != expected["tiny-vllm"]
+            def base_answer() -> str:
+                try:
+                    r = h.post(
+                        vllm + "/v1/completions",
+                        json={"model": "tiny-vllm", "prompt": prompts["tiny-vllm"], **gen},
+                        headers=key,
+                    )
+                except httpx.HTTPError as e:  # the probe may have found it first and killed it
+                    return f"no answer ({type(e).__name__})"
+                return str(r.json()["choices"][0]["text"]) if r.status_code == 200 else str(r.status_code)
+
+            # bursts until vLLM's own base answers garbage (how many a batch needs varies from run to run), or
+            # until the front has already taken it out
+            bursts, base_now, confirmed_at, codes = 0, expected["tiny-vllm"], None, []
+            while bursts < 20 and not any(a[2] == 503 for a in answers if a[0] > poisoned_at):
+                bursts += 1
+                with ThreadPoolExecutor(8) as pool:
+                    codes = list(pool.map(direct, ["evil", "tiny-vllm", "evil", "_mint_base"] * 3))
+                base_now = base_answer()
+                if base_now != expected["tiny-vllm"]:
+                    confirmed_at = time.monotonic()
+                    break
+            poisoned = confirmed_at is not None or any(
+                a[2] == 200 and not a[3] for a in answers if a[0] > poisoned_at
+            )
             say(
-                f"unkeyed: {unkeyed}; forced with the key: {forced}; requests under it batched with others: "
-                f"{codes}; vLLM's base now answers {base_now!r} (before: {expected['tiny-vllm']!r})"
+                f"unkeyed: {unkeyed}; forced with the key: {forced}; {bursts} burst(s) of requests under it "
+                f"batched with others ({codes[:4]}...); vLLM's base now answers {base_now!r} "
+                f"(before: {expected['tiny-vllm']!r})"
             )
             detected_at = back_at = None
             t0 = time.monotonic()
@@ -717,7 +742,8 @@ def scenario_poison(f: Faults) -> Row:
                         back_at = later[0][0]
                         break
             stop_traffic.set()
-            th.join(120)
+            for th in threads:
+                th.join(120)
     finally:
         stop(cfg)
     text = log.read_text()
@@ -732,10 +758,14 @@ def scenario_poison(f: Faults) -> Row:
     came_back = [a for a in after if back_at is not None and a[0] >= back_at]
     clean = bool(came_back) and all(a[2] == 200 and a[3] for a in came_back)
     evidence = "golden evidence:" in text and "restarting it" in text
-    detect_s = None if detected_at is None else detected_at - poisoned_at
+    bad_times = [a[0] for a in after if a[2] == 200 and not a[3]] + ([confirmed_at] if confirmed_at else [])
+    first_bad = min(bad_times) if bad_times else poisoned_at
+    detect_s = None if detected_at is None else detected_at - first_bad
     out_s = None if back_at is None or detected_at is None else back_at - detected_at
+    quiet = soak[0] >= 2 and soak[1] == 0  # no false alarm beside traffic
     ok = (
-        sealed
+        quiet
+        and sealed
         and forced == 200
         and poisoned
         and detected_at is not None
@@ -745,9 +775,10 @@ def scenario_poison(f: Faults) -> Row:
     )
     fmt = lambda x: "never" if x is None else f"{x:.1f} s"  # noqa: E731
     result = (
+        f"beside traffic before the attack {soak[0]:.0f} probes passed, {soak[1]:.0f} failed; "
         f"unkeyed {', '.join(f'{k} {v}' for k, v in unkeyed.items())}; forced with mint's key: {forced}, "
-        f"poisoned: {poisoned} (vLLM's base answered {base_now!r}); "
-        f"detected {fmt(detect_s)} after the poisoning requests (probe every {interval:g} s); "
+        f"poisoned: {poisoned} after {bursts} burst(s) (vLLM's base answered {base_now!r}); "
+        f"detected {fmt(detect_s)} after the first garbage answer (probe every {interval:g} s); "
         f"bad answers served: {len(bad_before)} of {len(after)} after it ({len(bad_after)} after detection); "
         f"out of rotation (503, {len(refused)} refused) for {fmt(out_s)}; restarted by its supervisor, "
         f"back clean: {clean} ({len(came_back)} answers after, all as before the attack: {clean}); "
