@@ -87,6 +87,10 @@ class StepBar(logging.Filter):
         seen.reward = {str(k): float(v) for k, v in dict(step["reward"]).items()}
         if self.console.is_terminal:
             self._draw()
+            if (
+                seen.step >= seen.steps
+            ):  # the phase's last step: the bar stays drawn, what follows prints below
+                self.close()
             return
         quarter = seen.step * self.lines // max(seen.steps, 1)
         if quarter > 0 and quarter not in self._printed:

@@ -48,6 +48,8 @@ def _train(log: logging.Logger) -> None:
         reward = {"add": 0.4 + step / 1000, "sort": 0.6}
         extra = {STEP_RECORD: {"step": step, "steps": STEPS, "reward": reward}}
         log.info("step %d/%d: reward %s", step, STEPS, reward, extra=extra)
+        if step == STEPS // 2:
+            log.info("probe after step %d", step)
     log.info("exported add")
 
 
@@ -61,7 +63,7 @@ def test_kept_log_has_a_few_lines_per_phase_and_no_step_lines(log_lines: io.Stri
     assert [re.search(r"step (\d+)/300", line).group(1) for line in shown] == ["75", "150", "225", "300"]  # type: ignore[union-attr]
     assert "mean reward add 0.700, sort 0.600" in shown[-1] and re.search(r"\d+\.\d\d s/step", shown[-1])
     logged = log_lines.getvalue().splitlines()
-    assert logged == ["probe before training", "exported add", "after the phase"]  # no line per step
+    assert logged == ["probe before training", "probe after step 150", "exported add", "after the phase"]
 
 
 def test_terminal_draws_one_bar_and_prints_other_lines_above_it(log_lines: io.StringIO) -> None:
@@ -71,10 +73,10 @@ def test_terminal_draws_one_bar_and_prints_other_lines_above_it(log_lines: io.St
         _train(logging.getLogger("flow"))
     text = out.getvalue()
     assert "300/300" in text and "GRPO add, sort" in text
-    assert "exported add" in text  # printed above the bar, not into it
+    assert "probe after step 150" in text  # logged while the bar is drawn: printed above it, not into it
     assert "step 150/300: reward" not in text + log_lines.getvalue()
-    # the line logged before the first step went out as usual; the one during the bar through the console
-    assert log_lines.getvalue().splitlines() == ["probe before training"]
+    # the lines before the first step and after the last went out as usual, the one during the bar through the console
+    assert log_lines.getvalue().splitlines() == ["probe before training", "exported add"]
 
 
 def _outcome(
