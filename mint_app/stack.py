@@ -36,12 +36,13 @@ class Stack:
         return None if self.prefect is None else self.prefect + "/api"
 
 
-def find_stack(config: ServicesConfig | None = None) -> Stack:
-    """The running MLflow, Prefect and mint serve of the state dir (records and health checks, as `mint status`)."""
+def find_stack(config: ServicesConfig | None = None, with_workspace: bool = True) -> Stack:
+    """The running MLflow, Prefect and mint serve of the state dir (records and health checks, as `mint status`),
+    and with `with_workspace` the flows' workspace for them."""
     config = config or ServicesConfig.load(None)
     up = {s.name: s.url for s in status(config, ["mlflow", "prefect", "serve"]) if s.state == "running"}
     workspace: dict[str, Any] = {}
-    if "serve" in up:  # its base, store and token are the ones `mint up` serves with
+    if "serve" in up and with_workspace:  # its base, store and token are the ones `mint up` serves with
         workspace = {**workspace_defaults(config), "serving_url": up["serve"]}
     if "mlflow" in up:
         workspace["tracking_uri"] = up["mlflow"]
@@ -63,7 +64,7 @@ def tracking_uri(given: str | None, default: str) -> str:
     """The MLflow a command talks to: the flag or MLFLOW_TRACKING_URI, else the running stack's, else `default`."""
     if given:
         return given
-    return find_stack().mlflow or default
+    return find_stack(with_workspace=False).mlflow or default
 
 
 @contextmanager
