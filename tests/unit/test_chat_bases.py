@@ -378,3 +378,32 @@ def test_base_check_from_the_cli_renders_a_task_files_prompts(
     bad = CliRunner().invoke(app, ["base", "check", str(d), "--prompts", str(rows)])
     assert bad.exit_code == 1
     assert f"base {d} cannot be used" in bad.output and "the first message must be a system one" in bad.output
+
+
+@pytest.mark.parametrize("family", CHAT_FAMILIES)
+def test_an_adapter_on_a_chat_base_gives_the_logits_peft_gives(
+    chat_bases: dict[str, Path], family: str, tmp_path: Path
+) -> None:
+    """Qwen2's biased q/k/v, Qwen3's q/k norms, the Qwen families' tied embeddings: mint's engine with a LoRA
+    revision on every linear of the layers equals PEFT's PeftModel on the same directory (float32, 1e-4)."""
+    from peft import PeftModel
+
+    from mint_core.lora.adapter import random_adapter, save_adapter
+
+    engine = Engine(load_base(chat_bases[family]), EngineConfig(max_loras=1, max_lora_rank=8))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    a = random_adapter(engine.sites, targets, 8, seed=0, std=0.3, base_fingerprint=engine.base.fingerprint)
+    save_adapter(a, tmp_path / "a", engine.sites)
+    engine.load_adapter("a", tmp_path / "a")
+    ids = torch.tensor([prompt_ids(engine.tokenizer, CONVERSATIONS[1])])
+    got = engine.logits(ids, ["a"])
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(chat_bases[family], local_files_only=True), tmp_path / "a"
+    )
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        bare = AutoModelForCausalLM.from_pretrained(chat_bases[family], local_files_only=True)(
+            input_ids=ids
+        ).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert (want - bare).abs().max() > 1e-3  # the adapter did change the answer
