@@ -149,3 +149,33 @@ def test_mint_up_with_a_base_serves_it_and_the_stacks_flows_train_on_it(
         assert find_stack(later).workspace["base"] == str(chat_base.resolve())
     finally:
         stop(config, ["serve"])
+
+
+def test_mint_up_serving_vllm_with_a_chat_base(chat_base: Path, tmp_path: Path) -> None:
+    """`mint up --serving vllm --base DIR`: the base is checked against the installed vLLM (its architectures)
+    before anything starts, vLLM serves it with the base's own chat template, and the front answers chat with
+    the prompt render_prompt gives."""
+    require(vllm_available(VLLM_PYTHON), f"vLLM's environment {VLLM_PYTHON} (make vllm-venv)")
+    config = ServicesConfig(
+        state_dir=tmp_path / "run",
+        serving="vllm",
+        serve_base=str(chat_base),
+        serve_port=free_port(),
+        vllm_port=free_port(),
+        vllm_python=VLLM_PYTHON,
+    )
+    try:
+        start(config, ["vllm", "serve"])
+        tok = AutoTokenizer.from_pretrained(chat_base, local_files_only=True)
+        oai = OpenAI(base_url=config.url("serve") + "/v1", api_key="unused")
+        chat = oai.chat.completions.create(
+            model=chat_base.name,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+        )
+        assert chat.usage is not None
+        assert chat.usage.prompt_tokens == len(tok(render_prompt(tok, MESSAGES))["input_ids"])
+        assert chat.choices[0].finish_reason in ("stop", "length")
+    finally:
+        stop(config, ["vllm", "serve"])
