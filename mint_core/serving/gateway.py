@@ -52,7 +52,7 @@ from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, Unk
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
 from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
-from mint_core.serving.chat import chat_prompt
+from mint_core.serving.chat import chat_ids
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.golden import GoldenProbe
 from mint_core.serving.protocol import (
@@ -356,7 +356,7 @@ def _check_prompts(
         if body.max_tokens is None:
             data["max_tokens"] = min(fits)
     else:
-        ids = limits.tokenize(chat_prompt(gw.tokenizer, body.messages))
+        ids = limits.tokenize(chat_ids(gw.tokenizer, body.messages))
         fits = [limits.max_tokens(body.requested_max_tokens(), len(ids), echo=False)]
         if body.requested_max_tokens() is None:
             data["max_tokens"] = fits[0]
