@@ -8,8 +8,10 @@ environment, so they are the installed vLLM's, not a copy that drifts.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +52,32 @@ class VLLMSupport:
     cpu_head_sizes: tuple[int, ...]
 
 
+def _install_key(python: Path) -> str | None:
+    """What identifies the vLLM installed beside `python` (its dist-info's name and time), None if not found."""
+    venv = Path(python).absolute().parent.parent
+    found = sorted(venv.glob("lib/python*/site-packages/vllm*.dist-info"))
+    if not found:
+        return None
+    return "|".join(f"{p.resolve()}:{p.stat().st_mtime_ns}" for p in found)
+
+
+def _cache_file(key: str) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mint"
+    return root / f"vllm-support-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 @functools.lru_cache(maxsize=4)
 def vllm_support(python: Path = DEFAULT_PYTHON) -> VLLMSupport:
-    """Ask vLLM's own environment (about 10 s: it imports vLLM; cached per interpreter)."""
+    """Ask vLLM's own environment (about 10 s: it imports vLLM), once per installation: the answer is kept in
+    ~/.cache/mint, keyed by the installed vLLM's dist-info (a reinstall asks again)."""
+    key = _install_key(python)
+    cached = _cache_file(key) if key else None
+    if cached is not None and cached.is_file():
+        try:
+            doc = json.loads(cached.read_text())
+            return VLLMSupport(doc["version"], frozenset(doc["architectures"]), tuple(doc["cpu_head_sizes"]))
+        except (OSError, ValueError, KeyError):
+            pass  # asked again below
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [str(python), "-c", _VLLM_PROBE], capture_output=True, text=True, timeout=300, env=env, check=False
@@ -60,7 +85,16 @@ def vllm_support(python: Path = DEFAULT_PYTHON) -> VLLMSupport:
     if out.returncode != 0:
         tail = out.stderr.strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"could not ask vLLM at {python} what it serves: {tail[0]}")
-    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    line = out.stdout.strip().splitlines()[-1]
+    doc = json.loads(line)
+    if cached is not None:
+        try:  # written whole, then renamed: a reader never sees half of it
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(line)
+            tmp.replace(cached)
+        except OSError as e:
+            logger.info("could not keep vLLM's answer in %s: %s", cached, e)
     return VLLMSupport(doc["version"], frozenset(doc["architectures"]), tuple(doc["cpu_head_sizes"]))
 
 
