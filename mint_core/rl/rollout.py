@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mint_core.data.rewards import Rewarder, builtin_scores
 from mint_core.data.tasks import Example
-from mint_core.engine.chat import render_prompt
+from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.data.rewards import Rewarder, builtin_scores
 
 
 @dataclass
@@ -51,7 +51,8 @@ def rollout(
                     logprobs=True,
                     seed=None if seed is None else hash((seed, group, g)) & 0x7FFFFFFF,
                 )
-                requests.append(Request(render_prompt(engine.tokenizer, ex.prompt), policy, params))
+                # tokenized as serving does: chat rows as vLLM's chat route (a template's own BOS, none added)
+                requests.append(Request(prompt_ids(engine.tokenizer, ex.prompt), policy, params))
                 meta.append((policy, group, ex))
             group += 1
     out = engine.generate(requests)
