@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from mint_core.data.rewards import builtin_scores
 from mint_core.data.tasks import Example
-from mint_core.engine.chat import render_prompt
+from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.data.rewards import builtin_scores
 
 
 def _greedy_rewards(
@@ -17,7 +17,7 @@ def _greedy_rewards(
         raise ValueError("no examples to score")
     params = SamplingParams(max_tokens=max_new_tokens)
     out = engine.generate(
-        [Request(render_prompt(engine.tokenizer, ex.prompt), adapter, params) for ex in examples]
+        [Request(prompt_ids(engine.tokenizer, ex.prompt), adapter, params) for ex in examples]
     )
     return builtin_scores(reward, examples, [c.text for c in out])
 

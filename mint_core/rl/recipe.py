@@ -26,7 +26,7 @@ from typing import Any
 from mint_core.data.rewards import dry_run, override_spec
 from mint_core.data.tasks import Example
 from mint_core.engine.base import load_base
-from mint_core.engine.chat import render_prompt
+from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
 from mint_core.errors import MintError
@@ -414,7 +414,7 @@ def dry_run_rewards(
         eng = trainer.engine
         done = eng.generate(
             [
-                Request(render_prompt(eng.tokenizer, e.prompt), None, p)
+                Request(prompt_ids(eng.tokenizer, e.prompt), None, p)
                 for e, p in zip(exs, params, strict=True)
             ]
         )
