@@ -17,7 +17,10 @@ keep the router out as well. A key works over any transport, on one host or many
 the incoming request's headers onto the request to the worker, so the key mint's front sends reaches the replica.
 The router health-checks a worker with a bare `GET <url>/health` (no header, `src/core/worker.rs`), so a fleet
 behind it starts its replicas with MINT_SEAL_OPEN_HEALTH=1, which lets exactly `GET`/`HEAD /health` through unkeyed
-(it changes nothing and tells nothing beyond "up"); mint's single vLLM keeps /health sealed too. A socket in a
+(it changes nothing and tells nothing beyond "up"); mint's single vLLM keeps /health sealed too. Checked with
+vllm-router 0.1.17 before one sealed replica: fully sealed, the router never sees it healthy and exits; with
+MINT_SEAL_OPEN_HEALTH=1, a completion through the router with mint's key is 200, without it 401, and
+`POST /adapters` through the router 401. A socket in a
 private directory would add little on top of the key: it keeps out other users, as the key does, not mint's own.
 
 The standard library only: it runs inside vLLM's environment, and mint's tests run it in mint's.
