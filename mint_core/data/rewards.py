@@ -25,6 +25,7 @@ import multiprocessing as mp
 import re
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.pool import Pool
@@ -290,6 +291,8 @@ class Rewarder:
     def _workers(self) -> Pool:
         if self._pool is None:
             self._pool = mp.get_context("spawn").Pool(self.workers)
+            # ended with its owner (a trainer, a server) even if nobody calls close(), not by Pool.__del__ at exit
+            weakref.finalize(self, self._pool.terminate)
         return self._pool
 
     def check(self, spec: TaskSpec, columns: Sequence[str]) -> None:

@@ -42,7 +42,7 @@ from mint_core.eval.results import (
     ServedModel,
     SuiteResult,
 )
-from mint_core.eval.suites import GUARD, SuiteError, spec_metrics, suite_tasks
+from mint_core.eval.suites import GUARD, SuiteError, chat_tasks, spec_metrics, suite_tasks
 from mint_core.lora.adapter import digest_dir
 from mint_core.serving.client import ServingClient, ServingError
 
@@ -65,10 +65,28 @@ def run_lm_eval(lm: LM, config: EvalConfig) -> tuple[dict[str, Any], dict[str, l
     # subprocesses) or asking the hub for model hashes
     samples = _samples(config, by_suite, loaded["tasks"])
     limit = None if samples is not None else config.limit
-    out = evaluate(lm=lm, task_dict=loaded, limit=limit, samples=samples, bootstrap_iters=0, log_samples=True)
-    if out is None:
-        raise EvalError("lm-eval returned no results")
-    return dict(out), {name: [cfg["task"] for cfg in cfgs] for name, cfgs in by_suite.items()}
+    # a task whose rows are chat messages is asked through the base's chat template (lm-eval's
+    # apply_chat_template, the question as the user's turn), as rollouts and serving render it; the rest as text
+    chat = chat_tasks()
+    out: dict[str, Any] = {}
+    for as_chat in (False, True):
+        part = {k: v for k, v in loaded["tasks"].items() if (k in chat) == as_chat}
+        if not part:
+            continue
+        got = evaluate(
+            lm=lm,
+            task_dict={**loaded, "tasks": part},
+            limit=limit,
+            samples=None if samples is None else {k: v for k, v in samples.items() if k in part},
+            bootstrap_iters=0,
+            log_samples=True,
+            apply_chat_template=as_chat,
+        )
+        if got is None:
+            raise EvalError("lm-eval returned no results")
+        for key, value in got.items():
+            out[key] = {**out[key], **value} if isinstance(value, dict) and key in out else value
+    return out, {name: [cfg["task"] for cfg in cfgs] for name, cfgs in by_suite.items()}
 
 
 def _samples(

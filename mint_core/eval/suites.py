@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import DataParams, read_split
-from mint_core.data.spec import TaskSpec
+from mint_core.data.spec import SpecError, TaskSpec
 from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import TASKS, Example, split
 from mint_core.errors import MintError
@@ -371,3 +371,16 @@ def check_eval(spec: TaskSpec) -> int:
             f"metric_list ({', '.join(sorted(str(m) for m in metrics))})"
         )
     return n
+
+
+def chat_tasks() -> set[str]:
+    """lm-eval task names of the registered tasks whose prompts are chat messages (their first held-out row's)."""
+    out = set()
+    for spec in task_registry().specs.values():
+        try:
+            rows = spec.heldout_rows()
+        except SpecError:
+            continue
+        if rows and isinstance(rows[0].prompt, list):
+            out.add(spec.eval.task)
+    return out

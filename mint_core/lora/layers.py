@@ -252,6 +252,10 @@ class MultiLoRALinear(nn.Module):
         bank = self.bank
         if not ctx.any_lora or bank.filled == 0:
             return out
+        if out._is_view() and torch.is_grad_enabled():
+            # with a bias (Qwen2's q/k/v), F.linear on [B, T, in] returns a view of its 2-D addmm; autograd
+            # refuses the in-place LoRA adds below on a view of a tensor that needs no grad
+            out = out.clone()
         rows = ctx.rows
         assert rows is not None
         if x.dim() == 3 and x.shape[0] == rows.shape[0]:  # [B, T, in], the usual case
