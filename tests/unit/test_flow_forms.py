@@ -33,7 +33,7 @@ def with_spec(**change: Any) -> dict[str, Any]:
         (
             "unknown task",
             with_spec(task="addd"),
-            r"policies\.0: .*spec\.task: unknown task 'addd'; choose from add",
+            r"policies\.0: .*spec\.task: unknown task 'addd'; registered: add, copy",
         ),
         ("unknown reward", with_spec(reward="nope"), r"policies\.0\.spec\.reward: .*unknown reward 'nope'"),
         (

@@ -1,0 +1,134 @@
+"""A user's task through the whole lifecycle: examples/gsm8k-format (GSM8K's format, chat prompts, the user's
+math-verify reward in a process pool, an lm-eval YAML with a regex filter) on a tiny Qwen2 chat base built here
+(a BPE tokenizer trained locally, ChatML template): rollout -> GRPO update -> export -> lm-eval -> gate -> promote
+-> served, on mint serve and on a real vLLM. No mint source file names the task: it is registered only through
+$MINT_TASK_DIRS, as `mint run --tasks examples/gsm8k-format` registers it.
+
+The base is random, so its completions earn no reward: the scores do not matter here, the path does. The dry run
+(which would rightly refuse such a reward) is off, and the gate checks sample counts only (`compare=False`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from flows.lifecycle import PolicyRun, Training, lifecycle
+from mint_core.data.spec import TASK_DIRS_ENV, registry
+from mint_core.engine.base import build_tiny_chat_base
+from mint_core.eval.gate import GatePolicy
+from mint_core.eval.results import EvalConfig
+from mint_core.lifecycle import FAULT_ENV, Workspace, served_revision
+from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.trainer import PolicySpec
+from mint_core.serving.vllm_process import vllm_available
+from tests.integration.conftest import (
+    VLLM_PYTHON,
+    free_port,
+    require,
+    start_front,
+    start_server,
+    start_vllm,
+    stop_server,
+)
+
+pytestmark = pytest.mark.integration
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gsm8k-format"
+ADMIN = "admin-secret"
+GRPO = GRPOConfig(
+    group_size=4, max_new_tokens=24, learning_rate=1e-2, weight_decay=0.5, drop_zero_variance=False
+)
+
+
+@dataclass
+class Stack:
+    ws: Workspace
+    backend: str
+
+
+@pytest.fixture(scope="module", params=["mint", "vllm"])
+def stack(
+    request: pytest.FixtureRequest,
+    mlflow_server: str,
+    prefect_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp(f"own-task-{request.param}")
+    base_dir = build_tiny_chat_base(root / "tiny-qwen2-chat", "qwen2")
+    store = root / "store"
+    store.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TASK_DIRS_ENV, str(EXAMPLE))  # the servers started below inherit it
+        mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
+        mp.delenv(FAULT_ENV, raising=False)
+        procs = []
+        try:
+            if request.param == "vllm":
+                require(vllm_available(VLLM_PYTHON), f"vLLM's environment {VLLM_PYTHON} (make vllm-venv)")
+                vport, fport = free_port(), free_port()
+                procs.append(start_vllm(base_dir, vport, f"http://127.0.0.1:{fport}", root / "vllm.log"))
+                front, url = start_front(f"http://127.0.0.1:{vport}", store, base_dir, fport, None)
+                procs.append(front)
+            else:
+                proc, url = start_server(
+                    store, "--base", str(base_dir), env={"MINT_SERVE_TORCH_THREADS": "1"}
+                )
+                procs.append(proc)
+            ws = Workspace(
+                tracking_uri=mlflow_server,
+                store=str(store),
+                catalog_url=f"sqlite:///{root / 'catalog.db'}",
+                base=base_dir,
+                serving_url=url,
+                admin_token_file=None,
+                work_dir=root / "work",
+                lock_hold_s=60,
+            )
+            yield Stack(ws, request.param)
+        finally:
+            for p in reversed(procs):
+                stop_server(p, timeout=60)
+
+
+def test_the_gsm8k_format_example_runs_the_whole_lifecycle(stack: Stack) -> None:
+    assert "gsm8k-format" in registry().names()
+    name = f"gsm8k-{stack.backend}"
+    policy = PolicyRun(
+        spec=PolicySpec(name=name, task="gsm8k-format", rank=4, alpha=8),
+        gate=GatePolicy(suite="gsm8k-format", guard_tasks=[], compare=False),
+    )
+    training = Training(
+        steps=2, prompts_per_step=4, grpo=GRPO, data_dir=None, round=f"own-{stack.backend}", dry_run=0
+    )
+    report = lifecycle(
+        policy=policy,
+        training=training,
+        evaluation=EvalConfig(limit=6, batch_size=8),
+        workspace=stack.ws,
+    )
+    (outcome,) = report.outcomes
+    assert outcome.status == "promoted", outcome
+    # the gate read the task's own lm-eval suite, all 6 held-out items (asked through the chat template)
+    assert outcome.scores["candidate"]["gsm8k-format"].n == 6, outcome.scores
+    reg = stack.ws.registry()
+    version = reg.alias_version(name, "champion")
+    assert version is not None
+    rev = reg.revision(name, version)
+    # MLflow records what trained it: the task, its spec's and its reward's hashes
+    tags = MlflowClient(stack.ws.tracking_uri).get_model_version(name, str(version)).tags
+    spec = registry().get("gsm8k-format")
+    assert tags["mint.task"] == "gsm8k-format"
+    assert tags["mint.task_spec"] == spec.digest() and tags["mint.reward"] == spec.reward_digest()
+    assert json.loads(tags["mint.gate"])["passed"] is True
+    # served: the champion answers a held-out conversation through the chat route, as its own revision
+    with stack.ws.client() as c:
+        assert served_revision(c, name) == rev.digest.prefixed
+        text, fingerprint = c.ask(name, spec.heldout_rows()[0].prompt, max_tokens=8, temperature=0.0)
+    assert fingerprint is not None and fingerprint.removeprefix("sha256:") == rev.digest.hex
+    assert isinstance(text, str)
