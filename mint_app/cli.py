@@ -25,7 +25,7 @@ from mint_app.task_cli import TasksOption, add_task_dirs, task_app
 from mint_core import __version__
 from mint_core.data.build import DataParams, write_task_data
 from mint_core.engine.cpu_pin import pin_cpu_kernels
-from mint_core.errors import DataCheckError, MintError
+from mint_core.errors import BaseError, DataCheckError, MintError
 
 if TYPE_CHECKING:
     from mint_core.rl.recipe import TrainingRun
@@ -253,7 +253,6 @@ def base_check(
 ) -> None:
     """Check a base directory before training or serving it: tokenizer, EOS, chat template on the prompts, and
     what the serving backend runs. Exit 1 naming the directory and every problem."""
-    from mint_core.errors import BaseError
     from mint_core.serving.base_check import check_base
 
     samples: list[Any] | None = None
@@ -378,7 +377,11 @@ def serve(
         key = cfg.tinker_keys().get_secret_value()  # generated now when none is configured
         shown = "the configured keys" if configured else f"generated key {key}"
         console.print(f"Tinker training API at http://{cfg.host}:{cfg.port} (api_key: {shown})")
-    run_server(cfg)
+    try:
+        run_server(cfg)
+    except BaseError as e:  # the base cannot be served: said plainly, before anything loads
+        console.print(f"[red]{e}[/]", soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

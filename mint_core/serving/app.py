@@ -36,6 +36,7 @@ from mint_core.engine.base import FAMILIES, Base, build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.validate import BaseSpec
+from mint_core.serving.base_check import check_base
 from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.config import ServingConfig
@@ -60,6 +61,7 @@ def load_serving_base(config: ServingConfig) -> Base:
         raise FileNotFoundError(
             f"base {config.base!r} is neither a local model directory nor a built-in base ({', '.join(BUILTIN)})"
         )
+    check_base(path, load_tokenizer=False)  # BaseError naming the directory and every problem, before loading
     return load_base(path, dtype=getattr(torch, config.dtype), device=config.device)
 
 

@@ -407,3 +407,16 @@ def test_an_adapter_on_a_chat_base_gives_the_logits_peft_gives(
         ).logits
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     assert (want - bare).abs().max() > 1e-3  # the adapter did change the answer
+
+
+def test_mint_serve_refuses_a_base_without_a_tokenizer_naming_it(
+    tmp_path: Path, chat_bases: dict[str, Path]
+) -> None:
+    from mint_core.serving.app import load_serving_base
+    from mint_core.serving.config import ServingConfig
+
+    d = tmp_path / "base"
+    shutil.copytree(chat_bases["qwen3"], d)
+    _remove("tokenizer.json", "tokenizer_config.json")(d)
+    with pytest.raises(BaseError, match=rf"^base {d} cannot be used .*\n  - no tokenizer"):
+        load_serving_base(ServingConfig(base=str(d)))
