@@ -21,8 +21,11 @@ SERVING_DEPS := $(if $(filter vllm,$(SERVING)),vllm-venv)
 
 # the main job: build what is missing (DVC), start the servers, a wave of policies through training, evaluation,
 # gated promotion and serving, a completion from each, a rollback, where to look; the servers stay up (make down)
+# A user's task: TASKS=<task folder> (its task.yaml, data, reward, eval YAML), POLICIES=<task name>[,...]
+TASK_FLAGS = $(foreach t,$(TASKS),--tasks $(t)) $(if $(POLICIES),--policies $(POLICIES))
+
 run: venv $(SERVING_DEPS)
-	$(BIN)/mint run $(if $(SERVING),--serving $(SERVING))
+	$(BIN)/mint run $(if $(SERVING),--serving $(SERVING)) $(TASK_FLAGS)
 
 # the engine alone: one resident base, several adapters mixed in one batch (no servers)
 demo: venv
@@ -59,7 +62,7 @@ bench: venv
 # the local services in the background (MLflow :5000, Prefect :4200, mint serve :8000; state in .mint/run);
 # a subset: make up ONLY=mlflow,prefect; vLLM behind mint serve: make up SERVING=vllm
 up: venv $(SERVING_DEPS)
-	$(BIN)/mint up $(if $(ONLY),--only $(ONLY)) $(if $(SERVING),--serving $(SERVING))
+	$(BIN)/mint up $(if $(ONLY),--only $(ONLY)) $(if $(SERVING),--serving $(SERVING)) $(foreach t,$(TASKS),--tasks $(t))
 
 down:
 	$(BIN)/mint down $(if $(ONLY),--only $(ONLY))
