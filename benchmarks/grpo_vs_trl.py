@@ -54,12 +54,12 @@ import mixed_adapter_decode
 from _common import add_device, checked_device, report, synchronize
 from mixed_adapter_decode import TARGETS
 
+from mint_core.data.rewards import reward
 from mint_core.data.tasks import split
 from mint_core.engine.base import from_model
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.rl.grpo import GRPOConfig as MintGRPOConfig
-from mint_core.data.rewards import reward
 from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
 
 TASK = "add"

@@ -27,7 +27,7 @@ from mint_core.data.checks import (
     rollout_frame,
 )
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
-from mint_core.data.rewards import Rewarder
+from mint_core.data.rewards import check_rewards
 from mint_core.data.spec import prompt_text
 from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import Example, has_generator
@@ -154,7 +154,7 @@ def validate_data(
         else:  # the task's own suite over its files, its rewards import with a signature the data fits, and
             # lm-eval builds its eval: a broken file fails the run here, before anything trains
             report = check_task(task)
-            Rewarder().check(task, ["answer", *examples[0].columns])
+            check_rewards(task)
             check_eval(task)
     return PromptSet(
         policy=spec.name,

@@ -443,3 +443,20 @@ def reward(name: str) -> RewardFn:
     if name not in OVERRIDES:
         raise KeyError(f"unknown reward {name!r}; known: {', '.join(OVERRIDES)}")
     return lambda example, completion: builtin_scores(name, [example], [completion])[0]
+
+
+def check_rewards(spec: TaskSpec, items: int = 32) -> float:
+    """Before training: a task's rewards import, take TRL's keywords with the data's columns, and can score its
+    gold answers (the `answer` column as completions of the first `items` held-out rows) without a failure.
+    Returns their mean score; a SpecError names the task and the first failure."""
+    with Rewarder(TaskRegistry({spec.name: spec})) as r:
+        heldout = spec.heldout_rows()[:items]
+        r.check(spec, sorted({"answer", *(c for e in heldout for c in e.columns)}))
+        scores = r.score(heldout, [e.answer for e in heldout])
+        st = r.stats.get(spec.name)
+        if st is not None and st.failures:
+            first = next(iter(st.first_error.values()))
+            raise SpecError(
+                f"task {spec.name!r} ({spec.path}): its reward fails on the gold answers: {first}"
+            )
+    return sum(scores) / len(scores)

@@ -413,10 +413,7 @@ def dry_run_rewards(
         ]
         eng = trainer.engine
         done = eng.generate(
-            [
-                Request(prompt_ids(eng.tokenizer, e.prompt), None, p)
-                for e, p in zip(exs, params, strict=True)
-            ]
+            [Request(prompt_ids(eng.tokenizer, e.prompt), None, p) for e, p in zip(exs, params, strict=True)]
         )
         texts = [c.text for c in done]
         spec = trainer.policies[name].spec

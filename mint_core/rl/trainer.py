@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mint_core.data.rewards import OVERRIDES, Rewarder
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
@@ -45,7 +46,6 @@ from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
 from mint_core.lora.layers import _SlotBank
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
-from mint_core.data.rewards import OVERRIDES, Rewarder
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
 

@@ -145,7 +145,9 @@ def policy(name: str, gate: GatePolicy | None = None) -> PolicyRun:
 
 
 def training(round: str, steps: int = 2, seed: int = 0) -> Training:
-    return Training(steps=steps, prompts_per_step=4, grpo=GRPO, seed=seed, data_dir=None, round=round, dry_run=0)
+    return Training(
+        steps=steps, prompts_per_step=4, grpo=GRPO, seed=seed, data_dir=None, round=round, dry_run=0
+    )
 
 
 def seed_champion(stack: Stack, name: str, seed: int) -> tuple[int, str]:

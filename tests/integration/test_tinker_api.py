@@ -26,6 +26,7 @@ import tinker
 import torch
 from tinker import types
 
+from mint_core.data.rewards import reward
 from mint_core.data.tasks import examples, take
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
@@ -33,7 +34,6 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.store import AdapterStore
-from mint_core.data.rewards import reward
 from tests.integration.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.integration

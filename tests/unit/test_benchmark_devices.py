@@ -26,6 +26,7 @@ WITH_DEVICE = [
     "mixed_adapter_decode.py",
     "moe_packed_load.py",
     "multi_policy_grpo.py",
+    "own_task.py",
     "serving_load.py",
     "update_memory.py",
 ]

@@ -332,3 +332,65 @@ def test_a_task_folder_that_holds_no_spec_is_named(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="task 'same' is defined twice"):
         TaskRegistry.load([tmp_path / "a", tmp_path / "b"])
     shutil.rmtree(tmp_path / "b")
+
+
+def test_a_server_scores_answers_to_a_users_task_with_its_reward(tmp_path: Path) -> None:
+    from mint_core.serving.canary import task_score
+
+    spec = load_spec(make_task(tmp_path) / "task.yaml")
+    reg = TaskRegistry.load([BUILTIN_DIR, tmp_path])
+    with Rewarder(reg) as r:
+        assert task_score(r, "say 104 =", ["104"]) == 1.0  # a held-out row
+        assert task_score(r, "say 3 =", ["3", "4"]) == 0.5  # a train row, two choices
+        assert task_score(r, "say 999 =", ["999"]) is None  # not a row of any task: feedback scores it
+        assert task_score(r, "add: 1+2 =", ["3"]) == pytest.approx(1.0)  # a built-in's, by its own spec
+    assert spec.name in reg
+
+
+def test_retraining_draws_epochs_over_the_train_file_and_never_a_held_out_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mint_core.data.revision import fresh_examples, probe_examples
+    from mint_core.data.spec import TASK_DIRS_ENV, prompt_text, reload_registry
+
+    make_task(tmp_path)
+    monkeypatch.setenv(TASK_DIRS_ENV, str(tmp_path))
+    reload_registry()
+    heldout = {prompt_text(e.prompt) for e in registry().get("mine").heldout_rows()}
+    probe = probe_examples("mine", 5, heldout)
+    assert [e.id for e in probe] == [f"t{i}" for i in range(25, 30)]  # the last train rows, set aside
+    exclude = heldout | {prompt_text(e.prompt) for e in probe}
+    night1 = fresh_examples("mine", 50, seed=1, exclude=exclude)
+    night2 = fresh_examples("mine", 50, seed=2, exclude=exclude)
+    ids1 = [e.id for e in night1]
+    assert len(set(ids1[:25])) == 25, "a whole pass over the 25 train rows before any row again"
+    assert not {prompt_text(e.prompt) for e in night1 + night2} & exclude
+    assert ids1 != [e.id for e in night2] and fresh_examples("mine", 50, seed=1, exclude=exclude) == night1
+
+
+def test_an_eval_yaml_lm_eval_rejects_is_named_before_training(tmp_path: Path) -> None:
+    from mint_core.eval.suites import check_eval
+
+    d = make_task(tmp_path)
+    assert check_eval(load_spec(d / "task.yaml")) == 10
+    doc = yaml.safe_load((d / "eval.yaml").read_text())
+    (d / "eval.yaml").write_text(yaml.safe_dump({**doc, "output_type": "generate_everything"}))
+    with pytest.raises(SuiteError, match=r"task 'mine' .*lm-eval rejects eval 'mine_eval' from eval.yaml"):
+        check_eval(load_spec(d / "task.yaml"))
+    (d / "eval.yaml").write_text(yaml.safe_dump(doc))
+    _spec(d, lambda s: {**s, "eval": {**s["eval"], "metric": "f1"}})
+    with pytest.raises(
+        SuiteError, match=r"eval.metric 'f1' is not one of the eval's metric_list \(exact_match\)"
+    ):
+        check_eval(load_spec(d / "task.yaml"))
+
+
+def test_a_reward_that_fails_on_the_gold_answers_is_refused(tmp_path: Path) -> None:
+    from mint_core.data.rewards import check_rewards
+
+    assert check_rewards(load_spec(make_task(tmp_path) / "task.yaml")) == 1.0
+    spec = load_spec(make_task(tmp_path / "b", reward="reward.py:too_few") / "task.yaml")
+    with pytest.raises(
+        SpecError, match=r"task 'mine' .*its reward fails on the gold answers: returned 1 scores"
+    ):
+        check_rewards(spec)
