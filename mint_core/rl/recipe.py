@@ -400,13 +400,16 @@ class TrainingRun:
 def dry_run_rewards(
     trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]], k: int
 ) -> dict[str, float]:
-    """Before the first step: the bare base's own completions of each policy's first `k` prompts (`group_size`
-    samples each, as the rollouts sample), scored by the policy's reward; `NoRewardSignal` names the task whose
-    reward gives them all one score (GRPO would learn nothing). Returns each policy's mean dry-run reward."""
+    """Before the first step: the bare base's own completions of each policy's first `k` prompts of its own task
+    (`group_size` samples each, as the rollouts sample), scored by the policy's reward; `NoRewardSignal` names the
+    task whose reward gives them all one score (GRPO would learn nothing). Returns each policy's mean reward."""
     cfg = trainer.config
     out = {}
     for name, examples in prompts.items():
-        exs = [e for e in examples[:k] for _ in range(cfg.group_size)]
+        own = trainer.policies[
+            name
+        ].spec.task  # not the replayed rows of other tasks: they have their own rewards
+        exs = [e for e in [x for x in examples if x.task == own][:k] for _ in range(cfg.group_size)]
         params = [
             SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
             for i in range(len(exs))
