@@ -909,7 +909,16 @@ def register_deployments(config: ServicesConfig) -> str:
     derived.write_text(
         f"# {config.deployments} as `mint up` registered it (workspace: this state dir's)\n{text}"
     )
-    deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(derived.resolve()), api=api)
+    for wait in (2.0, 5.0, 0.0):  # `deploy --all` is idempotent: repeat it past a busy server's 503
+        deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(derived.resolve()), api=api)
+        busy = "503 Service Unavailable" in deployed.stdout + deployed.stderr
+        if deployed.returncode == 0 or not busy or not wait:
+            break
+        # the SQLite-backed server answers 503 while its database is locked by the waves' writes
+        logger.warning(
+            "worker: the Prefect server was busy (503) registering the deployments; again in %.0f s", wait
+        )
+        time.sleep(wait)
     if deployed.returncode != 0:
         raise ServiceError(
             f"worker: prefect deploy --all --prefect-file {config.deployments} failed:\n"
