@@ -178,8 +178,11 @@ class CanaryState:
             if score is not None:
                 self._event(s, a, arm, model, revision, score, "task")
 
-    def feedback(self, rid: str, score: float) -> ScoreEvent:
-        """Score an earlier answer; KeyError for an id never seen (or forgotten), ValueError for one scored."""
+    def feedback(
+        self, rid: str, score: float, source: Literal["task", "feedback"] = "feedback"
+    ) -> ScoreEvent:
+        """Score an earlier answer; KeyError for an id never seen (or forgotten), ValueError for one scored.
+        `source` "task": the server's own score of an answer to a task's prompt, given once it is computed."""
         with self._lock:
             ans = self._answered.get(rid)
             if ans is None:
@@ -189,7 +192,7 @@ class CanaryState:
             ans.scored = True
             s = self._streams.setdefault(ans.name, _Stream())
             a = s.arms.setdefault(ans.arm, ArmSummary())
-            return self._event(s, a, ans.arm, ans.model, ans.revision, score, "feedback")
+            return self._event(s, a, ans.arm, ans.model, ans.revision, score, source)
 
     def _event(
         self,
@@ -378,12 +381,17 @@ class CanaryMiddleware:
             return
         prompt = _prompt_of(scope["path"], data)
         texts = [collected.texts[i] for i in sorted(collected.texts)]
-        score = None
-        if prompt is not None:  # off the event loop: a user's reward runs in a pool, with its timeout
-            score = await asyncio.to_thread(task_score, self.rewarder, prompt, texts)
+        # remembered at once (its feedback may follow on the heels of the answer), scored when the task's reward
+        # has run, off the event loop (a user's reward runs in a pool, with its timeout)
         self.state.answered(
-            collected.id, name, arm, collected.model or target, collected.fingerprint or "", score
+            collected.id, name, arm, collected.model or target, collected.fingerprint or "", None
         )
+        if prompt is None:
+            return
+        score = await asyncio.to_thread(task_score, self.rewarder, prompt, texts)
+        if score is not None:
+            with contextlib.suppress(UnknownResponse, AlreadyScored):  # forgotten, or its feedback came first
+                self.state.feedback(collected.id, score, source="task")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
