@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,6 +261,7 @@ class TaskRegistry:
 
     specs: dict[str, TaskSpec]
     _index: dict[str, Example] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def load(cls, dirs: Iterable[str | Path] | None = None) -> TaskRegistry:
@@ -296,21 +298,33 @@ class TaskRegistry:
         """The row of a registered task whose prompt this is (held-out rows first, then train), or None: what
         lets a server score its answers to a task's prompts with the task's own rewards. Rows of a task whose
         files are missing or unreadable are left out (logged once)."""
-        if self._index is None:
-            index: dict[str, Example] = {}
-            for spec in self.specs.values():
-                for which in ("train", "heldout"):  # held-out last, so it wins a prompt in both
-                    try:
-                        rows = read_rows(spec, which)  # type: ignore[arg-type]
-                    except SpecError as e:
-                        logger.info("task %s: its %s rows are not indexed: %s", spec.name, which, e)
-                        continue
-                    index.update((prompt_text(r.prompt), r) for r in rows)
-            self._index = index
+        with self._lock:  # built once, by the first caller; the others wait for it
+            if self._index is None:
+                self._index = self._build_index()
         found = self._index.get(prompt_text(prompt))
         if found is None and isinstance(prompt, str):  # a generated task's prompt outside its files
             found = example_of(prompt)
         return found if found is None or found.task in self.specs else None
+
+    def __getstate__(
+        self,
+    ) -> dict[str, Any]:  # a lock does not pickle; the index is rebuilt where it is needed
+        return {"specs": self.specs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.specs, self._index, self._lock = state["specs"], None, threading.Lock()
+
+    def _build_index(self) -> dict[str, Example]:
+        index: dict[str, Example] = {}
+        for spec in self.specs.values():
+            for which in ("train", "heldout"):  # held-out last, so it wins a prompt in both
+                try:
+                    rows = read_rows(spec, which)  # type: ignore[arg-type]
+                except SpecError as e:
+                    logger.info("task %s: its %s rows are not indexed: %s", spec.name, which, e)
+                    continue
+                index.update((prompt_text(r.prompt), r) for r in rows)
+        return index
 
 
 _REGISTRY: dict[tuple[str, ...], TaskRegistry] = {}

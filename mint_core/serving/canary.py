@@ -322,6 +322,7 @@ class CanaryMiddleware:
         """Whether a requested name is worth remembering answers of (not the base, not unknown names)."""
         self.rewarder = rewarder or Rewarder()
         """Scores an answer to a registered task's prompt by the task's spec (user rewards in its pool)."""
+        self._scoring: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
@@ -381,17 +382,22 @@ class CanaryMiddleware:
             return
         prompt = _prompt_of(scope["path"], data)
         texts = [collected.texts[i] for i in sorted(collected.texts)]
-        # remembered at once (its feedback may follow on the heels of the answer), scored when the task's reward
-        # has run, off the event loop (a user's reward runs in a pool, with its timeout)
+        # remembered at once (its feedback may follow on the heels of the answer), scored in the background once
+        # the task's reward has run off the event loop (a user's reward runs in a pool, with its timeout): the
+        # request is done, and the next one on its connection does not wait for the score
         self.state.answered(
             collected.id, name, arm, collected.model or target, collected.fingerprint or "", None
         )
-        if prompt is None:
-            return
+        if prompt is not None:
+            job = asyncio.create_task(self._score(collected.id, prompt, texts))
+            self._scoring.add(job)  # held until done: the loop keeps only weak references to tasks
+            job.add_done_callback(self._scoring.discard)
+
+    async def _score(self, rid: str, prompt: str | list[dict[str, str]], texts: list[str]) -> None:
         score = await asyncio.to_thread(task_score, self.rewarder, prompt, texts)
         if score is not None:
             with contextlib.suppress(UnknownResponse, AlreadyScored):  # forgotten, or its feedback came first
-                self.state.feedback(collected.id, score, source="task")
+                self.state.feedback(rid, score, source="task")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

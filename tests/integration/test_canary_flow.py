@@ -152,7 +152,8 @@ def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
     tag = json.loads(reg.revision(name, 2).tags[CANARY_TAG])
     assert tag["decision"] == "promoted" and tag["n"] == good.scored and tag["lo"] > 0
     history = MlflowClient(ws.tracking_uri).get_metric_history(tag["run_id"], "online/diff")
-    assert len(history) >= 2 and history[-1].step == good.scored
+    # one point per poll that had an estimate; fast traffic can bring the whole decision in the first such poll
+    assert len(history) >= 1 and history[-1].step == good.scored
     assert set(users.outcomes) == {"200"}, users.outcomes  # no request failed across the canary and the swap
     # the flow's artifact shows the running estimate and the decision
     with get_client(sync_client=True) as client:

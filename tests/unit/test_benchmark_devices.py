@@ -17,6 +17,7 @@ WITH_DEVICE = [
     "adamw_slots.py",
     "alias_to_serving.py",
     "catalog_scale.py",
+    "continuation_diagnosis.py",
     "dashboard_run.py",
     "eval_revision.py",
     "grpo_learning.py",
