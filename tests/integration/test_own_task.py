@@ -11,11 +11,14 @@ The base is random, so its completions earn no reward: the scores do not matter 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from mlflow import MlflowClient
 
 from flows.lifecycle import PolicyRun, Training, lifecycle
@@ -132,3 +135,58 @@ def test_the_gsm8k_format_example_runs_the_whole_lifecycle(stack: Stack) -> None
         text, fingerprint = c.ask(name, spec.heldout_rows()[0].prompt, max_tokens=8, temperature=0.0)
     assert fingerprint is not None and fingerprint.removeprefix("sha256:") == rev.digest.hex
     assert isinstance(text, str)
+
+
+def _break_reward(d: Path) -> None:
+    spec = yaml.safe_load((d / "task.yaml").read_text())
+    spec["rewards"][0]["function"] = "reward.py:no_such_function"
+    (d / "task.yaml").write_text(yaml.safe_dump(spec))
+
+
+def _leak_heldout(d: Path) -> None:
+    first = (d / "data" / "heldout.jsonl").read_text().splitlines()[0]
+    with (d / "data" / "train.jsonl").open("a") as f:
+        f.write(first.replace("heldout-0", "leaked") + "\n")
+
+
+def _break_eval(d: Path) -> None:
+    doc = yaml.safe_load((d / "eval.yaml").read_text())
+    (d / "eval.yaml").write_text(yaml.safe_dump({**doc, "output_type": "generate_everything"}))
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"),
+    [
+        ("reward does not import", _break_reward, "has no function 'no_such_function'"),
+        ("held-out row in train", _leak_heldout, r"expect_column_values_to_be_unique\(column=prompt\)"),
+        ("eval YAML lm-eval rejects", _break_eval, "lm-eval rejects eval 'gsm8k_format'"),
+    ],
+)
+def test_a_broken_task_fails_before_anything_trains_and_changes_nothing(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, change: Any, message: str
+) -> None:
+    if stack.backend == "vllm":
+        pytest.skip("validation runs before serving is touched: the same on both backends")
+    broken = tmp_path / "gsm8k-broken"
+    shutil.copytree(EXAMPLE, broken)
+    spec = yaml.safe_load((broken / "task.yaml").read_text())
+    (broken / "task.yaml").write_text(yaml.safe_dump({**spec, "name": "gsm8k-broken"}))
+    change(broken)
+    monkeypatch.setenv(TASK_DIRS_ENV, f"{EXAMPLE}:{broken}")
+    name = "broken-" + case.replace(" ", "-").replace("-yaml-", "-")
+    store = Path(stack.ws.store)
+    stored_before = sorted(p.name for p in store.rglob("*"))
+    with stack.ws.client() as c:
+        served_before = sorted(m["id"] for m in c.models())
+    policy = PolicyRun(
+        spec=PolicySpec(name=name, task="gsm8k-broken", rank=4, alpha=8),
+        gate=GatePolicy(suite="gsm8k-broken", guard_tasks=[], compare=False),
+    )
+    training = Training(steps=2, prompts_per_step=4, grpo=GRPO, data_dir=None, round="broken", dry_run=0)
+    with pytest.raises(Exception, match=message):
+        lifecycle(policy=policy, training=training, evaluation=EvalConfig(limit=6), workspace=stack.ws)
+    # nothing was written anywhere: no registered model, no stored revision, nothing new served
+    assert not MlflowClient(stack.ws.tracking_uri).search_registered_models(f"name = '{name}'")
+    assert sorted(p.name for p in store.rglob("*")) == stored_before
+    with stack.ws.client() as c:
+        assert sorted(m["id"] for m in c.models()) == served_before
