@@ -435,7 +435,6 @@ def builtin_scores(name: str, examples: Sequence[Example], texts: Sequence[str])
 
 
 RewardFn = Callable[[Example, str], float]
-REWARDS = OVERRIDES
 
 
 def reward(name: str) -> RewardFn:

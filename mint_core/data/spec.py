@@ -294,6 +294,11 @@ class TaskRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self.specs
 
+    @property
+    def indexed(self) -> bool:
+        """Whether `lookup` has its index (and so answers without reading any file)."""
+        return self._index is not None
+
     def lookup(self, prompt: str | list[dict[str, str]]) -> Example | None:
         """The row of a registered task whose prompt this is (held-out rows first, then train), or None: what
         lets a server score its answers to a task's prompts with the task's own rewards. Rows of a task whose
@@ -452,14 +457,3 @@ def _generated(task: str) -> tuple[list[Example], list[Example]]:
     doc = (yaml.safe_load(params.read_text()) or {}).get("data", {}) if params.is_file() else {}
     p = DataParams(**doc)
     return split(task, p.n_train, p.n_heldout, p.seed)
-
-
-def check_disjoint(spec: TaskSpec, train: Sequence[Example], heldout: Sequence[Example]) -> None:
-    """No held-out prompt may be a train prompt: the gate would score what was trained on."""
-    seen = {prompt_text(e.prompt) for e in train}
-    for e in heldout:
-        if prompt_text(e.prompt) in seen:
-            raise SpecError(
-                f"task {spec.name!r} ({spec.path}): held-out row {e.id!r} is also in train "
-                f"(data.heldout {spec.data.heldout}, data.train {spec.data.train}): {prompt_text(e.prompt)[:80]!r}"
-            )

@@ -388,7 +388,9 @@ class CanaryMiddleware:
         self.state.answered(
             collected.id, name, arm, collected.model or target, collected.fingerprint or "", None
         )
-        if prompt is not None:
+        tasks = self.rewarder.tasks
+        if prompt is not None and not (tasks.indexed and tasks.lookup(prompt) is None):
+            # (once the index is built, a prompt of no task costs a dict lookup here, not a thread)
             job = asyncio.create_task(self._score(collected.id, prompt, texts))
             self._scoring.add(job)  # held until done: the loop keeps only weak references to tasks
             job.add_done_callback(self._scoring.discard)
