@@ -16,7 +16,9 @@ moments), the same learning rate and schedule, new prompts. Per step of each wav
   items), and `changed`: the share of them whose greedy answer differs from the wave's starting point (for wave 2,
   from the champion's: a behavioural distance to the champion).
 
-Prints a table per wave and a JSON line with both waves' curves and their means.
+Wave 2 runs twice from the same champion, on the same prompts and seed: as retrain did before issue #33 (rate share
+1, no warmup), and with the continuation recipe (`mint_core.rl.recipe.Continuation`). Prints a table per wave and a
+JSON line with the waves' curves and their means (`cont_*`: the old way, `recipe_*`: the recipe).
 
     python benchmarks/continuation_diagnosis.py [--task add] [--tasks DIR] [--first-steps 300] [--steps 40]
         [--every 10] [--probe 320] [--seed 0] [--device cpu]
@@ -47,6 +49,7 @@ from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
     BUILTIN_RECIPE,
+    Continuation,
     TrainingRun,
     builtin_spec,
     load_trainer,
@@ -176,14 +179,33 @@ def main() -> None:
         champion = Path(tmp) / "champion"
         save_adapter(trainer.weights(task.name), champion, trainer.engine.sites)
         del trainer
-        trainer = load_trainer(
-            args.base, [spec], BUILTIN_RECIPE, args.seed + 1, {task.name: champion}, device=device
-        )
-        cont = wave(trainer, task.name, p2, args.steps, args.every, probe, Path(tmp) / "w2")
+        conts = {}
+        for label, recipe in (
+            ("cont", Continuation(rate_scale=1.0, warmup_steps=0)),
+            ("recipe", Continuation()),
+        ):
+            trainer = load_trainer(
+                args.base,
+                [spec],
+                BUILTIN_RECIPE,
+                args.seed + 1,
+                {task.name: champion},
+                device=device,
+                continuation=recipe,
+            )
+            conts[label] = wave(trainer, task.name, p2, args.steps, args.every, probe, Path(tmp) / label)
+            del trainer
+    cont = conts["cont"]
     show(f"wave 1: {task.name} from the base, {args.first_steps} steps", first)
     show(
         f"wave 2: {task.name} from its champion, {args.steps} steps (fresh AdamW, the same rate and schedule)",
         cont,
+    )
+    recipe = Continuation()
+    show(
+        f"wave 2 with the continuation recipe: {recipe.rate_scale:g} of the rate, warmed up over "
+        f"{recipe.warmup_steps} steps",
+        conts["recipe"],
     )
     k = args.steps  # compare the continuation with the first wave's opening steps, the same count
     result: dict[str, Any] = {"benchmark": "continuation_diagnosis", "task": task.name, "n_probe": len(probe)}
@@ -191,6 +213,7 @@ def main() -> None:
         ("first", first, first["rows"][:k]),
         ("first_all", first, first["rows"]),
         ("cont", cont, cont["rows"]),
+        ("recipe", conts["recipe"], conts["recipe"]["rows"]),
     ):
         for key in ("no_signal", "update", "kl_base", "grad_norm", "reward"):
             result[f"{label}_{key}"] = mean(rows, key)

@@ -6,7 +6,10 @@ deployment runs them, without the servers (the library directly, as benchmarks/g
 - the policies train at once over one base with the built-in recipe, `--steps` GRPO steps at most (retrain's
   `RETRAIN_STEPS`), each wave on fresh prompts drawn at its round's seed (`fresh_examples`: no held-out or
   eval-suite prompt, nor a probe item);
-- early stopping as retrain's default (`EarlyStop`): a greedy probe on `--probe` items outside every split
+- a continuation trains with the continuation recipe (`Continuation`: `--rate-scale` of the rate, warmed up
+  over `--warmup` steps), as every flow's continuation does;
+- early stopping as retrain's default (`EarlyStop`): a probe that falls below the wave's first beyond noise
+  (paired McNemar p < `--fall-p`) stops the policy at once, not exported; a greedy probe on `--probe` items outside every split
   every `--every` steps, the rule of `Plateau` (no rise of `--min-delta` over step 0 in `--patience` probes:
   stop; `--stop-after-gain`: also at a plateau after a rise), one probe for a policy whose last candidates were
   rejected; a policy that stops without gain is skipped (no gate in the flow; here it is still scored, to check
@@ -20,18 +23,22 @@ deployment runs them, without the servers (the library directly, as benchmarks/g
   `task_guard_margin` (`GatePolicy` defaults; the pooled guard group, which reads log-likelihood items, is not
   run here).
 
-Prints one row per wave and task as it goes, then a table, then the JSON line: per task the champion's score
-after each wave (`<task>_curve`), the waves that promoted, the first wave after which no wave promoted
-(`<task>_plateau_wave`), and every row (probe curve, steps spent, why it stopped, gain, p, decision).
+Every wave runs once per seed of `--seeds` (the round's seed: prompts, adapter initialisation, rollouts), the
+seeds `--jobs` at a time, each in its own process on `--threads` threads. Prints one row per wave and task to
+stderr as it goes, then a table per seed, a line that counts the continuations (waves from a champion, not the
+base): those promoted, those promoted at p < 0.01, and the candidates significantly worse than their champion
+(p < 0.05), then the JSON line: per seed and task the champion's score after each wave and the waves that
+promoted, and every row (probe curve, steps spent, why it stopped, gain, p, decision).
 
-    python benchmarks/learning_curves.py [--tasks add,sort,reverse] [--waves 4] [--steps 100]
-        [--every 10] [--patience 3] [--min-delta 0.025] [--probe 128] [--prompts-per-step 16]
-        [--stop-after-gain] [--no-early-stop]
+    python benchmarks/learning_curves.py [--tasks add,sort,reverse] [--waves 4] [--steps 100] [--seeds 0,1,2]
+        [--jobs 2] [--every 10] [--patience 3] [--min-delta 0.025] [--probe 128] [--prompts-per-step 16]
+        [--fall-p 0.05] [--rate-scale 0.25] [--warmup 10] [--stop-after-gain] [--no-early-stop]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -58,6 +65,7 @@ from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
     BUILTIN_RECIPE,
+    Continuation,
     TrainingRun,
     builtin_spec,
     load_trainer,
@@ -65,6 +73,7 @@ from mint_core.rl.recipe import (
 from tasks.training import EarlyStop, Plateau, freeze, probe_gain
 
 DEFAULTS = EarlyStop()
+CONTINUATION = Continuation()
 
 
 def main() -> None:
@@ -87,13 +96,78 @@ def main() -> None:
     ap.add_argument("--no-early-stop", action="store_true", help="train every step (probes still recorded)")
     ap.add_argument("--heldout", type=int, default=EVAL_LIMIT, help="gate items per task (EVAL_LIMIT)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fall-p", type=float, default=DEFAULTS.fall_p, help="stop a probe that falls at this p")
+    ap.add_argument(
+        "--rate-scale", type=float, default=CONTINUATION.rate_scale, help="a continuation's rate share"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=CONTINUATION.warmup_steps, help="a continuation's warmup steps"
+    )
     ap.add_argument("--prefix", default="curve", help="rounds are named <prefix>-0, <prefix>-1, ...")
+    ap.add_argument("--seeds", default="0,1,2", help="a run of every wave per seed (Training.seed)")
+    ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, each in its own process")
     add_device(ap)
     args = ap.parse_args()
-    device = checked_device(ap, args.device)
-    torch.set_num_threads(args.threads)
+    checked_device(ap, args.device)
     if not (args.base / "config.json").is_file():
         ap.error(f"no built-in base at {args.base}: run `.venv/bin/dvc repro` first")
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    t_start = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(args.jobs, len(seeds))) as pool:
+        results = pool.starmap(run_seed, [(args, seed) for seed in seeds])
+    tasks = results[0]["tasks"]
+    rows = [r for res in results for r in res["rows"]]
+    out: dict[str, Any] = {
+        "tasks": tasks,
+        "seeds": seeds,
+        "waves": args.waves,
+        "steps_max": args.steps,
+        "prompts_per_step": args.prompts_per_step,
+        "early_stop": results[0]["early_stop"],
+        "continuation": results[0]["continuation"],
+        "gate_items": args.heldout,
+        "threads": args.threads,
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "steps_spent": sum(r["steps"] for r in rows),
+        "steps_budget": args.steps * args.waves * len(tasks) * len(seeds),
+        "skips_the_gate_would_reject": sum(
+            r["decision"] == "skipped" and r["gate"] == "reject" for r in rows
+        ),
+        "skips_the_gate_would_pass": sum(r["decision"] == "skipped" and r["gate"] == "pass" for r in rows),
+        "rows": rows,
+    }
+    cont = [r for r in rows if r["from"] != "base"]
+    candidates = [r for r in cont if r["decision"] != "skipped"]
+    out["continuations"] = len(cont)
+    out["continuation_candidates"] = len(candidates)
+    out["continuations_promoted"] = sum(r["decision"] == "promoted" for r in cont)
+    out["continuations_promoted_p01"] = sum(r["decision"] == "promoted" and r["p"] < 0.01 for r in cont)
+    out["candidates_significantly_worse"] = sum(r["gain"] < 0 and r["p"] < 0.05 for r in candidates)
+    out["skipped_significantly_worse"] = sum(
+        r["gain"] < 0 and r["p"] < 0.05 for r in cont if r["decision"] == "skipped"
+    )
+    for res in results:
+        seed = res["seed"]
+        for t in tasks:
+            out[f"seed{seed}_{t}_curve"] = res["curves"][t]
+            out[f"seed{seed}_{t}_promoted_waves"] = res["promoted"][t]
+    for res in results:
+        print(f"\nseed {res['seed']}")
+        _table(res["rows"], res["curves"], args.waves)
+    print(
+        f"continuations: {out['continuations']} ({out['continuation_candidates']} went to the gate); "
+        f"promoted {out['continuations_promoted']}, of them at p < 0.01: {out['continuations_promoted_p01']}; "
+        f"candidates significantly worse than their champion (p < 0.05): {out['candidates_significantly_worse']}"
+        f" (stopped early and not exported: {out['skipped_significantly_worse']})"
+    )
+    report(out)
+
+
+def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Every wave of one seed: its rows, each task's champion curve and promoted waves."""
+    torch.set_num_threads(args.threads)
+    device = args.device
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     early = EarlyStop(
         every=args.every,
@@ -102,8 +176,9 @@ def main() -> None:
         min_delta=args.min_delta,
         after_rejections=args.after_rejections,
         stop_after_gain=args.stop_after_gain,
+        fall_p=args.fall_p,
     )
-    t_start = time.perf_counter()
+    continuation = Continuation(rate_scale=args.rate_scale, warmup_steps=args.warmup)
 
     # the gate's items, the probe's, and everything fresh draws leave out (as validate_data does)
     gate_items = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in TASKS}
@@ -119,10 +194,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for w in range(args.waves):
             name = f"{args.prefix}-{w}"
-            seed = round_seed(0, name)
+            wave_seed = round_seed(seed, name)
             specs = [builtin_spec(t, t) for t in tasks]
             t0 = time.perf_counter()
-            trainer = load_trainer(args.base, specs, BUILTIN_RECIPE, seed, dict(champion_dir), device=device)
+            trainer = load_trainer(
+                args.base,
+                specs,
+                BUILTIN_RECIPE,
+                wave_seed,
+                dict(champion_dir),
+                device=device,
+                continuation=continuation,
+            )
             engine = trainer.engine
             if w == 0:  # the base, on every task's items: the own suite and the per-task guards
                 on_base = {g: heldout_correct(engine, None, gate_items[g]) for g in TASKS}
@@ -134,11 +217,11 @@ def main() -> None:
                     fresh_examples(
                         s.task,
                         args.prompts_per_step * args.steps,
-                        seed,
+                        wave_seed,
                         evaluated | {e.prompt for e in probes[s.task]},
                     ),
                     s.replay,
-                    seed,
+                    wave_seed,
                     args.data,
                     name,
                 )
@@ -155,7 +238,7 @@ def main() -> None:
                     stop = f"finished (would stop: {stop} @{p.stopped_at})"
                 elif p.stopped_at is not None:
                     steps = min(steps, p.stopped_at)
-                skipped = not args.no_early_stop and p.stopped and not p.gained
+                skipped = not args.no_early_stop and not p.exportable
                 cand = {g: heldout_correct(engine, t, gate_items[g]) for g in TASKS}
                 decision = decide(
                     GatePolicy(suite=t, guard_tasks=[g for g in TASKS if g != t]),
@@ -177,6 +260,7 @@ def main() -> None:
                 pg, pp = probe_gain(seen[t][0][1], seen[t][-1][1])
                 promoted = decision.passed and not skipped
                 row = {
+                    "seed": seed,
                     "wave": w + 1,
                     "task": t,
                     "from": champion_label[t],
@@ -199,7 +283,7 @@ def main() -> None:
                     "probe_s": round(probe_s, 1),
                 }
                 rows.append(row)
-                print(row, flush=True)
+                print(row, file=sys.stderr, flush=True)
                 if promoted:
                     saved = Path(tmp) / f"{t}-w{w + 1}"
                     trainer.export(t, saved)
@@ -210,34 +294,17 @@ def main() -> None:
                     rejected[t] += 1
                 curves[t].append(round(_mean(champion_correct[t][t]), 4))
 
-    out: dict[str, Any] = {
+    return {
+        "seed": seed,
         "tasks": tasks,
-        "waves": args.waves,
-        "steps_max": args.steps,
-        "prompts_per_step": args.prompts_per_step,
-        "early_stop": None if args.no_early_stop else early.model_dump(),
-        "gate_items": args.heldout,
-        "threads": args.threads,
-        "total_s": round(time.perf_counter() - t_start, 1),
-        "steps_spent": sum(r["steps"] for r in rows),
-        "steps_budget": args.steps * args.waves * len(tasks),
-        "skips_the_gate_would_reject": sum(
-            r["decision"] == "skipped" and r["gate"] == "reject" for r in rows
-        ),
-        "skips_the_gate_would_pass": sum(r["decision"] == "skipped" and r["gate"] == "pass" for r in rows),
         "rows": rows,
+        "curves": curves,
+        "promoted": {
+            t: [r["wave"] for r in rows if r["task"] == t and r["decision"] == "promoted"] for t in tasks
+        },
+        "early_stop": None if args.no_early_stop else early.model_dump(),
+        "continuation": continuation.model_dump(),
     }
-    for t in tasks:
-        mine = [r for r in rows if r["task"] == t]
-        waves_promoted = [r["wave"] for r in mine if r["decision"] == "promoted"]
-        out[f"{t}_base"] = mine[0]["champion"]
-        out[f"{t}_curve"] = curves[t]
-        out[f"{t}_promoted_waves"] = waves_promoted
-        # the champion stops moving after its last promotion: the curve's plateau (None: still rising)
-        last = (waves_promoted or [0])[-1]
-        out[f"{t}_plateau_wave"] = None if last == args.waves else last
-    _table(rows, curves, args.waves)
-    report(out)
 
 
 def _train(
@@ -259,7 +326,7 @@ def _train(
             got = heldout_correct(run.trainer.engine, t, probes[t])
             seen[t].append((run.trainer.steps, got))
             p = plateaus[t]
-            if not p.stopped and p.add(run.trainer.steps, _mean(got)):
+            if not p.stopped and p.add(run.trainer.steps, _mean(got), got):
                 stopping.append(t)
         if stop_early:
             freeze(run, stopping)

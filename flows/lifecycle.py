@@ -45,12 +45,12 @@ from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, spec_changes
+from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, Continuation, spec_changes
 from mint_core.rl.trainer import PolicySpec
 from tasks.canary import CanaryConfig
 from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base
-from tasks.registry import current_champion, export, find_revision, gate
+from tasks.registry import current_champion, export, find_revision, gate, note_no_gain
 from tasks.training import (
     EarlyStop,
     Plateau,
@@ -167,6 +167,9 @@ class Training(BaseModel):
     checkpoint_every: int = Field(1, ge=0)
     """Checkpoint the run every this many steps and at its end (a killed run resumes from the newest); 0: only
     at the end."""
+    continuation: Continuation = Continuation()
+    """How a policy that continues from its champion trains: its share of the rate and its warmup (the
+    default keeps a continuation's first steps from undoing the champion: `rl.recipe.Continuation`)."""
     dry_run: int = Field(8, ge=0)
     """Before the first step, score the bare base's own completions of this many prompts per policy
     (`grpo.group_size` samples each) and refuse to train, naming the task, when its reward gives them all one
@@ -181,6 +184,8 @@ class Training(BaseModel):
         extra = [] if self.draw == "train" else [f"draw={self.draw}"]
         if self.early_stop is not None:
             extra.append(f"early_stop={self.early_stop.model_dump_json()}")
+        if self.continuation != Continuation():
+            extra.append(f"continuation={self.continuation.model_dump_json()}")
         return "|".join([self.round_name(), *extra])
 
 
@@ -367,6 +372,8 @@ def run_wave(
             if cand is None:  # early stopping ended its training without a gain: nothing to gate
                 assert t is not None
                 outcome = _stopped(p, champions[p.name], t)
+                if champions[p.name] is not None:  # retraining counts it with the rejected candidates
+                    clock(note_no_gain, ws, champions[p.name], t.reason)
             else:
                 outcome = _evaluate_gate_promote(
                     p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock, base
@@ -461,6 +468,7 @@ def train(
         training.checkpoint_every,
         run_dir / _parents_tag(parents),
         training.dry_run,
+        training.continuation,
     )
     bounds = checks.rollouts.model_copy(
         update={
@@ -485,7 +493,7 @@ def train(
         for name, got in result.correct.items():
             first.setdefault(name, got)
             last[name] = got
-            if plateaus[name].add(result.step, result.score(name)):
+            if plateaus[name].add(result.step, result.score(name), got):
                 stopping.append(name)
                 log.info(
                     "%s stops after step %d: %s", name, result.step, plateaus[name].reason(training.steps)
@@ -557,7 +565,7 @@ def train(
         went[p.name] = Trained(
             steps=done,
             reason=reason,
-            exported=plateau is None or not plateau.stopped or plateau.gained,
+            exported=plateau is None or plateau.exportable,
             probe=plateau.points if plateau else [],
             probe_gain=gain,
             probe_p=p_value,
@@ -593,6 +601,9 @@ def train(
         if early is not None:
             params["early_stop"] = early.model_dump_json()
             params["probe"] = json.dumps([[q.step, q.score] for q in went[p.name].probe])
+        if parents[p.name] is not None:
+            # how it continued from its champion (also in `policy`: rate_scale, warmup_steps)
+            params["continuation"] = training.continuation.model_dump_json()
         if overridden[p.name]:
             # `policy` is what trained (what retraining reads back); the form asked for this
             params["form_policy"] = p.spec.model_dump_json()

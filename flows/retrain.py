@@ -46,6 +46,7 @@ from mint_core.registry.mlflow_registry import Registry
 from mint_core.registry.reader import Revision
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import RETRY_DELAYS, transient
+from tasks.registry import NO_GAIN_TAG
 from tasks.training import EarlyStop
 
 RETRAIN_STEPS = 100
@@ -86,7 +87,9 @@ class PolicyReport(BaseModel):
     stop_reason: str | None = None
     """Why its training ended, or why it was skipped."""
     rejected_before: int = 0
-    """Its candidates rejected in a row before tonight."""
+    """Its attempts from its champion that failed before tonight: candidates rejected in a row, and waves early
+    stopping ended without a gain (`no_gain_waves`). From `EarlyStop.after_rejections` of them on, one probe
+    interval decides whether it trains on."""
 
 
 class RetrainReport(BaseModel):
@@ -117,7 +120,7 @@ def champions_to_retrain(ws: Workspace, names: list[str] | None) -> tuple[list[P
         if spec is None:
             skipped.append(Skipped(policy=name, reason=f"{rev.address} has no training run naming its spec"))
             continue
-        rejected = rejected_in_a_row(reg, name, rev)
+        rejected = rejected_in_a_row(reg, name, rev) + no_gain_waves(rev)
         runs.append(PolicyRun(spec=PolicySpec.model_validate_json(spec), rejected=rejected))
     return runs, skipped
 
@@ -140,6 +143,15 @@ def rejected_in_a_row(reg: Registry, policy: str, champ: Revision) -> int:
             break
         n += 1
     return n
+
+
+def no_gain_waves(champ: Revision) -> int:
+    """How many waves from the champion early stopping ended without a gain (its `NO_GAIN_TAG`): failed
+    attempts that made no version, counted with the rejected ones."""
+    try:
+        return int(json.loads(champ.tags.get(NO_GAIN_TAG, "{}")).get("count", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0
 
 
 def _policies_of(parameters: dict[str, Any]) -> set[str]:
@@ -243,7 +255,7 @@ def report_markdown(rows: list[PolicyReport]) -> str:
     lines = [
         "### Retrain",
         "",
-        "| policy | status | gain | p | on | steps | rejected before | why it stopped |",
+        "| policy | status | gain | p | on | steps | failed before | why it stopped |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:

@@ -4,6 +4,7 @@ gate it, and move `champion` (promote, rollback) with an undo for the transactio
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from typing import Any
 
@@ -101,6 +102,26 @@ def export(
     ref = RevisionRef.of(rev)
     ref.work_s = time.perf_counter() - t0
     return ref
+
+
+NO_GAIN_TAG = "mint.no_gain"
+"""On a champion version: how many waves from it in a row early stopping ended without a gain (nothing exported,
+so no version records them), `{"count": n, "last": reason}`. Retraining counts them with the rejected candidates
+(`flows.retrain.failed_in_a_row`)."""
+
+
+@task(cache_policy=NO_CACHE, **_RETRY)
+def note_no_gain(ws: Workspace, champ: RevisionRef, reason: str) -> int:
+    """Count one more wave from `champ` that stopped without a gain, on its version's `NO_GAIN_TAG`; returns
+    the count."""
+    reg = ws.registry()
+    rev = reg.revision(champ.policy, champ.version)
+    try:
+        count = int(json.loads(rev.tags.get(NO_GAIN_TAG, "{}")).get("count", 0)) + 1
+    except (ValueError, AttributeError, TypeError):
+        count = 1
+    reg.set_tag(champ.policy, champ.version, NO_GAIN_TAG, json.dumps({"count": count, "last": reason[:4000]}))
+    return count
 
 
 @task(cache_policy=NO_CACHE, **_RETRY)

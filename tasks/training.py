@@ -37,7 +37,7 @@ from mint_core.eval.suites import check_eval
 from mint_core.lifecycle import LifecycleError, Workspace, fault, load_prompts, round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import TrainingRun, dry_run_rewards, load_trainer
+from mint_core.rl.recipe import Continuation, TrainingRun, dry_run_rewards, load_trainer
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import PolicySpec
 from tasks.common import Timed, artifact_key
@@ -180,12 +180,14 @@ def start_training(
     checkpoint_every: int,
     checkpoint_dir: Path,
     dry_run: int = 0,
+    continuation: Continuation | None = None,
 ) -> TrainingRun:
-    """Load the base, put every policy's parent (digest; None: fresh) in its slot, resume from a checkpoint;
-    before a first step, the reward's dry run on `dry_run` prompts per policy (`recipe.dry_run_rewards`)."""
+    """Load the base, put every policy's parent (digest; None: fresh) in its slot, with the `continuation`
+    recipe for those that have one, resume from a checkpoint; before a first step, the reward's dry run on
+    `dry_run` prompts per policy (`recipe.dry_run_rewards`)."""
     store = ws.registry().store
     dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
-    trainer = load_trainer(ws.base, specs, grpo, seed, dirs, device=ws.device)
+    trainer = load_trainer(ws.base, specs, grpo, seed, dirs, device=ws.device, continuation=continuation)
     run = TrainingRun.start(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every)
     if dry_run and trainer.steps == 0:
         dry_run_rewards(trainer, prompts, dry_run)
@@ -263,6 +265,11 @@ class EarlyStop(BaseModel):
     `add` and `reverse` first revisions gained +0.062 (p 0.06) and +0.016 on their suites against +0.084 and
     +0.056 (both promoted) when trained to step 100."""
 
+    fall_p: float = Field(0.05, gt=0.0, le=1.0)
+    """A policy whose probe falls below its first (its champion's, for a continuation) beyond noise, the paired
+    change on the same items negative at exact McNemar p below this, stops at once and is not exported, evaluated
+    or gated, whatever it gained before."""
+
     def patience_for(self, rejected: int) -> int:
         return 1 if rejected >= self.after_rejections else self.patience
 
@@ -279,12 +286,18 @@ class Plateau:
     `gained` once its best beat its first that way. After `patience` probes in a row without a rise, a policy
     that has not gained stops ("no gain"), and with `stop_after_gain` one that has gained too ("plateau")."""
 
-    def __init__(self, min_delta: float, patience: int, stop_after_gain: bool = False):
-        if patience < 1 or min_delta < 0:
-            raise ValueError(f"patience {patience} must be >= 1 and min_delta {min_delta} >= 0")
+    def __init__(self, min_delta: float, patience: int, stop_after_gain: bool = False, fall_p: float = 0.05):
+        if patience < 1 or min_delta < 0 or not 0 < fall_p <= 1:
+            raise ValueError(
+                f"patience {patience} must be >= 1, min_delta {min_delta} >= 0 and fall_p {fall_p} in (0, 1]"
+            )
         self.min_delta = min_delta
         self.patience = patience
         self.stop_after_gain = stop_after_gain
+        self.fall_p = fall_p
+        self._first_correct: list[bool] | None = None
+        self.fell: tuple[float, float] | None = None
+        """(change, p) of the probe that fell below the first beyond noise and stopped the policy; None: none."""
         self.points: list[ProbePoint] = []
         self.best: ProbePoint | None = None
         self.waited = 0
@@ -293,14 +306,25 @@ class Plateau:
     @classmethod
     def of(cls, config: EarlyStop, rejected: int = 0) -> Plateau:
         """The rule `config` sets for a policy whose last `rejected` candidates were rejected."""
-        return cls(config.min_delta, config.patience_for(rejected), config.stop_after_gain)
+        return cls(config.min_delta, config.patience_for(rejected), config.stop_after_gain, config.fall_p)
 
-    def add(self, step: int, score: float) -> bool:
-        """Record the probe after `step` steps; True when the policy stops here."""
+    def add(self, step: int, score: float, correct: list[bool] | None = None) -> bool:
+        """Record the probe after `step` steps; True when the policy stops here. `correct`: the probe item by
+        item, the same items each time; with it, a probe that falls below the first beyond noise (`fall_p`)
+        stops the policy at once."""
         if self.stopped_at is not None:
             raise ValueError(f"stopped at step {self.stopped_at}: no more probes")
         point = ProbePoint(step=step, score=score)
         self.points.append(point)
+        if correct is not None:
+            if self._first_correct is None:
+                self._first_correct = list(correct)
+            elif len(correct) == len(self._first_correct):
+                change, p = probe_gain(self._first_correct, correct)
+                if change < 0 and p < self.fall_p:
+                    self.fell = (change, p)
+                    self.stopped_at = step
+                    return True
         if self.best is None or self._rises(score, self.best.score):
             self.best, self.waited = point, 0
         else:
@@ -321,6 +345,12 @@ class Plateau:
         return self.points[0] if self.points else None
 
     @property
+    def exportable(self) -> bool:
+        """Whether its adapter goes on to export and the gate: it trained to the end, or stopped after a gain
+        without falling below its start."""
+        return not self.stopped or (self.gained and self.fell is None)
+
+    @property
     def gained(self) -> bool:
         """Whether the best probe rose `min_delta` over the first."""
         return (
@@ -337,6 +367,12 @@ class Plateau:
         curve = f"probe {first.score:.3f} at step {first.step}, best {best.score:.3f} at step {best.step}"
         if self.stopped_at is None:
             return f"finished: all {steps} steps ({curve}, {last.score:.3f} at the end)"
+        if self.fell is not None:
+            change, p = self.fell
+            return (
+                f"fell: probe {first.score:.3f} at step {first.step}, {last.score:.3f} at step {last.step} "
+                f"({change:+.3f}, p {p:.2g} < {self.fall_p:g}): below where it started, not exported"
+            )
         flat = f"no rise of {self.min_delta:g} in {self.patience} probe(s) to step {self.stopped_at}"
         if self.gained:
             return f"plateau: {curve}; {flat}"

@@ -48,7 +48,14 @@ from mint_core.engine.logprobs import selected_logprobs
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, PolicyState, StepStats, _Batch
+from mint_core.rl.trainer import (
+    MultiPolicyTrainer,
+    PolicySpec,
+    PolicyState,
+    StepStats,
+    _Batch,
+    warmup_factor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +320,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
             [
                 {
                     "params": self.module.params_of(name),
-                    "lr": p.spec.learning_rate or config.learning_rate,
+                    "lr": (p.spec.learning_rate or config.learning_rate) * p.spec.rate_scale,
                     "policy": name,
                 }
                 for name, p in self.policies.items()
@@ -350,7 +357,9 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
         """One forward/backward under the DeepSpeed engine, one optimizer step per policy with kept tokens, at
         `lr_scale` times each policy's learning rate."""
         for group in self.optimizer.param_groups:
-            group["lr"] = group.setdefault("base_lr", group["lr"]) * lr_scale
+            p = self.policies[group["policy"]]
+            warm = warmup_factor(p.spec.warmup_steps, p.optimizer_steps)
+            group["lr"] = group.setdefault("base_lr", group["lr"]) * lr_scale * warm
         batch = self._batch(rows)
         ref, ref_rows = self._reference(batch)
         with torch.enable_grad(), self.engine._forward_lock:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from mint_core.data.rewards import dry_run, override_spec
 from mint_core.data.tasks import Example
 from mint_core.engine.base import load_base
@@ -108,11 +110,37 @@ keeps gaining, `add` does not (see `BUILTIN_TASK_RANKS`). About 0.5 s a step for
 machine."""
 
 
+CONTINUE_RATE_SCALE = 0.25
+"""A continuation's share of its first revision's rate (`Continuation.rate_scale`)."""
+
+CONTINUE_WARMUP = 10
+"""A continuation's warmup, in steps (`Continuation.warmup_steps`)."""
+
+
 STEP_METRICS = ("reward_std", "no_signal", "pg_objective", "kl", "entropy", "clip_frac", "grad_norm")
 """What a step adds to the curve per policy beside its reward and loss (None where it took no update):
 the spread of its rollout rewards, the share of its groups with no signal (all rewards equal), the clipped
 surrogate objective, the k3 KL to the base, the mean -logprob of its sampled tokens (its entropy, estimated),
 the share of clipped tokens and its gradient's norm before clipping (mint_core.rl.grpo, .trainer)."""
+
+
+class Continuation(BaseModel):
+    """How a policy trains when it continues from its champion rather than from a fresh adapter (issue #33).
+
+    A continuation starts from the exported adapter alone: a PEFT revision carries no optimizer state, so AdamW's
+    moments start again, and its first steps move every weight by about the full rate whatever the gradient
+    (`benchmarks/continuation_diagnosis.py`: at the first revision's rate, the first continuation updates were
+    larger than the first wave's, a quarter to a third of the champion's greedy answers changed within 10 steps,
+    and the probe fell 0.628 -> 0.566). So a continuation trains at `rate_scale` of the rate, warmed up over its
+    first `warmup_steps` steps, and decays linearly as a first revision does. Recorded on the MLflow run (the
+    `policy` parameter's `rate_scale` and `warmup_steps`, and `continuation`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate_scale: float = Field(CONTINUE_RATE_SCALE, gt=0.0, le=1.0)
+    """Share of the policy's rate a continuation trains at (`PolicySpec.rate_scale`)."""
+    warmup_steps: int = Field(CONTINUE_WARMUP, ge=0)
+    """Steps over which a continuation's rate ramps up from 1/(w+1) of it (`PolicySpec.warmup_steps`)."""
 
 
 class ResumeError(MintError):
@@ -130,15 +158,25 @@ def parent_rank(parent: Path) -> int | None:
 
 
 def continue_spec(
-    spec: PolicySpec, parent: AdapterWeights, sites: dict[str, Site], learning_rate: float
+    spec: PolicySpec,
+    parent: AdapterWeights,
+    sites: dict[str, Site],
+    learning_rate: float,
+    continuation: Continuation | None = None,
 ) -> PolicySpec:
     """The spec a policy trains with when it continues from its parent revision: the parent's rank, alpha and
-    targets (its tensors fix them), whatever `spec` asks for. Where the rank changes, the policy's rate (its
-    own, else the run's `learning_rate`) is scaled by sqrt(spec.rank / parent.rank), as `builtin_spec` scales
-    the rate for a rank: a form at rank 8 and the run's rate continues a rank-32 champion at half that rate,
-    the rate `builtin_spec` gives rank 32."""
+    targets (its tensors fix them), whatever `spec` asks for, and the continuation recipe's rate share and
+    warmup (`Continuation`; set, not compounded, so a spec read back from a continued champion gets the same).
+    Where the rank changes, the policy's rate (its own, else the run's `learning_rate`) is scaled by
+    sqrt(spec.rank / parent.rank), as `builtin_spec` scales the rate for a rank: a form at rank 8 and the run's
+    rate continues a rank-32 champion at half that rate, the rate `builtin_spec` gives rank 32."""
     targets = list(dict.fromkeys(sites[n].short for n in sites if n in parent.tensors))
+    cont = continuation or Continuation()
     update: dict[str, Any] = {}
+    if spec.rate_scale != cont.rate_scale:
+        update["rate_scale"] = cont.rate_scale
+    if spec.warmup_steps != cont.warmup_steps:
+        update["warmup_steps"] = cont.warmup_steps
     if set(targets) != set(spec.targets):
         update["targets"] = targets
     if parent.alpha != spec.alpha:
@@ -150,10 +188,15 @@ def continue_spec(
     return spec.model_copy(update=update)
 
 
+CONTINUATION_FIELDS = ("rate_scale", "warmup_steps")
+"""The spec fields a continuation sets from its recipe (`Continuation`), whatever a form asked."""
+
+
 def spec_changes(asked: PolicySpec, trained: PolicySpec) -> list[str]:
-    """What a policy trains with that its spec did not ask for, one "field: asked -> trained" each."""
+    """What its parent made a policy train with that its spec did not ask for, one "field: asked -> trained"
+    each; not the continuation recipe's fields (`CONTINUATION_FIELDS`), which every continuation sets."""
     a, t = asked.model_dump(), trained.model_dump()
-    return [f"{k}: {a[k]} -> {t[k]}" for k in a if a[k] != t[k]]
+    return [f"{k}: {a[k]} -> {t[k]}" for k in a if a[k] != t[k] and k not in CONTINUATION_FIELDS]
 
 
 def load_trainer(
@@ -164,10 +207,12 @@ def load_trainer(
     parents: dict[str, Path | None] | None = None,
     deepspeed: Path | None = None,
     device: str = "cpu",
+    continuation: Continuation | None = None,
 ) -> MultiPolicyTrainer:
     """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
     parent revision (a directory) continues from it with the parent's rank, alpha and targets, whatever its spec
-    says (`continue_spec`; a warning names what the parent overrode); the engine's slots are sized for the
+    says, at the `continuation` recipe's rate share and warmup (`continue_spec`; a warning names what the parent
+    and the recipe overrode); the engine's slots are sized for the
     largest rank of the parents and the fresh policies' specs. With a DeepSpeed config the process joins
     DeepSpeed's group, loads the base where its rank trains (its own GPU; `device` is not used), and the trainer
     is a `DeepSpeedTrainer`."""
@@ -191,7 +236,7 @@ def load_trainer(
             continue
         weights = read_adapter(parent, engine.spec, name=spec.name)
         engine.add_adapter(spec.name, weights)
-        cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate)
+        cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate, continuation)
         changed = spec_changes(spec, cont)
         if changed:
             logger.warning("%s continues from its parent at %s: %s", spec.name, parent, "; ".join(changed))

@@ -116,6 +116,13 @@ class PolicySpec(BaseModel):
     """Share of its training prompts drawn from the other built-in tasks' train splits (each scored with its own
     task's reward), so the adapter keeps answering them as the base did: what the gate's per-task guards check.
     0: its own task only."""
+    rate_scale: float = Field(1.0, gt=0.0, le=1.0)
+    """Multiplier on its learning rate (its own, else the run's). 1 for a first revision; a continuation from a
+    champion trains at the continuation recipe's share of the rate (`mint_core.rl.recipe.Continuation`)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Its learning rate ramps up linearly over its first this many AdamW steps of the run, (k + 1) / (w + 1) at
+    step k, while its moments are new: AdamW's first steps move every weight by about the full rate whatever the
+    gradient's size. 0 for a first revision from a zero B; a continuation warms up (`Continuation`)."""
 
     @field_validator("reward")
     @classmethod
@@ -144,6 +151,12 @@ class PolicyState:
         return self.spec.alpha / self.spec.rank
 
 
+def warmup_factor(warmup_steps: int, step: int) -> float:
+    """The learning rate's multiplier at a policy's AdamW step `step` (0-based) of a warmup over `warmup_steps`:
+    (step + 1) / (warmup_steps + 1) while step < warmup_steps, then 1."""
+    return 1.0 if step >= warmup_steps else (step + 1) / (warmup_steps + 1)
+
+
 class SlotAdamW:
     """AdamW on each policy's own slot of the multi-LoRA banks: `torch.optim.AdamW` (fused) whose parameters
     are views of the slots, so a step writes the banks in place.
@@ -162,12 +175,15 @@ class SlotAdamW:
         # policy -> site -> (A view, B view) of its slot
         self.views: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         groups: list[dict[str, object]] = []
+        self.warmups: list[PolicyState] = []
+        """The policy of each param group, in order (two groups each), for its warmup."""
         for p in policies:
-            lr = p.spec.learning_rate or config.learning_rate
+            lr = (p.spec.learning_rate or config.learning_rate) * p.spec.rate_scale
             views = {s: (banks[s].A.data[p.slot], banks[s].B.data[p.slot]) for s in p.sites}
             self.views[p.spec.name] = views
             groups.append({"params": [A for A, _ in views.values()], "lr": lr})
             groups.append({"params": [B for _, B in views.values()], "lr": lr * p.scale})
+            self.warmups += [p, p]
         self.base_lrs = [float(g["lr"]) for g in groups]  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(
             groups,
@@ -184,8 +200,8 @@ class SlotAdamW:
         each one's learning rate; the global norm of each stepping policy's gradient, before clipping."""
         stepping = [p for p in policies if all(self._has_grad(s) for s in p.sites)]
         norms: dict[str, float] = {}
-        for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = lr * lr_scale
+        for group, lr, p in zip(self.optimizer.param_groups, self.base_lrs, self.warmups, strict=True):
+            group["lr"] = lr * lr_scale * warmup_factor(p.spec.warmup_steps, p.optimizer_steps)
         try:
             for p in stepping:
                 params = []

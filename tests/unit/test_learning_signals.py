@@ -3,6 +3,7 @@ each round's own prompts and seed (issue #16's "learning you can see" and "every
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.recipe import STEP_METRICS, TrainingRun
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, warmup_factor
 
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
 
@@ -163,6 +164,29 @@ def test_a_decaying_run_steps_at_the_scheduled_rate(make_engine, tmp_path: Path)
     assert seen == [1.0, 0.75, 0.5, 0.25]
     groups = trainer.adamw.optimizer.param_groups
     assert [g["lr"] for g in groups] == pytest.approx([lr * 0.25 for lr in trainer.adamw.base_lrs])
+
+
+def test_a_continuation_warms_up_at_its_share_of_the_rate(make_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`rate_scale` and `warmup_steps` set each policy's own rate, step by step of its own AdamW steps, on top
+    of the run's schedule; a policy without them keeps the run's rate."""
+    engine = make_engine("dense", seed=0, max_loras=2, max_lora_rank=4)
+    specs = [
+        PolicySpec(name="adder", task="add", rank=4, alpha=8, rate_scale=0.25, warmup_steps=3),
+        PolicySpec(name="plain", task="add", rank=4, alpha=8),
+    ]
+    trainer = MultiPolicyTrainer(engine, CFG, specs, seed=0)
+    assert [warmup_factor(3, k) for k in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    lr = CFG.learning_rate
+    adder_A, plain_A = (trainer.adamw.base_lrs[i] for i in (0, 2))
+    assert (adder_A, plain_A) == pytest.approx((0.25 * lr, lr))
+    seen = []
+    for _ in range(4):
+        rows = _rows(trainer, [[1.0, 0.0, 0.0, 1.0]])
+        rows += [dataclasses.replace(r, policy="plain", group=1) for r in rows]
+        trainer.update(rows, lr_scale=0.5)
+        seen += [g["lr"] for g in trainer.adamw.optimizer.param_groups[::2]]
+    want = [[0.5 * adder_A * f, 0.5 * plain_A] for f in (0.25, 0.5, 0.75, 1.0)]
+    assert seen == pytest.approx([x for pair in want for x in pair])
 
 
 def test_mint_train_refuses_an_unknown_task_before_any_work(tmp_path: Path) -> None:

@@ -17,7 +17,14 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.rl.checkpoints import checkpoints
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.recipe import ResumeError, TrainingRun, continue_spec, load_trainer, spec_changes
+from mint_core.rl.recipe import (
+    Continuation,
+    ResumeError,
+    TrainingRun,
+    continue_spec,
+    load_trainer,
+    spec_changes,
+)
 from mint_core.rl.trainer import PolicySpec
 
 GRPO = GRPOConfig(
@@ -174,7 +181,24 @@ def test_continue_spec_takes_the_parents_rank_and_scales_the_rate(
     parent = random_adapter(base.sites, TARGETS, 32, alpha=64, seed=0, base_fingerprint=base.fingerprint)
     asked = PolicySpec(name="add", task="add", **spec)  # type: ignore[arg-type]
     got = continue_spec(asked, parent, base.sites, learning_rate=1e-2)
-    want = asked.model_copy(update=expected)
+    recipe = Continuation()
+    want = asked.model_copy(
+        update=expected | {"rate_scale": recipe.rate_scale, "warmup_steps": recipe.warmup_steps}
+    )
     assert got.learning_rate == pytest.approx(want.learning_rate), case
     assert got.model_dump(exclude={"learning_rate"}) == want.model_dump(exclude={"learning_rate"}), case
     assert spec_changes(asked, got) == [f"{k}: {getattr(asked, k)} -> {getattr(got, k)}" for k in expected]
+
+
+def test_a_continuation_sets_its_recipe_without_compounding(base_dir: Path) -> None:
+    """The continuation recipe's rate share and warmup are set on the spec, not multiplied: a champion that
+    was itself a continuation (its recorded spec already has them) continues at the same share."""
+    base = load_base(base_dir)
+    parent = random_adapter(base.sites, TARGETS, 8, alpha=16, seed=0, base_fingerprint=base.fingerprint)
+    first = PolicySpec(name="add", task="add", rank=8, alpha=16)
+    recipe = Continuation(rate_scale=0.5, warmup_steps=4)
+    once = continue_spec(first, parent, base.sites, 1e-3, recipe)
+    twice = continue_spec(once, parent, base.sites, 1e-3, recipe)
+    assert (once.rate_scale, once.warmup_steps) == (0.5, 4) and twice == once
+    assert once.learning_rate is None  # the rank is the parent's: no rate of its own
+    assert spec_changes(first, once) == []  # the recipe is recorded on its own, not as the parent's override

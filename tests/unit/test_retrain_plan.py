@@ -20,6 +20,7 @@ from flows.retrain import (
     RETRAIN_TRAINING,
     PolicyReport,
     Skipped,
+    no_gain_waves,
     policy_reports,
     rejected_in_a_row,
     report_markdown,
@@ -32,6 +33,7 @@ from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.suites import build_suite_data
 from mint_core.lifecycle import round_seed
 from mint_core.rl.trainer import PolicySpec
+from tasks.registry import NO_GAIN_TAG
 from tasks.training import EarlyStop, Plateau, ProbeLog, ProbeResult, probe_gain, validate_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +84,26 @@ def test_by_default_only_a_policy_without_gain_stops() -> None:
         Plateau.of(EarlyStop(), rejected=2).patience == 1
         and Plateau.of(EarlyStop(), rejected=1).patience == 3
     )
+
+
+def test_a_probe_that_falls_below_its_start_beyond_noise_stops_at_once() -> None:
+    """A continuation whose probe falls below its champion's (paired, McNemar p < fall_p) stops at that probe,
+    even after a rise, and is not exported; a fall within noise does not stop it."""
+    start = [True] * 64 + [False] * 64
+    rule = Plateau.of(EarlyStop(fall_p=0.05))
+    rule.add(0, 0.5, start)
+    noisy = [True] * 61 + [False] * 67  # 3 items lost: p 0.25
+    assert not rule.add(10, 61 / 128, noisy) and rule.fell is None and rule.exportable
+    fallen = [True] * 52 + [False] * 76  # 12 lost: p 5e-4
+    assert rule.add(20, 52 / 128, fallen) and rule.stopped_at == 20
+    assert not rule.exportable and rule.fell is not None and rule.fell[1] < 0.05
+    assert rule.reason(100).startswith("fell: probe 0.500 at step 0, 0.406 at step 20 (-0.094, p ")
+    risen = Plateau.of(EarlyStop(fall_p=0.05))
+    risen.add(0, 0.5, start)
+    risen.add(10, 0.6, [True] * 77 + [False] * 51)
+    assert risen.gained and risen.add(20, 52 / 128, fallen) and not risen.exportable
+    scores_only = Plateau.of(EarlyStop(fall_p=0.05))  # without items, only the plateau rule
+    assert not scores_only.add(0, 0.5) and not scores_only.add(10, 0.3)
 
 
 def test_a_rise_must_reach_min_delta_over_the_best_so_far() -> None:
@@ -276,6 +298,15 @@ def test_rejected_in_a_row(
 ) -> None:
     reg = SimpleNamespace(revisions=lambda policy: [_rev(v, p) for v, p in versions])
     assert rejected_in_a_row(reg, "p", SimpleNamespace(version=champion)) == expected, case  # type: ignore[arg-type]
+
+
+def test_waves_stopped_without_gain_count_as_failed_attempts() -> None:
+    """A wave that early stopping ended without a gain makes no version; the champion's `mint.no_gain` tag
+    counts it, and a malformed tag counts nothing."""
+    champ = SimpleNamespace(tags={NO_GAIN_TAG: json.dumps({"count": 2, "last": "no gain: ..."})})
+    assert no_gain_waves(champ) == 2  # type: ignore[arg-type]
+    assert no_gain_waves(SimpleNamespace(tags={})) == 0  # type: ignore[arg-type]
+    assert no_gain_waves(SimpleNamespace(tags={NO_GAIN_TAG: "not json"})) == 0  # type: ignore[arg-type]
 
 
 def test_the_report_says_per_policy_gain_p_steps_and_why() -> None:
