@@ -231,7 +231,7 @@ def sequential(steps: list[Any], n: int) -> float:
     """Steps/s of the clients run one after another, `n` steps each. Between two clients the benchmark pauses
     (untimed) until the previous one no longer counts as training, so no step of the baseline waits the batching
     window for a client that will not come."""
-    from mint_core.serving.tinker.service import ACTIVE_S
+    from mint_core.tinker.service import ACTIVE_S
 
     total = 0.0
     for step in steps:
@@ -270,8 +270,8 @@ class InProcess:
         from mint_core.registry.store import AdapterStore
         from mint_core.serving.app import load_serving_base
         from mint_core.serving.config import ServingConfig
-        from mint_core.serving.tinker.service import AdamStep, TinkerService
-        from mint_core.serving.tinker.wire import Datum
+        from mint_core.tinker.service import AdamStep, TinkerService
+        from mint_core.tinker.wire import Datum
 
         tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-inproc-"))
         base = load_serving_base(ServingConfig(base=args.base))

@@ -349,6 +349,7 @@ def serve(
     """Serve the base and its adapters over the OpenAI/vLLM HTTP contract (settings: file, then MINT_SERVE_*)."""
     from mint_core.serving.app import serve as run_server
     from mint_core.serving.config import ServingConfig
+    from mint_core.tinker.mount import build_app
 
     if device is not None:
         _check_device(device)  # before the settings file is read, which would name the field, not the flag
@@ -378,7 +379,7 @@ def serve(
         shown = "the configured keys" if configured else f"generated key {key}"
         console.print(f"Tinker training API at http://{cfg.host}:{cfg.port} (api_key: {shown})")
     try:
-        run_server(cfg)
+        run_server(cfg, build_app)  # serving's app, the Tinker API mounted on it
     except BaseError as e:  # the base cannot be served: said plainly, before anything loads
         console.print(f"[red]{e}[/]", soft_wrap=True)
         raise typer.Exit(1) from None

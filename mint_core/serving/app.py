@@ -8,7 +8,8 @@ Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one
   GET  /health, GET /metrics
   POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
   PUT/DELETE/GET /v1/mint/canary/{name}, POST /v1/feedback                 (canary splits, scores: routes/canary.py)
-  /api/v1/...  Tinker's training API (the `tinker` SDK), on by default (`tinker`): see serving/tinker/routes.py
+The Tinker training API (/api/v1/...) is not served from here: `mint_core.tinker.mount.build_app` builds this app
+and mounts it (`mint serve` does), so serving never imports the training API that sits above it.
 A /v1 body over `max_body_bytes` is refused with 413 before it is parsed (serving/body_limit.py).
 Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's types and codes; a field out
 of its range is a 400 whose `param` names it (protocol.invalid_request).
@@ -20,7 +21,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
@@ -115,12 +116,13 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
         server.loop.start()
         logger.info("serving %s with %d adapter slots", base_name, engine.config.max_loras)
         yield
-        if tinker is not None:
-            await run_in_threadpool(tinker.close)
+        for close in app.state.on_close:  # what was mounted on the app stops before the engine loop does
+            await run_in_threadpool(close)
         await run_in_threadpool(server.close)  # finish what is queued and running
 
     app = FastAPI(title="mint", lifespan=lifespan)
     app.state.server = server
+    app.state.on_close = []  # callables run at shutdown, before the server closes (a mounted API's own close)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
     app.state.canary, app.state.auth = CanaryState(), server
@@ -132,11 +134,6 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     )
     for routes in (completions, models, health, extensions, canary):
         app.include_router(routes.router)
-    tinker = None
-    if config.tinker:
-        from mint_core.serving.tinker.mount import mount
-
-        tinker = mount(app, server, config)
     return app
 
 
@@ -175,8 +172,9 @@ def _count(server: Server, path: str, model: object, status: int) -> None:
         server.metrics.refused(server.model_label(model), status)
 
 
-def serve(config: ServingConfig) -> None:
-    app = build_app(config)
+def serve(config: ServingConfig, build: Callable[[ServingConfig], FastAPI] = build_app) -> None:
+    """Run the app that `build` makes from `config` (`mint serve` passes the one with the Tinker API mounted)."""
+    app = build(config)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=30

@@ -22,9 +22,9 @@ from mint_core.engine.base import build_tiny_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.registry.store import AdapterStore
-from mint_core.serving.tinker import losses
-from mint_core.serving.tinker.mount import QuietPolls
-from mint_core.serving.tinker.service import (
+from mint_core.tinker import losses
+from mint_core.tinker.mount import QuietPolls
+from mint_core.tinker.service import (
     AdamStep,
     Futures,
     TinkerError,
@@ -32,7 +32,7 @@ from mint_core.serving.tinker.service import (
     TrainModel,
     read_keys,
 )
-from mint_core.serving.tinker.wire import (
+from mint_core.tinker.wire import (
     Datum,
     Sampled,
     read_forward_backward,
@@ -577,7 +577,7 @@ def test_the_wire_format_round_trips_with_the_sdks_own_encoders_and_decoders() -
 
 def test_round_size_history_stays_bounded() -> None:
     """A long-running server keeps only the newest round sizes, never an ever-growing list."""
-    from mint_core.serving.tinker.service import HISTORY, _record
+    from mint_core.tinker.service import HISTORY, _record
 
     history: list[int] = []
     for i in range(HISTORY + 1):

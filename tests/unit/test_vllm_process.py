@@ -330,7 +330,7 @@ def test_mint_serve_takes_the_backend_flag(monkeypatch: pytest.MonkeyPatch, tmp_
     import mint_core.serving.app
 
     got: list[ServingConfig] = []
-    monkeypatch.setattr(mint_core.serving.app, "serve", got.append)
+    monkeypatch.setattr(mint_core.serving.app, "serve", lambda config, build: got.append(config))
     monkeypatch.setenv("MINT_SERVE_VLLM_URL", "http://127.0.0.1:18125")
     out = CliRunner().invoke(app, ["serve", "--backend", "vllm", "--adapter-root", str(tmp_path)])
     assert out.exit_code == 0, out.output

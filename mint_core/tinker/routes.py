@@ -33,8 +33,8 @@ from tinker import types
 from mint_core.engine.sampling import SamplingParams
 from mint_core.serving.protocol import APIError
 from mint_core.serving.server import Server
-from mint_core.serving.tinker.service import AdamStep, Result, TinkerError, TinkerService
-from mint_core.serving.tinker.wire import (
+from mint_core.tinker.service import AdamStep, Result, TinkerError, TinkerService
+from mint_core.tinker.wire import (
     PROTO,
     Sampled,
     WireError,
@@ -293,7 +293,7 @@ async def load_weights(request: Request) -> Any:
 
 
 def _attn() -> frozenset[str]:
-    from mint_core.serving.tinker.service import ATTN
+    from mint_core.tinker.service import ATTN
 
     return ATTN
 

@@ -1,4 +1,7 @@
-"""Mount Tinker's training API on the embedded server's app: the same process, engine and base as `mint serve`."""
+"""Mount Tinker's training API on the embedded server's app: the same process, engine and base as `mint serve`.
+
+The training API sits above serving: it builds serving's app and adds its routes, so serving never imports it.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mint_core.engine.base import Base
+from mint_core.serving import app as serving_app
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.server import Server
-from mint_core.serving.tinker import routes
-from mint_core.serving.tinker.service import Checkpoint, TinkerError, TinkerService, TrainModel, read_keys
+from mint_core.tinker import routes
+from mint_core.tinker.service import Checkpoint, TinkerError, TinkerService, TrainModel, read_keys
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +101,15 @@ def registrar(config: ServingConfig, server: Server) -> Registrar | None:
     return Registrar(config, server) if config.tinker_registry_uri else None
 
 
+def build_app(config: ServingConfig, base: Base | None = None) -> FastAPI:
+    """Serving's app for `config`, with the Tinker API mounted when it is on (`tinker`) and the engine runs in
+    this process (the front of a vLLM server trains nothing)."""
+    app = serving_app.build_app(config, base)
+    if config.tinker and config.backend == "mint":
+        mount(app, app.state.server, config)
+    return app
+
+
 def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
     keys = read_keys(config.tinker_keys().get_secret_value(), config.tinker_api_keys_file)
     if not keys:
@@ -122,6 +136,7 @@ def mount(app: FastAPI, server: Server, config: ServingConfig) -> TinkerService:
     if not any(isinstance(f, QuietPolls) for f in access.filters):
         access.addFilter(QuietPolls())
     app.state.tinker = svc
+    app.state.on_close.append(svc.close)
     app.state.tinker_tasks = set()
     app.add_exception_handler(TinkerError, _tinker_error)  # type: ignore[arg-type]
     app.include_router(routes.router)

@@ -59,8 +59,8 @@ from mint_core.engine.logprobs import selected_logprobs
 from mint_core.errors import AdapterError, MintError
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.registry.store import AdapterStore
-from mint_core.serving.tinker import losses
-from mint_core.serving.tinker.wire import Datum, write_forward_backward_output
+from mint_core.tinker import losses
+from mint_core.tinker.wire import Datum, write_forward_backward_output
 from mint_core.types import Digest
 
 logger = logging.getLogger(__name__)
