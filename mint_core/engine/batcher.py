@@ -12,7 +12,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -22,7 +22,11 @@ from mint_core.engine.sampling import choose_tokens
 from mint_core.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from mint_core.engine.engine import Engine
+    import threading
+
+    from mint_core.engine.base import Base
+    from mint_core.engine.working_set import WorkingSet
+    from mint_core.lora.layers import LoRAModel
 
 logger = logging.getLogger(__name__)
 # Process-wide, so two batchers (or one after another) never share a key.
@@ -38,8 +42,23 @@ def _top(logp: torch.Tensor, k: int, lse: torch.Tensor | None = None) -> list[di
     return [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
+class Resident(Protocol):
+    """What a batcher runs on: the resident base with its LoRA layers and working set, the lock every forward
+    takes, and the tokenizer's pad, ends and decoding. `Engine` is one; the batcher names what it uses rather than
+    importing the engine that imports it."""
+
+    base: Base
+    lora: LoRAModel
+    working_set: WorkingSet
+    _forward_lock: threading.Lock
+    pad_id: int
+    eos_ids: frozenset[int]
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 class Batcher:
-    def __init__(self, engine: Engine, on_finish: Callable[[Sequence], None] | None = None):
+    def __init__(self, engine: Resident, on_finish: Callable[[Sequence], None] | None = None):
         self.engine = engine
         self.seqs: list[Sequence] = []
         self.cache: RaggedCache | None = None

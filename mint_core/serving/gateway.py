@@ -68,6 +68,7 @@ from mint_core.serving.protocol import (
 from mint_core.serving.routes import canary as canary_routes
 from mint_core.serving.routes.models import loaded, other_base_warning, resolve_lora_path
 from mint_core.serving.server import PromptLimits, Server
+from mint_core.serving.swap_lock import SwapLock
 
 logger = logging.getLogger(__name__)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -83,49 +84,6 @@ VET_TTL_S = (
 class ResolveRequest(BaseModel):
     address: str
     base: str | None = None
-
-
-class SwapLock:
-    """Requests under one name read; an in-place swap of that name writes. A waiting swap goes first, so a busy
-    name cannot starve it."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers = 0
-        self._writing = False
-        self._writers_waiting = 0
-
-    async def acquire_read(self) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
-            self._readers += 1
-
-    async def release_read(self) -> None:
-        async with self._cond:
-            self._readers -= 1
-            self._cond.notify_all()
-
-    async def acquire_write(self) -> None:
-        async with self._cond:
-            self._writers_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
-            finally:
-                self._writers_waiting -= 1
-            self._writing = True
-
-    async def release_write(self) -> None:
-        async with self._cond:
-            self._writing = False
-            self._cond.notify_all()
-
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[None]:
-        await self.acquire_write()
-        try:
-            yield
-        finally:
-            await self.release_write()
 
 
 def _prompt_logprobs(data: dict[str, Any]) -> bool:

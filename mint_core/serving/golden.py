@@ -31,7 +31,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import psutil
@@ -40,7 +40,11 @@ from prometheus_client import Counter, Gauge
 from mint_core.serving.protocol import APIError
 
 if TYPE_CHECKING:
-    from mint_core.serving.gateway import Gateway
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from mint_core.serving.config import ServingConfig
+    from mint_core.serving.swap_lock import SwapLock
 
 logger = logging.getLogger(__name__)
 MAX_KILLS = (
@@ -103,10 +107,29 @@ def listening_pid(url: str) -> int | None:
     return min(pids) if pids else None
 
 
+class Front(Protocol):
+    """What the probe uses of the front of a vLLM server (`gateway.Gateway` is one; the probe names what it uses
+    rather than importing the gateway that holds it)."""
+
+    config: ServingConfig
+    registry: CollectorRegistry
+    vllm: httpx.AsyncClient
+    batch: SwapLock  # requests read, a probe that must run alone writes
+    served: dict[str, str]  # adapter name -> hex digest vLLM serves under it
+    base_adapter: str
+    base_digest: str
+
+    def lock(self, name: str) -> SwapLock: ...
+
+    async def ensure_base(self) -> None: ...
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response: ...
+
+
 class GoldenProbe:
     """The golden probe of the replica behind one front (see the module docstring)."""
 
-    def __init__(self, gw: Gateway, prompts: list[str], max_tokens: int, interval_s: float):
+    def __init__(self, gw: Front, prompts: list[str], max_tokens: int, interval_s: float):
         self.gw = gw
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
