@@ -270,7 +270,8 @@ class InProcess:
         from mint_core.registry.store import AdapterStore
         from mint_core.serving.app import load_serving_base
         from mint_core.serving.config import ServingConfig
-        from mint_core.tinker.service import AdamStep, TinkerService
+        from mint_core.tinker.optim import AdamStep
+        from mint_core.tinker.service import TinkerService
         from mint_core.tinker.wire import Datum
 
         tmp = Path(tempfile.mkdtemp(prefix="mint-tinker-bench-inproc-"))

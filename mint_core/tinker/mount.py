@@ -20,7 +20,8 @@ from mint_core.serving import app as serving_app
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.server import Server
 from mint_core.tinker import routes
-from mint_core.tinker.service import Checkpoint, TinkerError, TinkerService, TrainModel, read_keys
+from mint_core.tinker.records import Checkpoint, TinkerError, TrainModel, read_keys
+from mint_core.tinker.service import TinkerService
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,9 @@ from tinker import types
 from mint_core.engine.sampling import SamplingParams
 from mint_core.serving.protocol import APIError
 from mint_core.serving.server import Server
-from mint_core.tinker.service import AdamStep, Result, TinkerError, TinkerService
+from mint_core.tinker.optim import AdamStep
+from mint_core.tinker.records import Result, TinkerError
+from mint_core.tinker.service import TinkerService
 from mint_core.tinker.wire import (
     PROTO,
     Sampled,
@@ -293,7 +295,7 @@ async def load_weights(request: Request) -> Any:
 
 
 def _attn() -> frozenset[str]:
-    from mint_core.tinker.service import ATTN
+    from mint_core.tinker.records import ATTN
 
     return ATTN
 

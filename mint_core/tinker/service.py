@@ -34,277 +34,55 @@ ended, with its sampling sessions.
 from __future__ import annotations
 
 import hashlib
-import itertools
-import json
 import logging
 import math
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-from torch.optim.adamw import adamw
 
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import selected_logprobs
-from mint_core.errors import AdapterError, MintError
+from mint_core.errors import MintError
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.registry.store import AdapterStore
 from mint_core.tinker import losses
+from mint_core.tinker.checkpoints import Checkpoints
+from mint_core.tinker.optim import AdamStep, fused_adamw_step
+from mint_core.tinker.records import (
+    ATTN,
+    Checkpoint,
+    Futures,
+    Op,
+    Result,
+    Sampler,
+    Session,
+    TinkerError,
+    TrainModel,
+    not_found,
+)
 from mint_core.tinker.wire import Datum, write_forward_backward_output
 from mint_core.types import Digest
 
 logger = logging.getLogger(__name__)
 
-ATTN = frozenset(
-    {
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "qkv_proj",
-        "q_a_proj",
-        "q_b_proj",
-        "kv_a_proj_with_mqa",
-        "kv_b_proj",
-    }
-)
-KEY_PREFIX = "tml-"
 BATCHED = frozenset({"forward", "forward_backward"})
 # A model that queued a call this recently counts as training now: a forward_backward waits the batching window
 # for its next call only while another model does.
 ACTIVE_S = 1.0
-# Sampling sessions released with their snapshot or checkpoint that are still answered with why (410), newest kept.
-GONE_KEEP = 4096
-SNAPSHOT = "/sampler_weights/snapshot-"
 
 
-class TinkerError(MintError):
-    """A request refused; `status` is its HTTP status, the message says what was wrong (nothing changed)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def not_found(what: str) -> TinkerError:
-    return TinkerError(404, what)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# keys
-
-
-def read_keys(keys: str | None, keys_file: Path | None) -> dict[str, str]:
-    """API keys -> owner name, from a comma-separated list and/or a file (one key per line, optionally followed by
-    an owner name; `#` comments). A key must start with `tml-` (the SDK refuses others)."""
-    found: dict[str, str] = {}
-    lines = [k.strip() for k in (keys or "").split(",") if k.strip()]
-    if keys_file is not None:
-        try:
-            text = Path(keys_file).read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read the Tinker API keys file {keys_file}: {e.strerror or e}") from None
-        lines += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
-    for line in lines:
-        if not line:
-            continue
-        key, _, owner = line.partition(" ")
-        if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + 8:
-            raise ValueError(
-                f"Tinker API keys must start with {KEY_PREFIX!r} and have 8 or more characters after it"
-            )
-        found[key] = owner.strip() or "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
-    return found
-
-
-# ---------------------------------------------------------------------------------------------------------
-# state
-
-
-@dataclass
-class Session:
-    id: str
-    owner: str
-    last_seen: float
-    finished: bool = False
-    ended: float = 0.0  # time.monotonic() when it finished or expired
-    models: set[str] = field(default_factory=set)
-    samplers: int = 0
-
-
-@dataclass
-class Sampler:
-    id: str
-    owner: str
-    adapter: str | None  # engine adapter name; None: the bare base
-    model_path: str | None
-    session_id: str = ""
-
-
-@dataclass
-class TrainModel:
-    id: str
-    owner: str
-    session_id: str
-    rank: int
-    alpha: float
-    sites: list[str]
-    slot: int
-    optimizer: torch.optim.AdamW
-    views: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    policy: str
-    parent: str | None = None  # the address its next registered version descends from
-    steps: int = 0
-    snapshots: int = 0
-    live_snapshots: deque[str] = field(default_factory=deque)  # its unnamed snapshots' paths, oldest first
-    last_call: float = 0.0  # time.monotonic() of its last queued call
-    queue: deque[_Op] = field(default_factory=deque)
-    closed: bool = False
-    created: float = field(default_factory=time.time)
-    user_metadata: dict[str, str] | None = None
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-@dataclass(frozen=True)
-class AdamStep:
-    """One optim_step's AdamW hyper-parameters (the SDK's `AdamParams`)."""
-
-    lr: float
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0: no clipping
-
-
-@dataclass
-class _Op:
-    kind: Literal["forward", "forward_backward", "optim", "other"]
-    future: Future[Any]
-    data: list[Datum] = field(default_factory=list)
-    loss_fn: str = ""
-    config: dict[str, float | str] = field(default_factory=dict)
-    run: Callable[[], Any] | None = None
-    adam: AdamStep | None = None  # an optim_step's
-    queued: float = field(default_factory=time.monotonic)
-    started: bool = False  # taken by the worker: its future is the worker's to settle
-
-
-@dataclass
-class Result:
-    """A finished future's payload: protobuf bytes (ForwardBackwardOutput) or a JSON-able dict."""
-
-    proto: bytes | None = None
-    json: dict[str, Any] | None = None
-
-
-@dataclass
-class Checkpoint:
-    path: str
-    owner: str
-    model_id: str
-    kind: Literal["weights", "sampler_weights"]
-    digest: str
-    rank: int
-    alpha: float
-    sites: list[str]
-    optimizer_file: str | None = None
-    steps: int = 0
-    address: str | None = None  # its MLflow version (policy/vN), if registered
-    created: float = 0.0  # unix seconds (0: written before checkpoints carried it)
-    ephemeral: bool = False  # an unnamed snapshot: released with its model or by newer ones, never registered
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def to_wire(self) -> dict[str, Any]:
-        """As the SDK's `types.Checkpoint`."""
-        kind = self.path.split("/")[-2]
-        return {
-            "checkpoint_id": f"{kind}/{self.path.rsplit('/', 1)[-1]}",
-            "checkpoint_type": "training" if self.kind == "weights" else "sampler",
-            "time": _iso(self.created),
-            "tinker_path": self.path,
-            "size_bytes": None,
-            "public": False,
-        }
-
-
-class Futures:
-    """request id -> (owner, future); a finished future stays retrievable for `keep_s` after it finished (retrieved
-    or not: a client that died never retrieves it), then it is forgotten.
-
-    Ids are a random per-process prefix and a counter (no system call per request: a step queues two), and
-    finished futures are swept at most once a second rather than on every new id, so neither cost grows with the
-    number of futures held. A future's finishing time is when a sweep or a retrieval first sees it done."""
-
-    def __init__(self, keep_s: float = 600.0):
-        self._lock = threading.Lock()
-        self._items: dict[str, tuple[str, Future[Any], float]] = {}
-        self.keep_s = keep_s
-        self._prefix = uuid.uuid4().hex[:16]
-        self._ids = itertools.count()
-        self._next_sweep = 0.0
-
-    def track(self, owner: str, fut: Future[Any]) -> str:
-        """A new request id for `fut`, retrievable by `owner` only."""
-        with self._lock:
-            rid = f"{self._prefix}{next(self._ids):x}"
-            now = time.monotonic()
-            if now >= self._next_sweep:
-                self._next_sweep = now + 1.0
-                self._sweep(now)
-            self._items[rid] = (owner, fut, math.inf)
-        return rid
-
-    def sweep(self, now: float | None = None) -> None:
-        """Forget the futures that finished more than `keep_s` before `now` (default: now)."""
-        with self._lock:
-            self._sweep(time.monotonic() if now is None else now)
-
-    def _sweep(self, now: float) -> None:
-        for r, (owner, fut, until) in list(self._items.items()):
-            if until == math.inf:
-                if fut.done():
-                    self._items[r] = (owner, fut, now + self.keep_s)
-            elif until < now:
-                del self._items[r]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, owner: str, request_id: str) -> Future[Any]:
-        with self._lock:
-            item = self._items.get(request_id)
-            if item is None or item[0] != owner:
-                raise not_found(
-                    f"no request {request_id!r} of this API key (unknown, or finished more than "
-                    f"{self.keep_s:.0f} s ago: results are kept that long)"
-                )
-            if item[1].done() and item[2] == math.inf:
-                self._items[request_id] = (item[0], item[1], time.monotonic() + self.keep_s)
-            return item[1]
-
-
-# ---------------------------------------------------------------------------------------------------------
 # the service
 
 
-class TinkerService:
+class TinkerService(Checkpoints):
     """Everything the Tinker routes do, callable in process too (the latency benchmark does)."""
 
     def __init__(
@@ -658,7 +436,7 @@ class TinkerService:
 
     # ---- queueing ---------------------------------------------------------------------------------------
 
-    def submit(self, m: TrainModel, op: _Op) -> None:
+    def submit(self, m: TrainModel, op: Op) -> None:
         with self._cv:
             if m.closed:
                 raise TinkerError(410, f"model {m.id} was closed with its session")
@@ -696,20 +474,20 @@ class TinkerService:
         except losses.LossInputError as e:
             raise TinkerError(400, str(e)) from None
         fut: Future[Any] = Future()
-        self.submit(m, _Op("forward" if forward_only else "forward_backward", fut, data, loss_fn, config))
+        self.submit(m, Op("forward" if forward_only else "forward_backward", fut, data, loss_fn, config))
         return fut
 
     def call(self, m: TrainModel, fn: Callable[[], Any]) -> Future[Any]:
         """Queue `fn` in the model's order (save, load); the future gets what it returns."""
         fut: Future[Any] = Future()
-        self.submit(m, _Op("other", fut, run=fn))
+        self.submit(m, Op("other", fut, run=fn))
         return fut
 
     def optim(self, m: TrainModel, adam: AdamStep) -> Future[Any]:
         """Queue an optim_step in the model's order; the future gets a `Result` with its metrics. Steps of many
         models that come up in the same round run as one fused AdamW (`optim_steps`)."""
         fut: Future[Any] = Future()
-        self.submit(m, _Op("optim", fut, adam=adam))
+        self.submit(m, Op("optim", fut, adam=adam))
         return fut
 
     def _run(self) -> None:
@@ -738,7 +516,7 @@ class TinkerService:
                         m.queue.popleft()
                 self._free_since = time.monotonic()
 
-    def _next_round(self) -> list[tuple[TrainModel, _Op]] | None:
+    def _next_round(self) -> list[tuple[TrainModel, Op]] | None:
         """Under the lock: the calls to run next, the oldest of each model that has any (None: stopping).
 
         Calls other than forward/forward_backward never wait: when some models' oldest call is one, those calls
@@ -764,7 +542,7 @@ class TinkerService:
                 return _started(heads)
             self._cv.wait(left)
 
-    def _one(self, op: _Op) -> None:
+    def _one(self, op: Op) -> None:
         assert op.run is not None
         try:
             value = op.run()
@@ -775,10 +553,10 @@ class TinkerService:
             return
         _settle_one(op.future, value)
 
-    def _batch(self, calls: list[tuple[TrainModel, _Op]]) -> None:
+    def _batch(self, calls: list[tuple[TrainModel, Op]]) -> None:
         self._settle(calls, "batched forward_backward", lambda: self.run_batch(calls))
 
-    def _optim(self, calls: list[tuple[TrainModel, _Op]]) -> None:
+    def _optim(self, calls: list[tuple[TrainModel, Op]]) -> None:
         def run() -> list[Result]:
             steps = []
             for m, op in calls:
@@ -791,7 +569,7 @@ class TinkerService:
         self._settle(calls, "optim_step", run)
 
     @staticmethod
-    def _settle(calls: list[tuple[TrainModel, _Op]], what: str, run: Callable[[], list[Result]]) -> None:
+    def _settle(calls: list[tuple[TrainModel, Op]], what: str, run: Callable[[], list[Result]]) -> None:
         """Run one round for `calls` and give each call's future its result, or the round's error to all."""
         try:
             results = run()
@@ -805,7 +583,7 @@ class TinkerService:
 
     # ---- the batched step ------------------------------------------------------------------------------
 
-    def run_batch(self, calls: list[tuple[TrainModel, _Op]]) -> list[Result]:
+    def run_batch(self, calls: list[tuple[TrainModel, Op]]) -> list[Result]:
         """One forward (and one backward, if any call wants gradients) over every datum of `calls`, each row under
         its model's slot; each call's loss over its own rows. Gradients accumulate in the banks' slot rows."""
         eng = self.engine
@@ -866,7 +644,7 @@ class TinkerService:
         return results
 
     @staticmethod
-    def _call_loss(op: _Op, lp: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    def _call_loss(op: Op, lp: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """The loss of one call, its data's target logprobs `lp` concatenated: every loss is a sum over tokens of
         a per-token term, so data with the same inputs go through `losses.datum_loss` together."""
         keys = [sorted(k for k in d.inputs if k != "target_tokens") for d in op.data]
@@ -952,339 +730,6 @@ class TinkerService:
             for (m, _), norm in zip(steps, norms, strict=True)
         ]
 
-    # ---- checkpoints ----------------------------------------------------------------------------------
-
-    def _meta_file(self, path: str) -> Path:
-        return self.state_dir / "checkpoints" / (hashlib.sha256(path.encode()).hexdigest() + ".json")
-
-    def checkpoint(self, owner: str, path: str) -> Checkpoint:
-        f = self._meta_file(path)
-        if not path.startswith("tinker://") or not f.is_file():
-            raise not_found(f"no checkpoint at {path!r}")
-        ck = Checkpoint(**json.loads(f.read_text()))
-        if ck.owner != owner:
-            raise not_found(f"no checkpoint at {path!r}")  # another key's: not even its existence is told
-        return ck
-
-    def _write_meta(self, ck: Checkpoint) -> None:
-        f = self._meta_file(ck.path)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(ck.to_json()))
-        tmp.replace(f)
-
-    @staticmethod
-    def check_name(name: str | None) -> str:
-        if not name or "/" in name or len(name) > 200 or name.strip() != name:
-            raise TinkerError(
-                400, f"checkpoint name {name!r} must be 1-200 characters without '/' or surrounding spaces"
-            )
-        return name
-
-    def save_weights(self, m: TrainModel, name: str) -> dict[str, Any]:
-        """The model's weights and AdamW state: weights to the adapter store, moments beside the checkpoint index."""
-        path = f"tinker://{m.id}/weights/{name}"
-        weights = self.weights(m)
-        digest = self.store.put_weights(weights, self.engine.sites)
-        state: dict[str, torch.Tensor] = {}
-        for s, views in m.views.items():
-            for part, view in zip("AB", views, strict=True):
-                st = m.optimizer.state.get(view)
-                if st:
-                    state[f"{s}.{part}.exp_avg"] = st["exp_avg"].contiguous()
-                    state[f"{s}.{part}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-        opt_file = self._meta_file(path).with_suffix(".optimizer.safetensors")
-        opt_file.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(opt_file))
-        ck = Checkpoint(
-            path,
-            m.owner,
-            m.id,
-            "weights",
-            str(digest),
-            m.rank,
-            m.alpha,
-            m.sites,
-            str(opt_file),
-            m.steps,
-            created=time.time(),
-        )
-        self.store.add_ref(path, digest)  # a training checkpoint is in no catalog: the ref keeps it from gc
-        self._write_meta(ck)
-        self._add_to_run(m, path)
-        return {"path": path, "type": "save_weights"}
-
-    def load_weights(self, m: TrainModel, path: str, optimizer: bool) -> dict[str, Any]:
-        """Put a checkpoint's weights (and, with `optimizer`, its AdamW state) into the model's slot."""
-        ck = self.checkpoint(m.owner, path)
-        problems = []
-        if ck.rank != m.rank:
-            problems.append(f"checkpoint {path} has rank {ck.rank}, this model rank {m.rank}")
-        if sorted(ck.sites) != sorted(m.sites):
-            problems.append(f"checkpoint {path} adapts other layers than this model")
-        if optimizer and ck.optimizer_file is None:
-            problems.append(f"checkpoint {path} holds no optimizer state (a sampler checkpoint)")
-        if problems:
-            raise TinkerError(400, "; ".join(problems))
-        weights = self.engine.read_adapter(m.id, Path(self.store.local_dir(ck.digest)))
-        opt_state = load_file(ck.optimizer_file) if optimizer and ck.optimizer_file else {}
-        with self.engine._forward_lock, torch.no_grad():
-            for s, (A, B) in weights.tensors.items():
-                self.engine.lora.banks[s].write(m.slot, A, B, weights.scale)
-            for s, views in m.views.items():
-                for part, view in zip("AB", views, strict=True):
-                    m.optimizer.state.pop(view, None)
-                    if f"{s}.{part}.exp_avg" in opt_state:
-                        m.optimizer.state[view] = {
-                            "step": torch.tensor(float(ck.steps), dtype=torch.float32),
-                            "exp_avg": opt_state[f"{s}.{part}.exp_avg"].to(view).clone(),
-                            "exp_avg_sq": opt_state[f"{s}.{part}.exp_avg_sq"].to(view).clone(),
-                        }
-            m.steps = ck.steps if optimizer else 0
-        m.parent = ck.address or m.parent
-        return {"path": path, "model_id": m.id, "type": "load_weights"}
-
-    def save_for_sampler(self, m: TrainModel, name: str | None) -> dict[str, Any]:
-        """A revision for sampling: to the store, into the engine under its Tinker path, and (named, with a
-        registry) an MLflow version of the model's policy. Unnamed: an ephemeral snapshot, served by a new
-        sampling session whose id is returned."""
-        weights = self.weights(m)
-        digest = self.store.put_weights(weights, self.engine.sites)
-        if name is None:
-            m.snapshots += 1
-            name = f"snapshot-{m.snapshots}"
-            ephemeral = True
-        else:
-            ephemeral = False
-        path = f"tinker://{m.id}/sampler_weights/{name}"
-        try:
-            self.engine.load_adapter(path, self.store.local_dir(digest), replace=True)
-        except AdapterError as e:
-            raise TinkerError(500, f"the saved revision {digest[:12]} cannot be served: {e}") from None
-        ck = Checkpoint(
-            path,
-            m.owner,
-            m.id,
-            "sampler_weights",
-            str(digest),
-            m.rank,
-            m.alpha,
-            m.sites,
-            None,
-            m.steps,
-            created=time.time(),
-            ephemeral=ephemeral,
-        )
-        # a live snapshot's bytes too are kept from gc: the engine reads them again once they leave host memory
-        self.store.add_ref(path, digest)
-        if ephemeral:
-            self._write_meta(ck)
-            return {"sampling_session_id": self._add_snapshot(m, path), "type": "save_weights_for_sampler"}
-        if self.register is not None:
-            ck.address = self.register(m, ck, name)
-            m.parent = ck.address
-        self._write_meta(ck)
-        older = self._add_to_run(m, path)
-        logger.info(
-            "tinker %s saved %s (%s)%s", m.id, path, digest[:12], f" as {ck.address}" if ck.address else ""
-        )
-        if self.keep_sampler_saves is not None:
-            samplers = [p for p in older if "/sampler_weights/" in p]
-            for old in samplers[: max(0, len(samplers) + 1 - self.keep_sampler_saves)]:
-                try:
-                    self.delete_checkpoint(m.owner, old)
-                except (TinkerError, MintError) as e:  # the save stands; the next save tries again
-                    logger.warning("tinker %s: keeping %s for now: %s", m.id, old, e)
-        return {"path": path, "type": "save_weights_for_sampler"}
-
-    def _add_snapshot(self, m: TrainModel, path: str) -> str:
-        """A new sampling session on the snapshot just saved at `path`; the run's snapshots beyond its newest
-        `keep_snapshots` are released. A model closed meanwhile releases this one too (nothing left behind)."""
-        with self._lock:
-            session = self.sessions.get(m.session_id)
-            if m.closed or session is None:
-                self._release_snapshot(
-                    path, f"released when its training model {m.id} closed with its session"
-                )
-                raise TinkerError(410, f"model {m.id} was closed with its session")
-            sid = self.new_sampler(m.owner, session, path, path)
-            m.live_snapshots.append(path)
-            while len(m.live_snapshots) > self.keep_snapshots:
-                self._release_snapshot(
-                    m.live_snapshots.popleft(),
-                    f"released: each training run keeps its newest {self.keep_snapshots} unnamed snapshots "
-                    "(tinker_keep_snapshots); sample from a newer save_weights_and_get_sampling_client",
-                )
-            return sid
-
-    def _release_snapshot(self, path: str, why: str) -> None:
-        """Release an unnamed snapshot completely (under the lock): out of the engine (a sample running on it
-        finishes first), the store's refs (so `mint catalog gc` frees its bytes), the checkpoint index, and the
-        sampling sessions on it, which then answer 410 with `why`. Idempotent."""
-        if self.engine.working_set.get(path) is not None:
-            self.engine.unload_adapter(path)
-        self.store.remove_ref(path)
-        self._meta_file(path).unlink(missing_ok=True)
-        self._forget_samplers(path, why)
-        logger.debug("tinker %s %s", path, why)
-
-    def _forget_samplers(self, path: str, why: str) -> None:
-        """Drop the sampling sessions on `path` (under the lock); each answers 410 with `why` for a while."""
-        for s in [s for s in self.samplers.values() if s.adapter == path]:
-            del self.samplers[s.id]
-            self._gone[s.id] = (s.owner, f"sampling session {s.id} sampled {path}, which was {why}")
-            while len(self._gone) > GONE_KEEP:
-                self._gone.popitem(last=False)
-
-    def _release_orphan_snapshots(self) -> None:
-        """At start: release the unnamed snapshots a previous process left (their models and sampling sessions
-        died with it). Snapshots written before they were marked `ephemeral` are told by their name and by being
-        in no run's record."""
-        released = 0
-        records: dict[str, set[str]] = {}
-        for f in sorted((self.state_dir / "checkpoints").glob("*.json")):
-            try:
-                ck = Checkpoint(**json.loads(f.read_text()))
-            except (OSError, ValueError, TypeError) as e:
-                logger.warning("tinker: skipping unreadable checkpoint record %s: %s", f, e)
-                continue
-            if not ck.ephemeral:
-                if ck.kind != "sampler_weights" or SNAPSHOT not in ck.path:
-                    continue
-                if ck.model_id not in records:
-                    records[ck.model_id] = set((self._read_run(ck.model_id) or {}).get("checkpoints", []))
-                if ck.path in records[ck.model_id]:
-                    continue  # a named save called snapshot-N
-            self.store.remove_ref(ck.path)
-            f.unlink(missing_ok=True)
-            released += 1
-        if released:
-            logger.info("tinker: released %d unnamed snapshots left by a previous process", released)
-
-    def delete_checkpoint(self, owner: str, path: str) -> dict[str, Any]:
-        """Delete a named checkpoint: from the registry first (its MLflow version and catalog rows, unless an
-        alias holds the version), then from the engine, the store's refs, the run's record and the checkpoint
-        index, so `mint catalog gc` frees its bytes. Refused (nothing changed) when unknown, another key's, or
-        the registry cannot be reached; deleting it again answers 404."""
-        ck = self.checkpoint(owner, path)
-        kept = None
-        if ck.address is not None and self.unregister is not None:
-            try:
-                kept = self.unregister(ck)
-            except MintError as e:
-                raise TinkerError(503, f"cannot delete {path}: its registry version {ck.address}: {e}") from e
-        for name in (path, ck.address if kept is None else None):
-            if name and self.engine.working_set.get(name) is not None:
-                self.engine.unload_adapter(name)
-        self.store.remove_ref(path)
-        meta = self._meta_file(path)
-        meta.with_suffix(".optimizer.safetensors").unlink(missing_ok=True)
-        self._remove_from_run(ck.model_id, path)
-        meta.unlink(missing_ok=True)
-        with self._lock:
-            self._forget_samplers(path, "deleted")
-        logger.info(
-            "tinker deleted %s%s",
-            path,
-            f" (its version {ck.address} stays: {kept})"
-            if kept
-            else f" and {ck.address}"
-            if ck.address
-            else "",
-        )
-        return {"path": path, "deleted": True, "registry_version_kept": kept}
-
-    # ---- training runs (one per model id) ------------------------------------------------------------------
-
-    def _run_file(self, model_id: str) -> Path:
-        return self.state_dir / "runs" / (hashlib.sha256(model_id.encode()).hexdigest() + ".json")
-
-    def _read_run(self, model_id: str) -> dict[str, Any] | None:
-        try:
-            return dict(json.loads(self._run_file(model_id).read_text()))
-        except FileNotFoundError:
-            return None
-
-    def _put_run(self, record: dict[str, Any]) -> None:
-        f = self._run_file(record["model_id"])
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(f)
-
-    def _write_run(self, m: TrainModel, checkpoints: list[str]) -> None:
-        with self._runs_lock:
-            self._put_run(
-                {
-                    "model_id": m.id,
-                    "owner": m.owner,
-                    "rank": m.rank,
-                    "policy": m.policy,
-                    "user_metadata": m.user_metadata,
-                    "created": m.created,
-                    "last_request": time.time(),
-                    "checkpoints": checkpoints,
-                }
-            )
-
-    def _add_to_run(self, m: TrainModel, path: str) -> list[str]:
-        """Append a named checkpoint to the run's record; returns the run's checkpoints before it."""
-        with self._runs_lock:
-            record = self._read_run(m.id) or {
-                "model_id": m.id,
-                "owner": m.owner,
-                "rank": m.rank,
-                "policy": m.policy,
-                "user_metadata": m.user_metadata,
-                "created": m.created,
-                "checkpoints": [],
-            }
-            older = [p for p in record["checkpoints"] if p != path]
-            record["checkpoints"] = [*older, path]
-            record["last_request"] = time.time()
-            self._put_run(record)
-            return older
-
-    def _remove_from_run(self, model_id: str, path: str) -> None:
-        with self._runs_lock:
-            record = self._read_run(model_id)
-            if record is not None and path in record["checkpoints"]:
-                record["checkpoints"].remove(path)
-                self._put_run(record)
-
-    def training_run(self, owner: str, model_id: str) -> dict[str, Any]:
-        """The SDK's `types.TrainingRun` of a model id: live, or from its record once its session ended."""
-        record = self._read_run(model_id)
-        if record is None or record["owner"] != owner:
-            raise not_found(f"no training run {model_id!r} of this API key")
-        last: dict[str, Checkpoint] = {}
-        for path in record["checkpoints"]:
-            try:
-                ck = self.checkpoint(owner, path)
-            except TinkerError:
-                continue  # deleted meanwhile
-            last[ck.kind] = ck
-        with self._lock:
-            m = self.models.get(model_id)
-            last_request = record.get("last_request", record["created"])
-            if m is not None and m.last_call:
-                last_request = max(last_request, time.time() - (time.monotonic() - m.last_call))
-        meta = record.get("user_metadata")
-        return {
-            "training_run_id": model_id,
-            "base_model": self.base_name,
-            "model_owner": owner,
-            "is_lora": True,
-            "corrupted": False,
-            "lora_rank": record["rank"],
-            "last_request_time": _iso(last_request),
-            "last_checkpoint": last["weights"].to_wire() if "weights" in last else None,
-            "last_sampler_checkpoint": last["sampler_weights"].to_wire()
-            if "sampler_weights" in last
-            else None,
-            "user_metadata": {str(k): str(v) for k, v in meta.items()} if meta else None,
-        }
-
     # ---- samplers ---------------------------------------------------------------------------------------
 
     def new_sampler(self, owner: str, session: Session, adapter: str | None, model_path: str | None) -> str:
@@ -1325,57 +770,6 @@ class TinkerService:
             return s
 
 
-def fused_adamw_step(optimizers: list[torch.optim.AdamW]) -> None:
-    """`opt.step()` of each of `optimizers` (fused AdamW, no amsgrad, no maximize), in one fused AdamW call per
-    distinct set of hyper-parameters across all their param groups rather than one per group: the kernel updates
-    each tensor on its own, so the result is the same, bit for bit. Parameters without a `.grad` are skipped, and a
-    parameter's state is created on its first step as `torch.optim.AdamW` creates it."""
-    calls: dict[tuple[float, float, float, float, float], tuple[list[torch.Tensor], ...]] = {}
-    for opt in optimizers:
-        for group in opt.param_groups:
-            if not group["fused"] or group["amsgrad"] or group["maximize"]:
-                raise ValueError("fused_adamw_step takes fused AdamW without amsgrad or maximize")
-            beta1, beta2 = group["betas"]
-            key = (
-                float(group["lr"]),
-                float(beta1),
-                float(beta2),
-                float(group["weight_decay"]),
-                float(group["eps"]),
-            )
-            lists = calls.setdefault(key, ([], [], [], [], []))
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = opt.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                for lst, t in zip(
-                    lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]), strict=True
-                ):
-                    lst.append(t)
-    for (lr, beta1, beta2, weight_decay, eps), (params, grads, exp_avgs, exp_avg_sqs, steps) in calls.items():
-        if params:
-            adamw(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                [],
-                steps,
-                fused=True,
-                amsgrad=False,
-                beta1=beta1,
-                beta2=beta2,
-                lr=lr,
-                weight_decay=weight_decay,
-                eps=eps,
-                maximize=False,
-            )
-
-
 HISTORY = 4096
 """Most round sizes `TinkerService.batches` and `.optim_rounds` keep: a server runs for days."""
 
@@ -1399,15 +793,11 @@ def _settle_one(fut: Future[Any], value: Any = None, error: BaseException | None
         logger.debug("a tinker call finished after its future was settled; dropped")
 
 
-def _started(heads: list[tuple[TrainModel, _Op]]) -> list[tuple[TrainModel, _Op]]:
+def _started(heads: list[tuple[TrainModel, Op]]) -> list[tuple[TrainModel, Op]]:
     """Mark a round's calls as taken by the worker (under the lock): closing their model leaves them be."""
     for _, op in heads:
         op.started = True
     return heads
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat()
 
 
 def _policy_name(session_id: str, seq: int) -> str:

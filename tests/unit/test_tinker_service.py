@@ -24,14 +24,9 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.registry.store import AdapterStore
 from mint_core.tinker import losses
 from mint_core.tinker.mount import QuietPolls
-from mint_core.tinker.service import (
-    AdamStep,
-    Futures,
-    TinkerError,
-    TinkerService,
-    TrainModel,
-    read_keys,
-)
+from mint_core.tinker.optim import AdamStep
+from mint_core.tinker.records import Futures, TinkerError, TrainModel, read_keys
+from mint_core.tinker.service import TinkerService
 from mint_core.tinker.wire import (
     Datum,
     Sampled,
