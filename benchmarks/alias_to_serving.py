@@ -37,7 +37,9 @@ from mlflow import MlflowClient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, report
 
-from mint_app.services import ServicesConfig, hooks_workspace, start, stop
+from mint_app.service_commands import hooks_workspace
+from mint_app.service_config import ServicesConfig
+from mint_app.services import start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lifecycle import Workspace, policy_lock, reconcile

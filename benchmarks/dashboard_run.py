@@ -53,7 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     checked_device(ap, args.device)
 
-    from mint_app.services import ServicesConfig, start, stop
+    from mint_app.service_config import ServicesConfig
+    from mint_app.services import start, stop
 
     tmp = Path(tempfile.mkdtemp(prefix="mint-dashboard-bench-"))
     spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
@@ -123,7 +124,7 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.lifecycle import PolicyRun, Training, wave
-    from mint_app.services import workspace_defaults
+    from mint_app.deployments import workspace_defaults
     from mint_core.eval.gate import GatePolicy
     from mint_core.eval.results import EvalConfig
     from mint_core.eval.suites import standalone_suites

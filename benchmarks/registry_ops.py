@@ -43,7 +43,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report
 
-from mint_app.services import ServicesConfig, start, stop
+from mint_app.service_config import ServicesConfig
+from mint_app.services import start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter

@@ -692,7 +692,8 @@ def run_cmd(
     of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
     (`mint down` stops them)."""
     # deferred: the main job imports torch, Prefect and MLflow, which `mint --help` need not load
-    from mint_app.main_job import MainJobConfig, MainJobError, run_main_job
+    from mint_app.job_config import MainJobConfig, MainJobError
+    from mint_app.main_job import run_main_job
 
     add_task_dirs(tasks)  # before anything starts: the servers and the worker inherit them
     try:

@@ -12,7 +12,8 @@
 
 Everything it writes lives under one state directory (`.mint` by default, the same places `mint up` and the
 flows' default `Workspace` use), so `mint up/down/status`, `mint registry` and `mint catalog` see the same state.
-This module is command-line code: it reports on a rich console.
+This module is command-line code: it reports on a rich console. The settings are in `job_config.py`, step 1
+(DVC) in `job_build.py`, the tables and summaries it prints in `job_report.py`; this module runs the steps.
 """
 
 from __future__ import annotations
@@ -22,288 +23,57 @@ import functools
 import json
 import logging
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
 
 import redis
 import torch
 import transformers
 from prefect.settings import PREFECT_API_URL, temporary_settings
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from flows.canary import CanaryOutcome, canary_flow
-from flows.lifecycle import PolicyOutcome, PolicyRun, Training, WaveFailed, WaveReport, wave
+from flows.lifecycle import PolicyRun, Training, WaveFailed, WaveReport, wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
 from mint_app.console import quiet_libraries, rule
+from mint_app.job_build import build
+from mint_app.job_config import MainJobConfig, MainJobError
+from mint_app.job_report import (
+    Timer,
+    canaries_table,
+    count_outcomes,
+    final_table,
+    print_outcomes,
+    rewards_line,
+    timings_table,
+    training_runs_url,
+    what_happened,
+    write_summary,
+)
 from mint_app.progress import step_bar
-from mint_app.services import Service, ServiceError, ServiceName, ServicesConfig, services_for, start
+from mint_app.service_config import Service, ServiceError, ServiceName, ServicesConfig, services_for
+from mint_app.services import start
 from mint_core.data.spec import SpecError, prompt_text
 from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import Prompt
 from mint_core.engine.base import load_base
 from mint_core.engine.device import check_device
-from mint_core.errors import BaseError, MintError
+from mint_core.errors import BaseError
 from mint_core.eval.lm_eval_runner import EvalConfig
-from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace
 from mint_core.lora.adapter import initial_adapter, save_adapter
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS, builtin_spec
+from mint_core.rl.recipe import BUILTIN_RECIPE, builtin_spec
 from mint_core.serving.base_check import check_base
 from mint_core.serving.traffic import Traffic
-from mint_core.settings import Settings
-from mint_core.types import Device
 from tasks.canary import CanaryConfig
 from tasks.registry import EXPERIMENT
-
-STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
-"""The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""
-
-
-ENV_PREFIX = "MINT_RUN_"
-"""`mint run` reads MainJobConfig fields from MINT_RUN_<FIELD> environment variables (after its --config file)."""
-
-
-class MainJobError(MintError):
-    """The main job could not go on; says which step and what to do."""
-
-
-class MainJobConfig(Settings):
-    """What `mint run` does and where.
-
-    `MainJobConfig.load(file, **flags)` reads the file, then MINT_RUN_<FIELD> environment variables, then flags."""
-
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
-
-    policies: list[str] = Field(default_factory=lambda: ["add", "sort"], min_length=1)
-    """Registered tasks (`mint task list`; a user's with `--tasks DIR`), one policy per task, named after it.
-    Default: the built-in tasks GRPO
-    measurably improves on the built-in base (see `mint_core.rl.recipe.BUILTIN_RECIPE` for why not the others)."""
-    steps: int = Field(40, ge=1)
-    """GRPO steps of the wave that trains every policy from its champion."""
-    first_steps: int = Field(BUILTIN_STEPS, ge=1)
-    """GRPO steps of the first wave, for the policies that have no champion yet (trained from the base)."""
-    prompts_per_step: int = Field(BUILTIN_PROMPTS_PER_STEP, ge=1)
-    """Prompts per policy per step, each sampled `group_size` times."""
-    group_size: int = Field(BUILTIN_RECIPE.group_size, ge=2)
-    """GRPO group size G."""
-    learning_rate: float = Field(BUILTIN_RECIPE.learning_rate, gt=0)
-    """AdamW learning rate of every policy's adapter."""
-    temperature: float = Field(BUILTIN_RECIPE.temperature, gt=0)
-    """Sampling temperature of the rollouts."""
-    rank: int | None = Field(None, ge=1)
-    """LoRA rank of every policy (alpha = 2 x rank). Default: each task's built-in rank (`rl.recipe.builtin_spec`:
-    `add` 32, the others 8), with the learning rate scaled to it. The server the job starts accepts up to 32
-    unless its serving config says otherwise (`ServicesConfig.serve_max_lora_rank`)."""
-    eval_limit: int = Field(EVAL_LIMIT, ge=20)
-    """Items per lm-eval task in the evaluation the gate reads (the suites hold 320, params.yaml
-    eval_suites.limit; checks.eval wants >= 20). Why 320: mint_core.eval.results.EVAL_LIMIT."""
-    guard_limit: int = Field(GUARD_LIMIT, ge=20)
-    """Items per task of the guard group (generation, choice) in the gate's evaluation; the suites hold 320
-    (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""
-    seed: int = 0
-    """Seeds the adapters' initialisation and the rollouts."""
-    canary: list[str] = Field(default_factory=lambda: ["add"])
-    """Policies whose first revision, once the gate passes it, is promoted through a canary (the online test on
-    live traffic decides) instead of at once. Names not in `policies` are ignored."""
-    canary_share: float = Field(0.1, gt=0.0, lt=1.0)
-    """Share of a policy's users (request keys) a canary answers, in the job's canaries."""
-    canary_demo: bool = True
-    """End with a canary of a deliberately worse candidate (the first policy's step-0 checkpoint: an adapter
-    as PEFT initialises it, which answers as the base), which the online test rolls back."""
-    traffic_concurrency: int = Field(8, ge=1)
-    """Requests the built-in traffic generator keeps in flight to policies under a canary."""
-    round: str | None = None
-    """Names this run's training rounds (idempotency keys); default: a UTC timestamp, so every run trains."""
-    state_dir: Path = Path(".mint")
-    """Everything the job writes: run/ (services: pids, logs, databases, admin token), store/ (adapter store),
-    catalog.db, lifecycle/ (checkpoints, cached task results)."""
-    base: Path = Path("data/base")
-    """The base the waves train and mint serve (or vLLM) serves: any Hugging Face causal-LM directory with its
-    tokenizer (chat prompts use its chat template). Default: the built-in base (the DVC builtin_base stage's
-    output)."""
-    data_dir: Path = Path("data/tasks")
-    """The task data (the DVC task_data stage's output)."""
-    build: bool = True
-    """Run the DVC step (off: use data/ as it is)."""
-    host: str = "127.0.0.1"
-    """Address the services bind to and are reached at."""
-    mlflow_port: int = Field(5000, ge=1, le=65535)
-    """MLflow tracking server, registry and UI."""
-    prefect_port: int = Field(4200, ge=1, le=65535)
-    """Prefect API and dashboard."""
-    serve_port: int = Field(8000, ge=1, le=65535)
-    """`mint serve` (the OpenAI/vLLM-compatible API)."""
-    serving: Literal["mint", "vllm"] = "mint"
-    """Who serves the policies (evaluation, promotion, completions): `mint`, the embedded engine in `mint serve`;
-    `vllm`, a vLLM server from .venv-vllm (`make vllm-venv`) with `mint serve` as its front
-    (`ServicesConfig.serving`). Training runs in this process either way."""
-    worker_port: int = Field(4201, ge=1, le=65535)
-    """Healthcheck of the Prefect worker that runs the deployments (dashboard runs, nightly retraining)."""
-    torch_threads: int | None = Field(1, ge=1)
-    """CPU threads of torch in this process (the trainer) and in a `mint serve` started here; None: torch's
-    choice. 1 because on a 2-core machine shared with other busy processes OpenMP's spinning threads stall each
-    other: a wave's GRPO step measured 1.2-2.2 s with 1 thread and 8-14 s with 2."""
-    device: Device = "cpu"
-    """Where the base, the adapters and the GRPO updates of the waves run, and what `mint serve` serves on: cpu,
-    cuda or cuda:N; a CUDA device that is not visible stops the job before it starts anything."""
-
-
-class Timer:
-    """The job's steps and their seconds, printed as each ends and as a table at the end."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.rows: list[tuple[str, float, str]] = []
-        self.t0 = time.perf_counter()
-
-    @contextmanager
-    def step(self, name: str) -> Iterator[list[str]]:
-        """Time a step; the yielded list collects a short note for the table."""
-        rule(self.console, f"[bold]{name}")
-        note: list[str] = []
-        t0 = time.perf_counter()
-        try:
-            yield note
-        except BaseException:
-            self.console.print(f"[red]✗[/] {name} [dim]({time.perf_counter() - t0:.1f} s)[/]")
-            raise
-        s = time.perf_counter() - t0
-        self.rows.append((name, s, "; ".join(note)))
-        self.console.print(f"[green]✓[/] {name} [dim]({s:.1f} s)[/]")
-
-    def table(self) -> Table:
-        table = Table("step", "seconds", "what", title="main job: time per step")
-        for name, s, note in self.rows:
-            table.add_row(name, f"{s:.1f}", note)
-        table.add_row("[bold]total[/]", f"[bold]{time.perf_counter() - self.t0:.1f}[/]", "")
-        return table
-
-
-# ---- 1. DVC ------------------------------------------------------------------------------------------------
-
-
-def _tool(name: str) -> str:
-    here = Path(sys.executable).parent / name
-    found = str(here) if here.exists() else shutil.which(name)
-    if found is None:
-        raise MainJobError(f"{name} is not installed (make run installs it into .venv)")
-    return found
-
-
-def _dvc_env() -> dict[str, str]:
-    """The stages' commands (`mint ...`) must find this environment's `mint` first. OpenMP threads that wait
-    passively: on two cores shared with other busy processes, spinning ones stall each other, and the builtin_base
-    stage's 2-thread pretraining ran 5x slower (40 steps: 78-94 s against 17 s passive; the same threads, so
-    the same numbers)."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
-
-
-def _dvc_status(stages: list[str]) -> dict[str, list[Any]]:
-    out = subprocess.run(
-        [_tool("dvc"), "status", "--json", *stages],
-        capture_output=True,
-        text=True,
-        env=_dvc_env(),
-    )
-    if out.returncode != 0:
-        raise MainJobError(f"dvc status failed:\n{out.stderr.strip() or out.stdout.strip()}")
-    doc = json.loads(out.stdout or "{}")
-    return {k: v for k, v in doc.items() if k in stages}
-
-
-def _built_not_cached(entries: list[Any]) -> bool:
-    """Outputs on disk that DVC's cache does not hold, deps and params unchanged: built here before but never
-    cached (DVC reports 'not in cache' for a missing output too, hence the look at the disk); no rebuild."""
-    changes = [e for e in entries if isinstance(e, dict)]
-    return bool(changes) and all(
-        set(e) == {"changed outs"}
-        and set(e["changed outs"].values()) == {"not in cache"}
-        and all(Path(out).exists() for out in e["changed outs"])
-        for e in changes
-    )
-
-
-def _missing_outs(entries: list[Any]) -> bool:
-    return any(
-        not Path(out).exists() for e in entries if isinstance(e, dict) for out in e.get("changed outs") or {}
-    )
-
-
-def _local_remote() -> Path | None:
-    """The default DVC remote when it is a local folder that exists (a `dvc push` filled it)."""
-    out = subprocess.run([_tool("dvc"), "remote", "list"], capture_output=True, text=True, env=_dvc_env())
-    default = subprocess.run(
-        [_tool("dvc"), "remote", "default"], capture_output=True, text=True, env=_dvc_env()
-    ).stdout.strip()
-    for line in out.stdout.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == default and "://" not in parts[1]:
-            path = Path(parts[1])
-            path = path if path.is_absolute() else (Path(".dvc") / path).resolve()
-            return path if path.is_dir() and any(path.iterdir()) else None
-    return None
-
-
-def build(console: Console) -> list[str]:
-    """Bring the job's DVC stages up to date, pulling from a local remote before building; what was done."""
-    if not Path("dvc.yaml").is_file():
-        raise MainJobError("no dvc.yaml here: run the main job from the repository root")
-    done: list[str] = []
-    remote = _local_remote()
-    status = _dvc_status(list(STAGES))
-    for stage in STAGES:
-        entries = status.get(stage) or []
-        if not entries:
-            console.print(f"  {stage}: up to date")
-            continue
-        if _built_not_cached(entries):
-            console.print(f"  {stage}: built, matches dvc.lock's inputs, not in DVC's cache (kept as is)")
-            continue
-        if remote is not None and _missing_outs(entries):
-            t0 = time.perf_counter()
-            subprocess.run(
-                [_tool("dvc"), "pull", "--allow-missing", "-q", stage], env=_dvc_env(), check=False
-            )
-            if not _dvc_status([stage]).get(stage):
-                console.print(f"  {stage}: pulled from {remote} ({time.perf_counter() - t0:.1f} s)")
-                done.append(f"{stage} pulled")
-                continue
-        why = "; ".join(
-            f"{kind} {', '.join(f'{k} {v}' for k, v in what.items())}"
-            for e in entries
-            if isinstance(e, dict)
-            for kind, what in e.items()
-            if isinstance(what, dict)
-        )
-        console.print(f"  {stage}: building ({why or 'changed'}): dvc repro -s {stage}")
-        t0 = time.perf_counter()
-        run = subprocess.run([_tool("dvc"), "repro", "-s", stage], env=_dvc_env())
-        if run.returncode != 0:
-            raise MainJobError(f"dvc repro -s {stage} failed (exit {run.returncode}); see its output above")
-        s = time.perf_counter() - t0
-        console.print(f"  {stage}: built in {s:.1f} s")
-        done.append(f"{stage} built {s:.0f} s")
-        later = list(STAGES[STAGES.index(stage) + 1 :])
-        if later:  # an upstream rebuild can change what the later stages depend on
-            status = _dvc_status(later)
-    return done
-
 
 # ---- 2. services -------------------------------------------------------------------------------------------
 
@@ -403,215 +173,6 @@ def run_wave(
         raise MainJobError(f"the wave failed: {e}") from None
     assert report is not None
     return report, flow_run_id
-
-
-def _score(o: PolicyOutcome, side: str, suite: str) -> str:
-    got = o.scores.get(side, {}).get(suite)
-    return "-" if got is None else f"{got.score:.3f}"
-
-
-def _p(o: PolicyOutcome, suite: str) -> str:
-    """The paired test's p-value on the own suite (gain check), '-' when nothing was compared."""
-    check = o.decision.check(f"gain:{suite}") if o.decision else None
-    return "-" if check is None or check.stats is None else f"{check.stats.p_value:.2g}"
-
-
-def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
-    """Each policy's outcome with the scores the gate compared (base -> champion -> candidate on its own
-    suite, the guard suite beside), the paired test's p-value, then the gate's reasons verbatim (`Text`: no
-    markup, no emoji codes such as `:guard:`)."""
-    table = Table(
-        "policy",
-        "candidate",
-        "vs",
-        "own suite: base / champion / candidate",
-        "p",
-        "guard: baseline -> candidate",
-        "gate",
-        "champion",
-        title=title,
-        caption_justify="left",
-    )
-    style = {"promoted": "green", "rejected": "yellow", "failed": "red", "unchanged": "dim"}
-    for o in report.outcomes:
-        task = o.policy  # the main job names each policy after its task
-        versus = o.decision.baseline if o.decision and o.decision.baseline else "-"
-        side = "champion" if "champion" in o.scores else "base"
-        moved = o.champion_before or "-"
-        if o.champion_after != o.champion_before:
-            moved += f" -> {o.champion_after}"
-        table.add_row(
-            o.policy,
-            o.candidate or "",
-            versus,
-            f"{_score(o, 'base', task)} / {_score(o, 'champion', task)} / {_score(o, 'candidate', task)}",
-            _p(o, task),
-            f"{_score(o, side, 'guard')} -> {_score(o, 'candidate', 'guard')}",
-            Text(o.status, style=style.get(o.status, "")),
-            moved,
-        )
-    table.caption = (
-        "scores: lm-eval through the server, greedy, exact match; p: exact McNemar on the same items, "
-        "candidate vs what it was compared with (vs)"
-    )
-    console.print(table)
-    for o in report.outcomes:
-        # soft_wrap: one line in a kept log, however long the reasons
-        console.print(Text(f"  gate {o.candidate}: " + "; ".join(o.reasons)), soft_wrap=True)
-
-
-def _outcome_doc(o: PolicyOutcome) -> dict[str, Any]:
-    checks = []
-    for c in o.decision.checks if o.decision else []:
-        row: dict[str, Any] = {"check": c.name, "passed": c.passed}
-        if c.stats is not None:
-            st = c.stats
-            row |= {
-                "effect": st.effect,
-                "ci": list(st.ci),
-                "p_value": st.p_value,
-                "n": st.n,
-                "candidate_only": st.b,
-                "baseline_only": st.c,
-                "mde": st.mde,
-            }
-        checks.append(row)
-    return {
-        "candidate": o.candidate,
-        "status": o.status,
-        "compared_with": o.decision.baseline if o.decision else None,
-        "gate_passed": o.decision.passed if o.decision else None,
-        "champion_before": o.champion_before,
-        "champion_after": o.champion_after,
-        "reused": o.reused,
-        "scores": {
-            side: {suite: {"score": sc.score, "n": sc.n} for suite, sc in by_suite.items()}
-            for side, by_suite in o.scores.items()
-        },
-        "checks": checks,
-        "reasons": o.reasons,
-    }
-
-
-def write_summary(cfg: MainJobConfig, round_name: str, waves: list[tuple[str, WaveReport]]) -> Path:
-    """`<state dir>/runs/<round>/summary.json`: per policy, the base's scores and each wave's candidate with
-    its scores, n, the gate's checks (effect, CI, p-value, n) and verdict; for scripts and dashboards."""
-    policies: dict[str, dict[str, Any]] = {}
-    for wave_name, report in waves:
-        for o in report.outcomes:
-            entry = policies.setdefault(o.policy, {"base": None, "waves": {}})
-            base = o.scores.get("base")
-            if base and entry["base"] is None:
-                entry["base"] = {suite: {"score": sc.score, "n": sc.n} for suite, sc in base.items()}
-            entry["waves"][wave_name] = _outcome_doc(o)
-    doc = {
-        "round": round_name,
-        "written": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "policies": policies,
-    }
-    path = cfg.state_dir / "runs" / round_name / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def final_table(waves: list[tuple[str, WaveReport]]) -> Table:
-    """Per policy: the base, the first revision (with its p-value against the base), the champion the main
-    wave started from, its candidate (with its p-value against that champion) and the verdicts."""
-    by: dict[str, dict[str, PolicyOutcome]] = {}
-    for wave_name, report in waves:
-        for o in report.outcomes:
-            by.setdefault(o.policy, {})[wave_name] = o
-    table = Table(
-        "policy",
-        "base",
-        "first revision (p vs base)",
-        "champion",
-        "candidate (p vs champion)",
-        "verdict",
-        "serves",
-        title="base -> champion -> candidate (own suite, exact match)",
-    )
-    for policy, got in by.items():
-        first, main = got.get("first"), got.get("main")
-        any_o = main or first
-        assert any_o is not None
-        first_cell = "-"
-        if first is not None:
-            first_cell = f"{_score(first, 'candidate', policy)} (p={_p(first, policy)}, {first.status})"
-        champ_cell = "-"
-        if main is not None and main.champion_before:
-            champ_cell = f"{_score(main, 'champion', policy)} ({main.champion_before})"
-        cand_cell = f"{_score(main, 'candidate', policy)} (p={_p(main, policy)})" if main is not None else "-"
-        table.add_row(
-            policy,
-            _score(any_o, "base", policy),
-            first_cell,
-            champ_cell,
-            cand_cell,
-            main.status if main is not None else "-",
-            any_o.champion_after or "-",
-        )
-    return table
-
-
-def what_happened(
-    waves: list[tuple[str, WaveReport]],
-    canaries: list[tuple[str, CanaryOutcome]],
-    rollback: str,
-    seconds: float,
-) -> list[str]:
-    """The job in a few lines: per policy what each wave's candidate became and what serves now; the rollback;
-    each canary's decision; the time."""
-    by: dict[str, dict[str, PolicyOutcome]] = {}
-    for wave_name, report in waves:
-        for o in report.outcomes:
-            by.setdefault(o.policy, {})[wave_name] = o
-    lines = []
-    for policy, got in by.items():
-        said = []
-        for wave_name, what in (("first", "first revision"), ("main", "this round's candidate")):
-            one = got.get(wave_name)
-            if one is None:
-                continue
-            how = f" ({one.candidate})" if one.candidate else ""
-            if one.canary is not None:
-                how += f", by its canary after {one.canary.requests:,} requests"
-            said.append(f"{what} {one.status}{how}")
-        last = got.get("main") or got.get("first")
-        serves = last.champion_after if last is not None and last.champion_after else "the base (no champion)"
-        lines.append(f"{policy}: {'; '.join(said)}; serves {serves}")
-    lines.append(f"rollback: {rollback}")
-    for what, c in canaries:
-        lines.append(f"canary {c.policy}/v{c.version} ({what}): {c.decision} after {c.requests:,} requests")
-    lines.append(f"in {int(seconds // 60)} min {seconds % 60:.0f} s")
-    return lines
-
-
-def rewards_line(report: WaveReport) -> str:
-    """First and last step's mean rollout reward per policy."""
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    for c in report.curve:
-        first.setdefault(c["policy"], c["reward"])
-        last[c["policy"]] = c["reward"]
-    return ", ".join(f"{p} {first[p]:.2f} -> {last[p]:.2f}" for p in first)
-
-
-def timings_table(report: WaveReport, title: str) -> Table:
-    """The flow's task calls grouped by task: calls, seconds in the flow, mint_core work inside."""
-    rows: dict[str, list[float]] = {}
-    for t in report.timings:
-        r = rows.setdefault(t.step, [0, 0.0, 0.0])
-        r[0] += 1
-        r[1] += t.wall_s
-        r[2] += t.work_s or 0.0
-    table = Table("task", "calls", "seconds", "work inside", title=title)
-    for step, (n, wall, work) in rows.items():
-        table.add_row(step, str(int(n)), f"{wall:.1f}", f"{work:.1f}" if work else "")
-    return table
 
 
 # ---- 4./5. served completions and a rollback ------------------------------------------------------------
@@ -774,32 +335,6 @@ def step0_checkpoint(cfg: MainJobConfig, ws: Workspace, policy: str) -> int:
     return rev.version
 
 
-def canaries_table(canaries: list[tuple[str, CanaryOutcome]]) -> Table:
-    """Each canary of the job: what it compared, what the online test decided, on how many requests."""
-    table = Table(
-        "candidate",
-        "vs",
-        "decision",
-        "requests",
-        "canary - champion [95% always-valid]",
-        "s",
-        title="canaries: the online test on live traffic",
-        caption="requests: scored answers the test read (each the task's reward of one served answer)",
-    )
-    style = {"promoted": "green", "rolled back": "red"}
-    for what, o in canaries:
-        diff = "-" if o.diff is None else f"{o.diff:+.3f} [{o.lo:+.3f}, {o.hi:+.3f}]"
-        table.add_row(
-            f"{o.policy}/v{o.version} ({what})",
-            f"v{o.champion_before}" if o.champion_before else "base",
-            Text(o.decision, style=style.get(o.decision, "yellow")),
-            f"{o.scored:,}",
-            diff,
-            f"{o.seconds:.0f}",
-        )
-    return table
-
-
 # ---- the job --------------------------------------------------------------------------------------------
 
 
@@ -952,7 +487,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 print_outcomes(first, "first revisions (gated against the base)", console)
                 console.print(f"  mean rollout reward, first -> last step: {rewards_line(first)}")
                 console.print(timings_table(first, "inside the wave"))
-                note.append(_count(first))
+                note.append(count_outcomes(first))
 
         with timer.step(f"3b. wave: {', '.join(cfg.policies)} trained from their champions") as note:
             console.print(
@@ -971,7 +506,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             print_outcomes(main, "the wave", console)
             console.print(f"  mean rollout reward, first -> last step: {rewards_line(main)}")
             console.print(timings_table(main, "inside the wave"))
-            note.append(_count(main))
+            note.append(count_outcomes(main))
 
         with timer.step("4. a served completion from each policy's champion") as note:
             # a champion the wave did not replace may not be loaded yet (a server restarted since the last run):
@@ -1074,22 +609,6 @@ class WorkerStart:
         if self._error is not None:
             raise self._error
         return self._out[0]
-
-
-def _count(report: WaveReport) -> str:
-    by: dict[str, int] = {}
-    for o in report.outcomes:
-        by[o.status] = by.get(o.status, 0) + 1
-    return ", ".join(f"{n} {s}" for s, n in by.items())
-
-
-def training_runs_url(ws: Workspace, mlflow: str) -> str:
-    """The runs view of the lifecycle's experiment (a table of the training runs). The experiment's own page,
-    `#/experiments/<id>`, opens on MLflow 3's GenAI overview ("Traces 0") instead."""
-    exp = ws.registry().client.get_experiment_by_name(EXPERIMENT)
-    return (
-        f"{mlflow}/#/experiments/{exp.experiment_id}/runs" if exp is not None else f"{mlflow}/#/experiments"
-    )
 
 
 def where(

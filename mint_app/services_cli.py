@@ -10,23 +10,17 @@ import typer
 from rich.table import Table
 
 from mint_app.console import make_console, rule
-from mint_app.services import (
+from mint_app.processes import follow_log, log_tail, rolled_logs, service_log
+from mint_app.service_config import (
     ALL_SERVICES,
     Service,
     ServiceError,
     ServiceName,
     ServicesConfig,
-    follow_log,
-    log_tail,
     parse_names,
-    rolled_logs,
-    service_log,
     services_for,
-    start,
-    status,
-    stop,
-    stop_started_redis,
 )
+from mint_app.services import start, status, stop, stop_started_redis
 from mint_app.task_cli import TasksOption, add_task_dirs
 
 console = make_console()  # a kept log's tables keep their width

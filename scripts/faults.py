@@ -52,7 +52,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mint_app.services import ServiceName, ServicesConfig, service_log, start, status, stop  # noqa: E402
+from mint_app.processes import service_log  # noqa: E402
+from mint_app.service_config import ServiceName, ServicesConfig  # noqa: E402
+from mint_app.services import start, status, stop  # noqa: E402
 from mint_core.engine.base import build_tiny_base, load_base  # noqa: E402
 from mint_core.engine.tokenizer import byte_tokenizer  # noqa: E402
 from mint_core.eval.suites import standalone_suites  # noqa: E402
@@ -574,7 +576,8 @@ def scenario_poison(f: Faults) -> Row:
     from the poisoning requests to the front taking the replica out of rotation, bad answers served in between
     (none may follow detection), seconds out of rotation, and whether every answer after it came back equals the
     one before the attack."""
-    from mint_app.services import ServicesConfig, hooks_workspace
+    from mint_app.service_commands import hooks_workspace
+    from mint_app.service_config import ServicesConfig
     from mint_core.registry.catalog import Catalog, CatalogConfig
     from mint_core.registry.store import AdapterStore
     from mint_core.serving.config import ServingConfig

@@ -29,7 +29,8 @@ import pytest
 import sqlalchemy as sa
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from mint_app.services import Service, ServiceName, ServicesConfig, start, stop
+from mint_app.service_config import Service, ServiceName, ServicesConfig
+from mint_app.services import start, stop
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter

@@ -13,7 +13,8 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from mint_app.services import ServicesConfig, start, stop
+from mint_app.service_config import ServicesConfig
+from mint_app.services import start, stop
 from mint_app.stack import find_stack
 from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import render_prompt

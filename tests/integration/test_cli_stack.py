@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_app.services import ServicesConfig, start, stop
+from mint_app.service_config import ServicesConfig
+from mint_app.services import start, stop
 from tests.integration.conftest import cli_env, free_port
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,8 @@ from prefect.states import Cancelled, Running
 
 from flows.lifecycle import PolicyRun, Training
 from flows.retrain import being_trained, retrain
-from mint_app.services import ServicesConfig, start, status, stop
+from mint_app.service_config import ServicesConfig
+from mint_app.services import start, status, stop
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites

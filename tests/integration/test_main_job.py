@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_app.services import SERVICES
+from mint_app.service_config import SERVICES
 from tests.integration.conftest import free_port, mint_cli, require
 
 # a fresh main job trains 300 steps per policy and evaluates 320-item suites: minutes, more beside other work

@@ -26,7 +26,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from mint_app.main_job import training_runs_url
+from mint_app.job_report import training_runs_url
 from mint_core.registry.runs import log_training_run
 from tasks.registry import EXPERIMENT
 from tests.integration.alias_stack import BOUND_S, Stack, alias_stack

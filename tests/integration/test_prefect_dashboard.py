@@ -22,7 +22,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
-from mint_app.services import ServicesConfig, register_deployments
+from mint_app.deployments import register_deployments
+from mint_app.service_config import ServicesConfig
 from tests.integration.conftest import require
 
 pytestmark = pytest.mark.integration

@@ -20,9 +20,10 @@ import sqlalchemy as sa
 from mlflow import MlflowClient
 from prefect import flow
 
-from mint_app import services
+from mint_app import service_config, services
 from mint_app.main_job import redis_up
-from mint_app.services import REDIS_PIDFILE, SERVICES, ServicesConfig, stop, stop_started_redis
+from mint_app.service_config import SERVICES, ServicesConfig
+from mint_app.services import REDIS_PIDFILE, stop, stop_started_redis
 from tests.integration.conftest import PG_ADMIN_URL, free_port, mint_cli
 
 pytestmark = pytest.mark.integration
@@ -58,7 +59,7 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         assert httpx.get(urls["prefect"] + "/api/health", trust_env=False).json() is True
         models = httpx.get(urls["serve"] + "/v1/models", trust_env=False).json()
         # data/base when `dvc repro` has built it, else the tiny dense base `mint up` wrote into the state dir
-        built = (services.BUILTIN_BASE / "config.json").is_file()
+        built = (service_config.BUILTIN_BASE / "config.json").is_file()
         assert [m["id"] for m in models["data"]] == ["base" if built else "tiny-dense"]
         token = (state / "serve.token").read_text().strip()
         unload = httpx.post(
@@ -116,7 +117,9 @@ def test_start_reports_a_service_that_dies_with_the_tail_of_its_log(
 
     monkeypatch.setattr(services, "command", dies)
     config = ServicesConfig(state_dir=tmp_path / "run", serve_port=free_port())
-    with pytest.raises(services.ServiceError, match=r"(?s)serve exited with status 3 .*no base at /nowhere"):
+    with pytest.raises(
+        service_config.ServiceError, match=r"(?s)serve exited with status 3 .*no base at /nowhere"
+    ):
         services.start(config, ["serve"])
     assert not (tmp_path / "run" / "serve.pid").exists()
     assert [s.state for s in services.status(config)] == ["stopped"] * len(SERVICES)

@@ -17,7 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from mint_app.services import ServiceName, ServicesConfig, rolled_logs, service_log, start, status, stop
+from mint_app.processes import rolled_logs, service_log
+from mint_app.service_config import ServiceName, ServicesConfig
+from mint_app.services import start, status, stop
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig

@@ -69,7 +69,7 @@ def test_the_builtin_recipe_beats_the_base_significantly(builtin_base: Path, tmp
     task's rank, `builtin_spec`), on `add` and `sort` at once from fresh adapters: greedy exact match on 200
     held-out prompts of each must beat the bare base by issue #16's bar, +0.10 with exact McNemar p < 0.01
     (`benchmarks/grpo_learning.py` measured add +0.13 to +0.15 and sort +0.135 to +0.17 over rounds)."""
-    from mint_app.main_job import MainJobConfig
+    from mint_app.job_config import MainJobConfig
     from mint_core.eval.gate import discordant, mcnemar_p
     from mint_core.rl.evaluate import heldout_correct
     from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, TrainingRun, builtin_spec

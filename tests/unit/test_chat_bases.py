@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from mint_app import services
 from mint_app.cli import app
-from mint_app.services import ServiceError, ServicesConfig, start
+from mint_app.service_config import ServiceError, ServicesConfig
+from mint_app.services import start
 from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import prompt_ids, render_prompt
 from mint_core.engine.chat_tokenizer import CHAT_FAMILIES, CHAT_TOKENS, ChatFamily

@@ -12,9 +12,11 @@ from pydantic import ValidationError
 from rich.console import Console
 from typer.testing import CliRunner
 
-from mint_app import main_job
+from mint_app import job_config, main_job
 from mint_app.cli import app
-from mint_app.services import ServicesConfig, command, workspace_defaults
+from mint_app.deployments import workspace_defaults
+from mint_app.service_commands import command
+from mint_app.service_config import ServicesConfig
 from mint_core.engine.device import DeviceError, check_device
 from mint_core.lifecycle import Workspace
 from mint_core.serving.config import ServingConfig
@@ -46,7 +48,7 @@ def test_cpu_is_always_a_device() -> None:
     assert check_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("config", [ServingConfig, main_job.MainJobConfig, Workspace, ServicesConfig])
+@pytest.mark.parametrize("config", [ServingConfig, job_config.MainJobConfig, Workspace, ServicesConfig])
 def test_settings_refuse_what_is_no_device_naming_the_field(config: type) -> None:
     field = "serve_device" if config is ServicesConfig else "device"
     assert config(**{field: "cuda:1"}).model_dump()[field] == "cuda:1"  # may exist elsewhere: checked at use
@@ -58,7 +60,7 @@ def test_the_device_comes_from_the_environment_too(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("MINT_SERVE_DEVICE", "cuda:0")
     monkeypatch.setenv("MINT_RUN_DEVICE", "cuda")
     assert ServingConfig.load().device == "cuda:0"
-    assert main_job.MainJobConfig.load().device == "cuda"
+    assert job_config.MainJobConfig.load().device == "cuda"
 
 
 @pytest.mark.parametrize("cmd", ["serve", "train"])
@@ -70,14 +72,14 @@ def test_mint_serve_and_train_refuse_a_missing_device_before_any_work(cmd: str, 
 
 
 def test_the_main_job_stops_on_a_missing_device_before_it_builds_or_starts_anything(tmp_path: Path) -> None:
-    cfg = main_job.MainJobConfig(device=ABSENT, state_dir=tmp_path / "state", base=tmp_path / "none")
+    cfg = job_config.MainJobConfig(device=ABSENT, state_dir=tmp_path / "state", base=tmp_path / "none")
     with pytest.raises(DeviceError, match=f"device {ABSENT}: {ABSENT_MESSAGE}"):
         main_job.run_main_job(cfg, Console(file=None, quiet=True))
     assert not (tmp_path / "state").exists()
 
 
 def test_the_main_job_gives_its_device_to_mint_serve_and_to_the_flows(tmp_path: Path) -> None:
-    cfg = main_job.MainJobConfig(device="cuda:1", state_dir=tmp_path / "state")
+    cfg = job_config.MainJobConfig(device="cuda:1", state_dir=tmp_path / "state")
     services = main_job.services_config(cfg).model_copy(update={"serve_base": "tiny-dense"})
     services.state_dir.mkdir(parents=True)  # as `mint up` makes it
     assert services.serve_device == "cuda:1"
@@ -103,7 +105,7 @@ def test_base_slots_and_forward_follow_the_device(device: str, make_engine) -> N
 def test_mint_run_refuses_a_missing_device_from_its_flag_or_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ran: list[main_job.MainJobConfig] = []
+    ran: list[job_config.MainJobConfig] = []
     monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: ran.append(cfg))
     out = CliRunner().invoke(app, ["run", "--device", ABSENT])
     assert out.exit_code == 2, out.output
@@ -126,7 +128,7 @@ def test_the_server_mint_up_starts_accepts_the_builtin_recipes_rank(
     from mint_core.rl.recipe import BUILTIN_RANK, BUILTIN_TASK_RANKS, builtin_spec
 
     monkeypatch.delenv("MINT_SERVE_MAX_LORA_RANK", raising=False)
-    assert main_job.MainJobConfig().rank is None  # each task's own
+    assert job_config.MainJobConfig().rank is None  # each task's own
     largest = max(BUILTIN_RANK, *BUILTIN_TASK_RANKS.values())
     assert builtin_spec("add", "add").rank == largest == 32
     services = ServicesConfig(state_dir=tmp_path / "state", serve_base="tiny-dense")

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from flows.canary import CanaryOutcome
 from flows.lifecycle import STEP_RECORD, PolicyOutcome, WaveReport
-from mint_app.main_job import what_happened
+from mint_app.job_report import what_happened
 from mint_app.progress import step_bar
 
 STEPS = 300

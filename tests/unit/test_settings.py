@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mint_app import main_job
+from mint_app import job_config, main_job
 from mint_app.cli import app
-from mint_app.services import ServicesConfig
+from mint_app.service_config import ServicesConfig
 from mint_core.serving.config import ServingConfig
 from mint_core.settings import read_mapping
 
@@ -71,7 +71,7 @@ def test_a_settings_file_that_cannot_be_used_is_named(
 def test_mint_run_takes_file_env_and_flags_and_refuses_bad_values_before_any_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[main_job.MainJobConfig] = []
+    seen: list[job_config.MainJobConfig] = []
     monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: seen.append(cfg))
     f = tmp_path / "run.yaml"
     f.write_text("steps: 3\nfirst_steps: 2\nrank: 4\nbuild: true\n")

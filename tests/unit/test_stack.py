@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mint_app.services import ServicesConfig
+from mint_app.service_config import ServicesConfig
 from mint_app.stack import Stack, find_stack, flow_run_url, flow_workspace
 
 STACK = Stack(

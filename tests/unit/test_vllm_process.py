@@ -15,20 +15,11 @@ import pytest
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from mint_app import main_job, services
+from mint_app import job_config, main_job, services
 from mint_app.cli import app
-from mint_app.services import (
-    SERVICES,
-    ServiceError,
-    ServicesConfig,
-    command,
-    hooks_workspace,
-    parse_names,
-    services_for,
-    start,
-    status,
-    stop,
-)
+from mint_app.service_commands import command, hooks_workspace
+from mint_app.service_config import SERVICES, ServiceError, ServicesConfig, parse_names, services_for
+from mint_app.services import start, status, stop
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.vllm_process import DEFAULT_PYTHON, VLLM_RANKS, VLLMConfig, vllm_rank
 
@@ -342,9 +333,9 @@ def test_mint_serve_takes_the_backend_flag(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_mint_run_serving_vllm_reaches_the_services(monkeypatch: pytest.MonkeyPatch) -> None:
-    ran: list[main_job.MainJobConfig] = []
+    ran: list[job_config.MainJobConfig] = []
     monkeypatch.setattr(main_job, "run_main_job", lambda cfg, console: ran.append(cfg))
     out = CliRunner().invoke(app, ["run", "--serving", "vllm", "--no-build"])
     assert out.exit_code == 0, out.output
     assert main_job.services_config(ran[0]).serving == "vllm"
-    assert main_job.services_config(main_job.MainJobConfig()).serving == "mint"
+    assert main_job.services_config(job_config.MainJobConfig()).serving == "mint"

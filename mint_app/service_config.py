@@ -1,0 +1,280 @@
+"""The settings of mint's local services (`ServicesConfig`, MINT_SERVICES_*), their names and what a service's
+status reads (`Service`), and the database URLs they share."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from mint_core.errors import MintError
+from mint_core.settings import Settings
+from mint_core.types import Device
+
+if TYPE_CHECKING:
+    pass
+
+logger = logging.getLogger(__name__)
+
+ServiceName = Literal["mlflow", "prefect", "vllm", "serve", "hooks", "worker"]
+SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve", "hooks", "worker")
+"""The services `mint up` starts by default (serving: mint); `services_for` adds vllm for serving: vllm."""
+ALL_SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "vllm", "serve", "hooks", "worker")
+"""Every service, in start order (stop goes the other way: mint serve before the vLLM it fronts)."""
+ENV_PREFIX = "MINT_SERVICES_"
+HEALTH_PATH: dict[ServiceName, str] = {
+    "mlflow": "/health",
+    "prefect": "/api/health",
+    "vllm": "/health",  # sealed: asked with vLLM's key (HEALTH_KEY_ENV), as every route of it
+    "serve": "/health",
+    "hooks": "/health",
+    "worker": "/health",  # the worker's healthcheck server: 200 while it polls its work pool
+}
+# The variable holding the key a service demands on its health route (mint's seal on vLLM covers every route)
+HEALTH_KEY_ENV: dict[ServiceName, str] = {"vllm": "VLLM_API_KEY"}
+LOG_TAIL_LINES = 40
+# The directory `dvc repro` builds the built-in base into (relative to the working directory).
+BUILTIN_BASE = Path("data/base")
+# The head sizes vLLM's CPU attention runs (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm_process.DEFAULT_PYTHON, not imported: that module's imports reach torch, which `mint up` never loads
+VLLM_PYTHON = Path(".venv-vllm/bin/python")
+PROGRESS_EVERY_S = 10.0
+"""While a service takes longer than this to answer, `start` says so this often."""
+
+State = Literal["running", "unhealthy", "stopped"]
+
+
+class ServiceError(MintError):
+    """A service did not start, stop or answer; names the service, and ends with the tail of its log."""
+
+
+class ServicesConfig(Settings):
+    """Where mint's local services run, what they store where, and how long to wait for them.
+
+    `ServicesConfig.load(file, **flags)` reads the file, then MINT_SERVICES_<FIELD> environment variables, then
+    flags."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
+
+    state_dir: Path = Path(".mint/run")
+    """Pid files, logs, the local databases (MLflow, Prefect) and generated secrets."""
+    host: str = "127.0.0.1"
+    """Address every service binds to and is reached at (0.0.0.0 also exposes them to the network)."""
+    mlflow_port: int = Field(5000, ge=1, le=65535)
+    """Port of the MLflow tracking server, its registry and its UI."""
+    mlflow_backend_url: str | None = None
+    """SQLAlchemy URL of MLflow's tracking and registry store. Default: sqlite:///<state_dir>/mlflow.db.
+    PostgreSQL: postgresql+psycopg://user[:password]@host:5432/mlflow (a URL without a driver gets psycopg, the
+    PostgreSQL driver mint installs); the database is created if it does not exist."""
+    mlflow_artifacts: str | None = None
+    """Where the server keeps run artifacts (--artifacts-destination, served through the server's proxy): a
+    directory or an fsspec/cloud URL such as s3://bucket/mlflow. Default: <state_dir>/mlflow-artifacts."""
+    mlflow_workers: int = Field(1, ge=1)
+    """uvicorn worker processes of the MLflow server (MLflow's own default is 4)."""
+    mlflow_allowed_hosts: str | None = None
+    """Comma-separated Host headers MLflow accepts (--allowed-hosts); MLflow's default is localhost and private
+    addresses. Set it when the UI is opened through a DNS name."""
+    mlflow_jobs: bool = False
+    """Run MLflow's server-side job executor (a Huey consumer per job kind, for MLflow's GenAI features);
+    off by default: mint does not use it and it costs several processes."""
+    prefect_port: int = Field(4200, ge=1, le=65535)
+    """Port of the Prefect server: its API (under /api) and dashboard."""
+    prefect_database_url: str | None = None
+    """Prefect's database. Default: SQLite in <state_dir>/prefect. PostgreSQL:
+    postgresql+asyncpg://user[:password]@host:5432/prefect (Prefect needs the asyncpg driver; a URL without a
+    driver gets it); the database is created if it does not exist."""
+    serve_port: int = Field(8000, ge=1, le=65535)
+    """Port of `mint serve` (the OpenAI/vLLM-compatible API under /v1)."""
+    serving: Literal["mint", "vllm"] = "mint"
+    """Who runs the served model: `mint`, the embedded engine inside `mint serve`; `vllm`, a vLLM server (the
+    `vllm` service, from `vllm_python`'s environment, on loopback) with `mint serve` as its front on serve_port
+    (validation, auth, revision identity). The base must be one vLLM can run (on CPU: a head_dim vLLM's attention
+    supports, so data/base, not the tiny-dense fallback)."""
+    vllm_port: int = Field(8100, ge=1, le=65535)
+    """Port of the vLLM server (serving: vllm), always on 127.0.0.1: only mint's front reaches it."""
+    vllm_python: Path = VLLM_PYTHON
+    """The interpreter of vLLM's own environment (`make vllm-venv`, scripts/bootstrap_vllm.sh)."""
+    vllm_start_timeout_s: float = Field(300.0, gt=0)
+    """Seconds vLLM may take to answer its health check (it loads and profiles the model: 30-100 s on 2 cores)."""
+    serve_base: str | None = None
+    """Base of `mint serve`: a model directory or a built-in name (tiny-dense, ...). Default: data/base when
+    `dvc repro` has built it, else a tiny dense base written once into <state_dir>/tiny-dense."""
+    serve_config: Path | None = None
+    """A ServingConfig file (YAML/JSON) for `mint serve`; host, port and base above take precedence over it."""
+    serve_adapter_root: Path | None = None
+    """Adapter store of `mint serve` (load requests may only name paths inside it). Default: the serving
+    config's adapter_root (.mint/store)."""
+    serve_max_lora_rank: int = Field(32, ge=1)
+    """Largest adapter rank `mint serve` accepts when neither its serving config nor MINT_SERVE_MAX_LORA_RANK
+    sets one: the largest rank of the built-in recipe (`add`'s 32 in `mint_core.rl.recipe.BUILTIN_TASK_RANKS`, a
+    literal here so that `mint up` does not load torch; a test holds the two equal), above the serving default
+    of 16 (vLLM's), so the main job's revisions load."""
+    serve_device: Device | None = None
+    """Device of `mint serve` (`--device`: cpu, cuda or cuda:N), and of the training of the flows it registers.
+    Default: the serving config's device (cpu)."""
+    hooks_port: int = Field(8001, ge=1, le=65535)
+    """Port of the receiver of MLflow's alias webhook (`mint_app.webhooks`): serving follows `champion` moves."""
+    catalog_url: str | None = None
+    """SQLAlchemy URL of the catalog the flows use (the receiver takes their promotion locks there). Default:
+    sqlite:///<state_dir>/../catalog.db, the default Workspace's .mint/catalog.db."""
+    worker_port: int = Field(4201, ge=1, le=65535)
+    """Port of the Prefect worker's healthcheck server (`prefect worker start --with-healthcheck`)."""
+    deployments: Path | None = Path("infra/prefect.yaml")
+    """The prefect.yaml whose deployments (and their process work pool) `mint up` registers before it starts
+    the worker; relative to the working directory, which flow runs start in. None: register none."""
+    startup_timeout: float = Field(180.0, gt=0)
+    """Seconds a service may take to answer its health check after it is launched."""
+    stop_timeout: float = Field(30.0, gt=0)
+    """Seconds between SIGTERM and SIGKILL when stopping (mint serve finishes requests in flight first)."""
+    supervise: bool = True
+    """Bring a service that crashes after it was healthy back up (`mint_app.supervise`: backing off 1-30 s, at
+    most `max_restarts` within 10 minutes). Off: a crashed service stays down until the next `mint up`."""
+    max_restarts: int = Field(5, ge=0)
+    """Restarts within 10 minutes after which supervision gives up and the service stays down (reported)."""
+    log_max_bytes: int = Field(20 * 2**20, ge=2**16)
+    """A service's log rolls over at this size (<name>.log -> <name>.log.1 ...); logs are appended across
+    restarts and `mint up`s, never truncated (`mint logs [service]` shows them)."""
+    log_backups: int = Field(5, ge=1)
+    """Rolled-over logs kept per service."""
+
+    def port(self, name: ServiceName) -> int:
+        ports = {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}
+        return {**ports, "vllm": self.vllm_port, "hooks": self.hooks_port, "worker": self.worker_port}[name]
+
+    def bind_host(self, name: ServiceName) -> str:
+        """The address a service binds to: `host`, but loopback for vLLM (users reach it through the front)."""
+        return "127.0.0.1" if name == "vllm" else self.host
+
+    def url(self, name: ServiceName) -> str:
+        """The service's base URL (for Prefect the API is under /api)."""
+        host = self.bind_host(name)
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port(name)}"
+
+    def mlflow_backend(self) -> str:
+        if self.mlflow_backend_url is None:
+            return f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
+        return with_driver(self.mlflow_backend_url, "psycopg")
+
+    def prefect_database(self) -> str | None:
+        return (
+            None if self.prefect_database_url is None else with_driver(self.prefect_database_url, "asyncpg")
+        )
+
+
+@dataclass
+class Service:
+    """One service as found (or left) by start/stop/status."""
+
+    name: ServiceName
+    state: State
+    url: str
+    pid: int | None
+    log: Path
+    reused: bool = False
+    """start found it already running."""
+    startup_s: float | None = None
+    """Seconds from launch to a healthy answer (None when reused or not started here)."""
+    detail: str | None = None
+    """What else start did for it (the worker: the deployments it registered or found unchanged)."""
+
+    @property
+    def open_url(self) -> str:
+        """The page a person opens: the MLflow UI, the Prefect dashboard, or the served models."""
+        return self.url + "/v1/models" if self.name == "serve" else self.url
+
+    @property
+    def api_url(self) -> str:
+        """What clients are configured with: MLFLOW_TRACKING_URI, PREFECT_API_URL, the serving base URL."""
+        return self.url + "/api" if self.name == "prefect" else self.url
+
+
+def parse_names(only: str | None) -> list[ServiceName]:
+    """`mlflow,serve` -> ["mlflow", "serve"] in start order; None or "" -> the default services (SERVICES)."""
+    if not only:
+        return list(SERVICES)
+    wanted = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(wanted - set(ALL_SERVICES))
+    if unknown:
+        raise ValueError(f"unknown service(s) {', '.join(unknown)}: choose from {', '.join(ALL_SERVICES)}")
+    return [n for n in ALL_SERVICES if n in wanted]
+
+
+def services_for(config: ServicesConfig) -> list[ServiceName]:
+    """What `mint up` starts by default: SERVICES, and with serving vllm the vLLM server before mint serve."""
+    return [n for n in ALL_SERVICES if n != "vllm" or config.serving == "vllm"]
+
+
+def with_driver(url: str, driver: str) -> str:
+    """A PostgreSQL URL without a driver (postgresql://, postgres://) gets `driver`; others are unchanged."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return f"postgresql+{driver}://" + url[len(scheme) :]
+    return url
+
+
+def ensure_postgres_database(url: str, timeout: float = 5.0) -> bool:
+    """Create the database a PostgreSQL URL names if it does not exist; True if it was created.
+
+    Connects to the server's `postgres` maintenance database with the URL's credentials.
+    """
+    import sqlalchemy as sa  # only for a PostgreSQL URL: `mint --help`, `mint up` on SQLite never import it
+
+    target = sa.make_url(with_driver(url, "psycopg"))
+    name = target.database
+    if not name:
+        raise ServiceError(f"{target.render_as_string()}: the URL names no database")
+    admin_url = target.set(drivername="postgresql+psycopg", database="postgres")
+    engine = sa.create_engine(
+        admin_url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": timeout}
+    )
+    try:
+        with engine.connect() as conn:
+            exists = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+            ).first()
+            if exists:
+                return False
+            quoted = conn.dialect.identifier_preparer.quote_identifier(name)
+            conn.exec_driver_sql(f"CREATE DATABASE {quoted}")
+            logger.info("created PostgreSQL database %s", name)
+            return True
+    except sa.exc.DBAPIError as e:
+        raise ServiceError(
+            f"could not create database {name!r} on PostgreSQL at {admin_url.render_as_string()}: "
+            f"{str(e.orig).strip()}"
+        ) from e
+    finally:
+        engine.dispose()
+
+
+DEFAULT_POOL = "mint-process"
+
+
+def _deployments_file(config: ServicesConfig) -> dict[str, Any]:
+    if config.deployments is None:
+        return {}
+    try:
+        doc = yaml.safe_load(config.deployments.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ServiceError(f"worker: cannot read the deployments file {config.deployments}: {e}") from e
+    return doc if isinstance(doc, dict) else {}
+
+
+def work_pool(config: ServicesConfig) -> str:
+    """The process work pool the deployments file names (one for all of them), else mint-process."""
+    deployments = _deployments_file(config).get("deployments") or []
+    pools = {str(d["work_pool"]["name"]) for d in deployments if (d.get("work_pool") or {}).get("name")}
+    if len(pools) > 1:
+        raise ServiceError(
+            f"worker: {config.deployments} names several work pools ({sorted(pools)}); one worker runs one"
+        )
+    return str(pools.pop()) if pools else DEFAULT_POOL
