@@ -33,7 +33,8 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report
 
-from mint_core.registry.catalog import Catalog, CatalogConfig, Registration, aliases
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.catalog_schema import Registration, aliases
 from mint_core.types import Digest
 
 VERSIONS_PER_POLICY = 10

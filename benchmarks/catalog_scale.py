@@ -62,7 +62,8 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.sequence import Request
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import AdapterWeights
-from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.catalog_schema import Registration
 from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
 from mint_core.types import Site

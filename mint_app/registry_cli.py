@@ -19,7 +19,8 @@ from mint_core.registry.reader import RegistryConfig, RegistryReader
 from mint_core.registry.store import AdapterStore
 
 if TYPE_CHECKING:
-    from mint_core.registry.catalog import AliasMove, Catalog
+    from mint_core.registry.catalog import Catalog
+    from mint_core.registry.catalog_schema import AliasMove
     from mint_core.registry.mlflow_registry import Registry
 
 catalog_app = typer.Typer(help="The adapter catalog: every addressable revision.", no_args_is_help=True)

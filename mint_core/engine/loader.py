@@ -33,7 +33,8 @@ from mint_core.engine.engine import Engine
 from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import MintError
 from mint_core.lora.adapter import AdapterWeights
-from mint_core.registry.catalog import AddressError, Catalog, Resolved, parse_address
+from mint_core.registry.catalog import AddressError, Catalog, parse_address
+from mint_core.registry.catalog_schema import Resolved
 from mint_core.registry.packs import PackReader, is_pack_location
 from mint_core.registry.store import AdapterStore
 

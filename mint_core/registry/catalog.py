@@ -2,7 +2,8 @@
 
 Its addresses (`policy`, `policy@alias`, `policy/v7`, `sha256:<hex>`) are parsed in `mint_core.registry.address`
 and re-exported here. The catalog is an index: MLflow is the truth for a policy's versions and aliases, and
-`mint_core.registry.index` rebuilds the catalog's rows of them from MLflow and the store.
+`mint_core.registry.index` rebuilds the catalog's rows of them from MLflow and the store. Its tables and
+records are in `mint_core.registry.catalog_schema`, the SQL of the leases it holds in `mint_core.registry.leases`.
 
 Three tables hold it: `revisions` (one row per digest: base, rank, blob location, tags), `versions` (policy,
 version -> digest) and `aliases` (policy, alias -> version). SQLite by default (WAL, busy timeout), any
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +26,6 @@ from sqlalchemy.engine import Connection, Engine
 
 from mint_core.registry.address import (
     CHAMPION,
-    NAME_RE,
     Address,
     AddressError,
     AddressKind,
@@ -34,8 +33,20 @@ from mint_core.registry.address import (
     check_name,
     parse_address,
 )
+from mint_core.registry.catalog_schema import (
+    AliasMove,
+    Entry,
+    Registration,
+    Resolved,
+    alias_moves,
+    aliases,
+    metadata,
+    revisions,
+    validated,
+    versions,
+)
 from mint_core.registry.retry import retried
-from mint_core.types import Digest, DigestError
+from mint_core.types import Digest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,13 +59,9 @@ __all__ = [
     "Address",
     "AddressError",
     "AddressKind",
-    "AliasMove",
     "Catalog",
     "CatalogConfig",
     "CatalogError",
-    "Entry",
-    "Registration",
-    "Resolved",
     "UnknownAddress",
     "parse_address",
 ]
@@ -81,157 +88,6 @@ class CatalogConfig(BaseModel):
 
     echo: bool = False
     """Log every SQL statement (debugging)."""
-
-
-# ---- tables -------------------------------------------------------------------------------------------------
-
-metadata = sa.MetaData()
-
-revisions = sa.Table(
-    "revisions",
-    metadata,
-    sa.Column("digest", sa.CHAR(64), primary_key=True),
-    sa.Column("base", sa.Text, nullable=False),
-    sa.Column("rank", sa.Integer, nullable=False),
-    sa.Column("location", sa.Text, nullable=False),
-    sa.Column("tags", sa.JSON(none_as_null=True), nullable=True),
-    sa.Column("created", sa.Float, nullable=False),
-    sa.Index("ix_revisions_base_rank", "base", "rank"),
-    sa.Index("ix_revisions_rank", "rank"),
-    sa.Index("ix_revisions_created", "created", "digest"),
-)
-
-versions = sa.Table(
-    "versions",
-    metadata,
-    sa.Column("policy", sa.String(128), primary_key=True),
-    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("digest", sa.CHAR(64), sa.ForeignKey("revisions.digest"), nullable=False),
-    sa.Column("created", sa.Float, nullable=False),
-    sa.Index("ix_versions_digest", "digest"),
-)
-
-# No foreign key to `versions`: an alias may outlive the version it names, and resolve says so.
-aliases = sa.Table(
-    "aliases",
-    metadata,
-    sa.Column("policy", sa.String(128), primary_key=True),
-    sa.Column("alias", sa.String(128), primary_key=True),
-    sa.Column("version", sa.Integer, nullable=False),
-)
-
-# Every alias move made through mint (and every move made elsewhere, e.g. in the MLflow UI, once reconcile sees
-# it): when, from, to, why, by whom. Append-only; the newest row per (policy, alias) says where it points.
-alias_moves = sa.Table(
-    "alias_moves",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("policy", sa.String(128), nullable=False),
-    sa.Column("alias", sa.String(128), nullable=False),
-    sa.Column("from_version", sa.Integer, nullable=True),
-    sa.Column("to_version", sa.Integer, nullable=True),
-    sa.Column("reason", sa.Text, nullable=False),
-    sa.Column("actor", sa.String(128), nullable=False),
-    sa.Column("at", sa.Float, nullable=False),
-    sa.Index("ix_alias_moves_policy", "policy", "alias", "id"),
-)
-
-# Named leases (`mint_core.registry.leases.CatalogLeases`): one row per name ever locked; held while `holder` is
-# set and `expires` (unix seconds) is in the future.
-locks = sa.Table(
-    "locks",
-    metadata,
-    sa.Column("name", sa.Text, primary_key=True),
-    sa.Column("holder", sa.Text, nullable=True),
-    sa.Column("expires", sa.Float, nullable=True),
-)
-
-
-# ---- records ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    """One revision to register, optionally as the next version of `policy`."""
-
-    digest: Digest | str
-    base: str
-    rank: int
-    location: str
-    tags: Mapping[str, str] | None = None
-    policy: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Resolved:
-    """What an address names: the revision's digest and blob location, and the policy version if any."""
-
-    digest: Digest
-    location: str
-    policy: str | None = None
-    version: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AliasMove:
-    """One move of `policy@alias`: from one version to another (None: unset), when, why and by whom."""
-
-    policy: str
-    alias: str
-    from_version: int | None
-    to_version: int | None
-    reason: str
-    actor: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One row of `Catalog.list`: a revision, and the policy version it is (None for a bare revision)."""
-
-    digest: Digest
-    base: str
-    rank: int
-    location: str
-    tags: dict[str, str] = field(default_factory=dict)
-    created: float = 0.0
-    policy: str | None = None
-    version: int | None = None
-
-
-def _validated(i: int, row: Registration | Mapping[str, Any], problems: list[str]) -> Registration | None:
-    """The row with its digest normalized, or None after appending what is wrong with it to `problems`."""
-    where = f"row {i}"
-    try:
-        reg = row if isinstance(row, Registration) else Registration(**row)
-    except TypeError as e:
-        problems.append(f"{where}: {e}")
-        return None
-    bad: list[str] = []
-    digest = Digest.trusted("")
-    try:
-        digest = Digest.parse(reg.digest)
-    except DigestError as e:
-        bad.append(str(e))
-    where = f"row {i} ({reg.digest!r})"
-    if not isinstance(reg.base, str) or not reg.base:
-        bad.append(f"base must be a non-empty string, got {reg.base!r}")
-    if not isinstance(reg.rank, int) or isinstance(reg.rank, bool) or reg.rank < 1:
-        bad.append(f"rank must be an integer >= 1, got {reg.rank!r}")
-    if not isinstance(reg.location, str) or not reg.location:
-        bad.append(f"location must be a non-empty string, got {reg.location!r}")
-    if reg.tags is not None and not (
-        isinstance(reg.tags, Mapping)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in reg.tags.items())
-    ):
-        bad.append(f"tags must be a mapping of str to str, got {reg.tags!r}")
-    if reg.policy is not None and not (isinstance(reg.policy, str) and NAME_RE.fullmatch(reg.policy)):
-        bad.append(f"policy {reg.policy!r} must be 1-128 of [A-Za-z0-9._-], starting with a letter or digit")
-    if bad:
-        problems.extend(f"{where}: {b}" for b in bad)
-        return None
-    tags = dict(reg.tags) if reg.tags is not None else None
-    return Registration(digest, reg.base, reg.rank, reg.location, tags, reg.policy)
 
 
 def _chunks(rows: Sequence[Registration], n: int) -> Iterator[Sequence[Registration]]:
@@ -320,7 +176,7 @@ class Catalog:
         problems: list[str] = []
         checked: list[Registration] = []
         for i, row in enumerate(rows):
-            reg = _validated(i, row, problems)
+            reg = validated(i, row, problems)
             if reg is not None:
                 checked.append(reg)
         first: dict[str, Registration] = {}
@@ -338,10 +194,10 @@ class Catalog:
 
         out: list[int | None] = []
         for chunk in _chunks(checked, CHUNK):
-            out.extend(self._transaction(partial(self._write_chunk, chunk=chunk)))
+            out.extend(self.transaction(partial(self._write_chunk, chunk=chunk)))
         return out
 
-    def _transaction(self, fn: Callable[[Connection], T]) -> T:
+    def transaction(self, fn: Callable[[Connection], T]) -> T:
         """`fn(conn)` in one transaction, run again (the shared `RETRY` policy) when it met a transient error:
         a locked SQLite file, a deadlock, or a concurrent writer that took the same key first."""
 
@@ -478,7 +334,7 @@ class Catalog:
                 )
             return before
 
-        before = self._transaction(move)
+        before = self.transaction(move)
         logger.info("alias %s: v%s -> v%d", s, before, version)
         return before
 
@@ -489,7 +345,7 @@ class Catalog:
         versions of a registered model). Idempotent; a different digest already at that number is an error."""
         check_name(f"{policy}/v{version}", "policy", policy)
         problems: list[str] = []
-        checked = _validated(0, reg, problems)
+        checked = validated(0, reg, problems)
         if checked is None:
             raise CatalogError(f"cannot record {policy}/v{version}: " + "; ".join(problems))
 
@@ -514,7 +370,7 @@ class Catalog:
         if conn is not None:
             write(conn)
         else:
-            self._transaction(write)
+            self.transaction(write)
 
     def forget_versions(self, policy: str, numbers: Iterable[int]) -> list[str]:
         """Drop `policy/vN` rows the registry deleted, and the revision rows only they named (those the registry
@@ -553,54 +409,7 @@ class Catalog:
                     out.append(f"revision sha256:{d}")
             return out
 
-        return self._transaction(forget) if wanted else []
-
-    # ---- leases ----
-    #
-    # The SQL of `mint_core.registry.leases.CatalogLeases`, the default backend of mint's one lock mechanism: take
-    # leases through `leases_for` (which picks this or Redis), never through these methods. One row per name;
-    # held while `holder` is set and `expires` has not passed, so a holder that dies frees its lease then.
-
-    def take_lock(self, name: str, holder: str, hold_s: float) -> bool:
-        """One try at the lease `name` for `holder` for `hold_s` seconds; taking a lease one already holds renews
-        it. False when another holder has it."""
-        return bool(self._transaction(lambda conn: self._take(conn, name, holder, hold_s)))
-
-    @staticmethod
-    def _take(conn: Connection, name: str, holder: str, hold_s: float) -> bool:
-        now = time.time()
-        free = sa.or_(locks.c.holder.is_(None), locks.c.holder == holder, locks.c.expires < now)
-        taken = conn.execute(
-            locks.update().where(locks.c.name == name, free).values(holder=holder, expires=now + hold_s)
-        ).rowcount
-        if taken:
-            return True
-        if conn.execute(sa.select(locks.c.name).where(locks.c.name == name)).first() is not None:
-            return False
-        conn.execute(locks.insert().values(name=name, holder=holder, expires=now + hold_s))
-        return True
-
-    def release_lock(self, name: str, holder: str) -> bool:
-        """Give the lease back; False when `holder` no longer held it (it had expired and maybe been taken)."""
-        return bool(
-            self._transaction(
-                lambda conn: (
-                    conn.execute(
-                        locks.update()
-                        .where(locks.c.name == name, locks.c.holder == holder)
-                        .values(holder=None, expires=None)
-                    ).rowcount
-                )
-            )
-        )
-
-    def lock_holder(self, name: str) -> str | None:
-        """Who holds the lease `name` now, or None."""
-        with self.engine.connect() as conn:
-            row = conn.execute(sa.select(locks.c.holder, locks.c.expires).where(locks.c.name == name)).first()
-        if row is None or row[0] is None or (row[1] is not None and row[1] < time.time()):
-            return None
-        return str(row[0])
+        return self.transaction(forget) if wanted else []
 
     def move_alias(
         self,
@@ -616,7 +425,7 @@ class Catalog:
         caller moved the alias in MLflow (the truth) first, under the policy's lock."""
         check_name(f"{policy}@{alias}", "alias", alias)
         if conn is None:
-            return self._transaction(
+            return self.transaction(
                 lambda c: self.move_alias(policy, alias, version, reason, actor, before, conn=c)
             )
         conn.execute(aliases.delete().where(aliases.c.policy == policy, aliases.c.alias == alias))
@@ -635,110 +444,6 @@ class Catalog:
             )
         )
         return move
-
-    def reindex_policy(
-        self,
-        policy: str,
-        truth: Mapping[int, Registration],
-        alias_truth: Mapping[str, int],
-        actor: str,
-        reason: str,
-        dry_run: bool = False,
-    ) -> tuple[list[str], list[AliasMove]]:
-        """Make the index of one policy say what the registry says: its versions (number -> revision) are
-        `truth` and its aliases are `alias_truth`. Rows that are missing are added, rows that disagree are
-        overwritten, versions and aliases the registry no longer has are removed; each alias change is logged as
-        a move by `actor`. Idempotent. Returns what changed (or, with `dry_run`, what would) and the moves."""
-        check_name(policy, "policy", policy)
-        problems: list[str] = []
-        rows = {v: _validated(v, reg, problems) for v, reg in truth.items()}
-        if problems:
-            raise CatalogError(f"cannot reindex {policy}: " + "; ".join(problems))
-
-        def apply(conn: Connection) -> tuple[list[str], list[AliasMove]]:
-            changes: list[str] = []
-            moves: list[AliasMove] = []
-            now = time.time()
-            for reg in rows.values():
-                assert reg is not None
-                have = conn.execute(
-                    sa.select(revisions.c.base, revisions.c.rank, revisions.c.location).where(
-                        revisions.c.digest == reg.digest
-                    )
-                ).first()
-                if have is None:
-                    changes.append(f"revision {Digest(reg.digest).prefixed}: added")
-                    if not dry_run:
-                        conn.execute(
-                            revisions.insert().values(
-                                digest=reg.digest,
-                                base=reg.base,
-                                rank=reg.rank,
-                                location=reg.location,
-                                tags=reg.tags,
-                                created=now,
-                            )
-                        )
-                elif tuple(have) != (reg.base, reg.rank, reg.location):
-                    changes.append(
-                        f"revision {Digest(reg.digest).prefixed}: base/rank/location {tuple(have)} -> "
-                        f"{(reg.base, reg.rank, reg.location)}"
-                    )
-                    if not dry_run:
-                        conn.execute(
-                            revisions.update()
-                            .where(revisions.c.digest == reg.digest)
-                            .values(base=reg.base, rank=reg.rank, location=reg.location)
-                        )
-            indexed: dict[int, str] = {
-                r.version: r.digest
-                for r in conn.execute(
-                    sa.select(versions.c.version, versions.c.digest).where(versions.c.policy == policy)
-                )
-            }
-            for version, reg in sorted(rows.items()):
-                assert reg is not None
-                was = indexed.get(version)
-                if was == reg.digest:
-                    continue
-                if was is None:
-                    changes.append(f"{policy}/v{version}: added")
-                    if not dry_run:
-                        conn.execute(
-                            versions.insert().values(
-                                policy=policy, version=version, digest=reg.digest, created=now
-                            )
-                        )
-                else:
-                    changes.append(f"{policy}/v{version}: sha256:{was} -> {Digest(reg.digest).prefixed}")
-                    if not dry_run:
-                        conn.execute(
-                            versions.update()
-                            .where(versions.c.policy == policy, versions.c.version == version)
-                            .values(digest=reg.digest)
-                        )
-            for version in sorted(set(indexed) - set(rows)):
-                changes.append(f"{policy}/v{version}: removed (the registry no longer has it)")
-                if not dry_run:
-                    conn.execute(
-                        versions.delete().where(versions.c.policy == policy, versions.c.version == version)
-                    )
-            pointed: dict[str, int] = {
-                r.alias: r.version
-                for r in conn.execute(
-                    sa.select(aliases.c.alias, aliases.c.version).where(aliases.c.policy == policy)
-                )
-            }
-            for alias in sorted(set(pointed) | set(alias_truth)):
-                before, after = pointed.get(alias), alias_truth.get(alias)
-                if before == after:
-                    continue
-                changes.append(f"{policy}@{alias}: {_v(before)} -> {_v(after)}")
-                if not dry_run:
-                    moves.append(self.move_alias(policy, alias, after, reason, actor, before, conn=conn))
-            return changes, moves
-
-        return self._transaction(apply)
 
     # ---- reads ----
 
@@ -983,7 +688,3 @@ class Catalog:
         )
         with self.engine.connect() as conn:
             return int(conn.execute(q).scalar_one())
-
-
-def _v(version: int | None) -> str:
-    return "unset" if version is None else f"v{version}"

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from mint_core.registry.catalog import AliasMove, Catalog, Registration
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from mint_core.registry.address import CatalogError, check_name
+from mint_core.registry.catalog import Catalog
+from mint_core.registry.catalog_schema import AliasMove, Registration, aliases, revisions, validated, versions
 from mint_core.registry.leases import Leases, default_leases, held
 from mint_core.registry.reader import RegistryReader, UnknownRevision
 from mint_core.registry.store import AdapterStore
+from mint_core.types import Digest
 
 ACTOR = "mlflow"
 """Who the move log names for an alias move made in MLflow and found by a rebuild."""
@@ -96,7 +103,116 @@ def reindex_policy(
             report.not_in_store.append(f"{rev.address} ({rev.digest.prefixed})")
         truth[rev.version] = Registration(rev.digest, rev.base, rev.rank, location, {"policy": policy})
     alias_truth = {a: v for a, v in pointed.items() if v in truth}
-    changes, moves = catalog.reindex_policy(policy, truth, alias_truth, actor, reason, dry_run)
+    changes, moves = reindex_rows(catalog, policy, truth, alias_truth, actor, reason, dry_run)
     report.policies += 1
     report.changes += changes
     report.moves += moves
+
+
+def reindex_rows(
+    catalog: Catalog,
+    policy: str,
+    truth: Mapping[int, Registration],
+    alias_truth: Mapping[str, int],
+    actor: str,
+    reason: str,
+    dry_run: bool = False,
+) -> tuple[list[str], list[AliasMove]]:
+    """Make the catalog's index of one policy say what the registry says: its versions (number -> revision) are
+    `truth` and its aliases are `alias_truth`. Rows that are missing are added, rows that disagree are
+    overwritten, versions and aliases the registry no longer has are removed; each alias change is logged as
+    a move by `actor`. Idempotent. Returns what changed (or, with `dry_run`, what would) and the moves."""
+    check_name(policy, "policy", policy)
+    problems: list[str] = []
+    rows = {v: validated(v, reg, problems) for v, reg in truth.items()}
+    if problems:
+        raise CatalogError(f"cannot reindex {policy}: " + "; ".join(problems))
+
+    def apply(conn: Connection) -> tuple[list[str], list[AliasMove]]:
+        changes: list[str] = []
+        moves: list[AliasMove] = []
+        now = time.time()
+        for reg in rows.values():
+            assert reg is not None
+            have = conn.execute(
+                sa.select(revisions.c.base, revisions.c.rank, revisions.c.location).where(
+                    revisions.c.digest == reg.digest
+                )
+            ).first()
+            if have is None:
+                changes.append(f"revision {Digest(reg.digest).prefixed}: added")
+                if not dry_run:
+                    conn.execute(
+                        revisions.insert().values(
+                            digest=reg.digest,
+                            base=reg.base,
+                            rank=reg.rank,
+                            location=reg.location,
+                            tags=reg.tags,
+                            created=now,
+                        )
+                    )
+            elif tuple(have) != (reg.base, reg.rank, reg.location):
+                changes.append(
+                    f"revision {Digest(reg.digest).prefixed}: base/rank/location {tuple(have)} -> "
+                    f"{(reg.base, reg.rank, reg.location)}"
+                )
+                if not dry_run:
+                    conn.execute(
+                        revisions.update()
+                        .where(revisions.c.digest == reg.digest)
+                        .values(base=reg.base, rank=reg.rank, location=reg.location)
+                    )
+        indexed: dict[int, str] = {
+            r.version: r.digest
+            for r in conn.execute(
+                sa.select(versions.c.version, versions.c.digest).where(versions.c.policy == policy)
+            )
+        }
+        for version, reg in sorted(rows.items()):
+            assert reg is not None
+            was = indexed.get(version)
+            if was == reg.digest:
+                continue
+            if was is None:
+                changes.append(f"{policy}/v{version}: added")
+                if not dry_run:
+                    conn.execute(
+                        versions.insert().values(
+                            policy=policy, version=version, digest=reg.digest, created=now
+                        )
+                    )
+            else:
+                changes.append(f"{policy}/v{version}: sha256:{was} -> {Digest(reg.digest).prefixed}")
+                if not dry_run:
+                    conn.execute(
+                        versions.update()
+                        .where(versions.c.policy == policy, versions.c.version == version)
+                        .values(digest=reg.digest)
+                    )
+        for version in sorted(set(indexed) - set(rows)):
+            changes.append(f"{policy}/v{version}: removed (the registry no longer has it)")
+            if not dry_run:
+                conn.execute(
+                    versions.delete().where(versions.c.policy == policy, versions.c.version == version)
+                )
+        pointed: dict[str, int] = {
+            r.alias: r.version
+            for r in conn.execute(
+                sa.select(aliases.c.alias, aliases.c.version).where(aliases.c.policy == policy)
+            )
+        }
+        for alias in sorted(set(pointed) | set(alias_truth)):
+            before, after = pointed.get(alias), alias_truth.get(alias)
+            if before == after:
+                continue
+            changes.append(f"{policy}@{alias}: {_v(before)} -> {_v(after)}")
+            if not dry_run:
+                moves.append(catalog.move_alias(policy, alias, after, reason, actor, before, conn=conn))
+        return changes, moves
+
+    return catalog.transaction(apply)
+
+
+def _v(version: int | None) -> str:
+    return "unset" if version is None else f"v{version}"

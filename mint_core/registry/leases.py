@@ -26,9 +26,12 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import redis
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from mint_core.errors import MintError
 from mint_core.registry.catalog import Catalog
+from mint_core.registry.catalog_schema import locks
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +98,9 @@ def _poll(take: Callable[[], bool], acquire_timeout: float | None) -> bool:
 
 
 class CatalogLeases:
-    """Leases in the catalog's `locks` table (`Catalog.take_lock` and friends hold the SQL). Expiry compares
-    the writers' clocks, so keep them in step (NTP) when several machines share one catalog."""
+    """Leases in the catalog's `locks` table: one row per name, held while `holder` is set and `expires` has not
+    passed, so a holder that dies frees its lease then. Expiry compares the writers' clocks, so keep them in step
+    (NTP) when several machines share one catalog."""
 
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
@@ -104,16 +108,51 @@ class CatalogLeases:
     def acquire(
         self, name: str, holder: str, acquire_timeout: float | None = None, hold_timeout: float = HOLD_S
     ) -> bool:
-        return _poll(lambda: self.catalog.take_lock(name, holder, hold_timeout), acquire_timeout)
+        return _poll(lambda: self.take(name, holder, hold_timeout), acquire_timeout)
+
+    def take(self, name: str, holder: str, hold_s: float) -> bool:
+        """One try at the lease `name` for `holder` for `hold_s` seconds; taking a lease one already holds renews
+        it. False when another holder has it."""
+        return bool(self.catalog.transaction(lambda conn: _take(conn, name, holder, hold_s)))
 
     def release(self, name: str, holder: str) -> bool:
-        return self.catalog.release_lock(name, holder)
+        """Give the lease back; False when `holder` no longer held it (it had expired and maybe been taken)."""
+        return bool(
+            self.catalog.transaction(
+                lambda conn: (
+                    conn.execute(
+                        locks.update()
+                        .where(locks.c.name == name, locks.c.holder == holder)
+                        .values(holder=None, expires=None)
+                    ).rowcount
+                )
+            )
+        )
 
     def holder(self, name: str) -> str | None:
-        return self.catalog.lock_holder(name)
+        """Who holds the lease `name` now, or None."""
+        with self.catalog.engine.connect() as conn:
+            row = conn.execute(sa.select(locks.c.holder, locks.c.expires).where(locks.c.name == name)).first()
+        if row is None or row[0] is None or (row[1] is not None and row[1] < time.time()):
+            return None
+        return str(row[0])
 
     def __repr__(self) -> str:
         return f"CatalogLeases({self.catalog.engine.url.render_as_string(hide_password=True)})"
+
+
+def _take(conn: Connection, name: str, holder: str, hold_s: float) -> bool:
+    now = time.time()
+    free = sa.or_(locks.c.holder.is_(None), locks.c.holder == holder, locks.c.expires < now)
+    taken = conn.execute(
+        locks.update().where(locks.c.name == name, free).values(holder=holder, expires=now + hold_s)
+    ).rowcount
+    if taken:
+        return True
+    if conn.execute(sa.select(locks.c.name).where(locks.c.name == name)).first() is not None:
+        return False
+    conn.execute(locks.insert().values(name=name, holder=holder, expires=now + hold_s))
+    return True
 
 
 # KEYS[1] = the lease, ARGV[1] = the holder, ARGV[2] = hold milliseconds. Compare-and-act in one script, so no other

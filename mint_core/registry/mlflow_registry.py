@@ -35,7 +35,8 @@ from typing import Any, TypeVar
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from mint_core.registry.catalog import CHAMPION, AliasMove, Catalog, CatalogError, Registration, parse_address
+from mint_core.registry.catalog import CHAMPION, Catalog, CatalogError, parse_address
+from mint_core.registry.catalog_schema import AliasMove, Registration
 from mint_core.registry.index import RebuildReport, new_holder, rebuild_catalog, registry_lock, reindex_policy
 from mint_core.registry.leases import Leases, default_leases, held
 from mint_core.registry.reader import (

@@ -16,15 +16,9 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from mint_core.registry.catalog import (
-    AddressError,
-    Catalog,
-    CatalogConfig,
-    CatalogError,
-    Registration,
-    UnknownAddress,
-    versions,
-)
+from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, CatalogError, UnknownAddress
+from mint_core.registry.catalog_schema import Registration, versions
+from mint_core.registry.index import reindex_rows
 
 pytestmark = pytest.mark.integration
 
@@ -168,7 +162,7 @@ def test_concurrent_writers_get_distinct_versions(catalog: Catalog) -> None:
 def test_reindex_policy(catalog: Catalog) -> None:
     truth = {1: Registration(D1, "tiny", 8, "/d1"), 2: Registration(D2, "tiny", 8, "/d2")}
     catalog.register(D3, "tiny", 8, "/d3", policy="p")
-    changes, moves = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild")
+    changes, moves = reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild")
     assert "p/v1: sha256:" in changes[2] and len(moves) == 1
     assert catalog.resolve("p").digest == D2 and catalog.resolve("p/v1").digest == D1
-    assert catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])
+    assert reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])

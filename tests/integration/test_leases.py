@@ -28,7 +28,8 @@ from pydantic import ValidationError
 
 from mint_core.lifecycle import Workspace
 from mint_core.lora.adapter import random_adapter, save_adapter
-from mint_core.registry.catalog import Catalog, CatalogConfig, locks
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.catalog_schema import locks
 from mint_core.registry.index import registry_lock
 from mint_core.registry.leases import (
     LOCK_URL_ENV,

@@ -279,7 +279,7 @@ def test_catalog_rebuild_restores_what_mlflow_says(reg: Registry, tmp_path: Path
     from typer.testing import CliRunner
 
     from mint_app.cli import app
-    from mint_core.registry.catalog import aliases, revisions, versions
+    from mint_core.registry.catalog_schema import aliases, revisions, versions
     from mint_core.registry.index import rebuild_catalog
 
     p = _policy()

@@ -8,7 +8,8 @@ import pytest
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
-from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.catalog_schema import Registration
 from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
 from tests.integration.conftest import Endpoint, start_server, stop_server

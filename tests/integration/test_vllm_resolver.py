@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import WEIGHTS_FILE, random_adapter, save_adapter
-from mint_core.registry.catalog import Catalog, CatalogConfig, Registration
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.catalog_schema import Registration
 from mint_core.registry.store import AdapterStore
 from tests.integration.conftest import (
     VLLM_KEY,

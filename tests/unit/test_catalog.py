@@ -17,11 +17,11 @@ from mint_core.registry.catalog import (
     Catalog,
     CatalogConfig,
     CatalogError,
-    Registration,
     UnknownAddress,
     parse_address,
-    versions,
 )
+from mint_core.registry.catalog_schema import Registration, versions
+from mint_core.registry.index import reindex_rows
 from mint_core.registry.leases import CatalogLeases, RedisLeases, leases_for
 
 
@@ -390,10 +390,10 @@ def test_reindex_policy_restores_rows_and_is_idempotent(catalog: Catalog) -> Non
         1: Registration(D1, "tiny", 8, "/store/d1", {"policy": "p"}),
         2: Registration(D2, "tiny", 8, "/store/d2", {"policy": "p"}),
     }
-    changes, moves = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild")
+    changes, moves = reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild")
     assert changes and [(m.alias, m.from_version, m.to_version) for m in moves] == [("champion", None, 2)]
     assert catalog.resolve("p").digest == D2 and catalog.resolve("p/v1").location == "/store/d1"
-    assert catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])
+    assert reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])
 
     # damage the index: a wrong digest at v1, a stray v3, a moved alias, a wrong location
     catalog.register(D3, "tiny", 8, "/elsewhere", policy="p")  # v3
@@ -402,9 +402,9 @@ def test_reindex_policy_restores_rows_and_is_idempotent(catalog: Catalog) -> Non
     with catalog.engine.begin() as conn:
         conn.execute(sa.update(versions).where(versions.c.version == 1).values(digest=D3))
         conn.execute(sa.text("UPDATE revisions SET location = '/wrong' WHERE digest = :d"), {"d": D2})
-    dry, _ = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild", dry_run=True)
+    dry, _ = reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild", dry_run=True)
     assert catalog.resolve("p").version == 3  # a dry run changes nothing
-    changes, moves = catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild")
+    changes, moves = reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild")
     assert changes == dry
     assert any("p/v3: removed" in c for c in changes) and any("p@stray: v1 -> unset" in c for c in changes)
     assert (catalog.resolve("p").version, catalog.resolve("p").location) == (2, "/store/d2")
@@ -412,4 +412,4 @@ def test_reindex_policy_restores_rows_and_is_idempotent(catalog: Catalog) -> Non
     with pytest.raises(UnknownAddress):
         catalog.resolve("p/v3")
     assert catalog.alias_moves("p", "champion")[0].actor == "mlflow"
-    assert catalog.reindex_policy("p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])
+    assert reindex_rows(catalog, "p", truth, {"champion": 2}, "mlflow", "rebuild") == ([], [])

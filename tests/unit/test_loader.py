@@ -19,7 +19,8 @@ from mint_core.engine.loader import AdapterManager, NoCatalog
 from mint_core.engine.working_set import AdapterExists
 from mint_core.errors import AdapterError
 from mint_core.lora.adapter import WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
-from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, Registration, UnknownAddress
+from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress
+from mint_core.registry.catalog_schema import Registration
 from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
 
