@@ -21,14 +21,14 @@ from mint_core.serving.config import ServingConfig
 if TYPE_CHECKING:
     pass
 from mint_app.processes import (
-    _healthy,
+    healthy,
 )
-from mint_app.service_commands import _bin, running_base, serve_base
+from mint_app.service_commands import console_script, running_base, serve_base
 from mint_app.service_config import (
     HEALTH_PATH,
     ServiceError,
     ServicesConfig,
-    _deployments_file,
+    deployments_file,
     work_pool,
 )
 
@@ -59,7 +59,7 @@ def workspace_defaults(config: ServicesConfig) -> dict[str, str]:
 def _deployments_for(config: ServicesConfig) -> str:
     """The deployments file with each deployment's `workspace` defaulting to this state dir's (unless it sets
     one), as YAML."""
-    doc = _deployments_file(config)
+    doc = deployments_file(config)
     for d in doc.get("deployments") or []:
         params = d.setdefault("parameters", {}) or {}
         params.setdefault("workspace", workspace_defaults(config))
@@ -82,7 +82,11 @@ def _fingerprint(config: ServicesConfig, api: str, deployments: str) -> str:
 def _prefect_cli(*args: str, api: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     return subprocess.run(
-        [_bin("prefect"), "--no-prompt", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [console_script("prefect"), "--no-prompt", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -94,11 +98,11 @@ def register_deployments(config: ServicesConfig) -> str:
     if config.deployments is None:
         return "no deployments file"
     api = config.url("prefect") + "/api"
-    if not _healthy(config.url("prefect"), HEALTH_PATH["prefect"]):
+    if not healthy(config.url("prefect"), HEALTH_PATH["prefect"]):
         raise ServiceError(
             f"worker: the Prefect server at {api} is not running (start it too: mint up --only prefect,worker)"
         )
-    names = sorted(d["name"] for d in _deployments_file(config).get("deployments") or [])
+    names = sorted(d["name"] for d in deployments_file(config).get("deployments") or [])
     pool = work_pool(config)
     record = config.state_dir / "deployments.json"
     derived = config.state_dir / "prefect.yaml"

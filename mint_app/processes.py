@@ -29,21 +29,21 @@ from mint_app.service_config import (
 logger = logging.getLogger(__name__)
 
 # Processes started by this Python process; polling them reaps them, so an exited one is not left a zombie.
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # state files
 
 
-def _paths(config: ServicesConfig, name: ServiceName) -> tuple[Path, Path, Path]:
+def state_files(config: ServicesConfig, name: ServiceName) -> tuple[Path, Path, Path]:
     d = config.state_dir
     return d / f"{name}.pid", d / f"{name}.json", d / f"{name}.log"
 
 
-def _read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | None:
+def read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | None:
     """The recorded pid, URL and process creation time of a service, or None if there is no (readable) record."""
-    pid_file, info_file, _ = _paths(config, name)
+    pid_file, info_file, _ = state_files(config, name)
     try:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
@@ -55,10 +55,10 @@ def _read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | 
     return {**info, "pid": pid}
 
 
-def _write_record(
+def write_record(
     config: ServicesConfig, name: ServiceName, pid: int, url: str, base: str | None = None
 ) -> None:
-    pid_file, info_file, log = _paths(config, name)
+    pid_file, info_file, log = state_files(config, name)
     info = {"url": url, "started_at": time.time(), "create_time": _create_time(pid), "log": str(log)}
     if base is not None:  # mint serve's: what the flows of this stack train on, read back by running_base
         info["base"] = str(Path(base).resolve())
@@ -66,8 +66,8 @@ def _write_record(
     pid_file.write_text(f"{pid}\n")
 
 
-def _remove_record(config: ServicesConfig, name: ServiceName) -> None:
-    pid_file, info_file, _ = _paths(config, name)
+def remove_record(config: ServicesConfig, name: ServiceName) -> None:
+    pid_file, info_file, _ = state_files(config, name)
     pid_file.unlink(missing_ok=True)
     info_file.unlink(missing_ok=True)
 
@@ -82,7 +82,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 def service_log(config: ServicesConfig, name: ServiceName) -> Path:
     """The log a service writes now (rolled-over ones: `rolled_logs`)."""
-    return _paths(config, name)[2]
+    return state_files(config, name)[2]
 
 
 def rolled_logs(config: ServicesConfig, name: ServiceName) -> list[Path]:
@@ -129,9 +129,9 @@ def _create_time(pid: int) -> float | None:
 
 def _reap_children() -> None:
     """Poll the processes started here: one that exited is reaped (not left a zombie) and forgotten."""
-    for pid, child in list(_CHILDREN.items()):
+    for pid, child in list(CHILDREN.items()):
         if child.poll() is not None:
-            _CHILDREN.pop(pid, None)
+            CHILDREN.pop(pid, None)
 
 
 def _running(proc: psutil.Process) -> bool:
@@ -144,7 +144,7 @@ def _running(proc: psutil.Process) -> bool:
         return True  # someone else's process: it exists, its state cannot be read
 
 
-def _alive(pid: int, create_time: float | None = None) -> bool:
+def alive(pid: int, create_time: float | None = None) -> bool:
     """The process runs, and (when known) is the one recorded: its pid was not given to a later process."""
     _reap_children()
     try:
@@ -180,7 +180,7 @@ def _wait_ended(members: Callable[[], list[psutil.Process]], timeout: float) -> 
     return True
 
 
-def _terminate(pid: int, timeout: float) -> bool:
+def terminate(pid: int, timeout: float) -> bool:
     """SIGTERM the service's process group (the process alone if it leads none), SIGKILL what is left after
     `timeout` s; True if it had to be killed."""
     try:
@@ -192,7 +192,7 @@ def _terminate(pid: int, timeout: float) -> bool:
         if group:
             return _group(pid)
         try:
-            return [psutil.Process(pid)] if _alive(pid) else []
+            return [psutil.Process(pid)] if alive(pid) else []
         except psutil.NoSuchProcess:
             return []
 
@@ -209,7 +209,7 @@ def _terminate(pid: int, timeout: float) -> bool:
     return True
 
 
-def _healthy(url: str, path: str, timeout: float = 2.0, key: str | None = None) -> bool:
+def healthy(url: str, path: str, timeout: float = 2.0, key: str | None = None) -> bool:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         # trust_env=False: a proxy from the environment must not stand between us and a loopback service
@@ -218,7 +218,7 @@ def _healthy(url: str, path: str, timeout: float = 2.0, key: str | None = None) 
         return False
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR, as the servers themselves bind: a port left in TIME_WAIT by a stopped server is free

@@ -21,9 +21,9 @@ from mint_core.serving.config import ServingConfig
 if TYPE_CHECKING:
     from mint_core.serving.vllm_process import VLLMConfig
 from mint_app.processes import (
-    _alive,
-    _healthy,
-    _read_record,
+    alive,
+    healthy,
+    read_record,
 )
 from mint_app.service_config import (
     BUILTIN_BASE,
@@ -39,12 +39,12 @@ from mint_app.service_config import (
 logger = logging.getLogger(__name__)
 
 
-def _health_key(config: ServicesConfig, name: ServiceName) -> str | None:
+def health_key(config: ServicesConfig, name: ServiceName) -> str | None:
     """The key `name`'s health route demands: vLLM's (its seal refuses /health without it), else none."""
     return _vllm_key(config) if name in HEALTH_KEY_ENV else None
 
 
-def _bin(tool: str) -> str:
+def console_script(tool: str) -> str:
     """A console script of this environment (mlflow, prefect), next to the running interpreter."""
     path = Path(sys.executable).parent / tool
     if not path.exists():
@@ -94,7 +94,7 @@ def hooks_workspace(config: ServicesConfig) -> dict[str, Any]:
 
 def register_webhook(config: ServicesConfig) -> str:
     """Point MLflow's alias webhook at the receiver (idempotent); what was done, for `mint up` to show."""
-    if not _healthy(config.url("mlflow"), HEALTH_PATH["mlflow"]):
+    if not healthy(config.url("mlflow"), HEALTH_PATH["mlflow"]):
         return "MLflow is not running here: no webhook registered (the reconcile deployment still runs)"
     # MLflow's client is only imported here: `mint --help` and the other services never load it
     from mint_app.webhooks import WEBHOOK_PATH
@@ -114,8 +114,8 @@ def running_base(config: ServicesConfig) -> str | None:
     one: so `mint up --base DIR` and a later command with no --base agree on what the flows train."""
     if config.serve_base is not None:
         return None
-    record = _read_record(config, "serve") or {}
-    return record.get("base") if record and _alive(record["pid"], record.get("create_time")) else None
+    record = read_record(config, "serve") or {}
+    return record.get("base") if record and alive(record["pid"], record.get("create_time")) else None
 
 
 def serve_base(config: ServicesConfig) -> str:
@@ -242,7 +242,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         ) or _state_secret(
             config, "mlflow-webhook.key", lambda: base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
         )
-        cmd = [_bin("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
+        cmd = [console_script("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
         cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers)]
         if config.mlflow_allowed_hosts:
             cmd += ["--allowed-hosts", config.mlflow_allowed_hosts]
@@ -258,7 +258,16 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
             "sqlite"
         ):  # Prefect's busy-heartbeat ERROR, said as harmless
             env["PREFECT_LOGGING_SETTINGS_PATH"] = str(_prefect_logging(config))
-        return [_bin("prefect"), "server", "start", "--host", host, "--port", port, "--analytics-off"], env
+        return [
+            console_script("prefect"),
+            "server",
+            "start",
+            "--host",
+            host,
+            "--port",
+            port,
+            "--analytics-off",
+        ], env
     if name == "hooks":
         env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
         env["MINT_HOOKS_SECRET_FILE"] = str(_hooks_secret_file(config).resolve())
@@ -277,7 +286,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         token = config.state_dir / "serve.token"
         if token.is_file() and "MINT_SERVE_ADMIN_TOKEN" not in os.environ:
             env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
-        cmd = [_bin("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
+        cmd = [console_script("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
         return [*cmd, "--name", "mint-worker", "--with-healthcheck", "--install-policy", "never"], env
     if name == "vllm":
         vllm = vllm_config(config)
@@ -329,7 +338,7 @@ def _prefect_logging(config: ServicesConfig) -> Path:
     from mint_app.prefect_logging import write_config
 
     default = Path(
-        _bin("prefect")
+        console_script("prefect")
     ).parent.parent  # the environment Prefect is installed in: find its logging.yml
     found = next(default.glob("lib/python*/site-packages/prefect/logging/logging.yml"), None)
     if found is None:

@@ -259,7 +259,7 @@ def ensure_postgres_database(url: str, timeout: float = 5.0) -> bool:
 DEFAULT_POOL = "mint-process"
 
 
-def _deployments_file(config: ServicesConfig) -> dict[str, Any]:
+def deployments_file(config: ServicesConfig) -> dict[str, Any]:
     if config.deployments is None:
         return {}
     try:
@@ -271,7 +271,7 @@ def _deployments_file(config: ServicesConfig) -> dict[str, Any]:
 
 def work_pool(config: ServicesConfig) -> str:
     """The process work pool the deployments file names (one for all of them), else mint-process."""
-    deployments = _deployments_file(config).get("deployments") or []
+    deployments = deployments_file(config).get("deployments") or []
     pools = {str(d["work_pool"]["name"]) for d in deployments if (d.get("work_pool") or {}).get("name")}
     if len(pools) > 1:
         raise ServiceError(

@@ -33,20 +33,20 @@ from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     pass
-from mint_app.deployments import register_deployments, requeue_orphaned_runs, requeue_runs, work_pool
+from mint_app.deployments import register_deployments, requeue_orphaned_runs, requeue_runs
 from mint_app.processes import (
-    _CHILDREN,
-    _alive,
-    _healthy,
-    _paths,
-    _port_free,
-    _read_record,
-    _remove_record,
-    _terminate,
-    _write_record,
+    CHILDREN,
+    alive,
+    healthy,
     log_tail,
+    port_free,
+    read_record,
+    remove_record,
+    state_files,
+    terminate,
+    write_record,
 )
-from mint_app.service_commands import _health_key, command, register_webhook, serve_base, vllm_config
+from mint_app.service_commands import command, health_key, register_webhook, serve_base, vllm_config
 from mint_app.service_config import (
     ALL_SERVICES,
     HEALTH_KEY_ENV,
@@ -59,6 +59,7 @@ from mint_app.service_config import (
     State,
     ensure_postgres_database,
     services_for,
+    work_pool,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ logger = logging.getLogger(__name__)
 def _known_names(config: ServicesConfig) -> list[ServiceName]:
     """What status and stop look at by default: `services_for(config)`, and a vLLM recorded in the state dir
     whatever `serving` says now (`mint down` stops what `mint up --serving vllm` started)."""
-    recorded = _read_record(config, "vllm") is not None
+    recorded = read_record(config, "vllm") is not None
     return [n for n in ALL_SERVICES if n in services_for(config) or (n == "vllm" and recorded)]
 
 
@@ -82,7 +83,7 @@ def _prepare(name: ServiceName, config: ServicesConfig) -> None:
 
 def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes]:
     cmd, extra_env = command(name, config)
-    _, _, log = _paths(config, name)
+    _, _, log = state_files(config, name)
     env = {**os.environ, **extra_env}
     if name == "prefect":
         env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
@@ -114,9 +115,9 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
             env=env,
             start_new_session=True,
         )
-    _CHILDREN[proc.pid] = proc
+    CHILDREN[proc.pid] = proc
     # mint serve's record keeps its base: what the flows of this stack train on (`mint up --base`)
-    _write_record(config, name, proc.pid, config.url(name), serve_base(config) if name == "serve" else None)
+    write_record(config, name, proc.pid, config.url(name), serve_base(config) if name == "serve" else None)
     logger.info("started %s (pid %d), log %s", name, proc.pid, log)
     return proc
 
@@ -176,16 +177,16 @@ def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> li
     """What runs under the state dir; a record left by a process that is gone is removed."""
     out = []
     for name in names or _known_names(config):
-        _, _, log = _paths(config, name)
-        record = _read_record(config, name)
-        if record is None or not _alive(record["pid"], record.get("create_time")):
+        _, _, log = state_files(config, name)
+        record = read_record(config, name)
+        if record is None or not alive(record["pid"], record.get("create_time")):
             if record is not None:
-                _remove_record(config, name)
+                remove_record(config, name)
             out.append(Service(name, "stopped", config.url(name), None, log))
             continue
         url = record.get("url") or config.url(name)
         state: State = (
-            "running" if _healthy(url, HEALTH_PATH[name], key=_health_key(config, name)) else "unhealthy"
+            "running" if healthy(url, HEALTH_PATH[name], key=health_key(config, name)) else "unhealthy"
         )
         out.append(Service(name, state, url, record["pid"], log))
     return out
@@ -227,7 +228,7 @@ def start(
             launched[name] = (None, time.monotonic())  # wait for it like a fresh one, but never kill it
             continue
         port, host = config.port(name), config.bind_host(name)
-        if not _port_free(host, port):
+        if not port_free(host, port):
             errors.append(
                 f"{name}: port {port} on {host} is already in use by a process not recorded in "
                 f"{config.state_dir} (stop it, or choose another port: --{name}-port)"
@@ -242,18 +243,18 @@ def start(
     said = {name: t0 for name, (_, t0) in launched.items()}  # when each was last reported as still starting
     while launched:
         for name, (proc, t0) in list(launched.items()):
-            record = _read_record(config, name) or {}
+            record = read_record(config, name) or {}
             url = record.get("url") or config.url(name)
             pid = proc.pid if proc is not None else int(record.get("pid", 0))
-            _, _, log = _paths(config, name)
-            if (proc is not None and proc.poll() is not None) or (proc is None and not _alive(pid)):
+            _, _, log = state_files(config, name)
+            if (proc is not None and proc.poll() is not None) or (proc is None and not alive(pid)):
                 del launched[name]
                 code = f" with status {proc.returncode}" if proc is not None else ""
                 errors.append(
                     f"{name} exited{code} before answering {url}{HEALTH_PATH[name]}:\n{log_tail(log)}"
                 )
-                _remove_record(config, name)
-            elif _healthy(url, HEALTH_PATH[name], key=_health_key(config, name)):
+                remove_record(config, name)
+            elif healthy(url, HEALTH_PATH[name], key=health_key(config, name)):
                 del launched[name]
                 ms = None if proc is None else time.monotonic() - t0
                 results[name] = Service(name, "running", url, pid, log, reused=proc is None, startup_s=ms)
@@ -262,7 +263,7 @@ def start(
         now = time.monotonic()
         for name, (proc, t0) in list(launched.items()):
             timeout = startup_timeout(config, name)
-            _, _, log = _paths(config, name)
+            _, _, log = state_files(config, name)
             if now - t0 > timeout:
                 del launched[name]
                 errors.append(
@@ -270,8 +271,8 @@ def start(
                     f"{timeout:.0f} s:\n{log_tail(log)}"
                 )
                 if proc is not None:  # ours and broken: do not leave it half started
-                    _terminate(proc.pid, config.stop_timeout)
-                    _remove_record(config, name)
+                    terminate(proc.pid, config.stop_timeout)
+                    remove_record(config, name)
             elif now - said[name] >= PROGRESS_EVERY_S:
                 said[name] = now
                 msg = f"{name}: still starting after {now - t0:.0f} s (at most {timeout:.0f} s; log {log})"
@@ -305,7 +306,7 @@ def stop_started_redis(config: ServicesConfig) -> int | None:
     if not ours:
         pidfile.unlink(missing_ok=True)
         return None
-    _terminate(pid, config.stop_timeout)
+    terminate(pid, config.stop_timeout)
     pidfile.unlink(missing_ok=True)
     logger.info("stopped redis-server (pid %d)", pid)
     return pid
@@ -318,16 +319,16 @@ def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list
     out = []
     order = {n: i for i, n in enumerate(ALL_SERVICES)}
     for name in sorted(names or _known_names(config), key=order.__getitem__, reverse=True):
-        _, _, log = _paths(config, name)
-        record = _read_record(config, name)
-        if record is None or not _alive(record["pid"], record.get("create_time")):
-            _remove_record(config, name)
+        _, _, log = state_files(config, name)
+        record = read_record(config, name)
+        if record is None or not alive(record["pid"], record.get("create_time")):
+            remove_record(config, name)
             out.append(Service(name, "stopped", config.url(name), None, log))
             continue
         pid = record["pid"]
-        killed = _terminate(pid, config.stop_timeout)
-        _CHILDREN.pop(pid, None)
-        _remove_record(config, name)
+        killed = terminate(pid, config.stop_timeout)
+        CHILDREN.pop(pid, None)
+        remove_record(config, name)
         logger.info("stopped %s (pid %d)%s", name, pid, ", killed" if killed else "")
         out.append(Service(name, "running", record.get("url") or config.url(name), pid, log))
     return out[::-1]

@@ -287,7 +287,7 @@ def test_vllm_starts_first_with_its_long_timeout_and_visible_progress(
     vllm_start_timeout_s (not startup_timeout), stopped, and its front is never launched."""
     monkeypatch.setattr(services, "PROGRESS_EVERY_S", 0.3)
     monkeypatch.setattr(services, "command", lambda name, config: (["sleep", "60"], {}))
-    monkeypatch.setattr(services, "_healthy", lambda url, path, timeout=2.0, key=None: False)
+    monkeypatch.setattr(services, "healthy", lambda url, path, timeout=2.0, key=None: False)
     cfg = vllm_services.model_copy(update={"vllm_start_timeout_s": 1.2, "startup_timeout": 0.1})
     said: list[str] = []
     with pytest.raises(ServiceError, match=r"vllm did not answer http://127.0.0.1:18125/health within 1 s"):
@@ -304,7 +304,7 @@ def test_status_and_down_see_a_recorded_vllm_whatever_serving_says(
     vllm_services: ServicesConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(services, "command", lambda name, config: (["sleep", "60"], {}))
-    monkeypatch.setattr(services, "_healthy", lambda url, path, timeout=2.0, key=None: True)
+    monkeypatch.setattr(services, "healthy", lambda url, path, timeout=2.0, key=None: True)
     started = start(vllm_services, ["vllm"])
     assert started[0].state == "running" and started[0].url == "http://127.0.0.1:18125"
     plain = vllm_services.model_copy(update={"serving": "mint"})
