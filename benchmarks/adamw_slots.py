@@ -33,7 +33,8 @@ from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.layers import _SlotBank
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import PolicySpec, PolicyState, SlotAdamW
+from mint_core.rl.optim import SlotAdamW
+from mint_core.rl.policy import PolicySpec, PolicyState
 from mint_core.types import Site
 
 ROOT = Path(__file__).resolve().parent.parent

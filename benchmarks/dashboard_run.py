@@ -130,7 +130,7 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
     from mint_core.eval.suites import standalone_suites
     from mint_core.lifecycle import Workspace
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.trainer import PolicySpec
+    from mint_core.rl.policy import PolicySpec
 
     suites = standalone_suites(tmp, limit=20)
     ws = Workspace.model_validate(workspace_defaults(config))

@@ -45,7 +45,8 @@ def train_policies(
     from mint_core.engine.base import load_base
     from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+    from mint_core.rl.policy import PolicySpec
+    from mint_core.rl.trainer import MultiPolicyTrainer
 
     engine = Engine(
         load_base(base_dir, device=args.device),

@@ -44,6 +44,7 @@ from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
     BUILTIN_RECIPE,
@@ -51,7 +52,7 @@ from mint_core.rl.recipe import (
     TrainingRun,
     builtin_spec,
 )
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 
 
 def main() -> None:

@@ -60,7 +60,8 @@ from mint_core.engine.base import from_model
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.rl.grpo import GRPOConfig as MintGRPOConfig
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.policy import PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 
 TASK = "add"
 REWARD = "char_overlap"

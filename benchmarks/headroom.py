@@ -43,8 +43,8 @@ from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
 from mint_core.rl.evaluate import heldout_correct
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import BUILTIN_RECIPE
-from mint_core.rl.trainer import PolicySpec
 
 KS = (1, 4, 8, 16, 32)
 
@@ -84,9 +84,9 @@ def supervised(base_dir: Path, train: list[Example], steps: int, rank: int, out:
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True)
     targets = PolicySpec(name="x", task="x").targets
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)
     rows = []

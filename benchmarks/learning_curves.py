@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--prefix", default="curve", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--seeds", default="0,1,2", help="a run of every wave per seed (Training.seed)")
     ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, each in its own process")
+    ap.add_argument("--keep", type=Path, help="copy every promoted adapter to KEEP/seed<n>/<task>-w<wave>")
     add_device(ap)
     args = ap.parse_args()
     checked_device(ap, args.device)
@@ -287,6 +289,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 if promoted:
                     saved = Path(tmp) / f"{t}-w{w + 1}"
                     trainer.export(t, saved)
+                    if args.keep is not None:
+                        shutil.copytree(saved, args.keep / f"seed{seed}" / saved.name, dirs_exist_ok=True)
                     champion_dir[t], champion_correct[t] = saved, cand
                     champion_label[t] = f"wave {w + 1}"
                     rejected[t] = 0

@@ -55,8 +55,9 @@ def child(args: argparse.Namespace) -> None:
     from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.engine.tokenizer import byte_tokenizer
     from mint_core.rl.grpo import GRPOConfig
+    from mint_core.rl.policy import PolicySpec
     from mint_core.rl.rollout import RolloutRow
-    from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+    from mint_core.rl.trainer import MultiPolicyTrainer
 
     torch.set_num_threads(args.threads)
     tok = byte_tokenizer()

@@ -45,8 +45,8 @@ from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, Continuation, spec_changes
-from mint_core.rl.trainer import PolicySpec
 from tasks.canary import CanaryConfig
 from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base

@@ -9,12 +9,14 @@ on the Prefect server, started from the dashboard or by `mint wave`), or whose p
 catalog, is skipped with a log line. Rounds are named by the UTC date (`Training.round`), so a rerun the same
 day finds the versions the first run made and trains nothing twice.
 
-A retrain that keeps paying, or says why not (issue 28): by default (`RETRAIN_TRAINING`) each round trains on
+A retrain that keeps paying, or says why not (issues 28, 33): by default (`RETRAIN_TRAINING`) each round trains on
 fresh prompts from the task generators (a seed per round, no held-out or eval-suite prompt among them, recorded
-on the MLflow run as `fresh_seed` beside `data_rev`), and stops a policy whose greedy probe of held-out reward
-does not rise within a few probes (`EarlyStop`), skipping its export and evaluation; a policy whose last
-candidates were rejected gets one probe to show a gain. The report says, per policy, its gain and p-value,
-the steps it trained and why it stopped (`RetrainReport.policies`, the `retrain-report` artifact).
+on the MLflow run as `fresh_seed` beside `data_rev`), continues each champion with the continuation recipe (a
+quarter of the rate, warmed up: `Training.continuation`), and stops a policy whose greedy probe of held-out reward
+does not rise within a few probes, or falls below the champion's beyond noise (`EarlyStop`), skipping its export
+and evaluation; a policy whose last attempts failed (candidates rejected, or waves stopped without gain:
+`no_gain_waves`) gets one probe to show a gain. The report says, per policy, its gain and p-value, the steps it
+trained and why it stopped (`RetrainReport.policies`, the `retrain-report` artifact).
 """
 
 from __future__ import annotations
@@ -44,17 +46,17 @@ from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.lifecycle import Workspace, champion
 from mint_core.registry.mlflow_registry import Registry
 from mint_core.registry.reader import Revision
-from mint_core.rl.trainer import PolicySpec
+from mint_core.rl.policy import PolicySpec
 from tasks.common import RETRY_DELAYS, transient
 from tasks.registry import NO_GAIN_TAG
 from tasks.training import EarlyStop
 
 RETRAIN_STEPS = 100
 """Most GRPO steps a nightly wave gives each policy. On the built-in base (`benchmarks/learning_curves.py`,
-`add`, `sort` and `reverse` at once) 100 steps take a first revision from the bare base past the gate (+0.056 to
-+0.091, p < 0.004); a champion's next 100-step waves gained +0.01 to +0.03 (p 0.09 to 0.78), below the gate's
-0.05, and their probe first dips as the restarted rate shakes the adapter: early stopping ends such a wave
-after 30 steps (3 probes without a rise) instead of 100."""
+`add`, `sort` and `reverse` at once, 3 seeds) 100 steps take a first revision from the bare base past the gate
+(`add` +0.066 to +0.109, `sort` +0.072 to +0.084); a champion's continuation (`rl.recipe.Continuation`: a quarter of
+the rate, warmed up) keeps it, within noise, and early stopping ends most such waves after 30 steps (3 probes
+without a rise) instead of 100 (docs/training.md, "The continuation recipe")."""
 
 RETRAIN_TRAINING = Training(steps=RETRAIN_STEPS, draw="fresh", early_stop=EarlyStop())
 """The nightly wave's training: fresh prompts each round, early stopping on the default probe."""

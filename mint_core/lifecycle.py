@@ -39,7 +39,7 @@ from mint_core.types import Device
 
 if TYPE_CHECKING:  # annotations only: the webhook receiver reconciles through this module and loads no torch
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.trainer import PolicySpec
+    from mint_core.rl.policy import PolicySpec
 
 logger = logging.getLogger(__name__)
 matplotlib.use("Agg")  # curves are drawn to files for MLflow, never shown

@@ -37,9 +37,9 @@ from mint_core.eval.suites import check_eval
 from mint_core.lifecycle import LifecycleError, Workspace, fault, load_prompts, round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import Continuation, TrainingRun, dry_run_rewards, load_trainer
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import PolicySpec
 from tasks.common import Timed, artifact_key
 
 

@@ -23,6 +23,9 @@ MINT_SEAL_OPEN_HEALTH=1, a completion through the router with mint's key is 200,
 `POST /adapters` through the router 401. A socket in a
 private directory would add little on top of the key: it keeps out other users, as the key does, not mint's own.
 
+A replica of a fleet is started with MINT_REPLICA=<host:port>: every answer it gives (the refusals too) carries it
+in an `x-mint-replica` header, which the router passes back, so mint's front can name the replica that answered.
+
 The standard library only: it runs inside vLLM's environment, and mint's tests run it in mint's.
 """
 
@@ -39,6 +42,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 KEY_ENV = "VLLM_API_KEY"
 OPEN_HEALTH_ENV = "MINT_SEAL_OPEN_HEALTH"
+REPLICA_ENV = "MINT_REPLICA"
+REPLICA_HEADER = b"x-mint-replica"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -60,6 +65,8 @@ class Seal:
         if open_health is None:
             open_health = os.environ.get(OPEN_HEALTH_ENV, "") == "1"
         self.open_health = open_health
+        replica = os.environ.get(REPLICA_ENV, "")
+        self.replica = replica.encode("latin-1") if replica else None
         logger.info("mint seal: every route needs the key%s", " (GET /health open)" if open_health else "")
 
     def allowed(self, scope: Scope) -> bool:
@@ -80,6 +87,8 @@ class Seal:
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.replica is not None and scope["type"] == "http":
+            send = self._named(send)
         if scope["type"] not in ("http", "websocket") or self.allowed(scope):
             await self.app(scope, receive, send)  # lifespan, or a request with the key
             return
@@ -107,3 +116,14 @@ class Seal:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+    def _named(self, send: Send) -> Send:
+        """`send` with this replica's name added to the response's headers."""
+        replica = self.replica
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, replica)]}
+            await send(message)
+
+        return named

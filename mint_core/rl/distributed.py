@@ -47,15 +47,10 @@ from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import selected_logprobs
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.optim import warmup_factor
+from mint_core.rl.policy import PolicySpec, PolicyState
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import (
-    MultiPolicyTrainer,
-    PolicySpec,
-    PolicyState,
-    StepStats,
-    _Batch,
-    warmup_factor,
-)
+from mint_core.rl.trainer import MultiPolicyTrainer, StepStats, _Batch
 
 logger = logging.getLogger(__name__)
 

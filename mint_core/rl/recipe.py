@@ -37,8 +37,9 @@ from mint_core.lora.validate import read_adapter
 from mint_core.rl.checkpoints import is_lead_process, latest_checkpoint, write_checkpoint
 from mint_core.rl.evaluate import heldout_scores
 from mint_core.rl.grpo import GRPOConfig, lr_factor
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, StepStats
+from mint_core.rl.trainer import MultiPolicyTrainer, StepStats
 from mint_core.types import Site
 
 logger = logging.getLogger(__name__)

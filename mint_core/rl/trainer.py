@@ -26,26 +26,24 @@ import inspect
 import itertools
 import json
 import logging
-import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from mint_core.data.rewards import OVERRIDES, Rewarder
+from mint_core.data.rewards import Rewarder
 from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
-from mint_core.lora.layers import _SlotBank
-from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
+from mint_core.rl.optim import SlotAdamW
+from mint_core.rl.policy import PolicySpec, PolicyState, rollout_seed
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
 
@@ -79,175 +77,6 @@ _MOMENTS = ("mA", "vA", "mB", "vB")
 # In the packed update, a sequence joins the current bucket (padded to the bucket's longest) while it is at
 # least this fraction of that length; shorter ones start a new bucket.
 PACK_FILL = 0.75
-
-
-MAX_RANK = 512
-"""Largest LoRA rank a policy may have: the largest that either serving backend holds (vLLM's largest
-`--max-lora-rank`; mint's engine goes to 1024), so a form asking for more is refused before anything trains."""
-
-
-class PolicySpec(BaseModel):
-    """One policy of a multi-policy run."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, max_length=128, pattern=f"^{NAME_RE.pattern}$")
-    """Adapter name (also its MLflow registered model and catalog policy later, so spelled as a policy of an
-    address: 1-128 of [A-Za-z0-9._-], starting with a letter or digit)."""
-    task: str
-    """Task whose prompts it trains on: the name of a registered task spec (`mint_core.data.spec`), whose rewards
-    score its rollouts."""
-    reward: str | None = None
-    """None: the task's own rewards (its spec). Or a built-in reward over the task's `answer` column that replaces
-    them for this policy: exact_match, char_overlap, well_formed, match_and_format (`mint_core.data.rewards`)."""
-    rank: int = Field(8, ge=1, le=MAX_RANK)
-    """LoRA rank (at most `MAX_RANK`). A policy that continues from its champion takes the champion's rank
-    (`mint_core.rl.recipe.continue_spec`)."""
-    alpha: float = Field(16.0, gt=0)
-    """LoRA alpha (scale = alpha / rank)."""
-    learning_rate: float | None = Field(None, gt=0)
-    """This policy's learning rate (default: the GRPO config's)."""
-    targets: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-    )
-    """Short names of the sites it adapts."""
-    replay: float = Field(0.0, ge=0.0, lt=1.0)
-    """Share of its training prompts drawn from the other built-in tasks' train splits (each scored with its own
-    task's reward), so the adapter keeps answering them as the base did: what the gate's per-task guards check.
-    0: its own task only."""
-    rate_scale: float = Field(1.0, gt=0.0, le=1.0)
-    """Multiplier on its learning rate (its own, else the run's). 1 for a first revision; a continuation from a
-    champion trains at the continuation recipe's share of the rate (`mint_core.rl.recipe.Continuation`)."""
-    warmup_steps: int = Field(0, ge=0)
-    """Its learning rate ramps up linearly over its first this many AdamW steps of the run, (k + 1) / (w + 1) at
-    step k, while its moments are new: AdamW's first steps move every weight by about the full rate whatever the
-    gradient's size. 0 for a first revision from a zero B; a continuation warms up (`Continuation`)."""
-
-    @field_validator("reward")
-    @classmethod
-    def _known_reward(cls, v: str | None) -> str | None:
-        if v is not None and v not in OVERRIDES:
-            raise ValueError(f"unknown reward {v!r}; choose from {', '.join(OVERRIDES)}, or leave it unset")
-        return v
-
-
-def rollout_seed(seed: int, step: int) -> int:
-    """The sampling seed of the rollout that precedes update `step` + 1 of a run seeded `seed`: a function of
-    the step count alone, so a run resumed from a checkpoint draws what an uninterrupted run would."""
-    return seed * 1_000_003 + step
-
-
-@dataclass
-class PolicyState:
-    spec: PolicySpec
-    slot: int
-    sites: list[str]
-    optimizer_steps: int = 0
-    """AdamW steps this policy has taken (none in an update where it had no kept token)."""
-
-    @property
-    def scale(self) -> float:
-        return self.spec.alpha / self.spec.rank
-
-
-def warmup_factor(warmup_steps: int, step: int) -> float:
-    """The learning rate's multiplier at a policy's AdamW step `step` (0-based) of a warmup over `warmup_steps`:
-    (step + 1) / (warmup_steps + 1) while step < warmup_steps, then 1."""
-    return 1.0 if step >= warmup_steps else (step + 1) / (warmup_steps + 1)
-
-
-class SlotAdamW:
-    """AdamW on each policy's own slot of the multi-LoRA banks: `torch.optim.AdamW` (fused) whose parameters
-    are views of the slots, so a step writes the banks in place.
-
-    Each policy has two param groups: A at its learning rate, and B at that rate times alpha/r, since the banks
-    hold B with the scale folded in (this matches PEFT's parameterisation). A step gives gradients only to the
-    views of the policies that step, and AdamW skips a parameter without one: the others' weights, moments and
-    step counts stay as they were (a zero gradient would still move them, by momentum and weight decay). Each
-    stepping policy's gradient is first clipped to its own global norm. benchmarks/adamw_slots.py measured it
-    against the hand-written `foreach` AdamW it replaced.
-    """
-
-    def __init__(self, banks: Mapping[str, _SlotBank], policies: Sequence[PolicyState], config: GRPOConfig):
-        self.banks = banks
-        self.max_grad_norm = config.max_grad_norm
-        # policy -> site -> (A view, B view) of its slot
-        self.views: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        groups: list[dict[str, object]] = []
-        self.warmups: list[PolicyState] = []
-        """The policy of each param group, in order (two groups each), for its warmup."""
-        for p in policies:
-            lr = (p.spec.learning_rate or config.learning_rate) * p.spec.rate_scale
-            views = {s: (banks[s].A.data[p.slot], banks[s].B.data[p.slot]) for s in p.sites}
-            self.views[p.spec.name] = views
-            groups.append({"params": [A for A, _ in views.values()], "lr": lr})
-            groups.append({"params": [B for _, B in views.values()], "lr": lr * p.scale})
-            self.warmups += [p, p]
-        self.base_lrs = [float(g["lr"]) for g in groups]  # type: ignore[arg-type]
-        self.optimizer = torch.optim.AdamW(
-            groups,
-            lr=config.learning_rate,
-            betas=config.adam_betas,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            fused=True,
-        )
-
-    @torch.no_grad()
-    def step(self, policies: Sequence[PolicyState], lr_scale: float = 1.0) -> dict[str, float]:
-        """One AdamW step of each of `policies` whose sites all have a gradient in the banks, at `lr_scale` times
-        each one's learning rate; the global norm of each stepping policy's gradient, before clipping."""
-        stepping = [p for p in policies if all(self._has_grad(s) for s in p.sites)]
-        norms: dict[str, float] = {}
-        for group, lr, p in zip(self.optimizer.param_groups, self.base_lrs, self.warmups, strict=True):
-            group["lr"] = lr * lr_scale * warmup_factor(p.spec.warmup_steps, p.optimizer_steps)
-        try:
-            for p in stepping:
-                params = []
-                for s, (A, B) in self.views[p.spec.name].items():
-                    bank_A, bank_B = self.banks[s].A, self.banks[s].B
-                    assert bank_A.grad is not None and bank_B.grad is not None
-                    A.grad, B.grad = bank_A.grad[p.slot], bank_B.grad[p.slot]
-                    params += [A, B]
-                limit = self.max_grad_norm if self.max_grad_norm is not None else math.inf
-                norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=True)
-                norms[p.spec.name] = float(norm)
-                p.optimizer_steps += 1
-            if stepping:
-                self.optimizer.step()
-        finally:
-            for p in stepping:
-                for A, B in self.views[p.spec.name].values():
-                    A.grad = B.grad = None
-        return norms
-
-    def _has_grad(self, site: str) -> bool:
-        bank = self.banks[site]
-        return bank.A.grad is not None and bank.B.grad is not None
-
-    def moments(self, name: str, site: str) -> list[torch.Tensor]:
-        """The policy's AdamW moments at one site: [m_A, v_A, m_B, v_B] (zeros before its first step)."""
-        out = []
-        for view in self.views[name][site]:
-            state = self.optimizer.state.get(view)
-            out += (
-                [state["exp_avg"], state["exp_avg_sq"]] if state else [torch.zeros_like(view) for _ in "mv"]
-            )
-        return out
-
-    def set_moments(self, name: str, site: str, moments: list[torch.Tensor], steps: int) -> None:
-        """Restore what `moments` returned, and the policy's step count (0: no state, as before a first step)."""
-        for view, m, v in zip(self.views[name][site], moments[0::2], moments[1::2], strict=True):
-            if steps == 0:
-                self.optimizer.state.pop(view, None)
-                continue
-            self.optimizer.state[view] = {
-                # where and how fused AdamW keeps it: a float32 scalar on the parameter's device
-                "step": torch.tensor(float(steps), dtype=torch.float32, device=view.device),
-                "exp_avg": m.to(view).clone(),
-                "exp_avg_sq": v.to(view).clone(),
-            }
 
 
 @dataclass

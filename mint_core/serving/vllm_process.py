@@ -68,8 +68,17 @@ class VLLMConfig(BaseModel):
     seal: bool = True
     """mint's seal middleware: every route (not only vLLM's /v1) refuses a request without `api_key`. Off only
     where vLLM's own unkeyed surface is what is measured (benchmarks/vllm_bad_adapters.py)."""
+    replica: bool = False
+    """One replica of a fleet behind `vllm-router` (vllm_router.py): its answers name it (`x-mint-replica:
+    host:port`, added by the seal), and `GET /health` answers unkeyed, for the router's health checks, which send
+    no header. Every other route still demands the key."""
     extra_args: list[str] = Field(default_factory=list)
     """More `vllm serve` flags, after the generated ones."""
+
+    @property
+    def address(self) -> str:
+        """`host:port`: the replica's name in its answers and in mint's front."""
+        return f"{self.host}:{self.port}"
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         """The command line and the environment it needs on top of the current one."""
@@ -99,6 +108,9 @@ class VLLMConfig(BaseModel):
         }
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+        if self.replica:
+            env["MINT_REPLICA"] = self.address
+            env["MINT_SEAL_OPEN_HEALTH"] = "1"
         if self.resolver_url:
             env["MINT_RESOLVER_URL"] = self.resolver_url
             env["MINT_RESOLVER_TOKEN"] = self.resolver_token.get_secret_value() if self.resolver_token else ""

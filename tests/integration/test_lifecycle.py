@@ -40,7 +40,7 @@ from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revi
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable, UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import PolicySpec
+from mint_core.rl.policy import PolicySpec
 from mint_core.serving.client import ServingError
 from tasks.common import is_transient
 from tests.integration.conftest import (

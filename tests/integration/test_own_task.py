@@ -28,7 +28,7 @@ from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.lifecycle import FAULT_ENV, Workspace, served_revision
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import PolicySpec
+from mint_core.rl.policy import PolicySpec
 from mint_core.serving.vllm_process import vllm_available
 from tests.integration.conftest import (
     VLLM_PYTHON,

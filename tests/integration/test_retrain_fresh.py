@@ -29,7 +29,7 @@ from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.registry.runs import log_training_run, tag_version
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import PolicySpec
+from mint_core.rl.policy import PolicySpec
 from tasks.registry import EXPERIMENT
 from tasks.training import EarlyStop
 from tests.integration.conftest import save_tiny_base, start_server, stop_server

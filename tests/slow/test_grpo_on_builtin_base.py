@@ -13,7 +13,8 @@ from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.rl.evaluate import heldout_scores
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.policy import PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,8 @@ import json
 
 from mint_core.rl.checkpoints import checkpoints, latest_checkpoint, write_checkpoint
 from mint_core.rl.grpo import GRPOConfig
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.policy import PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 
 
 def test_checkpoints_are_whole_newest_first_and_pruned(make_engine, tmp_path):

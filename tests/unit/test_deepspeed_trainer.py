@@ -19,8 +19,9 @@ import torch.distributed as dist
 from mint_core.data.tasks import split
 from mint_core.rl.distributed import DeepSpeedTrainer, PolicyAdamW, init_distributed, load_config
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "infra" / "deepspeed"
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2, kl_coef=0.05)

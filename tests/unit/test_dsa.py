@@ -23,8 +23,9 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 from tests.conftest import DEVICES, TARGETS, peft_loadable_sites
 
 MLA_PROJECTIONS = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}

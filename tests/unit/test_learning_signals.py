@@ -15,9 +15,11 @@ from mint_core.engine.engine import Request
 from mint_core.engine.sampling import SamplingParams
 from mint_core.lifecycle import load_prompts, round_seed
 from mint_core.rl.grpo import GRPOConfig, lr_factor
+from mint_core.rl.optim import warmup_factor
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import STEP_METRICS, TrainingRun
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec, warmup_factor
+from mint_core.rl.trainer import MultiPolicyTrainer
 
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
 

@@ -63,7 +63,8 @@ def test_export_in_the_base_dtype_halves_the_files(make_engine, adapter_dir):
 def test_trainer_exports_in_the_base_dtype(make_base, adapter_dir):
     from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+    from mint_core.rl.policy import PolicySpec
+    from mint_core.rl.trainer import MultiPolicyTrainer
 
     base = make_base("dense")
     base.model.to(torch.bfloat16)

@@ -17,6 +17,7 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.rl.checkpoints import checkpoints
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import (
     Continuation,
     ResumeError,
@@ -25,7 +26,6 @@ from mint_core.rl.recipe import (
     load_trainer,
     spec_changes,
 )
-from mint_core.rl.trainer import PolicySpec
 
 GRPO = GRPOConfig(
     group_size=2, max_new_tokens=4, learning_rate=1e-2, weight_decay=0.5, drop_zero_variance=False

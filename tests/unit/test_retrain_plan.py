@@ -32,7 +32,7 @@ from mint_core.data.tasks import Example, read_jsonl
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.suites import build_suite_data
 from mint_core.lifecycle import round_seed
-from mint_core.rl.trainer import PolicySpec
+from mint_core.rl.policy import PolicySpec
 from tasks.registry import NO_GAIN_TAG
 from tasks.training import EarlyStop, Plateau, ProbeLog, ProbeResult, probe_gain, validate_data
 

@@ -7,8 +7,9 @@ import torch
 
 from mint_core.data.tasks import split
 from mint_core.rl.grpo import GRPOConfig
+from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow
-from mint_core.rl.trainer import MultiPolicyTrainer, PolicySpec
+from mint_core.rl.trainer import MultiPolicyTrainer
 from tests.conftest import DEVICES, FAMILIES
 
 CFG = GRPOConfig(group_size=4, max_new_tokens=6, learning_rate=1e-2)
