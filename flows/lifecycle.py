@@ -472,7 +472,7 @@ def train(
     )
     bounds = checks.rollouts.model_copy(
         update={
-            "group_size": training.grpo.group_size,
+            "group_size": run.trainer.group_sizes(),
             "max_completion_len": training.grpo.max_new_tokens + 1,
         }
     )

@@ -98,8 +98,9 @@ class RolloutBounds(BaseModel):
     """Fewest completions a batch may have."""
     reward_range: tuple[float, float] = (0.0, 1.0)
     """Inclusive range every reward must lie in (mint's verifiable rewards are in [0, 1])."""
-    group_size: int | None = Field(None, ge=1)
-    """Completions per prompt (GRPO's G); None: only check that every group has the same size."""
+    group_size: int | list[int] | None = None
+    """Completions per prompt (GRPO's G), or the sizes a batch's groups may have (policies of one run may sample
+    their prompts a different number of times); None: only check that every group has the same size."""
     max_completion_len: int = Field(17, ge=1)
     """Most completion tokens a row may hold: the rollout's max_new_tokens plus the EOS it appends
     (GRPOConfig's default 16 + 1)."""
@@ -382,7 +383,8 @@ def rollout_suite(bounds: RolloutBounds | None = None) -> ExpectationSuite:
         gxe.ExpectColumnValuesToBeInSet(column="finish_reason", value_set=["stop", "length"]),
     ]
     if b.group_size is not None:
-        exps.append(gxe.ExpectColumnValuesToBeInSet(column="group_size", value_set=[b.group_size]))
+        sizes = [b.group_size] if isinstance(b.group_size, int) else list(b.group_size)
+        exps.append(gxe.ExpectColumnValuesToBeInSet(column="group_size", value_set=sizes))
     else:
         exps.append(
             gxe.ExpectColumnUniqueValueCountToBeBetween(column="group_size", min_value=1, max_value=1)

@@ -45,6 +45,10 @@ class PolicySpec(BaseModel):
     """Share of its training prompts drawn from the other built-in tasks' train splits (each scored with its own
     task's reward), so the adapter keeps answering them as the base did: what the gate's per-task guards check.
     0: its own task only."""
+    group_size: int | None = Field(None, ge=2, le=64)
+    """Completions sampled per prompt of this policy (its GRPO group); None: the run's `GRPOConfig.group_size`. A
+    task whose base rarely samples a right answer learns from more samples a prompt: the built-in recipe gives
+    `reverse` 16 (`mint_core.rl.recipe.BUILTIN_TASK_GROUPS`)."""
     rate_scale: float = Field(1.0, gt=0.0, le=1.0)
     """Multiplier on its learning rate (its own, else the run's). 1 for a first revision; a continuation from a
     champion trains at the continuation recipe's share of the rate (`mint_core.rl.recipe.Continuation`)."""

@@ -62,6 +62,13 @@ and `upper` on 3-8%, and there it gains little. The learning rate is for rank `B
 BUILTIN_RANK = 8
 """LoRA rank of the built-in recipe's policies (alpha = 2 x rank), but for the tasks in `BUILTIN_TASK_RANKS`."""
 
+BUILTIN_TASK_GROUPS: dict[str, int] = {"reverse": 16}
+"""Tasks whose policies the built-in recipe samples more than `BUILTIN_RECIPE.group_size` times a prompt
+(`PolicySpec.group_size`). `reverse`: the bare base answers 0.141 of the gate's items greedily, but one of 8
+samples is right on 0.245 and one of 16 on 0.289 (`benchmarks/headroom.py`), so most groups of 8 hold no right
+answer and carry no signal. At 8 its first revision gained +0.078 in 300 steps (450 items); at 16, +0.094 in 300
+and +0.12 at step 300 of a 400-step schedule, twice the rollouts a step (docs/training.md, "`reverse`")."""
+
 BUILTIN_TASK_RANKS: dict[str, int] = {"add": 32}
 """Tasks the built-in recipe trains at another rank than `BUILTIN_RANK`. `add`: the base's wrong sums are mostly
 one off in the units digit, and a rank-8 adapter learns one shift that fixes the +1 misses and makes new -1
@@ -78,14 +85,22 @@ def builtin_spec(
     name: str, task: str, rank: int | None = None, learning_rate: float = BUILTIN_RECIPE.learning_rate
 ) -> PolicySpec:
     """A policy of the built-in recipe: its task's rank (`BUILTIN_TASK_RANKS`, else `BUILTIN_RANK`) unless `rank`
-    is given, alpha = 2 x rank, and `learning_rate` (the rate for rank `BUILTIN_RANK`) scaled by
+    is given, its task's group size where `BUILTIN_TASK_GROUPS` names one, alpha = 2 x rank, and `learning_rate` (the rate for rank `BUILTIN_RANK`) scaled by
     sqrt(BUILTIN_RANK / rank). AdamW moves each of the rank's directions by about the rate, so the product B A
     moves about sqrt(rank) times as far per step; the scaling keeps that per-step change about the same (rank 16
     at 1e-3 gained less than rank 8; rank 32 at 5e-4 more). At `BUILTIN_RANK` the policy has no rate of its own
     and trains at the run's."""
     r = rank if rank is not None else BUILTIN_TASK_RANKS.get(task, BUILTIN_RANK)
     lr = None if r == BUILTIN_RANK else learning_rate * math.sqrt(BUILTIN_RANK / r)
-    return PolicySpec(name=name, task=task, rank=r, alpha=2.0 * r, learning_rate=lr, replay=BUILTIN_REPLAY)
+    return PolicySpec(
+        name=name,
+        task=task,
+        rank=r,
+        alpha=2.0 * r,
+        learning_rate=lr,
+        replay=BUILTIN_REPLAY,
+        group_size=BUILTIN_TASK_GROUPS.get(task),
+    )
 
 
 BUILTIN_REPLAY = 0.25
@@ -455,7 +470,7 @@ def dry_run_rewards(
         own = trainer.policies[
             name
         ].spec.task  # not the replayed rows of other tasks: they have their own rewards
-        exs = [e for e in [x for x in examples if x.task == own][:k] for _ in range(cfg.group_size)]
+        exs = [e for e in [x for x in examples if x.task == own][:k] for _ in range(trainer.group_size(name))]
         params = [
             SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
             for i in range(len(exs))

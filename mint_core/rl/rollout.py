@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mint_core.data.rewards import Rewarder, builtin_scores
@@ -28,14 +29,15 @@ def rollout(
     engine: Engine,
     prompts: dict[str, list[Example]],
     rewarder: Rewarder,
-    group_size: int,
+    group_size: int | Mapping[str, int],
     max_new_tokens: int,
     temperature: float = 1.0,
     seed: int | None = None,
     greedy_in_group: bool = False,
     overrides: dict[str, str | None] | None = None,
 ) -> list[RolloutRow]:
-    """`group_size` samples of every prompt of every policy (adapter name -> its examples), one engine batch,
+    """`group_size` samples (per policy, where it is a mapping) of every prompt of every policy (adapter name ->
+    its examples), one engine batch,
     each scored by its task's rewards (`rewarder`), or by the built-in reward a policy names in `overrides`.
     With `greedy_in_group`, each group's first completion is the greedy one (what a served greedy request
     answers) and the others are sampled at `temperature`."""
@@ -43,8 +45,9 @@ def rollout(
     meta: list[tuple[str, int, Example]] = []
     group = 0
     for policy, examples in prompts.items():
+        size = group_size if isinstance(group_size, int) else group_size[policy]
         for ex in examples:
-            for g in range(group_size):
+            for g in range(size):
                 params = SamplingParams(
                     max_tokens=max_new_tokens,
                     temperature=0.0 if greedy_in_group and g == 0 else temperature,

@@ -211,6 +211,14 @@ class MultiPolicyTrainer:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    def group_size(self, name: str) -> int:
+        """Completions per prompt of a policy: its spec's, else the run's."""
+        return self.policies[name].spec.group_size or self.config.group_size
+
+    def group_sizes(self) -> list[int]:
+        """The group sizes of this run's policies, each once, smallest first."""
+        return sorted({self.group_size(n) for n in self.policies})
+
     def rollout(self, prompts: dict[str, list[Example]]) -> list[RolloutRow]:
         """One batched rollout of every policy's prompts (policy -> examples), seeded by `rollout_seed`."""
         unknown = set(prompts) - set(self.policies)
@@ -221,7 +229,7 @@ class MultiPolicyTrainer:
             self.engine,
             prompts,
             self.rewarder,
-            cfg.group_size,
+            {p: self.group_size(p) for p in prompts},
             cfg.max_new_tokens,
             cfg.temperature,
             seed=rollout_seed(self.seed, self.steps),

@@ -191,6 +191,41 @@ def test_a_continuation_warms_up_at_its_share_of_the_rate(make_engine, tmp_path:
     assert seen == pytest.approx([x for pair in want for x in pair])
 
 
+def test_each_policy_samples_its_own_group_size(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """A policy's `group_size` overrides the run's for its prompts alone, in the same batched rollout, and the
+    rollout check takes a batch whose groups have the run's sizes."""
+    from mint_core.data.checks import CheckParams, RolloutBounds, check, rollout_frame
+
+    engine = make_engine("dense", seed=0, max_loras=2, max_lora_rank=4)
+    specs = [
+        PolicySpec(name="wide", task="add", rank=4, alpha=8, group_size=6),
+        PolicySpec(name="plain", task="add", rank=4, alpha=8),
+    ]
+    trainer = MultiPolicyTrainer(engine, CFG.model_copy(update={"group_size": 2}), specs, seed=0)
+    examples = split("add", 3, 1, 0)[0]
+    rows = trainer.rollout({"wide": examples, "plain": examples})
+    sizes: dict[tuple[str, int], int] = {}
+    for r in rows:
+        sizes[(r.policy, r.group)] = sizes.get((r.policy, r.group), 0) + 1
+    assert sorted(n for (p, _), n in sizes.items() if p == "wide") == [6, 6, 6]
+    assert sorted(n for (p, _), n in sizes.items() if p == "plain") == [2, 2, 2]
+    assert trainer.group_sizes() == [2, 6]
+    bounds = RolloutBounds(group_size=trainer.group_sizes(), max_completion_len=CFG.max_new_tokens + 1)
+    report = check(rollout_frame(rows), "rollouts", CheckParams(rollouts=bounds), source="test", quick=True)
+    assert report.success, report
+    one = RolloutBounds(group_size=2, max_completion_len=CFG.max_new_tokens + 1)  # the run's size alone
+    failed = check(
+        rollout_frame(rows),
+        "rollouts",
+        CheckParams(rollouts=one),
+        source="t",
+        quick=True,
+        raise_on_failure=False,
+    )
+    assert not failed.success
+    trainer.update(rows)  # groups of both sizes in one update
+
+
 def test_mint_train_refuses_an_unknown_task_before_any_work(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
