@@ -67,6 +67,11 @@ class ServingConfig(Settings):
     """With backend vllm: the vLLM server's address, on loopback (only this front may reach it)."""
     vllm_api_key: SecretStr | None = None
     """With backend vllm: the key vLLM was started with (`--api-key`); users never see it."""
+    vllm_replicas: list[str] = Field(default_factory=list)
+    """With backend vllm and a fleet: every replica's address (`http://127.0.0.1:8100`, ...; JSON list in
+    MINT_SERVE_VLLM_REPLICAS). `vllm_url` is then `vllm-router` before them: requests go through the router, while
+    loads and unloads go to each replica directly, all or nothing (serving/fleet.py). Empty: one vLLM at vllm_url.
+    The golden probe is per server and not yet per replica: it is off with a fleet."""
     resolver_token: SecretStr | None = None
     """With backend vllm: the bearer token of mint's vLLM resolver plugin on `/v1/mint/resolve`."""
     golden_interval_s: float = Field(15.0, ge=0)

@@ -17,6 +17,10 @@ reach the front, which adds what vLLM lacks (measured on vLLM 0.32, infra/vllm/R
 - **A golden probe** (serving/golden.py): vLLM's greedy answers to a few fixed prompts, under the base and one
   champion, asked at a steady interval and after every load; a replica whose answers change is taken out of
   rotation (503), its evidence logged, and its process killed for its supervisor to restart.
+- **A fleet** (serving/fleet.py, `vllm_replicas`): N replicas behind `vllm-router` at `vllm_url`. Requests go
+  through the router, keyed on the served name (`x-session-id`) so that one adapter stays on one replica; loads and
+  unloads go to every replica directly, all or nothing; each answer names its replica (`X-Mint-Replica`) and the
+  revision that replica served it with.
 - **Atomic swaps.** vLLM overwrites an adapter's weights in place, so a request running during an in-place load
   can mix two revisions. The front holds a per-name read/write lock: requests under a name share it, a swap of
   that name waits for them to finish and holds new ones back until vLLM has the new revision. Every request is
@@ -54,6 +58,7 @@ from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.chat import chat_ids
 from mint_core.serving.config import ServingConfig
+from mint_core.serving.fleet import REPLICA_HEADER, Fleet
 from mint_core.serving.golden import GoldenProbe
 from mint_core.serving.protocol import (
     APIError,
@@ -69,6 +74,7 @@ from mint_core.serving.routes import canary as canary_routes
 from mint_core.serving.routes.models import loaded, other_base_warning, resolve_lora_path
 from mint_core.serving.server import PromptLimits, Server
 from mint_core.serving.swap_lock import SwapLock
+from mint_core.serving.vllm_router import SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -137,9 +143,15 @@ class Gateway:
             registry=self.registry,
         )
         self.base_adapter = BASE_ADAPTER
-        self.golden = GoldenProbe(
-            self, config.golden_prompts, config.golden_max_tokens, config.golden_interval_s
+        key = config.vllm_api_key.get_secret_value()
+        self.fleet = (
+            Fleet(config.vllm_replicas, key, self.registry, hidden=BASE_ADAPTER)
+            if config.vllm_replicas
+            else None
         )
+        # the probe kills the process listening at vllm_url: with a fleet that is the router, not a replica
+        interval = 0.0 if self.fleet is not None else config.golden_interval_s
+        self.golden = GoldenProbe(self, config.golden_prompts, config.golden_max_tokens, interval)
 
     def count(self, model: object, status: int) -> None:
         """One completion request answered; a name this front does not serve is `_unknown` (no client-made
@@ -187,6 +199,14 @@ class Gateway:
     def lock(self, name: str) -> SwapLock:
         return self.locks.setdefault(name, SwapLock())
 
+    def fingerprint(self, model: str, replica: str | None) -> str:
+        """The revision that answered a request under `model` (the base: "base"), on `replica` when named."""
+        if model == self.base_name:
+            return "base"
+        if self.fleet is not None and (digest := self.fleet.digest(replica, model)) is not None:
+            return digest
+        return self.served.get(model, "base")
+
     def digest_of_path(self, root: str | None) -> str | None:
         """The digest of a content-addressed store directory (the only paths this front hands vLLM)."""
         if not root:
@@ -201,6 +221,11 @@ class Gateway:
     async def refresh(self) -> None:
         """Read what vLLM serves now (after a restart of vLLM it serves no adapter until one is named)."""
         changes = self._changes
+        if self.fleet is not None:
+            served = await self.fleet.refresh()
+            if changes == self._changes:
+                self.served = served
+            return
         cards = await self.vllm_models()
         if changes != self._changes:  # a load or unload ended meanwhile: this listing may predate it
             return
@@ -272,6 +297,18 @@ class Gateway:
         return digest
 
     async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
+        if self.fleet is not None:
+            async with self.lock(name).write():
+                # the per-replica smoke check shares vLLM's batch as a request does
+                await self.batch.acquire_read()
+                try:
+                    held = await self.fleet.load(name, digest, path, self.store.local_dir)
+                finally:
+                    await self.batch.release_read()
+                self.served[name] = digest
+                self._changes += 1
+            logger.info("vLLM replicas %s serve %s as sha256:%s", ", ".join(held), name, digest[:12])
+            return
         async with self.lock(name).write():
             r = await self._call(
                 "POST",
@@ -285,6 +322,13 @@ class Gateway:
         logger.info("vLLM serves %s as sha256:%s", name, digest[:12])
         if name != BASE_ADAPTER:
             self.golden.after_load(name)
+
+
+def _named(replica: str | None, fp: str) -> dict[str, str] | None:
+    """The headers that name who answered, with a fleet: the replica and the revision it served."""
+    if replica is None:
+        return None
+    return {"X-Mint-Replica": replica, "X-Mint-Revision": fp if fp == "base" else f"sha256:{fp}"}
 
 
 def _relayed(r: httpx.Response) -> APIError:
@@ -387,6 +431,8 @@ def create_gateway(
                 await probing
         await gw.golden.close()
         await gw.vllm.aclose()
+        if gw.fleet is not None:
+            await gw.fleet.close()
 
     app = FastAPI(title="mint (vLLM backend)", lifespan=lifespan)
     app.state.gateway = gw
@@ -428,6 +474,11 @@ def create_gateway(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if gw.fleet is not None:  # N replicas' series would collide: the front's own, with each replica's
+            await gw.fleet.report()
+            return Response(
+                generate_latest(gw.registry), media_type="text/plain; version=0.0.4; charset=utf-8"
+            )
         r = await gw._call("GET", "/metrics")
         if r.status_code != 200:
             raise _relayed(r)
@@ -491,16 +542,19 @@ def create_gateway(
             await release_batch()
         return out
 
-    async def one_by_one(path: str, data: dict[str, Any], body: CompletionRequest) -> dict[str, Any]:
+    async def one_by_one(
+        path: str, data: dict[str, Any], body: CompletionRequest, headers: dict[str, str]
+    ) -> tuple[dict[str, Any], str | None]:
         """A prompt-logprobs request as vLLM requests of one sequence each, in turn, merged into one answer: in
         vLLM 0.32 with LoRA enabled, two sequences that want prompt logprobs in one batch (a list of prompts,
-        or n > 1) kill the engine as surely as two requests do."""
+        or n > 1) kill the engine as surely as two requests do. Also: the replica that answered (the last one)."""
         prompts = body.prompts()
         if len(prompts) == 1 and body.n == 1:
-            r = await gw._call("POST", path, json=data)
+            r = await gw._call("POST", path, json=data, headers=headers)
             if r.status_code != 200:
                 raise _relayed(r)
-            return dict(r.json())
+            return dict(r.json()), r.headers.get(REPLICA_HEADER)
+        replica = None
         out: dict[str, Any] = {}
         choices: list[dict[str, Any]] = []
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
@@ -509,9 +563,10 @@ def create_gateway(
                 one = {**data, "prompt": prompt, "n": 1}
                 if body.seed is not None:
                     one["seed"] = body.seed + j  # choice j is seeded seed + j, as on mint serve
-                r = await gw._call("POST", path, json=one)
+                r = await gw._call("POST", path, json=one, headers=headers)
                 if r.status_code != 200:
                     raise _relayed(r)
+                replica = r.headers.get(REPLICA_HEADER)
                 got = r.json()
                 out = out or got
                 choice = got["choices"][0]
@@ -519,7 +574,7 @@ def create_gateway(
                 choices.append(choice)
                 for k in usage:
                     usage[k] += int((got.get("usage") or {}).get(k) or 0)
-        return {**out, "choices": choices, "usage": usage}
+        return {**out, "choices": choices, "usage": usage}, replica
 
     async def forward(
         lock: SwapLock | None,
@@ -530,27 +585,33 @@ def create_gateway(
         release_batch: Callable[[], Awaitable[None]],
     ) -> Response:
         """One request to vLLM; a stream holds its locks (and its place in the batch) until it ends."""
+        # with a fleet: the router keys its consistent hash on the served name, so one adapter stays on one replica
+        headers = {SESSION_HEADER: body.model} if gw.fleet is not None else {}
         if not body.stream:
             if lock is not None:
                 await lock.acquire_read()
             try:
                 if _prompt_logprobs(data) and isinstance(body, CompletionRequest):
-                    out = await one_by_one(path, data, body)
+                    out, replica = await one_by_one(path, data, body, headers)
                 else:
-                    r = await gw._call("POST", path, json=data)
+                    r = await gw._call("POST", path, json=data, headers=headers)
                     if r.status_code != 200:
                         raise _relayed(r)
-                    out = r.json()
-                fp = gw.served.get(body.model, "base") if lock else "base"
+                    out, replica = r.json(), r.headers.get(REPLICA_HEADER)
+                fp = gw.fingerprint(body.model, replica) if lock else "base"
             finally:
                 if lock is not None:
                     await lock.release_read()
             out = _normalised(out, fp, body.model)
-            return JSONResponse(_prompt_only(gw, out, body) if score_only else out)
+            return JSONResponse(
+                _prompt_only(gw, out, body) if score_only else out, headers=_named(replica, fp)
+            )
         if lock is not None:
             await lock.acquire_read()  # released when the stream ends (`done`), however it ends
         try:
-            r = await gw.vllm.send(gw.vllm.build_request("POST", path, json=data), stream=True)
+            r = await gw.vllm.send(
+                gw.vllm.build_request("POST", path, json=data, headers=headers), stream=True
+            )
         except httpx.HTTPError as e:
             if lock is not None:
                 await lock.release_read()
@@ -562,8 +623,10 @@ def create_gateway(
                 await lock.release_read()
             raise _relayed(r)
 
+        replica = r.headers.get(REPLICA_HEADER)
+        fp = gw.fingerprint(body.model, replica) if lock else "base"
+
         async def events() -> AsyncIterator[bytes]:
-            fp = gw.served.get(body.model, "base") if lock else "base"
             try:
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -579,7 +642,7 @@ def create_gateway(
                     await lock.release_read()
                 await release_batch()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers=_named(replica, fp))
 
     async def counted(
         request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]
@@ -642,12 +705,43 @@ def create_gateway(
         if body.lora_name == BASE_ADAPTER:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError")
         async with gw.lock(body.lora_name).write():
-            r = await gw._call("POST", "/v1/unload_lora_adapter", json={"lora_name": body.lora_name})
-            if r.status_code != 200:
-                raise _relayed(r)
+            if gw.fleet is not None:  # from every replica: through the router it would leave the others
+                status, message = await gw.fleet.unload(body.lora_name)
+                if status != 200:
+                    raise APIError(status, message, "NotFoundError" if status == 404 else "BackendError")
+            else:
+                r = await gw._call("POST", "/v1/unload_lora_adapter", json={"lora_name": body.lora_name})
+                if r.status_code != 200:
+                    raise _relayed(r)
             gw.served.pop(body.lora_name, None)
             gw._changes += 1
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.get("/v1/mint/replicas")
+    async def replicas(request: Request) -> dict[str, Any]:
+        """Each replica behind the router: health, the revisions it holds, its load (admin token)."""
+        gw.check_admin(request)
+        if gw.fleet is None:
+            raise APIError(404, "this front has one vLLM, no replicas", "NotFoundError")
+        report = await gw.fleet.report()
+        workers: list[str] | None = None
+        try:
+            r = await gw.vllm.get("/list_workers", timeout=5)
+            workers = sorted(r.json().get("urls", [])) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            workers = None
+        mine = {row["url"] for row in report}
+        foreign = sorted(set(workers or []) - mine)
+        if foreign:
+            logger.error(
+                "vllm-router at %s routes to workers mint did not start: %s", config.vllm_url, foreign
+            )
+        return {
+            "router": config.vllm_url,
+            "router_workers": workers,
+            "foreign_workers": foreign,
+            "replicas": report,
+        }
 
     @app.post("/v1/mint/prefetch", response_model=PrefetchResponse)
     async def prefetch(request: Request) -> PrefetchResponse:

@@ -87,3 +87,38 @@ def test_without_a_key_vllm_does_not_start(monkeypatch: pytest.MonkeyPatch) -> N
         seal.Seal(None)
     monkeypatch.setenv("VLLM_API_KEY", KEY)
     assert call(seal.Seal(None), http("/x", auth=b"Bearer k3y"))[1]
+
+
+def test_a_replica_names_itself_on_every_answer_refusals_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(seal.REPLICA_ENV, "127.0.0.1:8101")
+    mw = seal.Seal(None, key=KEY)
+    sent, passed = call(mw, http("/adapters", "POST"))
+    assert not passed
+    assert (b"x-mint-replica", b"127.0.0.1:8101") in sent[0]["headers"]
+
+    answered: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def send(message: dict[str, Any]) -> None:
+        answered.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    mw.app = app
+    asyncio.run(mw(http("/v1/models", auth=f"Bearer {KEY}".encode()), receive, send))
+    assert answered[0]["headers"] == [
+        (b"content-type", b"text/plain"),
+        (b"x-mint-replica", b"127.0.0.1:8101"),
+    ]
+
+
+def test_a_single_vllm_adds_no_header(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(seal.REPLICA_ENV, raising=False)
+    sent, _ = call(seal.Seal(None, key=KEY), http("/adapters", "POST"))
+    assert all(name != b"x-mint-replica" for name, _ in sent[0]["headers"])

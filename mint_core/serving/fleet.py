@@ -1,0 +1,300 @@
+"""The replicas behind one front: N vLLM servers behind `vllm-router`, refreshed as one deployment.
+
+Requests go through the router (serving/vllm_router.py), which picks a replica. An admin load does not: vLLM's
+`/v1/load_lora_adapter` changes only the replica that answers it, so a load through the router would leave every
+other replica on the old revision with no error anywhere. The front sends loads and unloads to each replica
+directly, and a load is done only when every healthy replica took it and answers with it:
+
+1. the replicas that answer /health now are the ones to change (a replica that is down resolves a name on demand
+   when it comes back: the resolver plugin asks the front, which names the champion of the catalog);
+2. each of them is asked to load the revision in place, all at once;
+3. each lists the name with the new revision's content-addressed path, and answers a one-token completion under it
+   (the smoke check, per replica);
+4. if any replica refused, failed or did not answer in step 2 or 3, every replica that had changed is put back to
+   what it served before (the old revision in place, or the name unloaded), and the load fails with an error that
+   names the replica and its answer. The flows' transaction then moves the alias back (flows/promotion.py).
+
+Each replica names itself in an `x-mint-replica` header (its seal adds it), so the front can say which replica
+answered and with which revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client import CollectorRegistry, Gauge
+
+from mint_core.serving.protocol import APIError
+
+logger = logging.getLogger(__name__)
+REPLICA_HEADER = "x-mint-replica"
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+# vLLM's scheduler gauges, per replica: what "load" means in `mint status` and the front's metrics
+_RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+_WAITING = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+def replica_name(url: str) -> str:
+    """`host:port` of a replica's URL: the name its seal puts in `x-mint-replica` (VLLMConfig.address)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}"
+
+
+def digest_of_path(root: str | None) -> str | None:
+    """The digest of a content-addressed store directory (the only paths the front hands vLLM)."""
+    if not root:
+        return None
+    p = Path(root)
+    return p.name if _HEX.match(p.name) and p.parent.name == p.name[:2] else None
+
+
+@dataclass
+class Replica:
+    url: str
+    http: httpx.AsyncClient
+    served: dict[str, str] = field(default_factory=dict)
+    """Adapter name -> hex digest, as last read off this replica or loaded on it."""
+    healthy: bool = False
+    running: float | None = None
+    waiting: float | None = None
+    checked: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.url)
+
+
+class ReplicaRefused(APIError):
+    """A load that one replica refused or failed; every replica is back on what it served before."""
+
+
+class Fleet:
+    """The replicas behind one front, reached directly with mint's key (not through the router)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        key: str,
+        registry: CollectorRegistry,
+        hidden: str = "",
+        smoke_prompt: str = "a",
+    ):
+        self.hidden = hidden  # a name the front serves the base under: not listed as a revision
+        labels = ["replica"]
+        self.up = Gauge(
+            "mint_replica_healthy", "1 while the replica answers /health", labels, registry=registry
+        )
+        self.adapters = Gauge(
+            "mint_replica_adapters", "Adapter revisions the replica holds", labels, registry=registry
+        )
+        self.running = Gauge(
+            "mint_replica_requests_running", "Requests the replica is running", labels, registry=registry
+        )
+        self.waiting = Gauge(
+            "mint_replica_requests_waiting", "Requests waiting on the replica", labels, registry=registry
+        )
+        headers = {"Authorization": f"Bearer {key}"}
+        self.replicas = [
+            Replica(
+                u.rstrip("/"),
+                httpx.AsyncClient(
+                    base_url=u.rstrip("/"),
+                    headers=headers,
+                    timeout=httpx.Timeout(600.0, connect=5.0),
+                    # as the front's client of the router: idle connections dropped before vLLM drops them
+                    limits=httpx.Limits(
+                        max_connections=20, max_keepalive_connections=4, keepalive_expiry=2.0
+                    ),
+                    trust_env=False,
+                ),
+            )
+            for u in urls
+        ]
+        self.by_name = {r.name: r for r in self.replicas}
+        self.smoke_prompt = smoke_prompt
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            await r.http.aclose()
+
+    # -- what each replica serves ---------------------------------------------------------------------------
+
+    async def check(self, r: Replica) -> bool:
+        try:
+            r.healthy = (await r.http.get("/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            r.healthy = False
+        r.checked = time.monotonic()
+        return r.healthy
+
+    async def read(self, r: Replica) -> None:
+        """What `r` serves now (nothing when it does not answer)."""
+        try:
+            resp = await r.http.get("/v1/models", timeout=10)
+        except httpx.HTTPError:
+            r.healthy = False
+            return
+        if resp.status_code != 200:
+            r.healthy = False
+            return
+        r.healthy = True
+        r.served = {
+            c["id"]: d
+            for c in resp.json().get("data", [])
+            if c.get("parent") and (d := digest_of_path(c.get("root"))) is not None
+        }
+
+    async def refresh(self) -> dict[str, str]:
+        """Read every replica; the names the healthy ones serve (name -> digest; where two replicas disagree,
+        which happens only while one is being put back, the first replica's)."""
+        await asyncio.gather(*(self.read(r) for r in self.replicas))
+        out: dict[str, str] = {}
+        for r in self.replicas:
+            if r.healthy:
+                for n, d in r.served.items():
+                    out.setdefault(n, d)
+        return out
+
+    async def read_load(self, r: Replica) -> None:
+        """vLLM's running and waiting requests on `r`, from its /metrics."""
+        try:
+            resp = await r.http.get("/metrics", timeout=5)
+        except httpx.HTTPError:
+            r.running = r.waiting = None
+            return
+        text = resp.text if resp.status_code == 200 else ""
+        r.running = sum(float(x) for x in _RUNNING.findall(text)) if _RUNNING.search(text) else None
+        r.waiting = sum(float(x) for x in _WAITING.findall(text)) if _WAITING.search(text) else None
+
+    async def report(self) -> list[dict[str, Any]]:
+        """Each replica: its address, health, the revisions it holds and its load (for `mint status`); the
+        front's replica gauges are set from it."""
+        await asyncio.gather(*(self.read(r) for r in self.replicas))
+        await asyncio.gather(*(self.read_load(r) for r in self.replicas if r.healthy))
+        out = []
+        for r in self.replicas:
+            held = (
+                {n: f"sha256:{d}" for n, d in sorted(r.served.items()) if n != self.hidden}
+                if r.healthy
+                else {}
+            )
+            self.up.labels(r.name).set(1 if r.healthy else 0)
+            self.adapters.labels(r.name).set(len(held))
+            self.running.labels(r.name).set(r.running or 0 if r.healthy else 0)
+            self.waiting.labels(r.name).set(r.waiting or 0 if r.healthy else 0)
+            out.append(
+                {
+                    "replica": r.name,
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "revisions": held,
+                    "running": r.running if r.healthy else None,
+                    "waiting": r.waiting if r.healthy else None,
+                }
+            )
+        return out
+
+    def digest(self, replica: str | None, name: str) -> str | None:
+        """The digest `replica` (its `x-mint-replica`) serves under `name`, as last read or loaded."""
+        r = self.by_name.get(replica or "")
+        return r.served.get(name) if r is not None else None
+
+    # -- all or nothing ---------------------------------------------------------------------------------------
+
+    async def _post(self, r: Replica, path: str, body: dict[str, Any]) -> tuple[int, str]:
+        try:
+            resp = await r.http.post(path, json=body)
+        except httpx.HTTPError as e:
+            return 503, f"unreachable: {e}"
+        if resp.status_code == 200:
+            return 200, ""
+        try:
+            message = str(resp.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:300]
+        return resp.status_code, message
+
+    async def _smoke(self, r: Replica, name: str, digest: str) -> tuple[int, str]:
+        """`r` lists `name` as `digest` and answers a one-token completion under it."""
+        await self.read(r)
+        if r.served.get(name) != digest:
+            got = r.served.get(name)
+            return 409, f"lists {name!r} as {'sha256:' + got if got else 'nothing'} after the load"
+        body = {"model": name, "prompt": self.smoke_prompt, "max_tokens": 1, "temperature": 0.0}
+        return await self._post(r, "/v1/completions", body)
+
+    async def load(self, name: str, digest: str, path: Path, dir_of: Callable[[str], Path]) -> list[str]:
+        """Load revision `digest` (its verified directory `path`) under `name` on every healthy replica and
+        smoke-check it there, or on none: ReplicaRefused names the first replica that refused or failed, once
+        every replica is back on what it served before. `dir_of(digest)`: a revision's directory in the store.
+        Returns the replicas that now serve it."""
+        await asyncio.gather(*(self.read(r) for r in self.replicas))
+        live = [r for r in self.replicas if r.healthy]
+        if not live:
+            raise APIError(503, "no vLLM replica is healthy", "ServiceUnavailableError")
+        before = {r.name: r.served.get(name) for r in live}
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        loaded = await asyncio.gather(*(self._post(r, "/v1/load_lora_adapter", body) for r in live))
+        failed = [(r, s, m) for r, (s, m) in zip(live, loaded, strict=True) if s != 200]
+        if not failed:
+            smoked = await asyncio.gather(*(self._smoke(r, name, digest) for r in live))
+            failed = [(r, s, f"smoke check: {m}") for r, (s, m) in zip(live, smoked, strict=True) if s != 200]
+        if failed:
+            await self._put_back(live, name, before, dir_of)
+            r, status, message = failed[0]
+            was = before[r.name]
+            others = "; ".join(f"{x.name}: {s} {m}" for x, s, m in failed[1:])
+            raise ReplicaRefused(
+                status if 400 <= status < 600 else 500,
+                f"replica {r.name} failed the load of {name!r} (sha256:{digest[:12]}): {status} {message}"
+                + (f"; also {others}" if others else "")
+                + f". Every replica is back on {'sha256:' + was[:12] if was else 'nothing'} for {name!r}",
+                "ReplicaLoadFailed",
+                "lora_path",
+            )
+        for r in live:
+            r.served[name] = digest
+        return [r.name for r in live]
+
+    async def _put_back(
+        self, live: list[Replica], name: str, before: dict[str, str | None], dir_of: Callable[[str], Path]
+    ) -> None:
+        async def one(r: Replica) -> None:
+            was = before[r.name]
+            if was is None:
+                status, message = await self._post(r, "/v1/unload_lora_adapter", {"lora_name": name})
+                ok = status in (200, 404)  # 404: it never took the new one
+            else:
+                body = {"lora_name": name, "lora_path": str(dir_of(was)), "load_inplace": True}
+                status, message = await self._post(r, "/v1/load_lora_adapter", body)
+                ok = status == 200
+            if not ok:  # the replica is left as it is; the next reconcile or restart brings it back in line
+                logger.error("replica %s: could not put %r back: %s %s", r.name, name, status, message)
+            await self.read(r)
+
+        await asyncio.gather(*(one(r) for r in live))
+        logger.warning("put %r back on %d replica(s) after a failed load", name, len(live))
+
+    async def unload(self, name: str) -> tuple[int, str]:
+        """Unload `name` from every replica; 404 only when no replica held it."""
+        results = await asyncio.gather(
+            *(self._post(r, "/v1/unload_lora_adapter", {"lora_name": name}) for r in self.replicas)
+        )
+        for r in self.replicas:
+            r.served.pop(name, None)
+        if any(s == 200 for s, _ in results):
+            return 200, ""
+        bad = [(r, s, m) for r, (s, m) in zip(self.replicas, results, strict=True) if s not in (200, 404)]
+        if bad:
+            r, s, m = bad[0]
+            return s, f"replica {r.name}: {m}"
+        return 404, f"The lora adapter '{name}' cannot be found."
