@@ -30,7 +30,8 @@ from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.registry.runs import log_training_run, tag_version
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from tasks.registry import EXPERIMENT
+from mint_core.rl.recipe import Continuation
+from tasks.registry import EXPERIMENT, NO_GAIN_TAG
 from tasks.training import EarlyStop
 from tests.integration.conftest import save_tiny_base, start_server, stop_server
 
@@ -192,3 +193,43 @@ def test_retrain_gives_a_rejected_policy_one_probe_and_reports_why(stack: Stack)
     assert [r.version for r in reg.revisions(name)] == [v.version for v in versions]  # nothing new
     md = artifact("retrain-report", f"| {name} |")
     assert f"| {name} | stopped |" in md and "| 5 | 2 |" in md
+    # the stop made no version, so the champion's version counts it: the next night sees 3 failed attempts
+    champ = reg.revision(name, versions[0].version)
+    assert json.loads(champ.tags[NO_GAIN_TAG])["count"] == 1
+    again = retrain(
+        [name],
+        training=stack.training("f3b", steps=20, early_stop=EarlyStop(every=5, probe_items=16)),
+        evaluation=stack.evaluation(),
+        workspace=stack.ws,
+    )
+    assert again.policies[0].rejected_before == 3, again.policies[0]
+
+
+def test_a_continuation_trains_with_the_continuation_recipe_and_records_it(stack: Stack) -> None:
+    """A policy continued from its champion trains at the recipe's share of the rate with its warmup; the
+    version's MLflow run records both (in `policy` and in `continuation`), so a version says how it was trained."""
+    first = wave(
+        [policy("rf-cont", "reverse")],
+        stack.training("f4", steps=2, early_stop=None),
+        stack.evaluation(),
+        workspace=stack.ws,
+    )
+    assert first.outcomes[0].status == "promoted", first.outcomes[0]
+    recipe = Continuation(rate_scale=0.5, warmup_steps=3)
+    train = stack.training("f5", steps=2, early_stop=None).model_copy(update={"continuation": recipe})
+    second = wave([policy("rf-cont", "reverse")], train, stack.evaluation(), workspace=stack.ws)
+    (out,) = second.outcomes
+    assert out.candidate is not None and out.champion_before == first.outcomes[0].champion_after, out
+    reg = stack.ws.registry()
+    cand = reg.revision("rf-cont", int(out.candidate.rsplit("/v", 1)[1]))
+    assert cand.run_id is not None
+    params = reg.client.get_run(cand.run_id).data.params
+    trained = PolicySpec.model_validate_json(params["policy"])
+    assert (trained.rate_scale, trained.warmup_steps) == (0.5, 3)
+    assert Continuation.model_validate_json(params["continuation"]) == recipe
+    assert "overridden_by_champion" not in params  # the recipe is not the champion overriding the form
+    first_run = reg.client.get_run(reg.revision("rf-cont", 1).run_id).data.params  # type: ignore[arg-type]
+    assert (
+        "continuation" not in first_run
+        and PolicySpec.model_validate_json(first_run["policy"]).rate_scale == 1.0
+    )
