@@ -16,7 +16,8 @@ venv:
 vllm-venv:
 	@bash scripts/bootstrap_vllm.sh
 
-# SERVING=vllm: policies served by a vLLM server behind mint serve (make run SERVING=vllm, make up SERVING=vllm)
+# SERVING=vllm: policies served by a vLLM server behind mint serve (make run SERVING=vllm, make up SERVING=vllm);
+# REPLICAS=N with it: N vLLM replicas behind vllm-router, every revision loaded on each (make up SERVING=vllm REPLICAS=2)
 SERVING_DEPS := $(if $(filter vllm,$(SERVING)),vllm-venv)
 
 # the main job: build what is missing (DVC), start the servers, a wave of policies through training, evaluation,
@@ -25,7 +26,7 @@ SERVING_DEPS := $(if $(filter vllm,$(SERVING)),vllm-venv)
 TASK_FLAGS = $(foreach t,$(TASKS),--tasks $(t)) $(if $(POLICIES),--policies $(POLICIES))
 
 run: venv $(SERVING_DEPS)
-	$(BIN)/mint run $(if $(SERVING),--serving $(SERVING)) $(TASK_FLAGS)
+	$(BIN)/mint run $(if $(SERVING),--serving $(SERVING)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(TASK_FLAGS)
 
 # the engine alone: one resident base, several adapters mixed in one batch (no servers)
 demo: venv
@@ -62,7 +63,7 @@ bench: venv
 # the local services in the background (MLflow :5000, Prefect :4200, mint serve :8000; state in .mint/run);
 # a subset: make up ONLY=mlflow,prefect; vLLM behind mint serve: make up SERVING=vllm
 up: venv $(SERVING_DEPS)
-	$(BIN)/mint up $(if $(ONLY),--only $(ONLY)) $(if $(SERVING),--serving $(SERVING)) $(foreach t,$(TASKS),--tasks $(t))
+	$(BIN)/mint up $(if $(ONLY),--only $(ONLY)) $(if $(SERVING),--serving $(SERVING)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(foreach t,$(TASKS),--tasks $(t))
 
 down:
 	$(BIN)/mint down $(if $(ONLY),--only $(ONLY))

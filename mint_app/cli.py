@@ -414,6 +414,14 @@ def run_cmd(
             "vllm-venv`) behind mint serve \\[default: mint]."
         ),
     ] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=8,
+            help="vLLM replicas behind vllm-router (with --serving vllm), loaded all or nothing \\[default: 1].",
+        ),
+    ] = None,
     device: Annotated[
         str | None,
         typer.Option(
@@ -454,6 +462,7 @@ def run_cmd(
             prefect_port=prefect_port,
             serve_port=serve_port,
             serving=serving,
+            replicas=replicas,
             device=device,
             base=base,
             build=None if build else False,  # --no-build wins; the default leaves the file's value

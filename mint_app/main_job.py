@@ -87,6 +87,7 @@ def services_config(cfg: MainJobConfig) -> ServicesConfig:
         prefect_port=cfg.prefect_port,
         serve_port=cfg.serve_port,
         serving=cfg.serving,
+        replicas=cfg.replicas,
         worker_port=cfg.worker_port,
         serve_base=str(cfg.base.resolve()),
         serve_adapter_root=cfg.state_dir / "store",

@@ -29,6 +29,7 @@ from mint_app.service_config import (
     BUILTIN_BASE,
     HEALTH_KEY_ENV,
     HEALTH_PATH,
+    REPLICA_NAMES,
     VLLM_CPU_HEAD_DIMS,
     ServiceError,
     ServiceName,
@@ -167,9 +168,10 @@ def _vllm_base(config: ServicesConfig) -> Path:
     return base.resolve()
 
 
-def vllm_config(config: ServicesConfig) -> VLLMConfig:
+def vllm_config(config: ServicesConfig, name: ServiceName = "vllm") -> VLLMConfig:
     """The vLLM server behind `mint serve` (serving vllm): the same base, rank limit and model length as the
-    serving config, on 127.0.0.1:vllm_port, its key and the resolver plugin's token kept in the state dir.
+    serving config, on 127.0.0.1:vllm_port, its key and the resolver plugin's token kept in the state dir. `name`:
+    which replica of a fleet (`replicas` > 1: each at its own port, its /health open for the router).
     ServiceError when vLLM's environment is missing or the base is one vLLM cannot run."""
     from mint_core.serving.vllm_process import VLLMConfig, vllm_available  # only here: it reaches torch
 
@@ -186,8 +188,8 @@ def vllm_config(config: ServicesConfig) -> VLLMConfig:
         python=config.vllm_python.absolute(),  # not resolve(): the venv's python is a symlink out of the venv
         model=base,
         served_model_name=serving.served_model_name or base.name,  # the front's name for it
-        host=config.bind_host("vllm"),
-        port=config.vllm_port,
+        host=config.bind_host(name),
+        port=config.port(name),
         api_key=_vllm_key(config),
         max_loras=serving.max_loras,
         max_cpu_loras=serving.max_cpu_loras or 4 * serving.max_loras,
@@ -198,7 +200,33 @@ def vllm_config(config: ServicesConfig) -> VLLMConfig:
         device="cpu" if device == "cpu" else "cuda",
         resolver_url=config.url("serve"),
         resolver_token=_resolver_token(config),
+        replica=config.replicas > 1,
     )
+
+
+def replica_urls(config: ServicesConfig) -> list[str]:
+    """The replicas of a fleet (replicas > 1), as mint serve and the router reach them."""
+    return [config.url(n) for n in REPLICA_NAMES[: config.replicas]]
+
+
+def router_command(config: ServicesConfig) -> list[str]:
+    """`vllm-router` before the replicas (replicas > 1); ServiceError when vLLM's environment lacks it."""
+    from mint_core.serving.vllm_router import RouterConfig  # only here, as vllm_process
+
+    if not config.vllm_router.is_file():
+        raise ServiceError(
+            f"router: {config.vllm_router} is missing: run `make vllm-venv` (scripts/bootstrap_vllm.sh installs "
+            "vllm-router into vLLM's environment), or set vllm_router (MINT_SERVICES_VLLM_ROUTER)"
+        )
+    return RouterConfig(
+        program=config.vllm_router.absolute(),
+        host=config.bind_host("router"),
+        port=config.router_port,
+        replicas=replica_urls(config),
+        policy=config.router_policy,
+        prometheus_port=config.router_port - 1,
+        startup_timeout_s=int(config.vllm_start_timeout_s) + 60,
+    ).command()
 
 
 def _vllm_key(config: ServicesConfig) -> str:
@@ -288,14 +316,19 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
             env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
         cmd = [console_script("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
         return [*cmd, "--name", "mint-worker", "--with-healthcheck", "--install-policy", "never"], env
-    if name == "vllm":
-        vllm = vllm_config(config)
+    if name in REPLICA_NAMES:
+        vllm = vllm_config(config, name)
         cmd, vllm_env = vllm.command()
         env.update(vllm_env)
         device = config.serve_device or ServingConfig.load(config.serve_config).device
-        if device.startswith("cuda:"):  # vLLM takes the first GPU it sees
+        if config.replicas > 1 and device.startswith("cuda"):  # replica i on GPU i (from cuda:N: N + i)
+            first = int(device.removeprefix("cuda:")) if device.startswith("cuda:") else 0
+            env["CUDA_VISIBLE_DEVICES"] = str(first + REPLICA_NAMES.index(name))
+        elif device.startswith("cuda:"):  # vLLM takes the first GPU it sees
             env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
         return cmd, env
+    if name == "router":
+        return router_command(config), env
     cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:
@@ -320,6 +353,9 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         # training API is the embedded engine's: not here.
         env["MINT_SERVE_BACKEND"] = "vllm"
         env["MINT_SERVE_VLLM_URL"] = config.url("vllm")
+        if config.replicas > 1:  # the router before the replicas; loads go to each replica directly
+            env["MINT_SERVE_VLLM_URL"] = config.url("router")
+            env["MINT_SERVE_VLLM_REPLICAS"] = json.dumps(replica_urls(config))
         env["MINT_SERVE_VLLM_API_KEY"] = _vllm_key(config)
         env["MINT_SERVE_RESOLVER_TOKEN"] = _resolver_token(config)
         return cmd, env

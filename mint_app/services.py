@@ -46,12 +46,20 @@ from mint_app.processes import (
     terminate,
     write_record,
 )
-from mint_app.service_commands import command, health_key, register_webhook, serve_base, vllm_config
+from mint_app.service_commands import (
+    command,
+    health_key,
+    register_webhook,
+    router_command,
+    serve_base,
+    vllm_config,
+)
 from mint_app.service_config import (
     ALL_SERVICES,
     HEALTH_KEY_ENV,
     HEALTH_PATH,
     PROGRESS_EVERY_S,
+    VLLM_SIDE,
     Service,
     ServiceError,
     ServiceName,
@@ -68,8 +76,8 @@ logger = logging.getLogger(__name__)
 def _known_names(config: ServicesConfig) -> list[ServiceName]:
     """What status and stop look at by default: `services_for(config)`, and a vLLM recorded in the state dir
     whatever `serving` says now (`mint down` stops what `mint up --serving vllm` started)."""
-    recorded = read_record(config, "vllm") is not None
-    return [n for n in ALL_SERVICES if n in services_for(config) or (n == "vllm" and recorded)]
+    recorded = {n for n in VLLM_SIDE if read_record(config, n) is not None}
+    return [n for n in ALL_SERVICES if n in services_for(config) or n in recorded]
 
 
 def _prepare(name: ServiceName, config: ServicesConfig) -> None:
@@ -87,7 +95,7 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     env = {**os.environ, **extra_env}
     if name == "prefect":
         env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
-    if name == "vllm":  # its own environment: nothing of mint's may reach its imports
+    if name in VLLM_SIDE:  # its own environment: nothing of mint's may reach its imports
         for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
             env.pop(key, None)
     if config.supervise:  # it copies the service's output into the rotating log and restarts it after a crash
@@ -129,17 +137,21 @@ def _requeue_command(config: ServicesConfig) -> str:
 
 def startup_timeout(config: ServicesConfig, name: ServiceName) -> float:
     """Seconds `name` may take to answer its health check after it is launched."""
-    return config.vllm_start_timeout_s if name == "vllm" else config.startup_timeout
+    return config.vllm_start_timeout_s if name in VLLM_SIDE else config.startup_timeout
 
 
 def _check_serving(config: ServicesConfig, names: list[ServiceName]) -> None:
     """With serving vllm: refuse what cannot work before anything starts (vLLM's environment, a base vLLM
     cannot run, a front with no vLLM behind it); vllm with serving mint is refused too (nothing would front it)."""
+    vllm_side = [n for n in names if n in VLLM_SIDE]
     if config.serving == "mint":
-        if "vllm" in names:
-            raise ServiceError("vllm: it runs behind mint serve with serving vllm (mint up --serving vllm)")
-    elif "vllm" in names:
-        vllm_config(config)  # raises ServiceError naming what is wrong
+        if vllm_side:
+            raise ServiceError(
+                f"{vllm_side[0]}: it runs behind mint serve with serving vllm (mint up --serving vllm)"
+            )
+    elif vllm_side:
+        for name in vllm_side:  # raises ServiceError naming what is wrong
+            router_command(config) if name == "router" else vllm_config(config, name)
     elif "serve" in names and status(config, ["vllm"])[0].state == "stopped":
         raise ServiceError(
             "serve: with serving vllm, mint serve fronts the vLLM server, which is not running "
@@ -211,7 +223,9 @@ def start(
         first["worker"] = start(config, ["worker"], progress)[0]
         return [first[n] for n in names]
     _check_serving(config, names)
-    if "vllm" in names and "serve" in names:  # the front answers its health check once vLLM does
+    if (
+        "vllm" in names and "serve" in names
+    ):  # the front answers its health check once vLLM does (the router too)
         first = {s.name: s for s in start(config, [n for n in names if n != "serve"], progress)}
         first["serve"] = start(config, ["serve"], progress)[0]
         return [first[n] for n in names]

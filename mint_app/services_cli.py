@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
+import httpx
 import typer
 from rich.table import Table
 
@@ -36,6 +37,8 @@ TITLES = {
     "mlflow": "MLflow tracking + registry",
     "prefect": "Prefect server",
     "vllm": "vLLM (behind mint serve)",
+    **{f"vllm-{i}": f"vLLM replica {i}" for i in range(1, 8)},
+    "router": "vllm-router (before the replicas)",
     "serve": "mint serve",
     "hooks": "MLflow webhook receiver",
     "worker": "Prefect worker",
@@ -44,6 +47,8 @@ OPEN = {
     "mlflow": "MLflow UI",
     "prefect": "Prefect dashboard",
     "vllm": "health",
+    **{f"vllm-{i}": "health" for i in range(1, 8)},
+    "router": "health",
     "serve": "served models",
     "hooks": "health",
     "worker": "health",
@@ -100,6 +105,19 @@ def up(
     vllm_port: Annotated[
         int | None, typer.Option(help="Port of vLLM, on 127.0.0.1 (default 8100; with --serving vllm).")
     ] = None,
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=8,
+            help="vLLM replicas (with --serving vllm): N > 1 starts N vLLMs at vllm-port, vllm-port+1, ... and "
+            "vllm-router before them; mint serve loads every revision on every replica \\[default: 1].",
+        ),
+    ] = None,
+    router_policy: Annotated[
+        Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin"] | None,
+        typer.Option(help="How vllm-router picks a replica (replicas > 1) \\[default: consistent_hash]."),
+    ] = None,
     hooks_port: Annotated[
         int | None, typer.Option(help="Port of the receiver of MLflow's alias webhook (default 8001).")
     ] = None,
@@ -140,6 +158,8 @@ def up(
         serve_port=serve_port,
         serving=serving,
         vllm_port=vllm_port,
+        replicas=replicas,
+        router_policy=router_policy,
         hooks_port=hooks_port,
         mlflow_backend_url=mlflow_backend_url,
         prefect_database_url=prefect_database_url,
@@ -189,9 +209,42 @@ def down(only: Only = None, state_dir: StateDir = None, config: ConfigFile = Non
 
 
 def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile = None) -> None:
-    """Show each local service: state, pid, URL, the page to open, and its log."""
+    """Show each local service: state, pid, URL, the page to open, and its log; with vLLM replicas, each
+    replica's health, the revisions it holds and its load, as mint serve sees them."""
     cfg = _config(config, state_dir=state_dir)
-    print_table(status(cfg, _names(only)))
+    found = status(cfg, _names(only))
+    print_table(found)
+    serve = next((s for s in found if s.name == "serve" and s.state == "running"), None)
+    if serve is not None and any(s.name == "router" for s in found):
+        print_replicas(cfg, serve.url)
+
+
+def print_replicas(cfg: ServicesConfig, url: str) -> None:
+    """mint serve's view of each replica (GET /v1/mint/replicas with its admin token)."""
+    token = cfg.state_dir / "serve.token"
+    headers = {"Authorization": f"Bearer {token.read_text().strip()}"} if token.is_file() else {}
+    try:
+        r = httpx.get(url + "/v1/mint/replicas", headers=headers, timeout=30)
+        r.raise_for_status()
+        report = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        console.print(f"[yellow]the replicas: mint serve did not say ({e})[/]")
+        return
+    table = Table("replica", "health", "running", "waiting", "revisions held")
+    for row in report["replicas"]:
+        held = ", ".join(f"{n} {rev.removeprefix('sha256:')[:12]}" for n, rev in row["revisions"].items())
+        table.add_row(
+            row["replica"],
+            "[green]healthy[/]" if row["healthy"] else "[red]down[/]",
+            "" if row["running"] is None else f"{row['running']:g}",
+            "" if row["waiting"] is None else f"{row['waiting']:g}",
+            held or "-",
+        )
+    console.print(table)
+    if report.get("foreign_workers"):
+        console.print(
+            f"[red]the router also routes to workers mint did not start: {report['foreign_workers']}[/]"
+        )
 
 
 def logs_cmd(

@@ -339,3 +339,81 @@ def test_mint_run_serving_vllm_reaches_the_services(monkeypatch: pytest.MonkeyPa
     assert out.exit_code == 0, out.output
     assert main_job.services_config(ran[0]).serving == "vllm"
     assert main_job.services_config(job_config.MainJobConfig()).serving == "mint"
+
+
+# ---- a fleet of replicas (replicas > 1) -------------------------------------------------------------------
+
+
+def test_one_replica_is_one_vllm_and_no_router(vllm_services: ServicesConfig) -> None:
+    cfg = vllm_services
+    cfg.state_dir.mkdir(parents=True)
+    assert cfg.replicas == 1
+    assert services_for(cfg) == ["mlflow", "prefect", "vllm", "serve", "hooks", "worker"]
+    _, env = command("vllm", cfg)
+    assert "MINT_REPLICA" not in env and "MINT_SEAL_OPEN_HEALTH" not in env  # /health sealed, as before
+    _, serve_env = command("serve", cfg)
+    assert serve_env["MINT_SERVE_VLLM_URL"] == cfg.url("vllm") and "MINT_SERVE_VLLM_REPLICAS" not in serve_env
+
+
+def test_replicas_each_at_their_own_port_behind_the_router(
+    vllm_services: ServicesConfig, tmp_path: Path
+) -> None:
+    router = tmp_path / "venv-vllm" / "bin" / "vllm-router"
+    router.write_text("#!/bin/sh\nexit 1\n")
+    router.chmod(0o755)
+    cfg = vllm_services.model_copy(update={"replicas": 3, "vllm_router": router, "host": "0.0.0.0"})
+    cfg.state_dir.mkdir(parents=True)
+    assert services_for(cfg) == [
+        "mlflow",
+        "prefect",
+        "vllm",
+        "vllm-1",
+        "vllm-2",
+        "router",
+        "serve",
+        "hooks",
+        "worker",
+    ]
+    urls = ["http://127.0.0.1:18125", "http://127.0.0.1:18126", "http://127.0.0.1:18127"]
+    keys = set()
+    for name, url in zip(["vllm", "vllm-1", "vllm-2"], urls, strict=True):
+        cmd, env = command(name, cfg)  # type: ignore[arg-type]
+        assert cfg.url(name) == url  # type: ignore[arg-type]
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == url[-5:]
+        assert env["MINT_REPLICA"] == url.removeprefix("http://")  # what its answers are named by
+        assert env["MINT_SEAL_OPEN_HEALTH"] == "1"  # the router's health checks carry no key
+        assert "--middleware" in cmd  # sealed like the single vLLM
+        keys.add(env["VLLM_API_KEY"])
+    assert len(keys) == 1  # one key: the front's, on every replica
+    cmd, _ = command("router", cfg)
+    assert cmd[0] == str(router.absolute())
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8099"
+    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 4] == urls
+    assert cmd[cmd.index("--policy") + 1] == "consistent_hash"
+    assert not any(k in arg for k in keys for arg in cmd)  # the router never holds mint's key
+    _, env = command("serve", cfg)
+    assert env["MINT_SERVE_VLLM_URL"] == "http://127.0.0.1:8099"
+    assert json.loads(env["MINT_SERVE_VLLM_REPLICAS"]) == urls
+    cuda = cfg.model_copy(update={"serve_device": "cuda"})
+    assert [command(n, cuda)[1]["CUDA_VISIBLE_DEVICES"] for n in ("vllm", "vllm-1", "vllm-2")] == [
+        "0",
+        "1",
+        "2",
+    ]
+
+
+def test_a_fleet_without_the_router_program_is_refused_before_anything_starts(
+    vllm_services: ServicesConfig, tmp_path: Path
+) -> None:
+    cfg = vllm_services.model_copy(
+        update={"replicas": 2, "vllm_router": tmp_path / "nowhere" / "vllm-router"}
+    )
+    with pytest.raises(ServiceError, match=r"router: .*make vllm-venv"):
+        start(cfg, ["vllm", "vllm-1", "router"])
+
+
+def test_mint_run_and_up_take_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = job_config.MainJobConfig(serving="vllm", replicas=2)
+    assert main_job.services_config(cfg).replicas == 2
+    assert ServicesConfig(replicas=2, serving="vllm").vllm_services() == ["vllm", "vllm-1", "router"]
+    assert parse_names("router,vllm-1,serve") == ["vllm-1", "router", "serve"]
