@@ -5,8 +5,8 @@ Requests go through the router (serving/vllm_router.py), which picks a replica. 
 other replica on the old revision with no error anywhere. The front sends loads and unloads to each replica
 directly, and a load is done only when every healthy replica took it and answers with it:
 
-1. the replicas that answer /health now are the ones to change (a replica that is down resolves a name on demand
-   when it comes back: the resolver plugin asks the front, which names the champion of the catalog);
+1. the replicas that answer now are the ones to change (a replica that is down resolves a name on demand when it
+   comes back: its resolver plugin asks the front, which names the revision the other replicas serve under it);
 2. each of them is asked to load the revision in place, all at once;
 3. each lists the name with the new revision's content-addressed path, and answers a one-token completion under it
    (the smoke check, per replica);

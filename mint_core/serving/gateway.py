@@ -82,6 +82,10 @@ _HEX = re.compile(r"^[0-9a-f]{64}$")
 # rows of a batch that mixes them with adapters with an adapter's weights (the base's slot index -1 reads the last
 # slot, benchmarks/vllm_bad_adapters.py); with every row on a real slot, the base's rows add exactly zero.
 BASE_ADAPTER = "_mint_base"
+# vllm-router's answer when it could not send a request to the replica it picked (reqwest's error, router 0.1.17)
+UNREACHED = b"error sending request for url"
+ROUTER_RETRIES = 4
+ROUTER_RETRY_S = 0.5
 VET_TTL_S = (
     30.0  # a vetted on-demand address is trusted this long (the front checks it, then vLLM asks again)
 )
@@ -237,6 +241,8 @@ class Gateway:
 
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
+            if self.fleet is not None:
+                return await self.routed(lambda: self.vllm.request(method, path, **kw))
             return await self.vllm.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise APIError(
@@ -244,6 +250,22 @@ class Gateway:
                 f"the vLLM backend at {self.config.vllm_url} is unreachable: {e}",
                 "ServiceUnavailableError",
             ) from None
+
+    async def routed(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        """A request through the router, sent again while the router could not reach the replica it picked: a
+        replica that died is routed to until the router's health check or its failures mark it down (seen: two
+        requests over 5 s), and such a request never reached a replica, so another try is safe."""
+        for attempt in range(ROUTER_RETRIES):
+            r = await send()
+            if r.status_code != 500 or attempt == ROUTER_RETRIES - 1:
+                return r
+            await r.aread()
+            if UNREACHED not in r.content:
+                return r
+            await r.aclose()
+            logger.warning("vllm-router could not reach a replica (%s); sending again", r.content[:200])
+            await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
+        raise AssertionError("unreachable")
 
     # -- validation before anything reaches vLLM ----------------------------------------------------------------
 
@@ -609,9 +631,11 @@ def create_gateway(
         if lock is not None:
             await lock.acquire_read()  # released when the stream ends (`done`), however it ends
         try:
-            r = await gw.vllm.send(
-                gw.vllm.build_request("POST", path, json=data, headers=headers), stream=True
-            )
+            request = gw.vllm.build_request("POST", path, json=data, headers=headers)
+            if gw.fleet is not None:
+                r = await gw.routed(lambda: gw.vllm.send(request, stream=True))
+            else:
+                r = await gw.vllm.send(request, stream=True)
         except httpx.HTTPError as e:
             if lock is not None:
                 await lock.release_read()
@@ -774,6 +798,11 @@ def create_gateway(
         if body.address == BASE_ADAPTER:  # vLLM restarted under a request for the base
             gw.served[BASE_ADAPTER] = gw.base_digest
             return {"lora_path": str(gw.base_dir), "digest": f"sha256:{gw.base_digest}"}
+        if gw.fleet is not None and body.address in gw.served:
+            # a replica that restarted asks for a name the others serve: the fleet's revision, whatever loaded it
+            # (a promotion, or an admin load by path that no catalog address names)
+            digest = gw.served[body.address]
+            return {"lora_path": str(gw.store.local_dir(digest)), "digest": f"sha256:{digest}"}
         digest, path = await run_in_threadpool(gw.vet_address, body.address)
         gw.served[body.address] = digest
         gw.golden.after_load(body.address, delay_s=2.0)  # vLLM loads it once this answer reaches it

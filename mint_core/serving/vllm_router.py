@@ -13,8 +13,8 @@ route, `VLLMConfig.replica`), stops sending to one that fails, and retries elsew
 
 The router's own routes (`/add_worker`, `/remove_worker`, `/list_workers`) take no key: anyone on the host who can
 reach its port can add a worker, which would then receive the front's requests and mint's key with them. It
-listens on loopback only, as the replicas do; the front checks the router's worker list against the replicas it
-was given (`Gateway.replica_report`) and says so when they differ.
+listens on loopback only, as the replicas do; the front's `GET /v1/mint/replicas` (and so `mint status`) compares
+the router's worker list with the replicas it was given and names any other worker.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from flows.promotion import promote_flow, rollback_flow
@@ -56,6 +57,8 @@ class Fleet:
     front: str
     router: str
     replicas: list[str]
+    processes: list[subprocess.Popen[str]]
+    """The replicas' vLLM processes."""
 
     def registry(self) -> Registry:
         return self.ws.registry()
@@ -171,7 +174,7 @@ def fleet(
         )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
-            yield Fleet(ws, base_dir, url, router_url, replicas)
+            yield Fleet(ws, base_dir, url, router_url, replicas, procs[:2])
     finally:
         for proc in reversed(procs):
             stop_server(proc, timeout=60)
@@ -256,6 +259,23 @@ def test_a_replica_that_lost_a_policy_answers_with_its_champion(fleet: Fleet) ->
     assert r.headers["x-mint-replica"] == replica_name(lost)
     assert fleet.everywhere(policy) == [d1, d1]
 
+    # a name no catalog address names (an admin load by path): the replica gets what the others serve under it
+    base = load_base(fleet.base_dir)
+    w = random_adapter(base.sites, TARGETS, 4, seed=22, std=0.05, base_fingerprint=base.fingerprint)
+    digest = fleet.registry().store.put_weights(w, base.sites)
+    with fleet.ws.client() as c:
+        c.load_adapter("by-path", f"sha256:{digest}", inplace=True)
+    httpx.post(lost + "/v1/unload_lora_adapter", json={"lora_name": "by-path"}, headers=KEY, timeout=60)
+    assert fleet.everywhere("by-path") == [f"sha256:{digest}", None]
+    r = httpx.post(
+        lost + "/v1/completions",
+        json={"model": "by-path", "prompt": "a", "max_tokens": 1},
+        headers=KEY,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert fleet.everywhere("by-path") == [f"sha256:{digest}"] * 2
+
 
 def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fleet: Fleet) -> None:
     body = {"model": VLLM_BASE_NAME, "prompt": "a", "max_tokens": 1, "name": "evil", "src": "/tmp"}
@@ -284,3 +304,27 @@ def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fl
     metrics = httpx.get(fleet.front + "/metrics", timeout=60).text
     for u in fleet.replicas:
         assert f'mint_replica_healthy{{replica="{replica_name(u)}"}} 1.0' in metrics
+
+
+def test_after_a_replica_is_killed_no_request_fails(fleet: Fleet) -> None:
+    """kill -9 of replica 1 (its API server and engine): the requests the router still sends it are sent again by
+    the front until the router stops choosing it. Last in this module: the replica stays dead."""
+    with fleet.ws.client() as c:
+        names = [m["id"] for m in c.models() if m.get("parent")]
+    assert len(names) >= 4, names
+    parent = psutil.Process(fleet.processes[1].pid)
+    tree = [parent, *parent.children(recursive=True)]
+    for p in tree:
+        p.kill()
+    psutil.wait_procs(tree, timeout=30)
+    replicas = []
+    with httpx.Client(base_url=fleet.front, timeout=120) as h:
+        for _ in range(3):
+            for name in names:
+                r = h.post("/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 1})
+                assert r.status_code == 200, (name, r.text)
+                replicas.append(r.headers["x-mint-replica"])
+    assert set(replicas) == {replica_name(fleet.replicas[0])}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    report = httpx.get(fleet.front + "/v1/mint/replicas", headers=admin, timeout=60).json()
+    assert [row["healthy"] for row in report["replicas"]] == [True, False]
