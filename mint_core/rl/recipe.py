@@ -66,8 +66,9 @@ BUILTIN_TASK_GROUPS: dict[str, int] = {"reverse": 16}
 """Tasks whose policies the built-in recipe samples more than `BUILTIN_RECIPE.group_size` times a prompt
 (`PolicySpec.group_size`). `reverse`: the bare base answers 0.141 of the gate's items greedily, but one of 8
 samples is right on 0.245 and one of 16 on 0.289 (`benchmarks/headroom.py`), so most groups of 8 hold no right
-answer and carry no signal. At 8 its first revision gained +0.078 in 300 steps (450 items); at 16, +0.094 in 300
-and +0.12 at step 300 of a 400-step schedule, twice the rollouts a step (docs/training.md, "`reverse`")."""
+answer and carry no signal. In 300 steps its first revision gained +0.078 at 8 and +0.104 at 16 (p 2e-11, 450
+items, `benchmarks/own_task.py --task reverse`), for twice that policy's rollouts a step (docs/training.md,
+"`reverse`")."""
 
 BUILTIN_TASK_RANKS: dict[str, int] = {"add": 32}
 """Tasks the built-in recipe trains at another rank than `BUILTIN_RANK`. `add`: the base's wrong sums are mostly
