@@ -201,6 +201,7 @@ def vllm_config(config: ServicesConfig, name: ServiceName = "vllm") -> VLLMConfi
         resolver_url=config.url("serve"),
         resolver_token=_resolver_token(config),
         replica=config.replicas > 1,
+        routed_key=_vllm_routed_key(config) if config.replicas > 1 else None,
     )
 
 
@@ -232,6 +233,11 @@ def router_command(config: ServicesConfig) -> list[str]:
 def _vllm_key(config: ServicesConfig) -> str:
     """vLLM's --api-key (given in its environment): only mint serve, its front, knows it."""
     return _state_secret(config, "vllm.key", lambda: secrets.token_urlsafe(24))
+
+
+def _vllm_routed_key(config: ServicesConfig) -> str:
+    """The narrower key mint serve's requests carry through vllm-router: inference only on the replicas."""
+    return _state_secret(config, "vllm-routed.key", lambda: secrets.token_urlsafe(24))
 
 
 def _resolver_token(config: ServicesConfig) -> str:
@@ -356,6 +362,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         if config.replicas > 1:  # the router before the replicas; loads go to each replica directly
             env["MINT_SERVE_VLLM_URL"] = config.url("router")
             env["MINT_SERVE_VLLM_REPLICAS"] = json.dumps(replica_urls(config))
+            env["MINT_SERVE_VLLM_ROUTED_KEY"] = _vllm_routed_key(config)
         env["MINT_SERVE_VLLM_API_KEY"] = _vllm_key(config)
         env["MINT_SERVE_RESOLVER_TOKEN"] = _resolver_token(config)
         return cmd, env

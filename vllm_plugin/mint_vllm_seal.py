@@ -26,6 +26,13 @@ private directory would add little on top of the key: it keeps out other users, 
 A replica of a fleet is started with MINT_REPLICA=<host:port>: every answer it gives (the refusals too) carries it
 in an `x-mint-replica` header, which the router passes back, so mint's front can name the replica that answered.
 
+A replica also takes a second, narrower key (MINT_SEAL_ROUTED_KEY): the one the front's requests carry through the
+router. It opens inference only (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`), never an
+adapter route. The router's own routes take no key (`/add_worker` included), so a local process could add a worker
+of its own and receive the front's requests with their key; with the routed key that costs inference, not the
+poisoning of every tenant. Loads go from the front to each replica directly, with the full key (MINT_SEAL_KEY,
+which then replaces VLLM_API_KEY: vLLM's own check of /v1 knows one key, and would refuse the routed one).
+
 The standard library only: it runs inside vLLM's environment, and mint's tests run it in mint's.
 """
 
@@ -41,6 +48,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 KEY_ENV = "VLLM_API_KEY"
+SEAL_KEY_ENV = "MINT_SEAL_KEY"
+ROUTED_KEY_ENV = "MINT_SEAL_ROUTED_KEY"
+ROUTED_ROUTES = frozenset(
+    {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")}
+)
 OPEN_HEALTH_ENV = "MINT_SEAL_OPEN_HEALTH"
 REPLICA_ENV = "MINT_REPLICA"
 REPLICA_HEADER = b"x-mint-replica"
@@ -55,13 +67,22 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 class Seal:
     """Pure ASGI middleware: 401 for any http or websocket request that lacks mint's bearer key."""
 
-    def __init__(self, app: ASGIApp, key: str | None = None, open_health: bool | None = None) -> None:
-        key = os.environ.get(KEY_ENV, "") if key is None else key
+    def __init__(
+        self,
+        app: ASGIApp,
+        key: str | None = None,
+        open_health: bool | None = None,
+        routed_key: str | None = None,
+    ) -> None:
+        if key is None:
+            key = os.environ.get(SEAL_KEY_ENV) or os.environ.get(KEY_ENV, "")
         if not key:
             # fail closed, and loudly: vLLM does not start rather than start unsealed
             raise RuntimeError(f"mint_vllm_seal: {KEY_ENV} is not set; refusing to serve vLLM unsealed")
         self.app = app
         self._digest = hashlib.sha256(key.encode()).digest()
+        routed_key = os.environ.get(ROUTED_KEY_ENV, "") if routed_key is None else routed_key
+        self._routed = hashlib.sha256(routed_key.encode()).digest() if routed_key else None
         if open_health is None:
             open_health = os.environ.get(OPEN_HEALTH_ENV, "") == "1"
         self.open_health = open_health
@@ -80,10 +101,17 @@ class Seal:
         for name, value in scope.get("headers") or ():
             if name.lower() == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
-                    # hashed first: compare_digest then compares equal lengths, so timing tells nothing
-                    return secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest)
-                return False
+                if scheme.lower() != "bearer":
+                    return False
+                # hashed first: compare_digest then compares equal lengths, so timing tells nothing
+                got = hashlib.sha256(token.encode()).digest()
+                if secrets.compare_digest(got, self._digest):
+                    return True
+                return (
+                    self._routed is not None
+                    and secrets.compare_digest(got, self._routed)
+                    and (scope.get("method"), scope.get("path")) in ROUTED_ROUTES
+                )
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -67,6 +67,9 @@ class ServingConfig(Settings):
     """With backend vllm: the vLLM server's address, on loopback (only this front may reach it)."""
     vllm_api_key: SecretStr | None = None
     """With backend vllm: the key vLLM was started with (`--api-key`); users never see it."""
+    vllm_routed_key: SecretStr | None = None
+    """With a fleet: the key of the requests sent through the router, which the replicas accept for inference only
+    (VLLMConfig.routed_key); loads go to each replica directly with vllm_api_key. Unset: vllm_api_key."""
     vllm_replicas: list[str] = Field(default_factory=list)
     """With backend vllm and a fleet: every replica's address (`http://127.0.0.1:8100`, ...; JSON list in
     MINT_SERVE_VLLM_REPLICAS). `vllm_url` is then `vllm-router` before them: requests go through the router, while

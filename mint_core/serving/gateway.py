@@ -121,9 +121,13 @@ class Gateway:
         self.catalog = Catalog(CatalogConfig(url=config.catalog_url)) if config.catalog_url else None
         self.base_digest, self.base_dir = self._zero_adapter()
         self._base_loading = asyncio.Lock()
+        # through the router (a fleet): the narrower key, which opens no adapter route on the replicas
+        routed = (
+            config.vllm_routed_key if config.vllm_replicas and config.vllm_routed_key else config.vllm_api_key
+        )
         self.vllm = httpx.AsyncClient(
             base_url=config.vllm_url.rstrip("/"),
-            headers={"Authorization": f"Bearer {config.vllm_api_key.get_secret_value()}"},
+            headers={"Authorization": f"Bearer {routed.get_secret_value()}"},
             timeout=httpx.Timeout(600.0, connect=5.0),
             # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default pool keeps
             # one 5 s: a request sent on it as vLLM closes it fails ("Server disconnected without sending a

@@ -72,6 +72,11 @@ class VLLMConfig(BaseModel):
     """One replica of a fleet behind `vllm-router` (vllm_router.py): its answers name it (`x-mint-replica:
     host:port`, added by the seal), and `GET /health` answers unkeyed, for the router's health checks, which send
     no header. Every other route still demands the key."""
+    routed_key: SecretStr | None = None
+    """With `replica`: the narrower key of the requests mint's front sends through the router, which opens
+    inference only (completions, chat, the model list), never an adapter route (vllm_plugin/mint_vllm_seal.py). The
+    full key (`api_key`) then reaches the seal alone (MINT_SEAL_KEY, not VLLM_API_KEY: vLLM's own check of /v1
+    holds one key and would refuse the routed one; the seal covers every route anyway)."""
     extra_args: list[str] = Field(default_factory=list)
     """More `vllm serve` flags, after the generated ones."""
 
@@ -111,6 +116,9 @@ class VLLMConfig(BaseModel):
         if self.replica:
             env["MINT_REPLICA"] = self.address
             env["MINT_SEAL_OPEN_HEALTH"] = "1"
+        if self.replica and self.seal and self.routed_key is not None:
+            env["MINT_SEAL_KEY"] = env.pop("VLLM_API_KEY")
+            env["MINT_SEAL_ROUTED_KEY"] = self.routed_key.get_secret_value()
         if self.resolver_url:
             env["MINT_RESOLVER_URL"] = self.resolver_url
             env["MINT_RESOLVER_TOKEN"] = self.resolver_token.get_secret_value() if self.resolver_token else ""

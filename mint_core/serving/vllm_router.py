@@ -6,13 +6,14 @@ installed into vLLM's environment). It stands between mint's front and the repli
     public port -> mint's front (auth, validation, revision identity, canary) -> vllm-router -> N sealed replicas
 
 It sees only requests the front has already authenticated and validated, and it passes them on with their
-headers: the `Authorization` header that carries mint's key (each replica's seal demands it on every route), and
+headers: the `Authorization` header that carries mint's routed key (which a replica's seal accepts for inference
+only; loads go from the front to each replica with the full key, serving/fleet.py), and
 `x-session-id`, which the front sets to the served name so that the `consistent_hash` policy keeps one adapter's
 requests on one replica. It health-checks the replicas with a bare `GET /health` (a replica opens exactly that
 route, `VLLMConfig.replica`), stops sending to one that fails, and retries elsewhere.
 
 The router's own routes (`/add_worker`, `/remove_worker`, `/list_workers`) take no key: anyone on the host who can
-reach its port can add a worker, which would then receive the front's requests and mint's key with them. It
+reach its port can add a worker, which would then receive the front's requests and the routed key with them. It
 listens on loopback only, as the replicas do; the front's `GET /v1/mint/replicas` (and so `mint status`) compares
 the router's worker list with the replicas it was given and names any other worker.
 """

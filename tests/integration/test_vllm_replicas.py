@@ -46,6 +46,7 @@ pytestmark = pytest.mark.integration
 
 ADMIN = "admin-secret"
 KEY = {"Authorization": f"Bearer {VLLM_KEY}"}
+ROUTED_KEY = "routed-key-for-tests"  # what the front's requests through the router carry
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ROUTER = VLLM_PYTHON.parent / "vllm-router"
 
@@ -138,6 +139,7 @@ def fleet(
                 resolver_url=f"http://127.0.0.1:{fport}",
                 resolver_token=RESOLVER_TOKEN,
                 replica=True,
+                routed_key=ROUTED_KEY,
             ).command()
             procs.append(launch(cmd, env, root / f"replica-{i}.log"))
         wait_for(procs, replicas)
@@ -156,6 +158,7 @@ def fleet(
             "MINT_SERVE_VLLM_URL": router_url,
             "MINT_SERVE_VLLM_REPLICAS": f'["{replicas[0]}", "{replicas[1]}"]',
             "MINT_SERVE_VLLM_API_KEY": VLLM_KEY,
+            "MINT_SERVE_VLLM_ROUTED_KEY": ROUTED_KEY,
             "MINT_SERVE_RESOLVER_TOKEN": RESOLVER_TOKEN,
             "MINT_SERVE_MAX_LORA_RANK": "16",
             "MINT_SERVE_CATALOG_URL": catalog_url,
@@ -292,6 +295,15 @@ def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fl
                 continue  # the router's own route (mint's front is the public door, the router is loopback)
             r = httpx.request(method, url + path, json=body, timeout=30)
             assert r.status_code == 401, (url, method, path, r.status_code, r.text[:200])
+        # the key the front's requests carry through the router opens inference, and no adapter route
+        routed = {"Authorization": f"Bearer {ROUTED_KEY}"}
+        for method, path in [("POST", "/adapters"), ("POST", "/v1/load_lora_adapter"), ("GET", "/metrics")]:
+            if url == fleet.router and path == "/metrics":
+                continue
+            r = httpx.request(method, url + path, json=body, headers=routed, timeout=30)
+            assert r.status_code == 401, (url, method, path, r.status_code, r.text[:200])
+        r = httpx.post(url + "/v1/completions", json=body, headers=routed, timeout=120)
+        assert r.status_code == 200, (url, r.text[:300])
 
     policy = "fleet-report"
     _, d1 = revision(fleet, policy, seed=31, champion=True)

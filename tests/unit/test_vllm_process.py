@@ -383,16 +383,23 @@ def test_replicas_each_at_their_own_port_behind_the_router(
         assert env["MINT_REPLICA"] == url.removeprefix("http://")  # what its answers are named by
         assert env["MINT_SEAL_OPEN_HEALTH"] == "1"  # the router's health checks carry no key
         assert "--middleware" in cmd  # sealed like the single vLLM
-        keys.add(env["VLLM_API_KEY"])
-    assert len(keys) == 1  # one key: the front's, on every replica
+        assert (
+            "VLLM_API_KEY" not in env
+        )  # the seal alone checks keys: vLLM's own check would refuse the routed one
+        keys.add((env["MINT_SEAL_KEY"], env["MINT_SEAL_ROUTED_KEY"]))
+    assert len(keys) == 1  # the front's two keys, the same on every replica
+    full, routed = keys.pop()
+    assert full != routed
+    assert (cfg.state_dir / "vllm.key").read_text().strip() == full
     cmd, _ = command("router", cfg)
     assert cmd[0] == str(router.absolute())
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8099"
     assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 4] == urls
     assert cmd[cmd.index("--policy") + 1] == "consistent_hash"
-    assert not any(k in arg for k in keys for arg in cmd)  # the router never holds mint's key
+    assert not any(k in arg for k in (full, routed) for arg in cmd)  # the router never holds mint's keys
     _, env = command("serve", cfg)
     assert env["MINT_SERVE_VLLM_URL"] == "http://127.0.0.1:8099"
+    assert (env["MINT_SERVE_VLLM_API_KEY"], env["MINT_SERVE_VLLM_ROUTED_KEY"]) == (full, routed)
     assert json.loads(env["MINT_SERVE_VLLM_REPLICAS"]) == urls
     cuda = cfg.model_copy(update={"serve_device": "cuda"})
     assert [command(n, cuda)[1]["CUDA_VISIBLE_DEVICES"] for n in ("vllm", "vllm-1", "vllm-2")] == [

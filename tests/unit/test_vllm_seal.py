@@ -122,3 +122,31 @@ def test_a_single_vllm_adds_no_header(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(seal.REPLICA_ENV, raising=False)
     sent, _ = call(seal.Seal(None, key=KEY), http("/adapters", "POST"))
     assert all(name != b"x-mint-replica" for name, _ in sent[0]["headers"])
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "passes"),
+    [
+        ("POST", "/v1/completions", True),
+        ("POST", "/v1/chat/completions", True),
+        ("GET", "/v1/models", True),
+        ("POST", "/v1/load_lora_adapter", False),
+        ("POST", "/v1/unload_lora_adapter", False),
+        ("POST", "/adapters", False),
+        ("DELETE", "/adapters/x", False),
+        ("GET", "/metrics", False),
+        ("POST", "/tokenize", False),
+        ("GET", "/v1/completions", False),
+    ],
+)
+def test_the_routed_key_opens_inference_only(method: str, path: str, passes: bool) -> None:
+    mw = seal.Seal(None, key=KEY, routed_key="r0uted")
+    assert call(mw, http(path, method, b"Bearer r0uted"))[1] is passes
+    assert call(mw, http(path, method, f"Bearer {KEY}".encode()))[1]  # the full key opens everything
+
+
+def test_the_seal_key_wins_over_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(seal.SEAL_KEY_ENV, "full")
+    monkeypatch.delenv(seal.KEY_ENV, raising=False)
+    mw = seal.Seal(None)
+    assert call(mw, http("/adapters", "POST", b"Bearer full"))[1]
