@@ -60,6 +60,18 @@ class Fleet:
     replicas: list[str]
     processes: list[subprocess.Popen[str]]
     """The replicas' vLLM processes."""
+    started: list[subprocess.Popen[str]]
+    """Every process the fixture started (it stops them all), a restarted replica included."""
+    commands: list[tuple[list[str], dict[str, str], Path]]
+    """Each replica's command line, environment and log."""
+
+    def restart(self, i: int) -> None:
+        """Start replica `i` again (as its supervisor would) and wait until it answers."""
+        cmd, env, log = self.commands[i]
+        proc = launch(cmd, env, log.with_suffix(".again.log"))
+        self.started.append(proc)
+        self.processes[i] = proc
+        wait_for([proc], [self.replicas[i]])
 
     def registry(self) -> Registry:
         return self.ws.registry()
@@ -125,6 +137,7 @@ def fleet(
     rport, fport = free_port(), free_port()
     replicas = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen[str]] = []
+    commands: list[tuple[list[str], dict[str, str], Path]] = []
     try:
         for i, (port, rank) in enumerate(zip(ports, (16, 8), strict=True)):
             cmd, env = VLLMConfig(
@@ -141,6 +154,7 @@ def fleet(
                 replica=True,
                 routed_key=ROUTED_KEY,
             ).command()
+            commands.append((cmd, env, root / f"replica-{i}.log"))
             procs.append(launch(cmd, env, root / f"replica-{i}.log"))
         wait_for(procs, replicas)
         router = RouterConfig(
@@ -177,7 +191,7 @@ def fleet(
         )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
-            yield Fleet(ws, base_dir, url, router_url, replicas, procs[:2])
+            yield Fleet(ws, base_dir, url, router_url, replicas, procs[:2], procs, commands)
     finally:
         for proc in reversed(procs):
             stop_server(proc, timeout=60)
@@ -340,3 +354,27 @@ def test_after_a_replica_is_killed_no_request_fails(fleet: Fleet) -> None:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     report = httpx.get(fleet.front + "/v1/mint/replicas", headers=admin, timeout=60).json()
     assert [row["healthy"] for row in report["replicas"]] == [True, False]
+
+
+def test_a_promotion_with_a_replica_down_completes_and_the_replica_returns_on_the_new_champion(
+    fleet: Fleet,
+) -> None:
+    """After the kill above: the promotion loads on the healthy replica only and completes; the replica that comes
+    back holds nothing, and its first request for the policy is answered with the new champion."""
+    policy = "fleet-promote"  # champion v1 since the rollback above
+    v3, d3 = revision(fleet, policy, seed=3)
+    promote_flow(policy, v3, workspace=fleet.ws)
+    assert fleet.champion(policy) == v3
+    assert fleet.held(fleet.replicas[0], policy) == d3
+
+    fleet.restart(1)
+    back = fleet.replicas[1]
+    assert fleet.held(back, policy) is None
+    r = httpx.post(
+        back + "/v1/completions",
+        json={"model": policy, "prompt": "a", "max_tokens": 1},
+        headers=KEY,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert fleet.everywhere(policy) == [d3, d3]
