@@ -210,7 +210,7 @@ def replica_urls(config: ServicesConfig) -> list[str]:
     return [config.url(n) for n in REPLICA_NAMES[: config.replicas]]
 
 
-def router_command(config: ServicesConfig) -> list[str]:
+def router_command(config: ServicesConfig) -> tuple[list[str], dict[str, str]]:
     """`vllm-router` before the replicas (replicas > 1); ServiceError when vLLM's environment lacks it."""
     from mint_core.serving.vllm_router import RouterConfig  # only here, as vllm_process
 
@@ -219,7 +219,7 @@ def router_command(config: ServicesConfig) -> list[str]:
             f"router: {config.vllm_router} is missing: run `make vllm-venv` (scripts/bootstrap_vllm.sh installs "
             "vllm-router into vLLM's environment), or set vllm_router (MINT_SERVICES_VLLM_ROUTER)"
         )
-    return RouterConfig(
+    router = RouterConfig(
         program=config.vllm_router.absolute(),
         host=config.bind_host("router"),
         port=config.router_port,
@@ -227,7 +227,8 @@ def router_command(config: ServicesConfig) -> list[str]:
         policy=config.router_policy,
         prometheus_port=config.router_port - 1,
         startup_timeout_s=int(config.vllm_start_timeout_s) + 60,
-    ).command()
+    )
+    return router.command(), router.env()
 
 
 def _vllm_key(config: ServicesConfig) -> str:
@@ -334,7 +335,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
             env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
         return cmd, env
     if name == "router":
-        return router_command(config), env
+        cmd, router_env = router_command(config)
+        return cmd, {**env, **router_env}
     cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:

@@ -164,7 +164,7 @@ def fleet(
             prometheus_port=free_port(),
             health_check_interval_s=2,
         )
-        procs.append(launch(router.command(), {}, root / "router.log"))
+        procs.append(launch(router.command(), router.env(), root / "router.log"))
         router_url = f"http://127.0.0.1:{rport}"
         wait_for(procs[-1:], [router_url], timeout_s=60)
         env = {

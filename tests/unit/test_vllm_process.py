@@ -391,7 +391,8 @@ def test_replicas_each_at_their_own_port_behind_the_router(
     full, routed = keys.pop()
     assert full != routed
     assert (cfg.state_dir / "vllm.key").read_text().strip() == full
-    cmd, _ = command("router", cfg)
+    cmd, router_env = command("router", cfg)
+    assert router_env["RUST_LOG"] == "warn"  # no log line per request
     assert cmd[0] == str(router.absolute())
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8099"
     assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 4] == urls
