@@ -11,3 +11,9 @@ import os
 # right after this. mint's own bars (pretraining, `mint train`) pass `disable` themselves. Subprocesses (the
 # services, DVC's stages, flow runs of the worker) inherit it.
 os.environ.setdefault("TQDM_DISABLE", "1")
+
+# No MLflow telemetry (no network here, and nothing to report to): its client thread sets and unsets
+# _MLFLOW_TELEMETRY_SESSION_ID in os.environ while other threads read the environment, and a reader that iterates
+# it then (pydantic-settings under Prefect's settings) fails with KeyError. Set before MLflow is imported; the
+# services and flow runs inherit it.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

@@ -259,6 +259,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
     host, port = config.host, str(config.port(name))
     env = {
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"),
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     }
     if name == "mlflow":

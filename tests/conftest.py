@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.types import Site
 
 FAMILIES: list[Family] = list(ALL_FAMILIES)
+
+# as mint_app does: MLflow's telemetry thread edits os.environ while Prefect's settings iterate it (a KeyError)
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 # Short names targeted per family in tests. On MoE models PEFT 0.21 rewrites target_modules named
 # gate_proj/up_proj/down_proj into fused expert parameters, so dense-MLP and shared-expert linears of MoE
