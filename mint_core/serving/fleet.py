@@ -24,7 +24,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,29 @@ _HEX = re.compile(r"^[0-9a-f]{64}$")
 # vLLM's scheduler gauges, per replica: what "load" means in `mint status` and the front's metrics
 _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 _WAITING = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+# vllm-router's answer when it could not send a request to the replica it picked (reqwest's error, router 0.1.17)
+UNREACHED = b"error sending request for url"
+ROUTER_RETRIES = 4
+ROUTER_RETRY_S = 0.5
+
+
+async def routed(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+    """A request through the router, sent again while the router could not reach the replica it picked: a replica
+    that died is routed to until the router's health check or its failures mark it down (seen: two requests over
+    5 s), and such a request never reached a replica, so another try is safe."""
+    for attempt in range(ROUTER_RETRIES):
+        r = await send()
+        if r.status_code != 500 or attempt == ROUTER_RETRIES - 1:
+            return r
+        await r.aread()
+        if UNREACHED not in r.content:
+            return r
+        await r.aclose()
+        logger.warning("vllm-router could not reach a replica (%s); sending again", r.content[:200])
+        await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def replica_name(url: str) -> str:

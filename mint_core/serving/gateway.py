@@ -58,7 +58,7 @@ from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.chat import chat_ids
 from mint_core.serving.config import ServingConfig
-from mint_core.serving.fleet import REPLICA_HEADER, Fleet
+from mint_core.serving.fleet import REPLICA_HEADER, Fleet, routed
 from mint_core.serving.golden import GoldenProbe
 from mint_core.serving.protocol import (
     APIError,
@@ -82,10 +82,6 @@ _HEX = re.compile(r"^[0-9a-f]{64}$")
 # rows of a batch that mixes them with adapters with an adapter's weights (the base's slot index -1 reads the last
 # slot, benchmarks/vllm_bad_adapters.py); with every row on a real slot, the base's rows add exactly zero.
 BASE_ADAPTER = "_mint_base"
-# vllm-router's answer when it could not send a request to the replica it picked (reqwest's error, router 0.1.17)
-UNREACHED = b"error sending request for url"
-ROUTER_RETRIES = 4
-ROUTER_RETRY_S = 0.5
 VET_TTL_S = (
     30.0  # a vetted on-demand address is trusted this long (the front checks it, then vLLM asks again)
 )
@@ -122,12 +118,12 @@ class Gateway:
         self.base_digest, self.base_dir = self._zero_adapter()
         self._base_loading = asyncio.Lock()
         # through the router (a fleet): the narrower key, which opens no adapter route on the replicas
-        routed = (
+        router_key = (
             config.vllm_routed_key if config.vllm_replicas and config.vllm_routed_key else config.vllm_api_key
         )
         self.vllm = httpx.AsyncClient(
             base_url=config.vllm_url.rstrip("/"),
-            headers={"Authorization": f"Bearer {routed.get_secret_value()}"},
+            headers={"Authorization": f"Bearer {router_key.get_secret_value()}"},
             timeout=httpx.Timeout(600.0, connect=5.0),
             # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default pool keeps
             # one 5 s: a request sent on it as vLLM closes it fails ("Server disconnected without sending a
@@ -246,7 +242,7 @@ class Gateway:
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             if self.fleet is not None:
-                return await self.routed(lambda: self.vllm.request(method, path, **kw))
+                return await routed(lambda: self.vllm.request(method, path, **kw))
             return await self.vllm.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise APIError(
@@ -254,22 +250,6 @@ class Gateway:
                 f"the vLLM backend at {self.config.vllm_url} is unreachable: {e}",
                 "ServiceUnavailableError",
             ) from None
-
-    async def routed(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
-        """A request through the router, sent again while the router could not reach the replica it picked: a
-        replica that died is routed to until the router's health check or its failures mark it down (seen: two
-        requests over 5 s), and such a request never reached a replica, so another try is safe."""
-        for attempt in range(ROUTER_RETRIES):
-            r = await send()
-            if r.status_code != 500 or attempt == ROUTER_RETRIES - 1:
-                return r
-            await r.aread()
-            if UNREACHED not in r.content:
-                return r
-            await r.aclose()
-            logger.warning("vllm-router could not reach a replica (%s); sending again", r.content[:200])
-            await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
-        raise AssertionError("unreachable")
 
     # -- validation before anything reaches vLLM ----------------------------------------------------------------
 
@@ -637,7 +617,7 @@ def create_gateway(
         try:
             request = gw.vllm.build_request("POST", path, json=data, headers=headers)
             if gw.fleet is not None:
-                r = await gw.routed(lambda: gw.vllm.send(request, stream=True))
+                r = await routed(lambda: gw.vllm.send(request, stream=True))
             else:
                 r = await gw.vllm.send(request, stream=True)
         except httpx.HTTPError as e:
