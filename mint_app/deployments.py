@@ -131,13 +131,8 @@ def register_deployments(config: ServicesConfig) -> str:
     derived.write_text(
         f"# {config.deployments} as `mint up` registered it (workspace: this state dir's)\n{text}"
     )
-    for wait in (
-        2.0,
-        5.0,
-        10.0,
-        20.0,
-        0.0,
-    ):  # `deploy --all` is idempotent: repeat it past a busy server's 503
+    waits = (2.0, 5.0, 10.0, 20.0, 0.0)  # seconds before the next try; 0: the last
+    for wait in waits:  # `deploy --all` is idempotent: repeat it past a busy server's 503
         deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(derived.resolve()), api=api)
         busy = "503 Service Unavailable" in deployed.stdout + deployed.stderr
         if deployed.returncode == 0 or not busy or not wait:
