@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import report
+from _common import add_device, checked_device, report
 
 from mint_core.data.revision import evaluated_prompts, fresh_examples
 from mint_core.data.tasks import read_jsonl
@@ -61,7 +61,9 @@ def run_variant(args: argparse.Namespace, variant: dict[str, Any]) -> dict[str, 
     spec = builtin_spec(args.task, args.task)
     seed = round_seed(args.seed, "continuation-recipes")
     parent = None if args.from_base else args.champion
-    trainer = load_trainer(args.base, [spec], grpo, seed, {args.task: parent}, continuation=cont)
+    trainer = load_trainer(
+        args.base, [spec], grpo, seed, {args.task: parent}, device=args.device, continuation=cont
+    )
     before = heldout_correct(trainer.engine, args.task if parent else None, gate)
     evaluated = evaluated_prompts(args.data, SUITES_DIR / "data")
     examples = fresh_examples(args.task, pps * steps, seed, evaluated)
@@ -99,7 +101,9 @@ def main() -> None:
     ap.add_argument(
         "--variant", action="append", type=json.loads, help="a JSON object (default: six recipes)"
     )
+    add_device(ap)
     args = ap.parse_args()
+    checked_device(ap, args.device)
     if not args.from_base and (args.champion is None or not args.champion.is_dir()):
         ap.error("--champion DIR (a PEFT adapter directory) or --from-base")
     variants = args.variant or DEFAULT_VARIANTS

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import report
+from _common import add_device, checked_device, report
 
 from mint_core.data.rewards import builtin_scores
 from mint_core.data.tasks import Example, read_jsonl
@@ -134,12 +134,14 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    add_device(ap)
     args = ap.parse_args()
+    device = checked_device(ap, args.device)
     torch.set_num_threads(args.threads)
     if not (args.base / "config.json").is_file():
         ap.error(f"no built-in base at {args.base}: run `.venv/bin/dvc repro` first")
     t0 = time.perf_counter()
-    base = load_base(args.base)
+    base = load_base(args.base, device=device)
     engine = Engine(base, EngineConfig(max_loras=2, max_lora_rank=max(args.rank, 64)))
     who = None
     if args.adapter is not None:
