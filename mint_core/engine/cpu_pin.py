@@ -22,7 +22,11 @@ PINNED_CAPABILITY = "AVX2"
 
 
 def pin_cpu_kernels() -> None:
-    """Set `REPRODUCIBLE_CPU_ENV` in this process (a variable already set is left alone). Call it before torch
-    computes anything; after that the kernels are chosen and the pin has no effect."""
-    for key, value in REPRODUCIBLE_CPU_ENV.items():
-        os.environ.setdefault(key, value)
+    """Set `REPRODUCIBLE_CPU_ENV` in this process, over any value the environment gave: a shell or CI that exports
+    `ATEN_CPU_CAPABILITY=avx512` or `ONEDNN_MAX_CPU_ISA=ALL` would otherwise build another base. Call it before
+    torch computes anything; after that the kernels are chosen and the pin has no effect.
+
+    Where the pin cannot hold (a CPU vendor's own rounding in a kernel the variables do not reach), the main job
+    does not rebuild the base: it takes the published one, checked against dvc.lock's md5 (mint_app/job_build.py).
+    """
+    os.environ.update(REPRODUCIBLE_CPU_ENV)

@@ -161,17 +161,30 @@ def test_pretrain_lowers_loss_and_writes_a_loadable_base(task_dir: Path, tmp_pat
     assert base.sites  # LoRA can attach
 
 
+# What a machine or a shell can show pretraining beyond AVX2: AVX-512 and AMX kernels in ATen, oneDNN and MKL,
+# and another thread count. On an Intel Xeon each would change the bytes if the pin let it through.
+WIDER_CPU_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx512",
+    "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+    "MKL_CBWR": "AUTO",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    "OMP_NUM_THREADS": "1",
+}
+
+
 def test_mint_base_pretrain_pins_the_kernels_and_rebuilds_the_same_bytes(
     task_dir: Path, tmp_path: Path
 ) -> None:
-    """`mint base pretrain` computes with AVX2 kernels whatever the CPU (cpu_pin), records so in its metrics, and
-    two builds from the same params give the same weights: the property dvc.lock's hash of data/base relies on."""
+    """`mint base pretrain` computes with AVX2 kernels whatever the CPU and the environment show (cpu_pin), records
+    so in its metrics, and its first steps give the same weights with AVX-512 visible and without: the property
+    dvc.lock's hash of data/base relies on. On a CPU without AVX-512 the wider build falls back to AVX2 by itself;
+    on an Intel Xeon the pin alone keeps the bytes equal."""
     params = tmp_path / "params.yaml"
     params.write_text(json.dumps({"base": {**TINY, "steps": 8, "threads": 2}}))
+    plain = {k: v for k, v in os.environ.items() if k not in REPRODUCIBLE_CPU_ENV and k not in WIDER_CPU_ENV}
     digests = []
-    for i in range(2):
+    for i, env in enumerate([plain, {**plain, **WIDER_CPU_ENV}]):
         out = tmp_path / f"b{i}"
-        env = {k: v for k, v in os.environ.items() if k not in REPRODUCIBLE_CPU_ENV}
         mint = str(Path(sys.executable).parent / "mint")
         done = subprocess.run(
             [mint, "base", "pretrain", "--data", str(task_dir), "--out", str(out), "--params", str(params)],
@@ -183,4 +196,4 @@ def test_mint_base_pretrain_pins_the_kernels_and_rebuilds_the_same_bytes(
         assert done.returncode == 0, done.stderr[-2000:]
         assert json.loads((out / "metrics.json").read_text())["cpu_capability"] == PINNED_CAPABILITY
         digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
-    assert digests[0] == digests[1]
+    assert digests[0] == digests[1], "the weights differ with AVX-512 visible: a kernel escapes the pin"
