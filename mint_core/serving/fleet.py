@@ -49,12 +49,23 @@ ROUTER_RETRIES = 4
 ROUTER_RETRY_S = 0.5
 
 
-async def routed(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+async def routed(
+    send: Callable[[], Awaitable[httpx.Response]], out: Callable[[str | None], bool] | None = None
+) -> httpx.Response:
     """A request through the router, sent again while the router could not reach the replica it picked: a replica
     that died is routed to until the router's health check or its failures mark it down (seen: two requests over
-    5 s), and such a request never reached a replica, so another try is safe."""
+    5 s), and such a request never reached a replica, so another try is safe. Sent again too when the answer
+    names a replica `out` of rotation (the golden probe found it poisoned as the request ran there): its answer
+    is not passed on."""
     for attempt in range(ROUTER_RETRIES):
         r = await send()
+        if r.status_code == 200 and out is not None and out(r.headers.get(REPLICA_HEADER)):
+            await r.aclose()
+            logger.warning(
+                "an answer from %s, out of rotation, dropped; sending again", r.headers[REPLICA_HEADER]
+            )
+            await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
+            continue
         if r.status_code != 500 or attempt == ROUTER_RETRIES - 1:
             return r
         await r.aread()
@@ -63,7 +74,7 @@ async def routed(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Respons
         await r.aclose()
         logger.warning("vllm-router could not reach a replica (%s); sending again", r.content[:200])
         await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
-    raise AssertionError("unreachable")
+    raise APIError(503, "every try was answered by a replica out of rotation", "ServiceUnavailableError")
 
 
 def replica_name(url: str) -> str:

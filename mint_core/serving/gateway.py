@@ -153,9 +153,8 @@ class Gateway:
             if config.vllm_replicas
             else None
         )
-        # the probe kills the process listening at vllm_url: with a fleet that is the router, not a replica
-        interval = 0.0 if self.fleet is not None else config.golden_interval_s
-        self.golden = GoldenProbe(self, config.golden_prompts, config.golden_max_tokens, interval)
+        golden = (config.golden_prompts, config.golden_max_tokens, config.golden_interval_s)
+        self.golden = GoldenProbe(self, *golden)  # with a fleet: each replica at its URL, never the router
 
     def count(self, model: object, status: int) -> None:
         """One completion request answered; a name this front does not serve is `_unknown` (no client-made
@@ -242,7 +241,7 @@ class Gateway:
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             if self.fleet is not None:
-                return await routed(lambda: self.vllm.request(method, path, **kw))
+                return await routed(lambda: self.vllm.request(method, path, **kw), self.golden.out)
             return await self.vllm.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise APIError(
@@ -314,6 +313,8 @@ class Gateway:
                 self.served[name] = digest
                 self._changes += 1
             logger.info("vLLM replicas %s serve %s as sha256:%s", ", ".join(held), name, digest[:12])
+            if name != BASE_ADAPTER:
+                self.golden.after_load(name)
             return
         async with self.lock(name).write():
             r = await self._call(
@@ -617,7 +618,7 @@ def create_gateway(
         try:
             request = gw.vllm.build_request("POST", path, json=data, headers=headers)
             if gw.fleet is not None:
-                r = await routed(lambda: gw.vllm.send(request, stream=True))
+                r = await routed(lambda: gw.vllm.send(request, stream=True), gw.golden.out)
             else:
                 r = await gw.vllm.send(request, stream=True)
         except httpx.HTTPError as e:
@@ -732,6 +733,8 @@ def create_gateway(
         if gw.fleet is None:
             raise APIError(404, "this front has one vLLM, no replicas", "NotFoundError")
         report = await gw.fleet.report()
+        for row in report:  # out of rotation (its golden answers changed), and when it last was
+            row.update(gw.golden.state(row["replica"]))
         workers: list[str] | None = None
         try:
             r = await gw.vllm.get("/list_workers", timeout=5)
