@@ -198,6 +198,27 @@ class Fleet:
                     out.setdefault(n, d)
         return out
 
+    async def models(self) -> list[dict[str, Any]]:
+        """vLLM's model cards from every replica that answers (a name any of them holds). Not through the router:
+        it sends a GET /v1/models to one replica, which may be down (vllm-router 0.1.17 answered the front's with
+        a non-JSON 500 while the replica its hash picked was down) or hold less."""
+
+        async def one(r: Replica) -> list[dict[str, Any]] | None:
+            try:
+                resp = await r.http.get("/v1/models", timeout=10)
+            except httpx.HTTPError:
+                return None
+            return list(resp.json().get("data", [])) if resp.status_code == 200 else None
+
+        listed = await asyncio.gather(*(one(r) for r in self.replicas))
+        if all(cards is None for cards in listed):
+            raise APIError(503, "no vLLM replica answers /v1/models", "ServiceUnavailableError")
+        out: dict[str, dict[str, Any]] = {}
+        for cards in listed:
+            for c in cards or []:
+                out.setdefault(str(c.get("id")), c)
+        return list(out.values())
+
     async def read_load(self, r: Replica) -> None:
         """vLLM's running and waiting requests on `r`, from its /metrics."""
         try:

@@ -218,6 +218,8 @@ class Gateway:
         return p.name if _HEX.match(p.name) and p.parent.name == p.name[:2] else None
 
     async def vllm_models(self) -> list[dict[str, Any]]:
+        if self.fleet is not None:  # every replica's own listing (through the router: one, maybe a dead one)
+            return await self.fleet.models()
         r = await self._call("GET", "/v1/models")
         return list(r.json().get("data", []))
 
