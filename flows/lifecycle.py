@@ -24,13 +24,15 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.runtime import flow_run as prefect_flow_run
 from prefect.utilities.annotations import quote
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -42,8 +44,16 @@ from mint_core.data.spec import task_dirs
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
-from mint_core.lifecycle import Workspace, data_revision, idempotency_key, round_seed
+from mint_core.lifecycle import (
+    Workspace,
+    data_revision,
+    held_run,
+    idempotency_key,
+    round_seed,
+    run_lease,
+)
 from mint_core.registry.address import NAME_RE
+from mint_core.rl.checkpoints import drop_mirror
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, Continuation, spec_changes
@@ -271,7 +281,8 @@ def lifecycle(
     workspace: Workspace = Workspace(),
 ) -> WaveReport:
     """Train one policy with GRPO, evaluate, gate and promote it, serving refreshed in place."""
-    return run_wave([policy], training, evaluation, checks, workspace)
+    with run_held(workspace):
+        return run_wave([policy], training, evaluation, checks, workspace)
 
 
 @flow(name="wave", log_prints=True)
@@ -284,7 +295,22 @@ def wave(
 ) -> WaveReport:
     """Train N policies at once over one base (one batched rollout and update per step), then evaluate, gate
     and promote each."""
-    return run_wave(policies, training, evaluation, checks, workspace)
+    with run_held(workspace):
+        return run_wave(policies, training, evaluation, checks, workspace)
+
+
+@contextmanager
+def run_held(ws: Workspace) -> Iterator[None]:
+    """This flow run's lease in the catalog for the block (`mint_core.lifecycle.held_run`): while it is renewed
+    the run is alive; when its host dies it expires, and a worker requeues the run, which resumes from its
+    checkpoint (docs/multi-host.md)."""
+    run_id = prefect_flow_run.id
+    if not run_id:  # called as a plain function, outside a flow run
+        yield
+        return
+    with held_run(ws, str(run_id)) as holder:
+        get_run_logger().info("run lease %s held by %s", run_lease(str(run_id)), holder)
+        yield
 
 
 def run_wave(
@@ -454,6 +480,8 @@ def train(
     candidates: dict[str, RevisionRef | None] = {}
     parents = {p.name: _digest(champions[p.name]) for p in to_train}
     run_dir = ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
+    # the same run's checkpoints for the other hosts: an attempt that another worker resumes starts from them
+    mirror = f"{ws.checkpoint_url.rstrip('/')}/{run_dir.name}" if ws.checkpoint_url else None
     run_seed = round_seed(training.seed, training.round_name())
     run = clock(
         start_training,
@@ -469,6 +497,7 @@ def train(
         run_dir / _parents_tag(parents),
         training.dry_run,
         training.continuation,
+        f"{mirror}/{_parents_tag(parents)}" if mirror else None,
     )
     bounds = checks.rollouts.model_copy(
         update={
@@ -623,6 +652,8 @@ def train(
             started,
         )
     shutil.rmtree(run_dir, ignore_errors=True)  # exported: the checkpoints have done their job
+    if mirror:
+        drop_mirror(mirror)
     if curve:
         create_table_artifact(
             curve, key="reward-curve", description=f"GRPO reward per step ({', '.join(names)})"

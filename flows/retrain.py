@@ -38,7 +38,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from pydantic import BaseModel, Field
 
-from flows.lifecycle import PolicyRun, Training, WaveReport, wave
+from flows.lifecycle import PolicyRun, Training, WaveReport, run_held, wave
 from mint_core.data.checks import CheckParams
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.lm_eval_runner import EvalConfig
@@ -201,6 +201,17 @@ def retrain(
     """Train every policy that has a champion (or the named ones) one wave from it, on fresh prompts, each
     stopped when its held-out probe does not rise, then gate and promote each; policies another run is training
     now are skipped. Reports per policy its gain, p-value, steps and why it stopped."""
+    with run_held(workspace):
+        return _retrain(policies, training, evaluation, checks, workspace)
+
+
+def _retrain(
+    policies: list[str] | None,
+    training: Training,
+    evaluation: EvalConfig,
+    checks: CheckParams,
+    workspace: Workspace,
+) -> RetrainReport:
     log = get_run_logger()
     runs, skipped = champions_to_retrain(workspace, policies)
     for s in skipped:

@@ -534,13 +534,45 @@ def wave_cmd(
         int | None, typer.Option(min=1, help="GRPO steps (unless --params sets training).")
     ] = None,
     params: _FlowParams = None,
+    spread: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Spread the wave over the pool's workers (hosts): one `wave` deployment run per this many "
+            "policies, each taken by whichever worker is free (docs/multi-host.md).",
+        ),
+    ] = None,
 ) -> None:
     """Train, evaluate, gate and promote several policies at once (the wave flow; needs `mint up`)."""
     doc = _flow_params(params)
     doc.setdefault("policies", [{"spec": {"name": t, "task": t}} for t in policies.split(",") if t.strip()])
     if steps is not None:
         doc.setdefault("training", {})["steps"] = steps
+    if spread is not None:
+        _run_spread(doc, spread)
+        return
     _run_wave(False, doc)
+
+
+def _run_spread(doc: dict[str, Any], per_run: int) -> None:
+    """Run the spread flow in this process (its groups run on the pool's workers) and print each group."""
+    from flows.spread import spread
+    from mint_app.stack import flow_run_url, flow_workspace, on_stack
+
+    with on_stack(console.print) as stack:
+        doc["workspace"] = flow_workspace(stack, doc.get("workspace"))
+        state = spread(**doc, per_run=per_run, return_state=True)
+        console.print(f"flow run: {flow_run_url(stack, state.state_details.flow_run_id)}")
+        try:
+            report = state.result()
+        except MintError as e:  # a group that did not complete, named with its flow run
+            console.print(f"[red]{e}[/]")
+            raise typer.Exit(1) from None
+    table = Table("policies", "flow run", "state", "runs")
+    for g in report.groups:
+        table.add_row(", ".join(g.policies), f"{g.flow_run_name} ({g.flow_run_id})", g.state, str(g.runs))
+    console.print(table)
+    console.print(f"{len(report.groups)} group(s) in {report.seconds:.0f} s")
 
 
 @app.command("lifecycle")

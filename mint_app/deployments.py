@@ -9,9 +9,10 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 from mint_app.processes import (
     healthy,
 )
-from mint_app.service_commands import console_script, running_base, serve_base
+from mint_app.service_commands import console_script, hooks_workspace, running_base, serve_base
 from mint_app.service_config import (
     HEALTH_PATH,
     ServiceError,
@@ -39,21 +40,24 @@ logger = logging.getLogger(__name__)
 
 
 def workspace_defaults(config: ServicesConfig) -> dict[str, str]:
-    """The `workspace` parameter of every deployment: the servers of this state dir, and the store, catalog and
-    lifecycle folder beside it (`.mint/` for the default `.mint/run`, as the flows' own Workspace defaults and
-    `mint run` lay them out), so a run started from the dashboard or a schedule reaches these servers."""
-    home = config.state_dir.resolve().parent
+    """The `workspace` parameter of every deployment: the servers of this state dir (or the other hosts'
+    `prefect_url`, `mlflow_url`, `serve_url` name), the store (`store_url` when the hosts share one) and the
+    catalog (`catalog_url`, else .mint/catalog.db beside the state dir), so a run started from the dashboard or a
+    schedule reaches them from any worker. Not `work_dir`: each worker's runs keep their work on their own host
+    (the worker's MINT_WORK_DIR); with a shared store, checkpoints are also kept under <store_url>/checkpoints."""
     store = config.serve_adapter_root or ServingConfig.load(config.serve_config).adapter_root
-    return {
+    out = {
         "tracking_uri": config.url("mlflow"),
         "serving_url": config.url("serve"),
         "admin_token_file": str(config.state_dir.resolve() / "serve.token"),
-        "store": str(store.resolve()),
-        "catalog_url": f"sqlite:///{home / 'catalog.db'}",
-        "work_dir": str(home / "lifecycle"),
+        "store": config.store_url or str(store.resolve()),
+        "catalog_url": hooks_workspace(config)["catalog_url"],
         "base": str(Path(running_base(config) or serve_base(config)).resolve()),
         "device": config.serve_device or ServingConfig.load(config.serve_config).device,
     }
+    if config.store_url:
+        out["checkpoint_url"] = f"{config.store_url.rstrip('/')}/checkpoints"
+    return out
 
 
 def _deployments_for(config: ServicesConfig) -> str:
@@ -97,6 +101,8 @@ def register_deployments(config: ServicesConfig) -> str:
     what it did."""
     if config.deployments is None:
         return "no deployments file"
+    if not config.register_deployments:
+        return "deployments left as registered (register_deployments: false)"
     api = config.url("prefect") + "/api"
     if not healthy(config.url("prefect"), HEALTH_PATH["prefect"]):
         raise ServiceError(
@@ -156,17 +162,38 @@ def register_deployments(config: ServicesConfig) -> str:
 
 
 def requeue_orphaned_runs(config: ServicesConfig) -> int:
-    """Flow runs of the worker's pool left Pending or Running by a worker that is gone (killed, or stopped while
-    their process died with it) go back to Scheduled, so the worker about to start runs them again: the lifecycle
-    resumes from its checkpoint and, keyed by its idempotency key, makes no second version. Called only when no
-    worker of this state dir runs (one worker per pool here); returns how many."""
-    return requeue_runs(config.url("prefect") + "/api", work_pool(config))
+    """The runs this worker left behind, back to Scheduled before it starts again (`reclaim_runs`): the
+    lifecycle resumes from its checkpoint and, keyed by its idempotency key, makes no second version. Called only
+    when no worker of this state dir runs; returns how many."""
+    api = config.url("prefect") + "/api"
+    return reclaim_runs(api, work_pool(config), config.worker_name, hooks_workspace(config)["catalog_url"])
 
 
-def requeue_runs(api: str, pool: str, crashed_since: float | None = None) -> int:
-    """Flow runs of `pool` left Pending or Running, and with `crashed_since` (epoch s) those that crashed since
-    then (taken down with their worker), back to Scheduled; returns how many. The supervisor of the worker calls
-    it before it starts the worker again after a crash (`python -m mint_app.services requeue ...`)."""
+TRAINING_TAG = "training"
+"""The tag of the deployments whose flows hold a run lease while they run (wave, lifecycle, retrain, spread)."""
+RUN_LEASE_PREFIX = "run/"
+"""mint_core.lifecycle.RUN_LEASE_PREFIX, not imported (that module loads MLflow; a unit test holds them equal)."""
+RECLAIM_GRACE_S = {"RUNNING": 60.0, "PENDING": 180.0}
+"""A run tagged `TRAINING_TAG` that has been Running this long without its run lease held is an orphan: its host
+stopped renewing the lease (a run takes it in its first seconds). Pending this long: its process died before it
+started (a process starts in well under this on a busy 2-core machine)."""
+
+
+def reclaim_runs(
+    api: str,
+    pool: str,
+    worker: str,
+    catalog_url: str | None = None,
+    crashed_since: float | None = None,
+) -> int:
+    """Flow runs of `pool` whose worker is gone, back to Scheduled (any worker of the pool then runs them again,
+    and they resume from their checkpoints); returns how many. `worker` is the worker about to start, so none
+    of its own runs is alive. A Pending or Running run is an orphan when its run lease in the catalog
+    (`mint_core.lifecycle.held_run`) names `worker`, or when it is a training run (`TRAINING_TAG`) whose lease
+    nobody has held for `RECLAIM_GRACE_S`, or, with no other worker of the pool online, whatever it is (one worker: every
+    run it had is gone). With `crashed_since` (epoch s), runs that crashed since then (taken down with their
+    worker) too, unless another worker's lease names them. The supervisor of the worker calls it before it starts
+    the worker again after a crash (`python -m mint_app.services requeue ...`)."""
     types = ["PENDING", "RUNNING"] + (["CRASHED"] if crashed_since is not None else [])
     query = {
         "work_pools": {"name": {"any_": [pool]}},
@@ -181,33 +208,88 @@ def requeue_runs(api: str, pool: str, crashed_since: float | None = None) -> int
         return 0
     if found.status_code != 200:
         return 0
+    others = _other_workers_online(api, pool, worker)
+    holder = _lease_holders(catalog_url)
     n = 0
     for run in found.json():
         if run["state_type"] == "CRASHED":
-            ended = run.get("end_time") or (run.get("state") or {}).get("timestamp")
-            when = _epoch(ended)
+            when = _epoch(run.get("end_time") or (run.get("state") or {}).get("timestamp"))
             if crashed_since is None or when is None or when < crashed_since:
                 continue  # crashed before this worker died: not ours to run again
-        state = {
-            "type": "SCHEDULED",
-            "name": "Rescheduled",
-            "message": "its worker was gone; requeued to resume from its checkpoint",
-        }
-        done = httpx.post(
-            f"{api}/flow_runs/{run['id']}/set_state",
-            json={"state": state, "force": True},
-            timeout=10,
-            trust_env=False,
-        )
-        if done.status_code in (200, 201):
+        why = _orphaned(run, worker, others, holder(str(run["id"])))
+        if why is not None and _requeue(api, run, why):
             n += 1
-            logger.info(
-                "requeued flow run %s (%s), left %s by a worker that is gone",
-                run["name"],
-                run["id"],
-                run["state_type"],
-            )
     return n
+
+
+def _orphaned(run: dict[str, Any], worker: str, others: list[str], holder: str | None) -> str | None:
+    """Why `run` is an orphan of a dead worker, or None when it may be alive (see `reclaim_runs`)."""
+    if holder is not None:
+        owner = holder.split("@", 1)[0]
+        return f"its run lease names {worker}, which is starting again" if owner == worker else None
+    if not others:
+        return "no other worker of its pool is online"
+    grace = RECLAIM_GRACE_S.get(run["state_type"])
+    if TRAINING_TAG in (run.get("tags") or []) and grace is not None:
+        since = _epoch((run.get("state") or {}).get("timestamp"))
+        if since is not None and time.time() - since > grace:
+            return f"{run['state_type']} for over {grace:.0f} s and its run lease not held (its host is gone)"
+    return None
+
+
+def _requeue(api: str, run: dict[str, Any], why: str) -> bool:
+    state = {
+        "type": "SCHEDULED",
+        "name": "Rescheduled",
+        "message": f"its worker was gone ({why}); requeued to resume from its checkpoint",
+    }
+    done = httpx.post(
+        f"{api}/flow_runs/{run['id']}/set_state",
+        json={"state": state, "force": True},
+        timeout=10,
+        trust_env=False,
+    )
+    if done.status_code not in (200, 201):
+        return False
+    logger.info("requeued flow run %s (%s), left %s: %s", run["name"], run["id"], run["state_type"], why)
+    return True
+
+
+def _other_workers_online(api: str, pool: str, worker: str) -> list[str]:
+    """The names of the pool's other workers that Prefect sees online (heartbeat within its timeout)."""
+    try:
+        found = httpx.post(
+            f"{api}/work_pools/{pool}/workers/filter", json={"limit": 200}, timeout=10, trust_env=False
+        )
+    except httpx.HTTPError:
+        return []
+    if found.status_code != 200:
+        return []
+    return [w["name"] for w in found.json() if w.get("status") == "ONLINE" and w.get("name") != worker]
+
+
+def _lease_holders(catalog_url: str | None) -> Callable[[str], str | None]:
+    """Who holds a flow run's run lease (None: nobody, or no catalog to ask)."""
+    if not catalog_url:
+        return lambda run_id: None
+    # only here: `mint up` on its own never loads the catalog (SQLAlchemy tables, the lease backends)
+    from mint_core.registry.catalog import Catalog, CatalogConfig
+    from mint_core.registry.leases import default_leases
+
+    try:
+        leases = default_leases(Catalog(CatalogConfig(url=catalog_url)))
+    except Exception as e:  # no catalog to ask: every run looks unleased (the one-worker rule still holds)
+        logger.warning("could not open the catalog %s to read run leases: %s", catalog_url, e)
+        return lambda run_id: None
+
+    def holder(run_id: str) -> str | None:
+        try:
+            return leases.holder(f"{RUN_LEASE_PREFIX}{run_id}")
+        except Exception as e:
+            logger.warning("could not read the run lease of %s: %s", run_id, e)
+            return None
+
+    return holder
 
 
 def _epoch(timestamp: str | None) -> float | None:

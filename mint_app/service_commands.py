@@ -31,6 +31,8 @@ from mint_app.service_config import (
     HEALTH_PATH,
     REPLICA_NAMES,
     VLLM_CPU_HEAD_DIMS,
+    WORK_DIR_ENV,
+    WORKER_ENV,
     ServiceError,
     ServiceName,
     ServicesConfig,
@@ -322,8 +324,13 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         token = config.state_dir / "serve.token"
         if token.is_file() and "MINT_SERVE_ADMIN_TOKEN" not in os.environ:
             env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
+        # the runs it starts keep their work on this host (checkpoints, cached results) and name their worker in
+        # their run lease, so this worker, started again, knows which runs were its own (docs/multi-host.md)
+        env[WORK_DIR_ENV] = str((config.state_dir.parent / "lifecycle").resolve())
+        env[WORKER_ENV] = config.worker_name
         cmd = [console_script("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
-        return [*cmd, "--name", "mint-worker", "--with-healthcheck", "--install-policy", "never"], env
+        cmd += ["--name", config.worker_name, "--with-healthcheck", "--install-policy", "never"]
+        return cmd + (["--limit", str(config.worker_limit)] if config.worker_limit else []), env
     if name in REPLICA_NAMES:
         vllm = vllm_config(config, name)
         cmd, vllm_env = vllm.command()

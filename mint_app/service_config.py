@@ -4,6 +4,7 @@ status reads (`Service`), and the database URLs they share."""
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -80,6 +81,10 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
 # vllm_router.DEFAULT_ROUTER, not imported for the same reason
 VLLM_ROUTER = Path(".venv-vllm/bin/vllm-router")
+# mint_core.lifecycle's WORK_DIR_ENV and WORKER_ENV, not imported: that module loads MLflow, which `mint up` does
+# not (a unit test holds them equal)
+WORK_DIR_ENV = "MINT_WORK_DIR"
+WORKER_ENV = "MINT_WORKER_NAME"
 PROGRESS_EVERY_S = 10.0
 """While a service takes longer than this to answer, `start` says so this often."""
 
@@ -176,9 +181,33 @@ class ServicesConfig(Settings):
     sqlite:///<state_dir>/../catalog.db, the default Workspace's .mint/catalog.db."""
     worker_port: int = Field(4201, ge=1, le=65535)
     """Port of the Prefect worker's healthcheck server (`prefect worker start --with-healthcheck`)."""
+    worker_name: str = Field(
+        default_factory=lambda: f"mint-worker-{socket.gethostname()}", pattern=r"^[^@\s]+$"
+    )
+    """The worker's name in its work pool, one per worker: a worker that starts again requeues the runs that
+    held their run lease under this name (docs/multi-host.md)."""
+    worker_limit: int | None = Field(None, ge=1)
+    """Flow runs the worker runs at once (`prefect worker start --limit`); None: no limit. 1 on a host that
+    trains: one training run holds one base in memory."""
+    prefect_url: str | None = None
+    """The Prefect server when it runs on another host (http://host:4200): the worker polls it and registers
+    the deployments there. None: this host's, on `prefect_port`."""
+    mlflow_url: str | None = None
+    """The MLflow server when it runs on another host (http://host:5000), for the flows the worker runs. None:
+    this host's, on `mlflow_port`."""
+    serve_url: str | None = None
+    """The serving endpoint when it runs on another host (http://host:8000), where the flows evaluate and
+    promote. None: this host's `mint serve`, on `serve_port`."""
+    store_url: str | None = None
+    """The adapter store the flows write, when every host shares it: an fsspec URL (s3://bucket/mint,
+    file:///mnt/shared/store) or a directory. Training checkpoints are also kept under <store_url>/checkpoints,
+    so a run whose host died resumes on another. None: mint serve's adapter root, checkpoints on this host only."""
     deployments: Path | None = Path("infra/prefect.yaml")
     """The prefect.yaml whose deployments (and their process work pool) `mint up` registers before it starts
     the worker; relative to the working directory, which flow runs start in. None: register none."""
+    register_deployments: bool = True
+    """Register the deployments file's deployments when the worker starts (once per change). False: a worker
+    joining a pool whose deployments another host registered (`mint worker --no-register`)."""
     startup_timeout: float = Field(180.0, gt=0)
     """Seconds a service may take to answer its health check after it is launched."""
     stop_timeout: float = Field(30.0, gt=0)
@@ -214,7 +243,11 @@ class ServicesConfig(Settings):
         return [*REPLICA_NAMES[: self.replicas], "router"]
 
     def url(self, name: ServiceName) -> str:
-        """The service's base URL (for Prefect the API is under /api)."""
+        """The service's base URL (for Prefect the API is under /api): another host's where `prefect_url`,
+        `mlflow_url` or `serve_url` names one."""
+        remote = {"prefect": self.prefect_url, "mlflow": self.mlflow_url, "serve": self.serve_url}.get(name)
+        if remote:
+            return remote.rstrip("/").removesuffix("/api")
         host = self.bind_host(name)
         host = "127.0.0.1" if host in ("0.0.0.0", "") else host
         if ":" in host:

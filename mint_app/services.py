@@ -33,7 +33,7 @@ from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     pass
-from mint_app.deployments import register_deployments, requeue_orphaned_runs, requeue_runs
+from mint_app.deployments import reclaim_runs, register_deployments, requeue_orphaned_runs
 from mint_app.processes import (
     CHILDREN,
     alive,
@@ -49,6 +49,7 @@ from mint_app.processes import (
 from mint_app.service_commands import (
     command,
     health_key,
+    hooks_workspace,
     register_webhook,
     router_command,
     serve_base,
@@ -132,7 +133,10 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
 
 def _requeue_command(config: ServicesConfig) -> str:
     api, pool = config.url("prefect") + "/api", work_pool(config)
-    return shlex.join([sys.executable, "-m", "mint_app.services", "requeue", api, pool])
+    catalog = hooks_workspace(config)["catalog_url"]
+    return shlex.join(
+        [sys.executable, "-m", "mint_app.services", "requeue", api, pool, config.worker_name, catalog]
+    )
 
 
 def startup_timeout(config: ServicesConfig, name: ServiceName) -> float:
@@ -350,13 +354,13 @@ def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list
 
 if (
     __name__ == "__main__"
-):  # `python -m mint_app.services requeue API POOL`: the worker's supervisor, after a crash
-    if sys.argv[1:2] != ["requeue"] or len(sys.argv) != 4:
+):  # `python -m mint_app.services requeue API POOL WORKER CATALOG`: the worker's supervisor, after a crash
+    if sys.argv[1:2] != ["requeue"] or len(sys.argv) != 6:
         sys.exit(
-            "usage: python -m mint_app.services requeue PREFECT_API_URL POOL  (MINT_SUPERVISE_LAST_START: since)"
+            "usage: python -m mint_app.services requeue PREFECT_API_URL POOL WORKER CATALOG_URL  "
+            "(MINT_SUPERVISE_LAST_START: since)"
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     since = float(os.environ.get("MINT_SUPERVISE_LAST_START", "0")) or None
-    print(
-        f"requeued {requeue_runs(sys.argv[2], sys.argv[3], crashed_since=since)} run(s) of pool {sys.argv[3]}"
-    )
+    api, pool, worker, catalog = sys.argv[2:6]
+    print(f"requeued {reclaim_runs(api, pool, worker, catalog, crashed_since=since)} run(s) of pool {pool}")

@@ -281,8 +281,74 @@ def logs_cmd(
         )
 
 
+def worker_cmd(
+    workdir: Annotated[
+        Path,
+        typer.Option(
+            help="This worker's own directory: its pid file and log (DIR/run) and its runs' local checkpoints "
+            "and cached results (DIR/lifecycle)."
+        ),
+    ] = Path(".mint"),
+    name: Annotated[
+        str | None,
+        typer.Option(help="Its name in the pool, one per worker (default mint-worker-<hostname>)."),
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Healthcheck port (default 4201).")] = None,
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="Flow runs at once (default: no limit; 1 where it trains).")
+    ] = None,
+    prefect_url: Annotated[str | None, typer.Option(help="The Prefect server (http://host:4200).")] = None,
+    mlflow_url: Annotated[str | None, typer.Option(help="The MLflow server (http://host:5000).")] = None,
+    serve_url: Annotated[str | None, typer.Option(help="The serving endpoint (http://host:8000).")] = None,
+    catalog_url: Annotated[
+        str | None, typer.Option(help="The shared catalog: postgresql://user@host:5432/mint.")
+    ] = None,
+    store_url: Annotated[
+        str | None, typer.Option(help="The shared adapter store: an fsspec URL (s3://..., file:///...).")
+    ] = None,
+    register: Annotated[
+        bool | None,
+        typer.Option(help="Register the deployments (--no-register where another host registered them)."),
+    ] = None,
+    stop_it: Annotated[bool, typer.Option("--stop", help="Stop this directory's worker instead.")] = False,
+    config: ConfigFile = None,
+    tasks: TasksOption = None,
+) -> None:
+    """Start a Prefect worker on the deployments' pool with a working directory of its own, against servers
+    that may run on other hosts (docs/multi-host.md): `mint up --only worker` with the shared settings as flags.
+    Started again after its host died, it first requeues the runs it had, which resume from their checkpoints."""
+    add_task_dirs(tasks)
+    cfg = _config(
+        config,
+        state_dir=workdir / "run",
+        worker_name=name,
+        worker_port=port,
+        worker_limit=limit,
+        prefect_url=prefect_url,
+        mlflow_url=mlflow_url,
+        serve_url=serve_url,
+        catalog_url=catalog_url,
+        store_url=store_url,
+        register_deployments=register,
+    )
+    if stop_it:
+        print_table(stop(cfg, ["worker"]))
+        return
+    try:
+        (svc,) = start(cfg, ["worker"])
+    except ServiceError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    how = "already running" if svc.reused else f"started in {svc.startup_s:.1f} s"
+    console.print(f"worker {cfg.worker_name}: {how} (pid {svc.pid}), polling {cfg.url('prefect')}/api")
+    if svc.detail:
+        console.print(f"  {svc.detail}")
+    print_table(status(cfg, ["worker"]))
+
+
 def register(app: typer.Typer) -> None:
-    """Add up/down/status/logs to the `mint` command line."""
+    """Add up/down/status/logs/worker to the `mint` command line."""
+    app.command("worker")(worker_cmd)
     app.command("up")(up)
     app.command("down")(down)
     app.command("status")(status_cmd)

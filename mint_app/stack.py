@@ -46,6 +46,9 @@ def find_stack(config: ServicesConfig | None = None, with_workspace: bool = True
     workspace: dict[str, Any] = {}
     if "serve" in up and with_workspace:  # its base, store and token are the ones `mint up` serves with
         workspace = {**workspace_defaults(config), "serving_url": up["serve"]}
+        workspace["work_dir"] = str(
+            config.state_dir.resolve().parent / "lifecycle"
+        )  # this host's, as the worker's
     if "mlflow" in up:
         workspace["tracking_uri"] = up["mlflow"]
     return Stack(config.state_dir, up.get("prefect"), up.get("mlflow"), up.get("serve"), workspace)

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,10 @@ if TYPE_CHECKING:  # annotations only: the webhook receiver reconciles through t
 logger = logging.getLogger(__name__)
 matplotlib.use("Agg")  # curves are drawn to files for MLflow, never shown
 
+WORK_DIR_ENV = "MINT_WORK_DIR"
+"""The `work_dir` of the flow runs a worker starts (its own working directory, per host)."""
+WORKER_ENV = "MINT_WORKER_NAME"
+"""The name of the worker whose process runs this flow run (set by `mint worker` / `mint up`)."""
 FAULT_ENV = "MINT_LIFECYCLE_FAULT"
 """Comma-separated fault points (`point`, `point:N` for the N-th time it is reached, `...:kill` to SIGKILL the
 process there instead of raising); for fault-injection tests only."""
@@ -86,9 +91,19 @@ class Workspace(BaseModel):
     serving_path: Literal["digest", "path"] = "digest"
     """How a revision is named to the server: "digest" (`sha256:<hex>`, resolved in the server's own store, as
     `mint serve` does) or "path" (the store's local directory of the revision, for a vLLM sharing the disk)."""
-    work_dir: Path = Path(".mint/lifecycle")
+    work_dir: Path = Field(default_factory=lambda: Path(os.environ.get(WORK_DIR_ENV) or ".mint/lifecycle"))
     """Training checkpoints (a killed run resumes from them) and Prefect's persisted task results (the cache of
-    exports and evaluations)."""
+    exports and evaluations): this host's own. Default $MINT_WORK_DIR (what a worker sets for the runs it starts,
+    `mint worker --workdir`), else .mint/lifecycle."""
+    checkpoint_url: str | None = None
+    """Where training checkpoints are also kept for the other hosts: a directory or fsspec URL every worker
+    reaches (`mint worker` sets `<store>/checkpoints` when the store is shared). A run that another host resumes
+    (its first host died) starts from the newest checkpoint there. None: only in `work_dir`, so a run resumes from
+    its checkpoints only on the host that wrote them."""
+    run_lease_s: float = Field(60.0, gt=0)
+    """A training flow run holds the lease `run/<flow run id>` in the catalog while it runs, renewed every third
+    of this; a worker that starts again requeues the runs whose lease it held, or whose lease a dead host let
+    expire (`mint_app.deployments.reclaim_runs`), and the resumed run waits out such a lease first."""
     device: Device = "cpu"
     """Where training loads the base and runs its updates: cpu, cuda or cuda:N."""
     lock_url: str | None = Field(
@@ -359,6 +374,70 @@ def policy_lock(ws: Workspace, policy: str, holder: str, timeout_s: float | None
     the same lease); `mint_core.registry.leases.LockTimeout` when it stays taken for `timeout_s`."""
     with held(ws.leases(), promotion_lock(policy), new_holder(holder), timeout_s, ws.lock_hold_s):
         yield
+
+
+RUN_LEASE_PREFIX = "run/"
+"""The lease a training flow run holds while it runs: `run/<flow run id>` (`held_run`)."""
+
+
+def run_lease(flow_run_id: str) -> str:
+    return f"{RUN_LEASE_PREFIX}{flow_run_id}"
+
+
+def run_holder() -> str:
+    """Who holds a run's lease: the worker that started this process (`WORKER_ENV`; `local` outside a worker),
+    then the machine and process, so a worker that starts again knows the leases its dead runs held."""
+    return new_holder(os.environ.get(WORKER_ENV) or "local")
+
+
+def holder_worker(holder: str) -> str:
+    """The worker named in a `run_holder()` string."""
+    return holder.split("@", 1)[0]
+
+
+@contextmanager
+def held_run(ws: Workspace, flow_run_id: str, wait_s: float | None = None) -> Iterator[str]:
+    """Hold `run/<flow_run_id>` for the block, renewed every third of `ws.run_lease_s` by a thread, so the catalog
+    says the run is alive while its process is; a run whose host died lets it expire, and a worker then requeues
+    it (`mint_app.deployments.reclaim_runs`). A run started again waits out its dead attempt's lease (`wait_s`,
+    default three lease lengths); `LockTimeout` when another live process still holds it. Yields the holder."""
+    # the catalog's leases (or Redis's) without the registry: holding a run's lease needs no MLflow
+    catalog = Catalog(CatalogConfig(url=ws.catalog_url))
+    try:
+        leases = leases_for(ws.lock_url, catalog)
+        name, holder, hold = run_lease(flow_run_id), run_holder(), ws.run_lease_s
+        before = leases.holder(name)
+        if before is not None:
+            logger.info("run lease %s held by %s (an earlier attempt); waiting for it", name, before)
+        with (
+            held(leases, name, holder, 3 * hold if wait_s is None else wait_s, hold),
+            _renewed(leases, name, holder, hold),
+        ):
+            yield holder
+    finally:
+        catalog.close()
+
+
+@contextmanager
+def _renewed(leases: Leases, name: str, holder: str, hold: float) -> Iterator[None]:
+    """Renew a held lease every third of `hold` from a thread for the block."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(hold / 3):
+            try:
+                if not leases.acquire(name, holder, 0, hold):
+                    logger.error("lease %s was taken by %s", name, leases.holder(name))
+            except Exception as e:  # a catalog hiccup: the next renewal tries again, well within `hold`
+                logger.warning("could not renew lease %s: %s", name, e)
+
+    thread = threading.Thread(target=renew, name=f"renew-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=hold)
 
 
 class Reconciliation(BaseModel):

@@ -181,14 +181,18 @@ def start_training(
     checkpoint_dir: Path,
     dry_run: int = 0,
     continuation: Continuation | None = None,
+    mirror: str | None = None,
 ) -> TrainingRun:
     """Load the base, put every policy's parent (digest; None: fresh) in its slot, with the `continuation`
-    recipe for those that have one, resume from a checkpoint; before a first step, the reward's dry run on
-    `dry_run` prompts per policy (`recipe.dry_run_rewards`)."""
+    recipe for those that have one, resume from a checkpoint (`mirror`: also kept there, for other hosts; a newer
+    one there is taken); before a first step, the reward's dry run on `dry_run` prompts per policy
+    (`recipe.dry_run_rewards`)."""
     store = ws.registry().store
     dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
     trainer = load_trainer(ws.base, specs, grpo, seed, dirs, device=ws.device, continuation=continuation)
-    run = TrainingRun.start(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every)
+    run = TrainingRun.start(
+        trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every, mirror=mirror
+    )
     if dry_run and trainer.steps == 0:
         dry_run_rewards(trainer, prompts, dry_run)
     return run

@@ -34,7 +34,13 @@ from mint_core.engine.sampling import SamplingParams
 from mint_core.errors import MintError
 from mint_core.lora.adapter import CONFIG_FILE, AdapterWeights, adapter_bytes, digest_files
 from mint_core.lora.validate import read_adapter
-from mint_core.rl.checkpoints import is_lead_process, latest_checkpoint, write_checkpoint
+from mint_core.rl.checkpoints import (
+    is_lead_process,
+    latest_checkpoint,
+    pull_checkpoint,
+    push_checkpoint,
+    write_checkpoint,
+)
 from mint_core.rl.evaluate import heldout_scores
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.policy import PolicySpec
@@ -278,8 +284,11 @@ class TrainingRun:
         checkpoint_dir: Path,
         checkpoint_every: int,
         heldout: dict[str, list[Example]] | None,
+        mirror: str | None = None,
     ):
         self.trainer = trainer
+        self.mirror = mirror
+        """A directory or fsspec URL every host reaches where each checkpoint is also copied (None: none)."""
         self.prompts = prompts
         self.steps = steps
         self.prompts_per_step = prompts_per_step
@@ -308,10 +317,13 @@ class TrainingRun:
         checkpoint_every: int = 10,
         resume: bool = True,
         heldout: dict[str, list[Example]] | None = None,
+        mirror: str | None = None,
     ) -> TrainingRun:
         """A run of `steps` steps. `resume`: continue from the newest checkpoint in `checkpoint_dir` when there is
         one (it must be of this run, `ResumeError` otherwise); False: start afresh, removing the checkpoints
-        there. `heldout`: examples per policy scored greedily before training (and by `heldout_scores`)."""
+        there. `heldout`: examples per policy scored greedily before training (and by `heldout_scores`).
+        `mirror`: where every checkpoint is also copied for other hosts; a newer checkpoint there (an attempt on
+        another host got further) is pulled into `checkpoint_dir` first."""
         if steps < 1 or prompts_per_step < 1 or checkpoint_every < 0:
             raise ValueError(
                 f"steps {steps} and prompts_per_step {prompts_per_step} must be >= 1, "
@@ -323,7 +335,13 @@ class TrainingRun:
                 f"a run of {steps} steps x {prompts_per_step} prompts needs {steps * prompts_per_step} prompts "
                 f"for each of {sorted(trainer.policies)}; got {sorted(prompts)}, too few for {short}"
             )
-        run = cls(trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every, heldout)
+        run = cls(
+            trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every, heldout, mirror
+        )
+        if resume and mirror is not None and is_lead_process():
+            pulled = pull_checkpoint(mirror, checkpoint_dir)
+            if pulled is not None:
+                logger.info("pulled %s from the mirror %s", pulled.name, mirror)
         ckpt = latest_checkpoint(checkpoint_dir)
         if resume and ckpt is not None:
             run._resume(ckpt)
@@ -405,7 +423,10 @@ class TrainingRun:
         """The run as its newest checkpoint, written whole or not at all; the older ones beyond
         `KEEP_CHECKPOINTS` are removed."""
         record = {"args": self.identity, "before": self.heldout_before, "history": self.history}
-        return write_checkpoint(self.trainer, self.checkpoint_dir, record, keep=KEEP_CHECKPOINTS)
+        path = write_checkpoint(self.trainer, self.checkpoint_dir, record, keep=KEEP_CHECKPOINTS)
+        if self.mirror is not None and is_lead_process():
+            push_checkpoint(path, self.mirror, keep=KEEP_CHECKPOINTS)
+        return path
 
     def heldout_scores(self) -> dict[str, float]:
         """Each policy's greedy exact match on its held-out examples now."""
