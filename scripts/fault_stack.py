@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,8 @@ class Faults:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
         os.environ.update({k: self.env[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")})
+        self.cleanup: list[Callable[[], object]] = []
+        self.shared: dict[str, Any] = {}  # what scenarios share (one fleet for the fleet rows)
 
     # -- services -----------------------------------------------------------------------------------------
 
@@ -94,39 +96,19 @@ class Faults:
         say(f"services up: {', '.join(names)} ({time.monotonic() - t0:.0f} s)")
 
     def down(self) -> None:
+        for done in reversed(self.cleanup):  # stacks a scenario started of its own (a fleet of vLLM replicas)
+            with contextlib.suppress(Exception):
+                done()
         stop(self.config)
 
     def child(self, name: ServiceName) -> psutil.Process:
-        """The service's own process (the child of its supervisor, the recorded pid)."""
-        sup = psutil.Process(status(self.config, [name])[0].pid or 0)
-        kids = sup.children()
-        assert kids, f"{name} has no running process under its supervisor (pid {sup.pid})"
-        return kids[0]
+        return child(self.config, name)
 
     def kill9(self, name: ServiceName) -> int:
-        p = self.child(name)
-        log = service_log(self.config, name)
-        deadline = time.monotonic() + 120
-        # a crash before its supervisor saw it healthy is not restarted, by design: wait for that
-        while f"pid {p.pid} healthy" not in log.read_text():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name}'s supervisor never saw pid {p.pid} healthy")
-            time.sleep(0.1)
-        p.kill()
-        p.wait(10)
-        return p.pid
+        return kill9(self.config, name)
 
     def back(self, name: ServiceName, after_pid: int, timeout: float = 240) -> float:
-        """Seconds until the service answers its health check again from a new process."""
-        t0 = time.monotonic()
-        while True:
-            s = status(self.config, [name])[0]
-            with contextlib.suppress(AssertionError, psutil.Error):
-                if s.state == "running" and self.child(name).pid != after_pid:
-                    return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"{name} not back within {timeout:.0f} s (state {s.state})")
-            time.sleep(0.25)
+        return back(self.config, name, after_pid, timeout)
 
     # -- registry and serving -----------------------------------------------------------------------------
 
@@ -229,6 +211,72 @@ class Faults:
     def versions(self, policy: str) -> list[int]:
         reg = self.ws.registry()
         return [r.version for r in reg.revisions(policy)] if policy in reg.policies() else []
+
+
+def child(config: ServicesConfig, name: ServiceName) -> psutil.Process:
+    """The service's own process (the child of its supervisor, the recorded pid)."""
+    sup = psutil.Process(status(config, [name])[0].pid or 0)
+    kids = sup.children()
+    assert kids, f"{name} has no running process under its supervisor (pid {sup.pid})"
+    return kids[0]
+
+
+def kill9(config: ServicesConfig, name: ServiceName) -> int:
+    p = child(config, name)
+    log = service_log(config, name)
+    deadline = time.monotonic() + 120
+    # a crash before its supervisor saw it healthy is not restarted, by design: wait for that
+    while f"pid {p.pid} healthy" not in log.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}'s supervisor never saw pid {p.pid} healthy")
+        time.sleep(0.1)
+    p.kill()
+    p.wait(10)
+    return p.pid
+
+
+def back(config: ServicesConfig, name: ServiceName, after_pid: int, timeout: float = 240) -> float:
+    """Seconds until the service answers its health check again from a new process."""
+    t0 = time.monotonic()
+    while True:
+        s = status(config, [name])[0]
+        with contextlib.suppress(AssertionError, psutil.Error):
+            if s.state == "running" and child(config, name).pid != after_pid:
+                return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{name} not back within {timeout:.0f} s (state {s.state})")
+        time.sleep(0.25)
+
+
+def tiny_vllm_base(out: Path) -> Path:
+    """The tiny base with head_dim 32, which vLLM's CPU attention runs (its name is the directory's)."""
+    tiny = build_tiny_base(
+        "dense", seed=0, tokenizer=byte_tokenizer(), num_attention_heads=2, num_key_value_heads=1, head_dim=32
+    )
+    tiny.model.save_pretrained(out)
+    assert tiny.tokenizer is not None
+    tiny.tokenizer.save_pretrained(out)
+    return out
+
+
+def nan_adapter(base_dir: Path, out: Path, seed: int) -> Path:
+    """A healthy-looking adapter for the base with one NaN in a lora_B weight: what mint's validation refuses, and
+    what poisons every tenant of a vLLM that loads it (benchmarks/vllm_bad_adapters.py)."""
+    from safetensors.torch import load_file, save_file
+
+    from mint_core.lora.adapter import WEIGHTS_FILE, save_adapter
+
+    base = load_base(base_dir)
+    save_adapter(
+        random_adapter(base.sites, TARGETS, 8, seed=seed, std=0.3, base_fingerprint=base.fingerprint),
+        out,
+        base.sites,
+    )
+    w = load_file(out / WEIGHTS_FILE)
+    key = sorted(k for k in w if "lora_B" in k)[0]
+    w[key][0, 0] = float("nan")
+    save_file(w, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    return out
 
 
 def free_port() -> int:

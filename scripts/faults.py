@@ -23,6 +23,18 @@ left serving disagreeing with the registry. Scenarios (names for --only):
             vLLM refuses it unkeyed; forced with mint's key (a compromised path), the golden probe notices,
             takes the replica out of rotation and has its supervisor restart it, and it comes back clean
 
+A fleet of two vLLM replicas behind vllm-router (`mint up --serving vllm --replicas 2`, one fleet for these rows,
+scripts/fault_fleet.py):
+
+  fleet-poison      the poison row on the fleet: the golden probe, asking each replica at its own URL, finds the
+                    poisoned one only; the router stops sending to it, the other answers, it comes back clean
+  fleet-kill        kill -9 of one replica under load: only requests in flight on it may fail; its supervisor
+                    restarts it and it rejoins, answering with the champion
+  fleet-promote     a promotion while one replica is down completes on the other; the replica comes back on the
+                    new champion
+  fleet-unreadable  one replica cannot read the new revision (its own mount namespace lacks the directory): the
+                    promotion fails naming it, every replica is put back, the alias does not move
+
 Minutes on 2 cores (a flow trains a few steps of a tiny policy). The `faults` tests run it (tests/integration/
 test_faults.py, slow tier).
 """
@@ -47,16 +59,27 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fault_stack import TARGETS, Faults, Row, free_port, last_line, say, table, workdir  # noqa: E402
+import fault_fleet  # noqa: E402
+from fault_stack import (  # noqa: E402
+    TARGETS,
+    Faults,
+    Row,
+    free_port,
+    last_line,
+    nan_adapter,
+    say,
+    table,
+    tiny_vllm_base,
+    workdir,
+)
 
 from mint_app.processes import service_log  # noqa: E402
 from mint_app.service_config import ServiceName, ServicesConfig  # noqa: E402
 from mint_app.services import start, stop  # noqa: E402
-from mint_core.engine.base import build_tiny_base, load_base  # noqa: E402
-from mint_core.engine.tokenizer import byte_tokenizer  # noqa: E402
+from mint_core.engine.base import load_base  # noqa: E402
 from mint_core.lora.adapter import random_adapter  # noqa: E402
 
-SCENARIOS = ("server", "worker", "mlflow", "prefect", "disk", "race", "poison")
+SCENARIOS = ("server", "worker", "mlflow", "prefect", "disk", "race", "poison", *fault_fleet.SCENARIOS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -344,26 +367,6 @@ def scenario_race(f: Faults) -> Row:
     )
 
 
-def nan_adapter(base_dir: Path, out: Path, seed: int) -> Path:
-    """A healthy-looking adapter for the base with one NaN in a lora_B weight: what mint's validation refuses, and
-    what poisons every tenant of a vLLM that loads it (benchmarks/vllm_bad_adapters.py)."""
-    from safetensors.torch import load_file, save_file
-
-    from mint_core.lora.adapter import WEIGHTS_FILE, save_adapter
-
-    base = load_base(base_dir)
-    save_adapter(
-        random_adapter(base.sites, TARGETS, 8, seed=seed, std=0.3, base_fingerprint=base.fingerprint),
-        out,
-        base.sites,
-    )
-    w = load_file(out / WEIGHTS_FILE)
-    key = sorted(k for k in w if "lora_B" in k)[0]
-    w[key][0, 0] = float("nan")
-    save_file(w, out / WEIGHTS_FILE, metadata={"format": "pt"})
-    return out
-
-
 def scenario_poison(f: Faults) -> Row:
     """serving vllm, started as `mint up --serving vllm` starts it (vLLM sealed and supervised, the front with its
     golden probe at the default interval), over a tiny head_dim-32 base, with a champion in the catalog. Traffic
@@ -384,13 +387,7 @@ def scenario_poison(f: Faults) -> Row:
         return Row("NaN adapter forced into vLLM", "", "not run: no .venv-vllm (make vllm-venv)", 1, False, 0)
     root = f.root / "poison"
     base_dir = root / "tiny-vllm"
-    tiny = build_tiny_base(
-        "dense", seed=0, tokenizer=byte_tokenizer(), num_attention_heads=2, num_key_value_heads=1, head_dim=32
-    )
-    tiny.model.save_pretrained(base_dir)
-    assert tiny.tokenizer is not None
-    tiny.tokenizer.save_pretrained(base_dir)
-    base = load_base(base_dir)
+    base = load_base(tiny_vllm_base(base_dir))
     cfg = ServicesConfig.model_validate(
         {
             "state_dir": root / "run",
@@ -604,6 +601,8 @@ RUNS: dict[str, tuple[Callable[[Faults], Row], list[ServiceName]]] = {
     "disk": (scenario_disk, ["mlflow", "serve"]),
     "race": (scenario_race, ["mlflow", "serve", "hooks"]),
     "poison": (scenario_poison, []),  # its own vLLM and front (serving vllm)
+    # one fleet of vLLM replicas for these (serving vllm), the suite's MLflow and Prefect for the promotions
+    **{name: (fn, fault_fleet.SERVICES) for name, fn in fault_fleet.SCENARIOS.items()},
 }
 
 

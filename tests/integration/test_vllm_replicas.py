@@ -38,6 +38,7 @@ from tests.integration.conftest import (
     free_port,
     require,
     save_tiny_base,
+    server_log,
     start_server,
     stop_server,
 )
@@ -176,6 +177,8 @@ def fleet(
             "MINT_SERVE_RESOLVER_TOKEN": RESOLVER_TOKEN,
             "MINT_SERVE_MAX_LORA_RANK": "16",
             "MINT_SERVE_CATALOG_URL": catalog_url,
+            # the golden probe of each replica, often: beside every test here it must raise no false alarm
+            "MINT_SERVE_GOLDEN_INTERVAL_S": "2",
         }
         front, url = start_server(store, "--base", str(base_dir), env=env, port=fport)
         procs.append(front)
@@ -332,6 +335,35 @@ def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fl
         assert f'mint_replica_healthy{{replica="{replica_name(u)}"}} 1.0' in metrics
 
 
+def metric(text: str, series: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_the_golden_probe_asks_each_replica_and_raises_no_false_alarm(fleet: Fleet) -> None:
+    """Each replica's base answers, and the champion's where it holds it, recorded per replica; every probe so far
+    (every 2 s beside the tests above, loads and refusals included) passed."""
+    names = [replica_name(u) for u in fleet.replicas]
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(fleet.front + "/metrics", timeout=60).text
+        if all(metric(text, f'mint_golden_recorded{{of="base",replica="{n}"}}') == 3 for n in names):
+            break
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(1)
+    champion = [line for line in text.splitlines() if line.startswith('mint_golden_recorded{of="champion ')]
+    assert champion, text[-3000:]  # the first policy loaded through the front, on each replica that holds it
+    assert (metric(text, 'mint_golden_probes_total{outcome="pass"}') or 0) >= 2, text[-3000:]
+    assert metric(text, 'mint_golden_probes_total{outcome="fail"}') is None, text[-3000:]
+    for n in names:
+        assert metric(text, f'mint_replica_in_rotation{{replica="{n}"}}') == 1, text[-3000:]
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    report = httpx.get(fleet.front + "/v1/mint/replicas", headers=admin, timeout=60).json()
+    assert [row["out_of_rotation"] for row in report["replicas"]] == [None, None]
+
+
 def test_after_a_replica_is_killed_no_request_fails(fleet: Fleet) -> None:
     """kill -9 of replica 1 (its API server and engine): the requests the router still sends it are sent again by
     the front until the router stops choosing it. Last in this module: the replica stays dead."""
@@ -378,3 +410,16 @@ def test_a_promotion_with_a_replica_down_completes_and_the_replica_returns_on_th
     )
     assert r.status_code == 200, r.text
     assert fleet.everywhere(policy) == [d3, d3]
+
+    # the golden probe admits it back into the router once its answers hold (a remove and an add clear the
+    # router's circuit breaker, which left alone sends a restarted worker nothing for a minute or two)
+    front = fleet.started[3]
+    said = f"golden probe: {replica_name(back)} answers as recorded after a restart: the router sends to it again"
+    deadline = time.monotonic() + 30
+    while said not in server_log(front):
+        assert time.monotonic() < deadline, server_log(front)[-3000:]
+        time.sleep(1)
+    assert sorted(httpx.get(fleet.router + "/list_workers", timeout=10).json()["urls"]) == sorted(
+        fleet.replicas
+    )
+    assert "golden evidence" not in server_log(front)

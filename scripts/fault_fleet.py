@@ -1,0 +1,610 @@
+"""The fault suite's rows for a fleet of vLLM replicas (issue #34, item 3): `mint up --serving vllm --replicas 2`
+as `mint up` starts it (two sealed, supervised vLLM replicas, vllm-router before them, mint serve before the router,
+each on a free port in the suite's temporary state dir), over the tiny head_dim-32 base, with the suite's MLflow
+and Prefect for the promotion flows. One fleet serves the four rows in turn; each row leaves both replicas up and
+routed to. Imported by faults.py.
+
+Each replica runs in a mount namespace of its own, as a replica in its own container would: vLLM's interpreter
+is given as a two-line wrapper that starts it under `unshare --mount` (the `unreadable` row hides a revision from
+one replica's view of the store that way). Nothing else about `mint up` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fault_stack import (
+    TARGETS,
+    Faults,
+    Row,
+    back,
+    child,
+    free_port,
+    kill9,
+    nan_adapter,
+    say,
+    tiny_vllm_base,
+)
+
+from mint_app.processes import service_log
+from mint_app.service_config import ServiceName, ServicesConfig
+from mint_app.services import start, stop
+from mint_core.engine.base import load_base
+from mint_core.lifecycle import Workspace, reconcile, served_revision
+from mint_core.lora.adapter import random_adapter
+from mint_core.serving.config import ServingConfig
+from mint_core.serving.fleet import replica_name
+
+ROOT = Path(__file__).resolve().parents[1]
+REPLICAS: list[ServiceName] = ["vllm", "vllm-1"]
+RESTART_S = 1200.0  # a vLLM restart: 1-2 min on 2 idle cores, 9 min measured beside other engineers' vLLMs
+
+
+def free_pair(step: int) -> int:
+    """A port p with p + step free too (the replicas are at vllm_port + i; the router's Prometheus endpoint is at
+    router_port - 1)."""
+    for _ in range(100):
+        p = free_port()
+        with contextlib.suppress(OSError):
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + step))
+            return p
+    raise RuntimeError("no two free ports side by side")
+
+
+@dataclass
+class FleetStack:
+    """The fleet the rows share, a Workspace over it (the suite's MLflow, the fleet's store and catalog)."""
+
+    config: ServicesConfig
+    ws: Workspace
+    base_dir: Path
+    key: dict[str, str]  # mint's full key: what a compromised path would hold (the rows force faults with it)
+    front: str
+    urls: dict[ServiceName, str] = field(default_factory=dict)
+
+    def name(self, service: ServiceName) -> str:
+        return replica_name(self.urls[service])
+
+    def service(self, replica: str) -> ServiceName:
+        return next(s for s in REPLICAS if self.name(s) == replica)
+
+    def seed(self, policy: str, seeds: list[int]) -> dict[int, str]:
+        """Random revisions of `policy` (version -> digest); v1 promoted and served on every replica."""
+        reg = self.ws.registry()
+        base = load_base(self.base_dir)
+        out = {}
+        for s in seeds:
+            w = random_adapter(
+                base.sites, TARGETS, 4, alpha=8, seed=s, std=0.3, base_fingerprint=base.fingerprint
+            )
+            digest = reg.store.put_weights(w, base.sites)
+            rev = reg.create_revision(policy, digest, base=base.fingerprint, rank=4, alias=None)
+            out[rev.version] = str(digest)
+        reg.promote(policy, 1, "seeded by the fault suite")
+        reconcile(self.ws, policy)
+        return out
+
+    def champion(self, policy: str) -> tuple[int | None, str | None]:
+        reg = self.ws.registry()
+        v = reg.alias_version(policy)
+        return v, (None if v is None else reg.revision(policy, v).digest)
+
+    def held(self, service: ServiceName, name: str) -> str | None:
+        """The digest the replica itself lists under `name` (asked past the front and the router)."""
+        r = httpx.get(self.urls[service] + "/v1/models", headers=self.key, timeout=30)
+        r.raise_for_status()
+        return next((Path(c["root"]).name for c in r.json()["data"] if c["id"] == name), None)
+
+    def ask_replica(self, service: ServiceName, name: str) -> httpx.Response:
+        """A request straight to one replica (a name it does not hold is resolved through the front)."""
+        body = {"model": name, "prompt": "add: 1+2 =", "max_tokens": 2, "temperature": 0.0}
+        return httpx.post(self.urls[service] + "/v1/completions", json=body, headers=self.key, timeout=120)
+
+    def routed(self) -> list[str]:
+        r = httpx.get(self.config.url("router") + "/list_workers", timeout=10)
+        return sorted(r.json().get("urls", []))
+
+    def report(self) -> dict[str, Any]:
+        token = (self.config.state_dir / "serve.token").read_text().strip()
+        r = httpx.get(
+            self.front + "/v1/mint/replicas", headers={"Authorization": f"Bearer {token}"}, timeout=60
+        )
+        return dict(r.json())
+
+    def agree(self, policy: str) -> tuple[bool, str]:
+        """Whether the alias, the front's listing, an answer and every replica name one revision."""
+        v, digest = self.champion(policy)
+        with self.ws.client(timeout=60) as c:
+            listed = served_revision(c, policy)
+            answered = str(c.complete(policy, "add: 1+2 =", max_tokens=2)["system_fingerprint"])
+        held = [self.held(s, policy) for s in REPLICAS]
+        ok = (
+            digest is not None
+            and listed == f"sha256:{digest}"
+            and answered.removeprefix("sha256:") == digest
+            and held == [digest, digest]
+        )
+        return ok, (
+            f"champion v{v} {str(digest)[:8]}, listed {str(listed)[7:15]}, answered {answered[7:15]}, "
+            f"held by the replicas {[str(h)[:8] for h in held]}"
+        )
+
+    def ready(self) -> None:
+        """Both replicas up and routed to (a row starts on a whole fleet, whatever the row before left)."""
+        for r in REPLICAS:
+            self.in_rotation(r, time.time(), timeout=RESTART_S)
+
+    def in_rotation(self, service: ServiceName, after: float, timeout: float = RESTART_S) -> float:
+        """Seconds from `after` until `service` answers /health, is among the router's workers and is not out of
+        rotation in the front's report."""
+        url = self.urls[service]
+        while time.time() - after < timeout:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200 and url in self.routed():
+                    report = {r["url"]: r for r in self.report()["replicas"]}
+                    if report[url]["healthy"] and report[url].get("out_of_rotation") is None:
+                        return time.time() - after
+            time.sleep(0.5)
+        raise TimeoutError(f"{service} not back in rotation within {timeout:.0f} s")
+
+
+def wrapper(root: Path) -> Path:
+    """vLLM's interpreter, started in a mount namespace of its own (a container's view of the store)."""
+    python = (ROOT / ".venv-vllm" / "bin" / "python").absolute()
+    out = root / "vllm-python"
+    out.write_text(f'#!/bin/sh\nexec unshare --mount --propagation private {python} "$@"\n')
+    out.chmod(0o755)
+    return out
+
+
+def fleet(f: Faults) -> FleetStack:
+    """The suite's fleet, started by the first row that needs it (stopped with the suite)."""
+    if "fleet" in f.shared:
+        return f.shared["fleet"]  # type: ignore[no-any-return]
+    if not (ROOT / ".venv-vllm" / "bin" / "vllm-router").is_file():
+        raise RuntimeError("no .venv-vllm with vllm-router (make vllm-venv)")
+    root = f.root / "fleet"
+    root.mkdir()
+    base_dir = tiny_vllm_base(root / "tiny-vllm")
+    cfg = ServicesConfig.model_validate(
+        {
+            "state_dir": root / "run",
+            "serving": "vllm",
+            "replicas": 2,
+            "vllm_python": wrapper(root),
+            "vllm_port": free_pair(1),
+            "router_port": free_pair(-1),
+            "serve_port": free_port(),
+            "serve_base": str(base_dir),
+            "serve_adapter_root": root / "store",
+            "catalog_url": f"sqlite:///{root / 'catalog.db'}",
+            "startup_timeout": 300,
+            "vllm_start_timeout_s": 600,  # two vLLM starts at once on a shared 2-core machine
+        }
+    )
+    t0 = time.time()
+    f.cleanup.append(lambda: stop(cfg))
+    start(cfg, [*REPLICAS, "router", "serve"], progress=lambda m: say(m))
+    say(f"a fleet of 2 vLLM replicas, the router and the front up ({time.time() - t0:.0f} s)")
+    ws = f.ws.model_copy(
+        update={
+            "store": str(root / "store"),
+            "catalog_url": f"sqlite:///{root / 'catalog.db'}",
+            "base": base_dir,
+            "serving_url": cfg.url("serve"),
+            "admin_token_file": cfg.state_dir / "serve.token",
+            "work_dir": root / "work",
+        }
+    )
+    key = {"Authorization": "Bearer " + (cfg.state_dir / "vllm.key").read_text().strip()}
+    stack = FleetStack(cfg, ws, base_dir, key, cfg.url("serve"), {s: cfg.url(s) for s in REPLICAS})
+    f.shared["fleet"] = stack
+    return stack
+
+
+@dataclass
+class Answer:
+    start: float
+    end: float
+    model: str
+    status: int  # 0: no answer (a transport error)
+    replica: str | None
+    revision: str | None
+    text: str | None
+
+
+class Load:
+    """Clients sending greedy requests through the front, round robin over `models`, each answer kept."""
+
+    def __init__(self, front: str, models: list[str], clients: int = 2, max_tokens: int = 8):
+        self.front, self.models, self.max_tokens = front, models, max_tokens
+        self.answers: list[Answer] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(base_url=self.front, timeout=120, trust_env=False) as h:
+            while not self._stop.is_set():
+                model = self.models[i % len(self.models)]
+                i += 1
+                body = {"model": model, "prompt": "Hello, world", "max_tokens": self.max_tokens}
+                t0 = time.time()
+                try:
+                    r = h.post("/v1/completions", json={**body, "temperature": 0.0, "ignore_eos": True})
+                except httpx.HTTPError:
+                    self.answers.append(Answer(t0, time.time(), model, 0, None, None, None))
+                    continue
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
+                self.answers.append(
+                    Answer(
+                        t0,
+                        time.time(),
+                        model,
+                        r.status_code,
+                        r.headers.get("x-mint-replica"),
+                        r.headers.get("x-mint-revision"),
+                        text,
+                    )
+                )
+                if r.status_code != 200:
+                    time.sleep(0.1)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+
+    def by(self, replica: str, since: float = 0.0) -> list[Answer]:
+        return [a for a in self.answers if a.replica == replica and a.start >= since]
+
+
+def metric(front: str, series: str) -> float | None:
+    for line in httpx.get(front + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rows
+
+
+def scenario_fleet_kill(f: Faults) -> Row:
+    """kill -9 of the replica that serves the champion, under load through the front: the requests in flight on
+    it may fail; none sent after the kill does (the router stops choosing it, the front sends again what the
+    router could not deliver); its supervisor restarts it and it rejoins, answering with the champion."""
+    s = fleet(f)
+    s.ready()
+    policy = "fk"
+    digests = s.seed(policy, [51])
+    base_name = s.base_dir.name
+    with Load(s.front, [policy, base_name], clients=3) as load:
+        t0 = time.time()
+        while len(load.by(s.name("vllm")) + load.by(s.name("vllm-1"))) < 12 and time.time() - t0 < 120:
+            time.sleep(0.2)
+        hot = next(a.replica for a in reversed(load.answers) if a.model == policy and a.replica)
+        assert hot is not None
+        victim = s.service(hot)
+        time.sleep(1.0)
+        killed_at = time.time()
+        pid = kill9(s.config, victim)
+        say(f"killed {victim} ({hot}, pid {pid}), the replica serving {policy}")
+        restarted = back(s.config, victim, pid, timeout=RESTART_S)
+        t1 = time.time()  # requests for the champion land on it again (its place in the router's hash)
+        while len([a for a in load.by(hot, t1) if a.model == policy]) < 5 and time.time() - t1 < 180:
+            time.sleep(0.5)
+    answers = load.answers
+    in_flight = [a for a in answers if a.start < killed_at < a.end]
+    failed_in_flight = [a for a in in_flight if a.status != 200]
+    after = [a for a in answers if a.start >= killed_at]
+    failed_after = [a for a in after if a.status != 200]
+    # the router's last pick of the dead replica: after it, every answer came from the other one until it rejoined
+    served_after = [a for a in after if a.status == 200]
+    champion_back = [a for a in load.by(hot, t1) if a.model == policy]
+    rejoin = min([a.start for a in load.by(hot, killed_at + restarted)], default=None)
+    back_right = bool(champion_back) and all(
+        a.status == 200 and a.revision == f"sha256:{digests[1]}" for a in champion_back
+    )
+    agree, detail = s.agree(policy)
+    ok = not failed_after and back_right and agree
+    result = (
+        f"{len(answers)} requests from 3 clients over {policy} and the base; at the kill {len(in_flight)} in "
+        f"flight ({len(failed_in_flight)} on it failed: "
+        f"{sorted({str(a.text)[:60] for a in failed_in_flight}) or 'none'}); after it {len(after)} sent, "
+        f"{len(failed_after)} failed, {len(served_after)} answered; supervisor restarted it in {restarted:.0f} s; "
+        f"its first answer through the front {'never' if rejoin is None else f'{rejoin - killed_at:.0f} s'} "
+        f"after the kill; then {len(champion_back)} answers for {policy} from it, "
+        f"all the champion: {back_right}; {detail}"
+    )
+    return Row(
+        "kill -9 one replica of two under load",
+        "3 clients through the front over the champion and the base; kill -9 of the replica serving the champion",
+        result,
+        len(failed_after) + (0 if back_right and agree else 1),
+        ok,
+        0,
+    )
+
+
+def scenario_fleet_promote(f: Faults) -> Row:
+    """A promotion while one replica is down (killed; its supervisor restarts it): it completes on the other,
+    and the replica that comes back answers with the new champion (docs/serving.md, the chosen behaviour)."""
+    s = fleet(f)
+    s.ready()
+    policy = "fp"
+    digests = s.seed(policy, [61, 62])
+    down: ServiceName = "vllm-1"
+    pid = kill9(s.config, down)
+    killed_at = time.time()
+    say(f"killed {down} (pid {pid}); promoting v2 while it is down")
+    from flows.promotion import promote_flow
+
+    error = None
+    try:
+        promote_flow(policy, 2, workspace=s.ws)
+    except Exception as e:  # the row records it: the chosen behaviour is that it completes
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+    took = time.time() - killed_at
+    was_down = None
+    with contextlib.suppress(httpx.HTTPError):
+        was_down = httpx.get(s.urls[down] + "/health", timeout=5).status_code
+    v, _ = s.champion(policy)
+    on_other = s.held("vllm", policy)
+    restarted = back(s.config, down, pid, timeout=RESTART_S)
+    held_back = s.held(down, policy)  # a fresh vLLM holds nothing ...
+    r = s.ask_replica(down, policy)  # ... until the first request for the name, resolved through the front
+    first = r.headers.get("x-mint-replica"), r.status_code
+    rejoin = s.in_rotation(down, killed_at)
+    agree, detail = s.agree(policy)
+    ok = (
+        error is None
+        and v == 2
+        and on_other == digests[2]
+        and held_back is None
+        and r.status_code == 200
+        and s.held(down, policy) == digests[2]
+        and agree
+    )
+    return Row(
+        "one replica down during a promotion",
+        "kill -9 of replica 1, then promote v2 over v1 while it is down; the replica comes back",
+        f"promotion {'completed' if error is None else 'failed: ' + error} in {took:.1f} s after the kill "
+        f"(replica 1 answering /health then: {was_down or 'no'}); champion v{v}, replica 0 holds "
+        f"{str(on_other)[:8]}; replica 1 back in {restarted:.0f} s holding {held_back}, its first request for "
+        f"{policy} answered {first[1]} with v2: {s.held(down, policy) == digests[2]}; back in the router's "
+        f"rotation {rejoin:.0f} s after the kill; {detail}",
+        0 if ok else 1,
+        ok,
+        0,
+    )
+
+
+def scenario_fleet_unreadable(f: Faults) -> Row:
+    """The new revision cannot be read by one replica (in that replica's mount namespace only, an empty
+    filesystem is mounted over the revision's directory of the store: the front and the other replica read it):
+    the promotion fails on that replica, every replica is put back, the alias does not move, the flow says which
+    replica."""
+    s = fleet(f)
+    s.ready()
+    policy = "fu"
+    digests = s.seed(policy, [71, 72])
+    hidden: ServiceName = "vllm-1"
+    pid = child(s.config, hidden).pid
+    revision_dir = s.ws.registry().store.local_dir(digests[2])
+    mount = ["nsenter", "--target", str(pid), "--mount", "mount", "-t", "tmpfs", "-o", "size=64k"]
+    made = subprocess.run([*mount, "tmpfs", str(revision_dir)], capture_output=True, text=True)
+    if made.returncode != 0:
+        return Row(
+            "one replica cannot read the revision",
+            "",
+            f"not run: cannot mount in the replica's namespace ({made.stderr.strip()[:200]})",
+            0,
+            True,
+            0,
+        )
+    seen = subprocess.run(
+        ["nsenter", "--target", str(pid), "--mount", "ls", "-A", str(revision_dir)],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    say(f"{hidden} (pid {pid}) sees {seen} in {revision_dir}; the front sees {os.listdir(revision_dir)}")
+    from flows.promotion import promote_flow
+
+    error = None
+    t0 = time.time()
+    try:
+        promote_flow(policy, 2, workspace=s.ws)
+    except Exception as e:
+        error = str(e)
+    took = time.time() - t0
+    subprocess.run(
+        ["nsenter", "--target", str(pid), "--mount", "umount", str(revision_dir)], capture_output=True
+    )
+    v, _ = s.champion(policy)
+    held = [s.held(r, policy) for r in REPLICAS]
+    named = error is not None and s.name(hidden) in error
+    agree, detail = s.agree(policy)
+    ok = named and v == 1 and held == [digests[1]] * 2 and agree
+    return Row(
+        "one replica cannot read the revision",
+        "promote v2 over v1 while replica 1's view of the store (its own mount namespace) lacks v2's directory",
+        f"promotion failed in {took:.1f} s naming {s.name(hidden)}: {named} "
+        f"({(error or 'no error')[:260]}); champion v{v}; the replicas hold {[str(h)[:8] for h in held]}; "
+        f"{detail}",
+        0 if ok else 1,
+        ok,
+        0,
+    )
+
+
+def scenario_fleet_poison(f: Faults) -> Row:
+    """The poisoned-replica row with two replicas: a NaN adapter forced with mint's key into the replica that
+    serves the champion, behind the front's back, under traffic through the front. The golden probe (each
+    replica at its own URL) finds it on that replica only, the router stops sending to it, the other replica
+    answers everything, and the poisoned one is restarted by its supervisor and comes back clean."""
+    s = fleet(f)
+    s.ready()
+    policy = "fz"
+    s.seed(policy, [81])
+    base_name = s.base_dir.name
+    interval = ServingConfig().golden_interval_s
+    log = service_log(s.config, "serve")
+    names = [s.name(r) for r in REPLICAS]
+
+    def recorded(replica: str) -> bool:
+        return metric(s.front, f'mint_golden_recorded{{of="base",replica="{replica}"}}') is not None
+
+    t0 = time.time()
+    while not all(recorded(n) for n in names):
+        if time.time() - t0 > 3 * interval + 300:
+            raise TimeoutError("the golden probe never recorded both replicas' base answers")
+        time.sleep(1)
+    with Load(s.front, [policy, base_name], clients=2) as load:
+        t0 = time.time()
+        while len([a for a in load.answers if a.status == 200]) < 10:
+            time.sleep(0.2)
+        expected = {a.model: a.text for a in load.answers if a.status == 200}
+        hot = next(a.replica for a in reversed(load.answers) if a.model == policy and a.replica)
+        assert hot is not None
+        victim, other = s.service(hot), next(r for r in REPLICAS if s.name(r) != hot)
+        passed0 = metric(s.front, 'mint_golden_probes_total{outcome="pass"}') or 0
+        while (metric(s.front, 'mint_golden_probes_total{outcome="pass"}') or 0) < passed0 + 4:
+            time.sleep(1)  # two rounds over both replicas beside the traffic: no false alarm
+        soak = (metric(s.front, 'mint_golden_probes_total{outcome="pass"}') or 0) - passed0
+        fails_before = metric(s.front, 'mint_golden_probes_total{outcome="fail"}') or 0
+        unkeyed = httpx.post(
+            s.urls[victim] + "/v1/load_lora_adapter",
+            json={"lora_name": "evil", "lora_path": str(f.root / "evil")},
+            timeout=30,
+        ).status_code
+        evil = nan_adapter(s.base_dir, f.root / "fleet" / "evil", seed=6)
+        forced = httpx.post(
+            s.urls[victim] + "/v1/load_lora_adapter",
+            json={"lora_name": "evil", "lora_path": str(evil)},
+            headers=s.key,
+            timeout=60,
+        ).status_code
+        poisoned_at = time.time()
+
+        def direct(model: str) -> int:
+            body = {"model": model, "prompt": "Hello, world", "max_tokens": 16, "ignore_eos": True}
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.post(
+                    s.urls[victim] + "/v1/completions", json=body, headers=s.key, timeout=120
+                ).status_code
+            return 0
+
+        def rotation(replica: str) -> float | None:
+            return metric(s.front, f'mint_replica_in_rotation{{replica="{replica}"}}')
+
+        bursts, detected_at, other_out = 0, None, False
+        while bursts < 20 and detected_at is None:
+            bursts += 1
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(direct, ["evil", "_mint_base", "evil", policy] * 3))
+            if rotation(hot) == 0:
+                detected_at = time.time()
+            if any(
+                a.replica == hot and a.status == 200 and a.text != expected[a.model] for a in load.answers
+            ):
+                break
+        while detected_at is None and time.time() - poisoned_at < interval + 120:
+            if rotation(hot) == 0:
+                detected_at = time.time()
+            other_out = other_out or rotation(s.name(other)) == 0
+            time.sleep(0.25)
+        removed = detected_at is not None and s.urls[victim] not in s.routed()
+        back_at = None
+        while detected_at is not None and time.time() - detected_at < RESTART_S:
+            other_out = other_out or rotation(s.name(other)) == 0
+            if rotation(hot) == 1:
+                back_at = time.time()
+                break
+            time.sleep(0.5)
+        t1 = time.time()  # its names come back to it under the router's hash
+        while back_at is not None and len(load.by(hot, t1)) < 10 and time.time() - t1 < 120:
+            time.sleep(0.5)
+    # the front's own record of the event (epoch seconds, as the answers'): found, and back in the router
+    event = next(r for r in s.report()["replicas"] if r["replica"] == hot)["last_poisoned"] or {}
+    if event.get("detected"):
+        detected_at, back_at = event["detected"], event.get("back")
+    answers = [a for a in load.answers if a.start >= poisoned_at]
+    bad = [a for a in answers if a.status == 200 and a.text != expected[a.model]]
+    bad_before = [a for a in bad if detected_at is None or a.end < detected_at]
+    # answered by it after it was found (a client's receipt lags the front's by a few ms), before it was back
+    from_it_after = [a for a in answers if detected_at is not None and a.end > detected_at + 0.25]
+    from_it_after = [a for a in from_it_after if a.replica == hot and (back_at is None or a.start < back_at)]
+    failed = [a for a in answers if a.status != 200]
+    came_back = load.by(hot, back_at or t1)
+    clean = bool(came_back) and all(a.status == 200 and a.text == expected[a.model] for a in came_back)
+    text = log.read_text()
+    evidence = (
+        f"golden evidence: replica={hot}" in text and f"golden evidence: replica={s.name(other)}" not in text
+    )
+    fails = (metric(s.front, 'mint_golden_probes_total{outcome="fail"}') or 0) - fails_before
+    fmt = lambda x: "never" if x is None else f"{x:.1f} s"  # noqa: E731
+    first_bad = min([a.end for a in bad], default=None)
+    ok = (
+        fails_before == 0
+        and unkeyed == 401
+        and forced == 200
+        and detected_at is not None
+        and removed
+        and not other_out
+        and not from_it_after
+        and not failed
+        and clean
+        and evidence
+        and fails == 1
+    )
+    result = (
+        f"{len(names)} replicas, each probed at its own URL every {interval:g} s: {soak:.0f} probes passed "
+        f"beside traffic before, {fails_before:.0f} failed; unkeyed load on {hot}: {unkeyed}; forced with mint's key: {forced}, "
+        f"{bursts} burst(s) under it; detected on {hot} only: {detected_at is not None and not other_out} "
+        f"({fmt(None if detected_at is None or first_bad is None else detected_at - first_bad)} after the first "
+        f"garbage answer through the front, {fmt(None if detected_at is None else detected_at - poisoned_at)} "
+        f"after the load); removed from the router: {removed}; through the front {len(answers)} answers after the "
+        f"load: {len(bad_before)} bad before detection, {len(from_it_after)} from it after, {len(failed)} failed; "
+        f"out of rotation {fmt(None if back_at is None or detected_at is None else back_at - detected_at)}, "
+        f"restarted by its supervisor; back clean: {clean} ({len(came_back)} answers from it after); evidence "
+        f"logged naming it: {evidence}"
+    )
+    return Row(
+        "NaN adapter forced into one replica of two",
+        "the poison row on `--replicas 2`: a NaN adapter loaded with mint's key straight into the replica "
+        "serving the champion, requests under it batched there, under traffic through the front",
+        result,
+        len(from_it_after) + len(failed) + (0 if clean else 1),
+        ok,
+        0,
+    )
+
+
+SCENARIOS = {
+    "fleet-poison": scenario_fleet_poison,
+    "fleet-kill": scenario_fleet_kill,
+    "fleet-promote": scenario_fleet_promote,
+    "fleet-unreadable": scenario_fleet_unreadable,
+}
+SERVICES: list[ServiceName] = ["mlflow", "prefect"]  # the promotion flows' registry and Prefect
+
+if __name__ == "__main__":
+    sys.exit("run it through scripts/faults.py --only " + ",".join(SCENARIOS))

@@ -1,0 +1,93 @@
+"""The fault suite's rows on a fleet of two vLLM replicas (issue #34, items 0 and 3), as `mint up --serving vllm
+--replicas 2` starts it: sealed, supervised replicas behind vllm-router, mint's front before the router.
+
+- `fleet-poison`: a NaN adapter forced with mint's key into one replica, behind the front's back, under traffic.
+  The golden probe, which asks each replica at its own URL, finds it on that replica only; the router stops
+  sending to it (no answer from it reaches a client after detection); its supervisor restarts it and it comes
+  back clean, with the evidence logged naming it.
+- `fleet-kill`: kill -9 of a replica under load: no request sent after the kill fails; it rejoins with the
+  champion.
+- `fleet-promote`: a promotion with a replica down completes; the replica returns on the new champion.
+- `fleet-unreadable`: a replica that cannot read the new revision fails the promotion everywhere, named.
+
+Minutes (two vLLM starts, three restarts): the slow tier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mint_core.serving.vllm_process import vllm_available
+from tests.integration.conftest import VLLM_PYTHON, require
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(3600)]
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = ["fleet-poison", "fleet-kill", "fleet-promote", "fleet-unreadable"]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    require(
+        vllm_available(VLLM_PYTHON) and (VLLM_PYTHON.parent / "vllm-router").is_file(),
+        f"vLLM's environment with vllm-router ({VLLM_PYTHON.parent}, make vllm-venv)",
+    )
+    out = tmp_path_factory.mktemp("fleet-faults") / "rows.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "faults.py"), "--only", ",".join(ROWS), "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3500,
+    )
+    assert out.is_file(), run.stdout[-3000:] + run.stderr[-5000:]
+    got = json.loads(out.read_text())
+    print(run.stdout)
+    assert len(got) == len(ROWS), got
+    return {name: row for name, row in zip(ROWS, got, strict=True)}
+
+
+def check(row: dict[str, object], *said: str) -> None:
+    assert row["ok"] and row["lost"] == 0, row
+    for text in said:
+        assert text in str(row["result"]), (text, row["result"])
+
+
+def test_a_poisoned_replica_is_found_on_its_own_routed_around_and_comes_back_clean(
+    rows: dict[str, dict[str, object]],
+) -> None:
+    check(
+        rows["fleet-poison"],
+        "0 failed; unkeyed load on",
+        "detected on 127.0.0.1:",
+        "only: True",
+        "removed from the router: True",
+        "0 from it after, 0 failed",
+        "back clean: True",
+        "evidence logged naming it: True",
+    )
+
+
+def test_a_killed_replica_fails_only_its_requests_in_flight_and_rejoins_on_the_champion(
+    rows: dict[str, dict[str, object]],
+) -> None:
+    check(rows["fleet-kill"], " failed, ", "all the champion: True")
+    assert ", 0 failed, " in str(rows["fleet-kill"]["result"]), rows["fleet-kill"]
+
+
+def test_a_promotion_with_a_replica_down_completes_and_it_returns_on_the_new_champion(
+    rows: dict[str, dict[str, object]],
+) -> None:
+    check(rows["fleet-promote"], "promotion completed", "champion v2", "with v2: True")
+
+
+def test_a_replica_that_cannot_read_the_revision_rolls_the_promotion_back_everywhere(
+    rows: dict[str, dict[str, object]],
+) -> None:
+    row = rows["fleet-unreadable"]
+    if str(row["result"]).startswith("not run"):
+        pytest.skip(str(row["result"]))  # mounting in a replica's namespace needs root (CAP_SYS_ADMIN)
+    check(row, "naming 127.0.0.1:", ": True", "champion v1")
