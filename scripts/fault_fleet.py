@@ -173,6 +173,8 @@ def wrapper(root: Path) -> Path:
 def fleet(f: Faults) -> FleetStack:
     """The suite's fleet, started by the first row that needs it (stopped with the suite)."""
     if "fleet" in f.shared:
+        if f.shared["fleet"] is None:
+            raise RuntimeError("the fleet did not start (see the first fleet row)")
         return f.shared["fleet"]  # type: ignore[no-any-return]
     if not (ROOT / ".venv-vllm" / "bin" / "vllm-router").is_file():
         raise RuntimeError("no .venv-vllm with vllm-router (make vllm-venv)")
@@ -192,11 +194,12 @@ def fleet(f: Faults) -> FleetStack:
             "serve_adapter_root": root / "store",
             "catalog_url": f"sqlite:///{root / 'catalog.db'}",
             "startup_timeout": 300,
-            "vllm_start_timeout_s": 600,  # two vLLM starts at once on a shared 2-core machine
+            "vllm_start_timeout_s": RESTART_S,  # two vLLM starts at once on a shared 2-core machine
         }
     )
     t0 = time.time()
     f.cleanup.append(lambda: stop(cfg))
+    f.shared["fleet"] = None  # tried: a fleet that did not start is not started again by the next row
     start(cfg, [*REPLICAS, "router", "serve"], progress=lambda m: say(m))
     say(f"a fleet of 2 vLLM replicas, the router and the front up ({time.time() - t0:.0f} s)")
     ws = f.ws.model_copy(
@@ -295,6 +298,9 @@ def scenario_fleet_kill(f: Faults) -> Row:
     s.ready()
     policy = "fk"
     digests = s.seed(policy, [51])
+    later = f.shared.get("only", [])  # the rows still to run: the promote row's fault fits in this outage
+    later = later[later.index("fleet-kill") :] if "fleet-kill" in later else []
+    promotion = PromotionWhileDown(s) if "fleet-promote" in later else None
     base_name = s.base_dir.name
     with Load(s.front, [policy, base_name], clients=3) as load:
         t0 = time.time()
@@ -307,7 +313,10 @@ def scenario_fleet_kill(f: Faults) -> Row:
         killed_at = time.time()
         pid = kill9(s.config, victim)
         say(f"killed {victim} ({hot}, pid {pid}), the replica serving {policy}")
-        restarted = back(s.config, victim, pid, timeout=RESTART_S)
+        if promotion is not None:  # the promote row's fault, in this outage
+            promotion.during(victim, killed_at)
+        back(s.config, victim, pid, timeout=RESTART_S)
+        restarted = time.time() - killed_at
         t1 = time.time()  # requests for the champion land on it again (its place in the router's hash)
         while len([a for a in load.by(hot, t1) if a.model == policy]) < 5 and time.time() - t1 < 180:
             time.sleep(0.5)
@@ -324,12 +333,14 @@ def scenario_fleet_kill(f: Faults) -> Row:
         a.status == 200 and a.revision == f"sha256:{digests[1]}" for a in champion_back
     )
     agree, detail = s.agree(policy)
+    if promotion is not None:
+        f.shared["fleet-promote"] = promotion.row(restarted)
     ok = not failed_after and back_right and agree
     result = (
         f"{len(answers)} requests from 3 clients over {policy} and the base; at the kill {len(in_flight)} in "
         f"flight ({len(failed_in_flight)} on it failed: "
         f"{sorted({str(a.text)[:60] for a in failed_in_flight}) or 'none'}); after it {len(after)} sent, "
-        f"{len(failed_after)} failed, {len(served_after)} answered; supervisor restarted it in {restarted:.0f} s; "
+        f"{len(failed_after)} failed, {len(served_after)} answered; back {restarted:.0f} s after the kill; "
         f"its first answer through the front {'never' if rejoin is None else f'{rejoin - killed_at:.0f} s'} "
         f"after the kill; then {len(champion_back)} answers for {policy} from it, "
         f"all the champion: {back_right}; {detail}"
@@ -344,57 +355,83 @@ def scenario_fleet_kill(f: Faults) -> Row:
     )
 
 
+class PromotionWhileDown:
+    """The `promote` row's fault: v2 of a policy promoted while one replica is down (killed; its supervisor
+    restarts it). The chosen behaviour (docs/serving.md): the promotion completes on the others, and the replica
+    that comes back answers with the new champion. Run inside the kill row's outage when both rows run (one vLLM
+    restart for the two), on an outage of its own otherwise."""
+
+    def __init__(self, s: FleetStack, policy: str = "fp"):
+        self.s, self.policy = s, policy
+        self.digests = s.seed(policy, [61, 62])
+
+    def during(self, down: ServiceName, killed_at: float) -> None:
+        from flows.promotion import promote_flow
+
+        s = self.s
+        self.down, self.killed_at, self.error = down, killed_at, None
+        say(f"promoting {self.policy} v2 while {down} is down")
+        try:
+            promote_flow(self.policy, 2, workspace=s.ws)
+        except Exception as e:  # the row records it: the chosen behaviour is that it completes
+            self.error = f"{type(e).__name__}: {str(e)[:200]}"
+        self.took = time.time() - killed_at
+        self.was_down: int | None = None
+        with contextlib.suppress(httpx.HTTPError):
+            self.was_down = httpx.get(s.urls[down] + "/health", timeout=5).status_code
+        self.version, _ = s.champion(self.policy)
+        self.other = next(r for r in REPLICAS if r != down)
+        self.on_other = s.held(self.other, self.policy)
+
+    def row(self, restarted: float) -> Row:
+        """Once the replica is back (`restarted`: seconds from the kill to its health)."""
+        s, down, policy, digests = self.s, self.down, self.policy, self.digests
+        held_back = s.held(down, policy)  # a fresh vLLM holds nothing ...
+        r = s.ask_replica(
+            down, policy
+        )  # ... until the first request for the name, resolved through the front
+        now = s.held(down, policy)
+        rejoin = s.in_rotation(down, self.killed_at)
+        agree, detail = s.agree(policy)
+        ok = (
+            self.error is None
+            and self.version == 2
+            and self.on_other == digests[2]
+            and held_back is None
+            and r.status_code == 200
+            and now == digests[2]
+            and agree
+        )
+        return Row(
+            "one replica of two down during a promotion",
+            f"kill -9 of {s.name(down)}, then promote v2 over v1 while it is down; the replica comes back",
+            f"promotion {'completed' if self.error is None else 'failed: ' + self.error} {self.took:.1f} s after "
+            f"the kill ({s.name(down)} answering /health then: {self.was_down or 'no'}); champion "
+            f"v{self.version}, {s.name(self.other)} holds v2: {self.on_other == digests[2]}; {s.name(down)} back "
+            f"{restarted:.0f} s after the kill holding {held_back}, its first request for {policy} answered "
+            f"{r.status_code}, then it holds v2: {now == digests[2]}; in the router's rotation {rejoin:.0f} s "
+            f"after the kill; {detail}",
+            0 if ok else 1,
+            ok,
+            0,
+        )
+
+
 def scenario_fleet_promote(f: Faults) -> Row:
-    """A promotion while one replica is down (killed; its supervisor restarts it): it completes on the other,
-    and the replica that comes back answers with the new champion (docs/serving.md, the chosen behaviour)."""
+    """A promotion while one replica is down (PromotionWhileDown); the kill row's outage when it ran first."""
+    if "fleet-promote" in f.shared:
+        row: Row = f.shared.pop("fleet-promote")
+        return row
     s = fleet(f)
     s.ready()
-    policy = "fp"
-    digests = s.seed(policy, [61, 62])
+    promotion = PromotionWhileDown(s)
     down: ServiceName = "vllm-1"
     pid = kill9(s.config, down)
     killed_at = time.time()
-    say(f"killed {down} (pid {pid}); promoting v2 while it is down")
-    from flows.promotion import promote_flow
-
-    error = None
-    try:
-        promote_flow(policy, 2, workspace=s.ws)
-    except Exception as e:  # the row records it: the chosen behaviour is that it completes
-        error = f"{type(e).__name__}: {str(e)[:200]}"
-    took = time.time() - killed_at
-    was_down = None
-    with contextlib.suppress(httpx.HTTPError):
-        was_down = httpx.get(s.urls[down] + "/health", timeout=5).status_code
-    v, _ = s.champion(policy)
-    on_other = s.held("vllm", policy)
-    restarted = back(s.config, down, pid, timeout=RESTART_S)
-    held_back = s.held(down, policy)  # a fresh vLLM holds nothing ...
-    r = s.ask_replica(down, policy)  # ... until the first request for the name, resolved through the front
-    first = r.headers.get("x-mint-replica"), r.status_code
-    rejoin = s.in_rotation(down, killed_at)
-    agree, detail = s.agree(policy)
-    ok = (
-        error is None
-        and v == 2
-        and on_other == digests[2]
-        and held_back is None
-        and r.status_code == 200
-        and s.held(down, policy) == digests[2]
-        and agree
-    )
-    return Row(
-        "one replica down during a promotion",
-        "kill -9 of replica 1, then promote v2 over v1 while it is down; the replica comes back",
-        f"promotion {'completed' if error is None else 'failed: ' + error} in {took:.1f} s after the kill "
-        f"(replica 1 answering /health then: {was_down or 'no'}); champion v{v}, replica 0 holds "
-        f"{str(on_other)[:8]}; replica 1 back in {restarted:.0f} s holding {held_back}, its first request for "
-        f"{policy} answered {first[1]} with v2: {s.held(down, policy) == digests[2]}; back in the router's "
-        f"rotation {rejoin:.0f} s after the kill; {detail}",
-        0 if ok else 1,
-        ok,
-        0,
-    )
+    say(f"killed {down} (pid {pid})")
+    promotion.during(down, killed_at)
+    back(s.config, down, pid, timeout=RESTART_S)
+    return promotion.row(time.time() - killed_at)
 
 
 def scenario_fleet_unreadable(f: Faults) -> Row:

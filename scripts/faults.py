@@ -620,6 +620,7 @@ def main() -> int:
     with workdir(args.keep) as root:
         say(f"state in {root}")
         f = Faults(root)
+        f.shared["only"] = names  # the fleet rows share one outage where they can
         try:
             needed = sorted({s for n in names for s in RUNS[n][1]}, key=list(RUNS["worker"][1]).index)
             if needed:
