@@ -5,7 +5,8 @@ open for the router, each answer naming its replica), the router from RouterConf
 addresses. Replica 1 is started with a smaller `--max-lora-rank` (8) than the front and replica 0 accept (16), so a
 rank-16 revision passes the front's validation and replica 0 but is refused by replica 1: the one-replica refusal
 the all-or-nothing promotion must undo everywhere. (The issue suggests an unreadable store path for one replica;
-these tests run as root here, for whom no path is unreadable.)
+these tests run as root here, for whom no path is unreadable: the fault suite's `fleet-unreadable` row hides the
+revision from one replica's own mount namespace instead, scripts/fault_fleet.py.)
 """
 
 from __future__ import annotations
