@@ -116,15 +116,21 @@ def spread(
     return report
 
 
-def _wait(submitted: list[tuple[list[str], UUID]], poll_s: float) -> list[GroupRun]:
-    """Poll the group runs until each is in a final state; a requeued run (Scheduled again) is waited for too."""
+def _wait(
+    submitted: list[tuple[list[str], UUID]], poll_s: float, say_every_s: float = 60.0
+) -> list[GroupRun]:
+    """Poll the group runs until each is in a final state; a requeued run (Scheduled again) is waited for too.
+    Every `say_every_s` the log says how many are still waiting for a worker, and how many run."""
     done: dict[str, GroupRun] = {}
+    said = time.monotonic()
     with get_client(sync_client=True) as client:
         while len(done) < len(submitted):
+            states: list[str] = []
             for names, run_id in submitted:
                 if str(run_id) in done:
                     continue
                 run = client.read_flow_run(run_id)
+                states.append(run.state.type.value if run.state else "NONE")
                 if run.state is not None and run.state.is_final():
                     done[str(run_id)] = GroupRun(
                         policies=names,
@@ -134,5 +140,15 @@ def _wait(submitted: list[tuple[list[str], UUID]], poll_s: float) -> list[GroupR
                         runs=run.run_count,
                     )
             if len(done) < len(submitted):
+                if time.monotonic() - said >= say_every_s:
+                    said = time.monotonic()
+                    waiting = states.count("SCHEDULED") + states.count("PENDING")
+                    get_run_logger().info(
+                        "%d of %d group(s) done; %d waiting for a worker of the pool, %d running",
+                        len(done),
+                        len(submitted),
+                        waiting,
+                        states.count("RUNNING"),
+                    )
                 time.sleep(poll_s)
     return [done[str(run_id)] for _, run_id in submitted]

@@ -134,3 +134,13 @@ def test_a_worker_keeps_its_runs_work_on_its_own_host(
     assert Workspace().work_dir == tmp_path / "host-b" / "lifecycle"
     monkeypatch.delenv(lifecycle.WORK_DIR_ENV)
     assert Workspace().work_dir == Path(".mint/lifecycle")
+
+
+def test_a_spread_wave_groups_its_policies_in_order() -> None:
+    from flows.lifecycle import PolicyRun
+    from flows.spread import groups_of
+    from mint_core.rl.policy import PolicySpec
+
+    runs = [PolicyRun(spec=PolicySpec(name=f"p{i}", task="add")) for i in range(5)]
+    assert [[r.name for r in g] for g in groups_of(runs, 2)] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    assert [[r.name for r in g] for g in groups_of(runs, 9)] == [[f"p{i}" for i in range(5)]]
