@@ -170,7 +170,7 @@ def requeue_orphaned_runs(config: ServicesConfig) -> int:
 
 
 TRAINING_TAG = "training"
-"""The tag of the deployments whose flows hold a run lease while they run (wave, lifecycle, retrain, spread)."""
+"""The tag of the deployments whose flows hold a run lease while they run (wave, lifecycle, retrain)."""
 RUN_LEASE_PREFIX = "run/"
 """mint_core.lifecycle.RUN_LEASE_PREFIX, not imported (that module loads MLflow; a unit test holds them equal)."""
 RECLAIM_GRACE_S = {"RUNNING": 60.0, "PENDING": 180.0}
@@ -190,10 +190,10 @@ def reclaim_runs(
     and they resume from their checkpoints); returns how many. `worker` is the worker about to start, so none
     of its own runs is alive. A Pending or Running run is an orphan when its run lease in the catalog
     (`mint_core.lifecycle.held_run`) names `worker`, or when it is a training run (`TRAINING_TAG`) whose lease
-    nobody has held for `RECLAIM_GRACE_S`, or, with no other worker of the pool online, whatever it is (one worker: every
-    run it had is gone). With `crashed_since` (epoch s), runs that crashed since then (taken down with their
-    worker) too, unless another worker's lease names them. The supervisor of the worker calls it before it starts
-    the worker again after a crash (`python -m mint_app.services requeue ...`)."""
+    nobody has held for `RECLAIM_GRACE_S`, or, with no other worker of the pool online, whatever it is (one
+    worker: every run it had is gone). With `crashed_since` (epoch s), runs that crashed since then (taken down
+    with their worker) too, unless another worker's lease names them. The supervisor of the worker calls it
+    before it starts the worker again after a crash (`python -m mint_app.services requeue ...`)."""
     types = ["PENDING", "RUNNING"] + (["CRASHED"] if crashed_since is not None else [])
     query = {
         "work_pools": {"name": {"any_": [pool]}},
