@@ -123,7 +123,8 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.lifecycle import PolicyRun, Training, wave
+    from flows.forms import PolicyRun, Training
+    from flows.lifecycle import wave
     from mint_app.deployments import workspace_defaults
     from mint_core.eval.gate import GatePolicy
     from mint_core.eval.results import EvalConfig

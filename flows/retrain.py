@@ -38,7 +38,8 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from pydantic import BaseModel, Field
 
-from flows.lifecycle import PolicyRun, Training, WaveReport, run_held, wave
+from flows.forms import PolicyRun, Training, WaveReport
+from flows.lifecycle import run_held, wave
 from mint_core.data.checks import CheckParams
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.lm_eval_runner import EvalConfig

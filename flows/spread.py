@@ -25,7 +25,8 @@ from prefect.deployments import run_deployment
 from prefect.runtime import flow_run as prefect_flow_run
 from pydantic import BaseModel, Field
 
-from flows.lifecycle import Policies, PolicyRun, Training, run_held
+from flows.forms import Policies, PolicyRun, Training
+from flows.lifecycle import run_held
 from mint_core.data.checks import CheckParams
 from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig

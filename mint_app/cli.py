@@ -491,7 +491,8 @@ def _flow_params(path: Path | None) -> dict[str, Any]:
 
 def _run_wave(one: bool, doc: dict[str, Any]) -> None:
     """Run the lifecycle (one policy) or wave flow in this process and print each policy's outcome."""
-    from flows.lifecycle import WaveFailed, lifecycle, wave
+    from flows.forms import WaveFailed
+    from flows.lifecycle import lifecycle, wave
     from mint_app.stack import flow_run_url, flow_workspace, on_stack
 
     with on_stack(console.print) as stack:

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flows.canary import CanaryOutcome
-from flows.lifecycle import PolicyOutcome, WaveReport
+from flows.forms import PolicyOutcome, WaveReport
 from mint_app.console import rule
 from mint_app.job_config import MainJobConfig
 from mint_core.lifecycle import Workspace

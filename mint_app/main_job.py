@@ -39,7 +39,8 @@ from rich.table import Table
 from rich.text import Text
 
 from flows.canary import CanaryOutcome, canary_flow
-from flows.lifecycle import PolicyRun, Training, WaveFailed, WaveReport, wave
+from flows.forms import PolicyRun, Training, WaveFailed, WaveReport
+from flows.lifecycle import wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
 from mint_app.console import quiet_libraries, rule

@@ -27,7 +27,7 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.states import Cancelled, Running
 
-from flows.lifecycle import PolicyRun, Training
+from flows.forms import PolicyRun, Training
 from flows.retrain import being_trained, retrain
 from mint_app.service_config import ServicesConfig
 from mint_app.services import start, status, stop

@@ -27,7 +27,8 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from flows.lifecycle import PolicyRun, Training, WaveFailed, lifecycle, wave
+from flows.forms import PolicyRun, Training, WaveFailed
+from flows.lifecycle import lifecycle, wave
 from flows.prefetch import prefetch
 from flows.promotion import promote_flow, rollback_flow
 from flows.reconcile import reconcile

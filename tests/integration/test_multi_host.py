@@ -40,7 +40,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType
 
-from flows.lifecycle import PolicyRun, Training
+from flows.forms import PolicyRun, Training
 from flows.spread import SpreadReport, spread
 from mint_app.processes import read_record, state_files
 from mint_app.service_config import ServicesConfig

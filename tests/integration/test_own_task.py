@@ -21,7 +21,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from flows.lifecycle import PolicyRun, Training, lifecycle
+from flows.forms import PolicyRun, Training
+from flows.lifecycle import lifecycle
 from mint_core.data.spec import TASK_DIRS_ENV, registry
 from mint_core.engine.base import build_tiny_chat_base
 from mint_core.eval.gate import GatePolicy

@@ -17,7 +17,8 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-from flows.lifecycle import PolicyRun, Training, wave
+from flows.forms import PolicyRun, Training
+from flows.lifecycle import wave
 from flows.retrain import retrain
 from mint_core.data.build import write_task_data
 from mint_core.engine.base import load_base

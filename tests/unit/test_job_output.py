@@ -17,7 +17,8 @@ import pytest
 from rich.console import Console
 
 from flows.canary import CanaryOutcome
-from flows.lifecycle import STEP_RECORD, PolicyOutcome, WaveReport
+from flows.forms import PolicyOutcome, WaveReport
+from flows.lifecycle import STEP_RECORD
 from mint_app.job_report import what_happened
 from mint_app.progress import step_bar
 

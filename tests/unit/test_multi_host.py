@@ -137,7 +137,7 @@ def test_a_worker_keeps_its_runs_work_on_its_own_host(
 
 
 def test_a_spread_wave_groups_its_policies_in_order() -> None:
-    from flows.lifecycle import PolicyRun
+    from flows.forms import PolicyRun
     from flows.spread import groups_of
     from mint_core.rl.policy import PolicySpec
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from flows.lifecycle import PolicyOutcome, Training
+from flows.forms import PolicyOutcome, Training
 from flows.retrain import (
     RETRAIN_TRAINING,
     PolicyReport,
