@@ -1,7 +1,8 @@
 """Every benchmark that runs a base, an engine or a trainer (or starts `mint serve`) takes `--device` (cpu by
 default) and refuses one that is not there before any work, naming it. The catalog and registry benchmarks
 (catalog_resolve, registry_ops) hold no model, so they have none; adapter_load and handoff have their own;
-serving_backends and vllm_bad_adapters run vLLM, whose device is its environment's (.venv-vllm: CPU or CUDA)."""
+serving_backends and vllm_bad_adapters run vLLM, whose device is its environment's (.venv-vllm: CPU or CUDA);
+replicas runs it too, and its --device is the fronts' and where the replicas go (replica i on GPU i, as `mint up`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ WITH_DEVICE = [
     "moe_packed_load.py",
     "multi_policy_grpo.py",
     "own_task.py",
+    "replicas.py",
     "serving_load.py",
     "update_memory.py",
 ]
