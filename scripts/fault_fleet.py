@@ -138,7 +138,8 @@ class FleetStack:
             and held == [digest, digest]
         )
         return ok, (
-            f"champion v{v} {str(digest)[:8]}, listed {str(listed)[7:15]}, answered {answered[7:15]}, "
+            f"champion v{v} {str(digest)[:8]}, listed {str(listed)[7:15]}, answered "
+            f"{answered.removeprefix('sha256:')[:8]}, "
             f"held by the replicas {[str(h)[:8] for h in held]}"
         )
 
@@ -338,7 +339,7 @@ def scenario_fleet_kill(f: Faults) -> Row:
     ok = not failed_after and back_right and agree
     result = (
         f"{len(answers)} requests from 3 clients over {policy} and the base; at the kill {len(in_flight)} in "
-        f"flight ({len(failed_in_flight)} on it failed: "
+        f"flight ({len(failed_in_flight)} of them failed: "
         f"{sorted({str(a.text)[:60] for a in failed_in_flight}) or 'none'}); after it {len(after)} sent, "
         f"{len(failed_after)} failed, {len(served_after)} answered; back {restarted:.0f} s after the kill; "
         f"its first answer through the front {'never' if rejoin is None else f'{rejoin - killed_at:.0f} s'} "

@@ -81,7 +81,7 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_rejoins_on_the_c
 def test_a_promotion_with_a_replica_down_completes_and_it_returns_on_the_new_champion(
     rows: dict[str, dict[str, object]],
 ) -> None:
-    check(rows["fleet-promote"], "promotion completed", "champion v2", "with v2: True")
+    check(rows["fleet-promote"], "promotion completed", "champion v2", "then it holds v2: True")
 
 
 def test_a_replica_that_cannot_read_the_revision_rolls_the_promotion_back_everywhere(
