@@ -278,6 +278,21 @@ class Fleet:
             message = resp.text[:300]
         return resp.status_code, message
 
+    async def _load(self, r: Replica, name: str, path: Path, inplace: bool) -> tuple[int, str]:
+        """`path` under `name` on `r`, in place where `r` holds the name. vLLM 0.32 keeps `load_inplace` on the
+        request it stores for the name and so reads the adapter from disk again at every engine step of every
+        request under it (vllm-project/vllm#33791; benchmarks/replicas.py counted one disk load per generated
+        token). After an in-place load, vLLM has read and checked the new files: the name is unloaded and loaded
+        again from the same path without the flag. Nothing runs under the name meanwhile (the swap lock)."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": inplace}
+        status, message = await self._post(r, "/v1/load_lora_adapter", body)
+        if status != 200 or not inplace:
+            return status, message
+        status, message = await self._post(r, "/v1/unload_lora_adapter", {"lora_name": name})
+        if status != 200:
+            return status, f"unload after the in-place load: {message}"
+        return await self._post(r, "/v1/load_lora_adapter", {**body, "load_inplace": False})
+
     async def _smoke(self, r: Replica, name: str, digest: str) -> tuple[int, str]:
         """`r` lists `name` as `digest` and answers a one-token completion under it."""
         await self.read(r)
@@ -297,8 +312,7 @@ class Fleet:
         if not live:
             raise APIError(503, "no vLLM replica is healthy", "ServiceUnavailableError")
         before = {r.name: r.served.get(name) for r in live}
-        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
-        loaded = await asyncio.gather(*(self._post(r, "/v1/load_lora_adapter", body) for r in live))
+        loaded = await asyncio.gather(*(self._load(r, name, path, before[r.name] is not None) for r in live))
         failed = [(r, s, m) for r, (s, m) in zip(live, loaded, strict=True) if s != 200]
         if not failed:
             smoked = await asyncio.gather(*(self._smoke(r, name, digest) for r in live))
@@ -329,8 +343,7 @@ class Fleet:
                 status, message = await self._post(r, "/v1/unload_lora_adapter", {"lora_name": name})
                 ok = status in (200, 404)  # 404: it never took the new one
             else:
-                body = {"lora_name": name, "lora_path": str(dir_of(was)), "load_inplace": True}
-                status, message = await self._post(r, "/v1/load_lora_adapter", body)
+                status, message = await self._load(r, name, dir_of(was), inplace=True)
                 ok = status == 200
             if not ok:  # the replica is left as it is; the next reconcile or restart brings it back in line
                 logger.error("replica %s: could not put %r back: %s %s", r.name, name, status, message)

@@ -324,6 +324,11 @@ class Gateway:
                 "/v1/load_lora_adapter",
                 json={"lora_name": name, "lora_path": str(path), "load_inplace": inplace},
             )
+            if r.status_code == 200 and inplace:  # vLLM would keep the flag: Fleet._load says why
+                r = await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+                if r.status_code == 200:
+                    body = {"lora_name": name, "lora_path": str(path)}
+                    r = await self._call("POST", "/v1/load_lora_adapter", json=body)
             if r.status_code != 200:
                 raise _relayed(r)
             self.served[name] = digest

@@ -563,6 +563,33 @@ def test_admin_load_reload_unload(endpoint: Endpoint, http: httpx.Client, base_n
     assert err["param"] == "model"
 
 
+def test_a_revision_loaded_in_place_is_not_read_from_disk_again(
+    endpoint: Endpoint, http: httpx.Client
+) -> None:
+    """A revision loaded in place answers from the server's memory: with its files moved away, it still answers
+    the same. vLLM 0.32 keeps `load_inplace` on the request it stores for the name and reads the adapter from disk
+    again at every engine step of every request under it (vllm-project/vllm#33791); the front loads it once more
+    without the flag (fleet.Fleet._load), which this pins: with the flag left on, the reads fail here."""
+    endpoint.make_adapter("eta", seed=31)
+    v2 = endpoint.make_adapter("eta-v2", seed=32)
+    assert load(http, "eta", "eta").status_code == 200
+    try:
+        r = load(http, "eta", "eta-v2", inplace=True)
+        assert r.status_code == 200, r.text
+        digest = model_ids(http)["eta"]["revision"].removeprefix("sha256:")
+        want = greedy(http, "eta", max_tokens=8)
+        # the named directory (mint serve reads it) and the store's content-addressed copy (the front's to vLLM)
+        places = [p for p in (v2, endpoint.store / "sha256" / digest[:2] / digest) if p.is_dir()]
+        moved = [p.rename(p.with_name(p.name + ".away")) for p in places]
+        try:
+            assert greedy(http, "eta", max_tokens=8) == want
+        finally:
+            for p, away in zip(places, moved, strict=True):
+                away.rename(p)
+    finally:
+        unload(http, "eta")
+
+
 # ---- 4. auth --------------------------------------------------------------------------------------------
 
 
