@@ -220,7 +220,8 @@ def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile
 
 
 def print_replicas(cfg: ServicesConfig, url: str) -> None:
-    """mint serve's view of each replica (GET /v1/mint/replicas with its admin token)."""
+    """mint serve's view of each replica (GET /v1/mint/replicas with its admin token): health, or why the golden
+    probe took it out of rotation, its load and the revisions it holds."""
     token = cfg.state_dir / "serve.token"
     headers = {"Authorization": f"Bearer {token.read_text().strip()}"} if token.is_file() else {}
     try:
@@ -233,9 +234,11 @@ def print_replicas(cfg: ServicesConfig, url: str) -> None:
     table = Table("replica", "health", "running", "waiting", "revisions held")
     for row in report["replicas"]:
         held = ", ".join(f"{n} {rev.removeprefix('sha256:')[:12]}" for n, rev in row["revisions"].items())
+        out = row.get("out_of_rotation")  # the golden probe took it out (its answers changed)
+        health = "[green]healthy[/]" if row["healthy"] else "[red]down[/]"
         table.add_row(
             row["replica"],
-            "[green]healthy[/]" if row["healthy"] else "[red]down[/]",
+            f"[red]out of rotation: {out}[/]" if out else health,
             "" if row["running"] is None else f"{row['running']:g}",
             "" if row["waiting"] is None else f"{row['waiting']:g}",
             held or "-",
