@@ -94,6 +94,19 @@ def _prefect_cli(*args: str, api: str, timeout: float = 300) -> subprocess.Compl
     )
 
 
+def _prefect_answers(config: ServicesConfig, within_s: float = 30.0) -> bool:
+    """Whether the Prefect server answers its health check within `within_s`. Asked once with a 2 s timeout, a
+    server that was up but busy (two vLLM replicas starting beside it on two cores) read as not running, and a
+    fresh clone's `make run SERVING=vllm REPLICAS=2` failed its last step after its waves had passed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if healthy(config.url("prefect"), HEALTH_PATH["prefect"], timeout=10.0):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(2.0)
+
+
 def register_deployments(config: ServicesConfig) -> str:
     """Create the work pool and register every deployment of `config.deployments` on the Prefect server of this
     state dir (`prefect deploy --all`, once), each with `workspace_defaults` as its workspace; skipped when the
@@ -104,7 +117,7 @@ def register_deployments(config: ServicesConfig) -> str:
     if not config.register_deployments:
         return "deployments left as registered (register_deployments: false)"
     api = config.url("prefect") + "/api"
-    if not healthy(config.url("prefect"), HEALTH_PATH["prefect"]):
+    if not _prefect_answers(config):
         raise ServiceError(
             f"worker: the Prefect server at {api} is not running (start it too: mint up --only prefect,worker)"
         )
