@@ -5,7 +5,9 @@ kernels ends in different bases (final loss 0.18 against 0.30, `add` right 0.665
 base built on one machine was not the base `dvc.lock` records on another, and what GRPO learned on it differed.
 `mint base pretrain` therefore computes with AVX2 whatever the CPU offers beyond it: PyTorch's own kernels, MKL
 (whose conditional numerical reproducibility makes its sums CPU-independent at that level) and oneDNN. With the
-thread count of params.yaml, a rebuild on any x86-64 machine with AVX2 gives the same weights.
+thread count of params.yaml, a rebuild on one machine gives the same weights whatever its environment shows. Across
+CPU vendors it does not (an Intel Xeon and an AMD EPYC part by step 100 of 1,000): the main job takes the published
+base instead of rebuilding it (docs/builtin-base.md, "The published base").
 
 No torch here: the variables are read once, when torch first computes, so they are set before it loads.
 """
