@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, float]:
@@ -27,6 +30,23 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1)
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_avg() -> list[float]:
+    """The 1, 5 and 15 minute load averages: on a shared machine a figure is only as steady as they are."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def pct(values: list[float], q: float) -> float:
+    """The `q`th percentile of `values` (NaN when there are none)."""
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def checked(r: Any, what: str) -> Any:
+    """`r` (an httpx response) when it is a 200; otherwise a RuntimeError naming `what` and the answer."""
+    if r.status_code != 200:
+        raise RuntimeError(f"{what}: {r.status_code} {r.text[:300]}")
+    return r
 
 
 def report(result: dict[str, Any]) -> None:

@@ -80,12 +80,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
-from _common import add_device, checked_device, report
+from _common import add_device, checked, checked_device, load_avg, pct, report
 
 from mint_core.engine.base import Base, load_base
 from mint_core.lora.adapter import random_adapter
@@ -96,11 +95,11 @@ from mint_core.serving.gateway import BASE_ADAPTER
 from mint_core.serving.vllm_process import VLLMConfig
 from mint_core.serving.vllm_router import RouterConfig
 from tests.integration.conftest import (
-    LOGS,
     VLLM_BASE_NAME,
     VLLM_KEY,
     VLLM_PYTHON,
     free_port,
+    launch,
     save_tiny_base,
     server_log,
     start_server,
@@ -205,20 +204,6 @@ class Fleet:
         return str(self.store.put_weights(w, self.base.sites))
 
 
-def load_avg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-def checked(r: httpx.Response, what: str) -> httpx.Response:
-    if r.status_code != 200:
-        raise RuntimeError(f"{what}: {r.status_code} {r.text[:300]}")
-    return r
-
-
 def wait_healthy(procs: dict[str, subprocess.Popen[str]], headers: dict[str, str], timeout_s: float) -> None:
     """Until each URL answers /health 200 (or its process exits: RuntimeError with its log)."""
     deadline = time.monotonic() + timeout_s
@@ -235,15 +220,6 @@ def wait_healthy(procs: dict[str, subprocess.Popen[str]], headers: dict[str, str
         time.sleep(1)
     if pending:
         raise RuntimeError(f"not healthy within {timeout_s:g} s: {list(pending)}")
-
-
-def launch(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.Popen(
-        cmd, env={**clean, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True
-    )
-    LOGS[proc.pid] = log
-    return proc
 
 
 @contextmanager

@@ -73,13 +73,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
-from _common import report
+from _common import checked, load_avg, pct, report
 from handoff import merge, unique_state
 from hot_swap import ask
 
@@ -175,20 +174,6 @@ def backends(mint: bool, vllm: bool) -> Iterator[Backends]:
             for p in b.procs:
                 print(f"--- log of pid {p.pid} (last lines):\n{server_log(p)[-3000:]}", file=sys.stderr)
             raise
-
-
-def load_avg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-def checked(r: httpx.Response, what: str) -> httpx.Response:
-    if r.status_code != 200:
-        raise RuntimeError(f"{what}: {r.status_code} {r.text[:300]}")
-    return r
 
 
 def first_answer(http: httpx.Client, model: str, digest: str, max_tokens: int = 1) -> str:

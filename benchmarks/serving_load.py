@@ -39,12 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
-from _common import add_device, checked_device, report
+from _common import add_device, checked_device, pct, report
 
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -89,10 +88,6 @@ def write_adapters(base: Base, store: Path, n: int, rank: int) -> list[str]:
         save_adapter(a, store / f"adapter{i:02d}", base.sites)
         names.append(f"adapter{i:02d}")
     return names
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 @dataclass

@@ -24,15 +24,16 @@ from typing import Any
 
 import httpx
 from fault_stack import (
-    TARGETS,
     Faults,
     Row,
     back,
+    champion_of,
     child,
     free_port,
     kill9,
     nan_adapter,
     say,
+    seed_revisions,
     tiny_vllm_base,
 )
 
@@ -40,8 +41,7 @@ from mint_app.processes import service_log
 from mint_app.service_config import ServiceName, ServicesConfig
 from mint_app.services import start, stop
 from mint_core.engine.base import load_base
-from mint_core.lifecycle import Workspace, reconcile, served_revision
-from mint_core.lora.adapter import random_adapter
+from mint_core.lifecycle import Workspace, served_revision
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.fleet import replica_name
 
@@ -83,24 +83,10 @@ class FleetStack:
 
     def seed(self, policy: str, seeds: list[int]) -> dict[int, str]:
         """Random revisions of `policy` (version -> digest); v1 promoted and served on every replica."""
-        reg = self.ws.registry()
-        base = load_base(self.base_dir)
-        out = {}
-        for s in seeds:
-            w = random_adapter(
-                base.sites, TARGETS, 4, alpha=8, seed=s, std=0.3, base_fingerprint=base.fingerprint
-            )
-            digest = reg.store.put_weights(w, base.sites)
-            rev = reg.create_revision(policy, digest, base=base.fingerprint, rank=4, alias=None)
-            out[rev.version] = str(digest)
-        reg.promote(policy, 1, "seeded by the fault suite")
-        reconcile(self.ws, policy)
-        return out
+        return seed_revisions(self.ws, load_base(self.base_dir), policy, seeds, std=0.3)
 
     def champion(self, policy: str) -> tuple[int | None, str | None]:
-        reg = self.ws.registry()
-        v = reg.alias_version(policy)
-        return v, (None if v is None else reg.revision(policy, v).digest)
+        return champion_of(self.ws, policy)
 
     def held(self, service: ServiceName, name: str) -> str | None:
         """The digest the replica itself lists under `name` (asked past the front and the router)."""

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from mint_app.processes import service_log  # noqa: E402
 from mint_app.service_config import ServiceName, ServicesConfig  # noqa: E402
 from mint_app.services import start, status, stop  # noqa: E402
-from mint_core.engine.base import build_tiny_base, load_base  # noqa: E402
+from mint_core.engine.base import Base, build_tiny_base, load_base  # noqa: E402
 from mint_core.engine.tokenizer import byte_tokenizer  # noqa: E402
 from mint_core.eval.suites import standalone_suites  # noqa: E402
 from mint_core.lifecycle import Workspace, reconcile, served_revision  # noqa: E402
@@ -43,6 +43,33 @@ class Row:
     lost: int  # revisions, aliases or answers lost or wrong: must be 0
     ok: bool
     seconds: float
+
+
+def seed_revisions(
+    ws: Workspace, base: Base, policy: str, seeds: list[int], std: float, champion: int | None = 1
+) -> dict[int, str]:
+    """A random rank-4 revision of `policy` per seed, registered (version -> digest); `champion` promoted and
+    served (reconciled), or none with None."""
+    reg = ws.registry()
+    out = {}
+    for s in seeds:
+        w = random_adapter(
+            base.sites, TARGETS, 4, alpha=8, seed=s, std=std, base_fingerprint=base.fingerprint
+        )
+        digest = reg.store.put_weights(w, base.sites)
+        rev = reg.create_revision(policy, digest, base=base.fingerprint, rank=4, alias=None)
+        out[rev.version] = str(digest)
+    if champion is not None:
+        reg.promote(policy, champion, "seeded by the fault suite")
+        reconcile(ws, policy)
+    return out
+
+
+def champion_of(ws: Workspace, policy: str) -> tuple[int | None, str | None]:
+    """`policy`'s champion: (version, digest), or (None, None) without one."""
+    reg = ws.registry()
+    v = reg.alias_version(policy)
+    return v, (None if v is None else reg.revision(policy, v).digest)
 
 
 class Faults:
@@ -114,24 +141,10 @@ class Faults:
 
     def seed(self, policy: str, seeds: list[int], champion: int | None = 1) -> dict[int, str]:
         """Random revisions of `policy` registered (version -> digest); `champion` promoted and served."""
-        reg = self.ws.registry()
-        out = {}
-        for s in seeds:
-            w = random_adapter(
-                self.base.sites, TARGETS, 4, alpha=8, seed=s, std=0.05, base_fingerprint=self.base.fingerprint
-            )
-            digest = reg.store.put_weights(w, self.base.sites)
-            rev = reg.create_revision(policy, digest, base=self.base.fingerprint, rank=4, alias=None)
-            out[rev.version] = str(digest)
-        if champion is not None:
-            reg.promote(policy, champion, "seeded by the fault suite")
-            reconcile(self.ws, policy)
-        return out
+        return seed_revisions(self.ws, self.base, policy, seeds, std=0.05, champion=champion)
 
     def champion(self, policy: str) -> tuple[int | None, str | None]:
-        reg = self.ws.registry()
-        v = reg.alias_version(policy)
-        return v, (None if v is None else reg.revision(policy, v).digest)
+        return champion_of(self.ws, policy)
 
     def answered_by(self, policy: str) -> str:
         with self.ws.client(timeout=60) as c:

@@ -164,6 +164,17 @@ def server_log(proc: subprocess.Popen[str]) -> str:
     return path.read_text(errors="replace") if path and path.exists() else ""
 
 
+def launch(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    """`cmd` with `env` over this environment less the project's own interpreter settings (a vLLM interpreter
+    must not import this venv's packages), its output in `log` (read back with `server_log`)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.Popen(
+        cmd, env={**clean, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True
+    )
+    LOGS[proc.pid] = log
+    return proc
+
+
 def start_server(
     store: Path,
     *extra: str,

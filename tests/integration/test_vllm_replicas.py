@@ -11,7 +11,6 @@ revision from one replica's own mount namespace instead, scripts/fault_fleet.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from tests.integration.conftest import (
     VLLM_KEY,
     VLLM_PYTHON,
     free_port,
+    launch,
     require,
     save_tiny_base,
     server_log,
@@ -93,14 +93,6 @@ class Fleet:
     def champion(self, policy: str) -> int:
         rm = self.registry().client.get_registered_model(policy)
         return int((rm.aliases or {})["champion"])
-
-
-def launch(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    out = log.open("w")
-    proc = subprocess.Popen(cmd, env={**clean, **env}, stdout=out, stderr=subprocess.STDOUT, text=True)
-    LOGS[proc.pid] = log
-    return proc
 
 
 def wait_for(procs: list[subprocess.Popen[str]], urls: list[str], timeout_s: float = 400) -> None:
