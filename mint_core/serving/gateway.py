@@ -46,7 +46,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.errors import AdapterError
@@ -70,6 +70,7 @@ from mint_core.serving.protocol import (
     UnloadLoRAAdapterRequest,
     invalid_request,
 )
+from mint_core.serving.relay import named, normalised, parse, prompt_logprobs, prompt_only, relayed
 from mint_core.serving.routes import canary as canary_routes
 from mint_core.serving.routes.models import loaded, other_base_warning, resolve_lora_path
 from mint_core.serving.server import PromptLimits, Server
@@ -90,13 +91,6 @@ VET_TTL_S = (
 class ResolveRequest(BaseModel):
     address: str
     base: str | None = None
-
-
-def _prompt_logprobs(data: dict[str, Any]) -> bool:
-    """Whether vLLM computes logprobs of the prompt's tokens for this request."""
-    return (
-        bool(data.get("echo") and data.get("logprobs") is not None) or data.get("prompt_logprobs") is not None
-    )
 
 
 class Gateway:
@@ -330,28 +324,12 @@ class Gateway:
                     body = {"lora_name": name, "lora_path": str(path)}
                     r = await self._call("POST", "/v1/load_lora_adapter", json=body)
             if r.status_code != 200:
-                raise _relayed(r)
+                raise relayed(r)
             self.served[name] = digest
             self._changes += 1
         logger.info("vLLM serves %s as sha256:%s", name, digest[:12])
         if name != BASE_ADAPTER:
             self.golden.after_load(name)
-
-
-def _named(replica: str | None, fp: str) -> dict[str, str] | None:
-    """The headers that name who answered, with a fleet: the replica and the revision it served."""
-    if replica is None:
-        return None
-    return {"X-Mint-Replica": replica, "X-Mint-Revision": fp if fp == "base" else f"sha256:{fp}"}
-
-
-def _relayed(r: httpx.Response) -> APIError:
-    """vLLM's error answer as the front's (vLLM already answers in OpenAI's shape)."""
-    try:
-        err = r.json()["error"]
-        return APIError(r.status_code, str(err.get("message")), str(err.get("type")), err.get("param"))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return APIError(r.status_code, f"vLLM answered {r.status_code}: {r.text[:300]}", "BackendError")
 
 
 def _check_prompts(
@@ -378,50 +356,6 @@ def _check_prompts(
             data["max_tokens"] = fits[0]
     Server.sampling_params(body, max(1, fits[0]), 0)  # the engine's own range checks, naming the field
     return isinstance(body, CompletionRequest) and body.echo and fits[0] == 0
-
-
-def _prompt_only(gw: Gateway, out: dict[str, Any], body: CompletionRequest) -> dict[str, Any]:
-    """A completion of one token cut back to its echoed prompt: what max_tokens 0 with echo answers."""
-    prompts = [
-        p if isinstance(p, str) else gw.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)
-    ]
-    for choice, prompt in zip(out.get("choices", []), prompts, strict=False):
-        choice["text"] = prompt
-        choice["finish_reason"] = "length"
-        lp = choice.get("logprobs")
-        if isinstance(lp, dict):
-            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                if isinstance(lp.get(key), list) and lp[key]:
-                    lp[key] = lp[key][:-1]
-    usage = out.get("usage")
-    if isinstance(usage, dict):
-        usage["completion_tokens"] = 0
-        usage["total_tokens"] = usage.get("prompt_tokens", 0)
-    return out
-
-
-def _normalised(out: dict[str, Any], fingerprint: str, model: str) -> dict[str, Any]:
-    """A vLLM completion (or stream event) in mint's shape: `system_fingerprint` names the revision that answered,
-    and `usage` carries the token counts only (vLLM adds null `*_tokens_details`)."""
-    out["system_fingerprint"] = fingerprint
-    out["model"] = model  # the name asked for (the base travels to vLLM as its zero adapter)
-    if isinstance(out.get("usage"), dict):
-        out["usage"] = {k: v for k, v in out["usage"].items() if v is not None}
-    return out
-
-
-def _parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
-    """The JSON body and its parse by mint's protocol: 400 naming the fields that do not fit."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", "BadRequestError") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", "BadRequestError")
-    try:
-        return data, model.model_validate(data)
-    except ValidationError as e:
-        raise invalid_request(e.errors()) from None
 
 
 def create_gateway(
@@ -495,7 +429,7 @@ def create_gateway(
             )
         r = await gw._call("GET", "/metrics")
         if r.status_code != 200:
-            raise _relayed(r)
+            raise relayed(r)
         return Response(r.content + generate_latest(gw.registry), media_type=r.headers.get("content-type"))
 
     @app.get("/v1/models")
@@ -528,7 +462,7 @@ def create_gateway(
         with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
             request.state.model = json.loads(raw).get("model")  # for the request counter, even when refused
         gw.golden.check_rotation()
-        data, body = _parse(raw, model)
+        data, body = parse(raw, model)
         score_only = _check_prompts(gw, data, body)
         if score_only:
             data["max_tokens"] = 1  # vLLM generates at least one token; the front drops it below
@@ -541,7 +475,7 @@ def create_gateway(
         # prompt logprobs shares a batch with any other: LogitsProcessorWithLoRA indexes the prompt positions
         # with the batch's sampler indices ("einsum(): subscript b has size 31 ... size 25", punica_cpu.py). Such
         # requests (echo with logprobs: lm-eval's loglikelihood) run alone; the rest share.
-        alone = _prompt_logprobs(data)
+        alone = prompt_logprobs(data)
         await (gw.batch.acquire_write() if alone else gw.batch.acquire_read())
 
         async def release_batch() -> None:
@@ -566,7 +500,7 @@ def create_gateway(
         if len(prompts) == 1 and body.n == 1:
             r = await gw._call("POST", path, json=data, headers=headers)
             if r.status_code != 200:
-                raise _relayed(r)
+                raise relayed(r)
             return dict(r.json()), r.headers.get(REPLICA_HEADER)
         replica = None
         out: dict[str, Any] = {}
@@ -579,7 +513,7 @@ def create_gateway(
                     one["seed"] = body.seed + j  # choice j is seeded seed + j, as on mint serve
                 r = await gw._call("POST", path, json=one, headers=headers)
                 if r.status_code != 200:
-                    raise _relayed(r)
+                    raise relayed(r)
                 replica = r.headers.get(REPLICA_HEADER)
                 got = r.json()
                 out = out or got
@@ -605,20 +539,20 @@ def create_gateway(
             if lock is not None:
                 await lock.acquire_read()
             try:
-                if _prompt_logprobs(data) and isinstance(body, CompletionRequest):
+                if prompt_logprobs(data) and isinstance(body, CompletionRequest):
                     out, replica = await one_by_one(path, data, body, headers)
                 else:
                     r = await gw._call("POST", path, json=data, headers=headers)
                     if r.status_code != 200:
-                        raise _relayed(r)
+                        raise relayed(r)
                     out, replica = r.json(), r.headers.get(REPLICA_HEADER)
                 fp = gw.fingerprint(body.model, replica) if lock else "base"
             finally:
                 if lock is not None:
                     await lock.release_read()
-            out = _normalised(out, fp, body.model)
+            out = normalised(out, fp, body.model)
             return JSONResponse(
-                _prompt_only(gw, out, body) if score_only else out, headers=_named(replica, fp)
+                prompt_only(gw.tokenizer, out, body) if score_only else out, headers=named(replica, fp)
             )
         if lock is not None:
             await lock.acquire_read()  # released when the stream ends (`done`), however it ends
@@ -637,7 +571,7 @@ def create_gateway(
             await r.aclose()
             if lock is not None:
                 await lock.release_read()
-            raise _relayed(r)
+            raise relayed(r)
 
         replica = r.headers.get(REPLICA_HEADER)
         fp = gw.fingerprint(body.model, replica) if lock else "base"
@@ -648,7 +582,7 @@ def create_gateway(
                     if line.startswith("data: ") and line != "data: [DONE]":
                         with contextlib.suppress(ValueError):  # not JSON: passed on as vLLM sent it
                             line = "data: " + json.dumps(
-                                _normalised(json.loads(line[6:]), fp, body.model), separators=(",", ":")
+                                normalised(json.loads(line[6:]), fp, body.model), separators=(",", ":")
                             )
                     if line:
                         yield (line + "\n\n").encode()
@@ -658,7 +592,7 @@ def create_gateway(
                     await lock.release_read()
                 await release_batch()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=_named(replica, fp))
+        return StreamingResponse(events(), media_type="text/event-stream", headers=named(replica, fp))
 
     async def counted(
         request: Request, path: str, model: type[CompletionRequest | ChatCompletionRequest]
@@ -683,7 +617,7 @@ def create_gateway(
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         gw.check_admin(request)
         gw.golden.check_rotation()
-        _, body = _parse(await request.body(), LoadLoRAAdapterRequest)
+        _, body = parse(await request.body(), LoadLoRAAdapterRequest)
         if not body.lora_name or not body.lora_path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body.lora_name == BASE_ADAPTER:
@@ -715,7 +649,7 @@ def create_gateway(
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         gw.check_admin(request)
-        _, body = _parse(await request.body(), UnloadLoRAAdapterRequest)
+        _, body = parse(await request.body(), UnloadLoRAAdapterRequest)
         if not body.lora_name:
             raise APIError(400, "'lora_name' needs to be provided.", "InvalidUserInput")
         if body.lora_name == BASE_ADAPTER:
@@ -728,7 +662,7 @@ def create_gateway(
             else:
                 r = await gw._call("POST", "/v1/unload_lora_adapter", json={"lora_name": body.lora_name})
                 if r.status_code != 200:
-                    raise _relayed(r)
+                    raise relayed(r)
             gw.served.pop(body.lora_name, None)
             gw._changes += 1
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
@@ -765,7 +699,7 @@ def create_gateway(
     async def prefetch(request: Request) -> PrefetchResponse:
         """Vet catalog addresses and load them into vLLM under their own names ahead of need."""
         gw.check_admin(request)
-        _, body = _parse(await request.body(), PrefetchRequest)
+        _, body = parse(await request.body(), PrefetchRequest)
         if gw.catalog is None:
             raise APIError(400, "this server has no catalog (set catalog_url)", "BadRequestError")
 
@@ -788,7 +722,7 @@ def create_gateway(
     async def resolve(request: Request) -> dict[str, str]:
         """vLLM's resolver plugin asks here about a name it does not serve: the verified revision, or 404."""
         gw.check_resolver(request)
-        _, body = _parse(await request.body(), ResolveRequest)
+        _, body = parse(await request.body(), ResolveRequest)
         if body.address == BASE_ADAPTER:  # vLLM restarted under a request for the base
             gw.served[BASE_ADAPTER] = gw.base_digest
             return {"lora_path": str(gw.base_dir), "digest": f"sha256:{gw.base_digest}"}

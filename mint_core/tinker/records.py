@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import math
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +23,8 @@ import torch
 from mint_core.errors import MintError
 from mint_core.tinker.optim import AdamStep
 from mint_core.tinker.wire import Datum
+
+logger = logging.getLogger("mint_core.tinker.service")  # settle_one's note, as the service logged it
 
 ATTN = frozenset(
     {
@@ -241,3 +244,33 @@ class Futures:
 
 def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat()
+
+
+HISTORY = 4096
+"""Most round sizes `TinkerService.batches` and `.optim_rounds` (service.py) keep: a server runs for days."""
+
+
+def record(history: list[int], n: int) -> None:
+    """Append a round's size, dropping the oldest half once `HISTORY` are kept."""
+    history.append(n)
+    if len(history) > HISTORY:
+        del history[: HISTORY // 2]
+
+
+def settle_one(fut: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+    """Give a future its result or error, once: a future already settled (its model closed while it ran) keeps
+    what it has."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    except InvalidStateError:
+        logger.debug("a tinker call finished after its future was settled; dropped")
+
+
+def started(heads: list[tuple[TrainModel, Op]]) -> list[tuple[TrainModel, Op]]:
+    """Mark a round's calls as taken by the worker (under the lock): closing their model leaves them be."""
+    for _, op in heads:
+        op.started = True
+    return heads

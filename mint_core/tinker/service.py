@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,9 @@ from mint_core.tinker.records import (
     TinkerError,
     TrainModel,
     not_found,
+    record,
+    settle_one,
+    started,
 )
 from mint_core.tinker.wire import Datum, write_forward_backward_output
 from mint_core.types import Digest
@@ -271,9 +274,7 @@ class TinkerService(Checkpoints):
         while m.queue:
             op = m.queue.popleft()
             if not op.started:
-                _settle_one(
-                    op.future, error=TinkerError(410, f"model {model_id} was closed with its session")
-                )
+                settle_one(op.future, error=TinkerError(410, f"model {model_id} was closed with its session"))
         ws = self.engine.working_set
         ws.unpin(model_id)
         ws.remove(model_id)
@@ -509,7 +510,7 @@ class TinkerService(Checkpoints):
             except BaseException as e:  # the worker outlives any one round: its calls fail, later ones run
                 logger.exception("tinker round failed")
                 for _, op in heads:
-                    _settle_one(op.future, error=e)
+                    settle_one(op.future, error=e)
             with self._cv:
                 for m, op in heads:
                     if m.queue and m.queue[0] is op:
@@ -534,12 +535,12 @@ class TinkerService(Checkpoints):
                 continue
             rest = [(m, op) for m, op in heads if op.kind not in BATCHED]
             if rest:
-                return _started(rest)
+                return started(rest)
             now = time.monotonic()
             left = max(min(op.queued for _, op in heads), self._free_since) + self.window_s - now
             recent = now - ACTIVE_S
             if left <= 0 or not any(not m.queue and m.last_call > recent for m in self.models.values()):
-                return _started(heads)
+                return started(heads)
             self._cv.wait(left)
 
     def _one(self, op: Op) -> None:
@@ -549,9 +550,9 @@ class TinkerService(Checkpoints):
         except BaseException as e:  # the caller's future carries it
             if not isinstance(e, TinkerError | MintError | ValueError):
                 logger.exception("tinker call failed")
-            _settle_one(op.future, error=e)
+            settle_one(op.future, error=e)
             return
-        _settle_one(op.future, value)
+        settle_one(op.future, value)
 
     def _batch(self, calls: list[tuple[TrainModel, Op]]) -> None:
         self._settle(calls, "batched forward_backward", lambda: self.run_batch(calls))
@@ -563,7 +564,7 @@ class TinkerService(Checkpoints):
                 assert op.adam is not None
                 steps.append((m, op.adam))
             metrics = self.optim_steps(steps)
-            _record(self.optim_rounds, len(calls))
+            record(self.optim_rounds, len(calls))
             return [Result(json=res) for res in metrics]
 
         self._settle(calls, "optim_step", run)
@@ -576,10 +577,10 @@ class TinkerService(Checkpoints):
         except BaseException as e:  # the callers' futures carry it
             logger.exception("%s failed", what)
             for _, op in calls:
-                _settle_one(op.future, error=e)
+                settle_one(op.future, error=e)
             return
         for (_, op), res in zip(calls, results, strict=True):
-            _settle_one(op.future, res)
+            settle_one(op.future, res)
 
     # ---- the batched step ------------------------------------------------------------------------------
 
@@ -600,7 +601,7 @@ class TinkerService(Checkpoints):
         train = any(op.kind == "forward_backward" for _, op in calls)
         sites = sorted({s for m, op in calls if op.kind == "forward_backward" for s in m.sites})
         banks = [eng.lora.banks[s] for s in sites]
-        _record(self.batches, len(calls))
+        record(self.batches, len(calls))
         # each call's tokens are one run of the real tokens in row order (rows are in call order)
         token_ends = np.concatenate([[0], np.cumsum(lengths)])
         bounds = token_ends[np.cumsum([0] + [len(op.data) for _, op in calls])]
@@ -768,36 +769,6 @@ class TinkerService(Checkpoints):
                     raise TinkerError(410, gone[1])
                 raise not_found(f"no sampling session {sampler_id!r} of this API key")
             return s
-
-
-HISTORY = 4096
-"""Most round sizes `TinkerService.batches` and `.optim_rounds` keep: a server runs for days."""
-
-
-def _record(history: list[int], n: int) -> None:
-    """Append a round's size, dropping the oldest half once `HISTORY` are kept."""
-    history.append(n)
-    if len(history) > HISTORY:
-        del history[: HISTORY // 2]
-
-
-def _settle_one(fut: Future[Any], value: Any = None, error: BaseException | None = None) -> None:
-    """Give a future its result or error, once: a future already settled (its model closed while it ran) keeps
-    what it has."""
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-    except InvalidStateError:
-        logger.debug("a tinker call finished after its future was settled; dropped")
-
-
-def _started(heads: list[tuple[TrainModel, Op]]) -> list[tuple[TrainModel, Op]]:
-    """Mark a round's calls as taken by the worker (under the lock): closing their model leaves them be."""
-    for _, op in heads:
-        op.started = True
-    return heads
 
 
 def _policy_name(session_id: str, seq: int) -> str:

@@ -92,7 +92,11 @@ def test_adapter_load_runs_at_a_real_shape(run_benchmark: Callable[..., dict[str
     assert result["disk_bytes_r8"] > result["host_bytes_r8"]
 
 
-@pytest.mark.parametrize("adapter_only", [False, True], ids=["both paths", "adapter only"])
+@pytest.mark.parametrize(
+    "adapter_only",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # both paths: the merged baseline too (9 s)
+    ids=["both paths", "adapter only"],
+)
 def test_handoff_runs_small(run_benchmark: Callable[..., dict[str, Any]], adapter_only: bool) -> None:
     """Both servers start, every handoff answers with the new revision (the script checks), and the adapter's
     file is in the base's dtype: bf16, half the float32 factors' bytes."""
@@ -123,6 +127,7 @@ def test_handoff_runs_small(run_benchmark: Callable[..., dict[str, Any]], adapte
         assert result["merged_s"] > 0 and result["speedup"] > 0
 
 
+@pytest.mark.slow  # 13 s
 def test_update_memory_runs_small(run_benchmark: Callable[..., dict[str, Any]]) -> None:
     """All three ways out of the model train the same adapter (the script checks and exits otherwise)."""
     result = run_benchmark(

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 10,000 rows (21 s)
 def test_catalog_scale_at_ten_thousand(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(

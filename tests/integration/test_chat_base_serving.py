@@ -75,6 +75,7 @@ def test_mint_serve_answers_chat_with_the_rendered_prompt(chat_base: Path, mint_
     assert plain.usage is not None and plain.usage.prompt_tokens == chat.usage.prompt_tokens
 
 
+@pytest.mark.slow  # a vLLM of its own (the default tier keeps one vLLM, the session's)
 def test_vllm_serves_the_chat_base_with_the_same_prompt_and_stops_at_the_end_of_turn(
     chat_base: Path, tmp_path: Path
 ) -> None:
@@ -152,6 +153,7 @@ def test_mint_up_with_a_base_serves_it_and_the_stacks_flows_train_on_it(
         stop(config, ["serve"])
 
 
+@pytest.mark.slow  # a vLLM of its own (the default tier keeps one vLLM, the session's)
 def test_mint_up_serving_vllm_with_a_chat_base(chat_base: Path, tmp_path: Path) -> None:
     """`mint up --serving vllm --base DIR`: the base is checked against the installed vLLM (its architectures)
     before anything starts, vLLM serves it with the base's own chat template, and the front answers chat with

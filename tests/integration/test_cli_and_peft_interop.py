@@ -42,7 +42,7 @@ def peft_adapter(base_dir: Path, out: Path, config: LoraConfig, seed: int) -> No
     ("family", "config"),
     [
         ("dense", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])),
-        (
+        pytest.param(
             "moe",
             LoraConfig(
                 r=2,
@@ -50,6 +50,7 @@ def peft_adapter(base_dir: Path, out: Path, config: LoraConfig, seed: int) -> No
                 target_modules=["q_proj", "o_proj"],
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
             ),
+            marks=pytest.mark.slow,  # 16 s; PEFT and the packed MoE layout: also tests/unit/test_adapter_format.py
         ),
     ],
 )
@@ -147,6 +148,7 @@ def test_mint_train_writes_curves_summary_and_revisions(tmp_path):
     ]
 
 
+@pytest.mark.slow  # three training runs (45 s); resuming: also tests/unit/test_trainer.py
 def test_mint_train_interrupted_and_resumed_ends_where_an_uninterrupted_run_does(tmp_path):
     """Ctrl-C stops after the step under way and saves a checkpoint; --resume continues from it with the same
     prompts and samples, so the exported revisions are byte for byte those of a run that was never stopped."""

@@ -56,7 +56,10 @@ COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("case", list(COMMANDS))
+# wave and lifecycle: 14 s each, in the slow tier (canary and registry keep the default tier on the stack)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in ("wave", "lifecycle") else c for c in COMMANDS]
+)
 def test_flow_command_runs_on_the_workspace_stack(case: str, workspace: tuple[Path, ServicesConfig]) -> None:
     home, config = workspace
     args, flow_name = COMMANDS[case]

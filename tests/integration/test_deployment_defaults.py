@@ -195,7 +195,10 @@ def test_a_quick_run_with_the_default_form_completes_after_the_main_job(
     print(f"\n{deployment} with its default form: {state.type.value} in {took:.0f} s")
 
 
-@pytest.mark.parametrize("deployment", ["retrain", "prefetch", "reconcile"])
+@pytest.mark.parametrize(
+    "deployment",
+    [pytest.param("retrain", marks=pytest.mark.slow), "prefetch", "reconcile"],  # retrain: 26 s
+)
 def test_the_other_deployments_default_forms_complete_after_the_main_job(
     main_job_state: MainJobState, deployment: str
 ) -> None:

@@ -117,6 +117,7 @@ def _small_params() -> dict:
     return params
 
 
+@pytest.mark.slow  # reruns the pipeline's stages (26 s)
 def test_a_param_reruns_exactly_its_stages(tmp_path: Path) -> None:
     """The cheap stages in a scratch repo: a check bound reruns only validate_data, a suite size only
     eval_sets, a data size task_data and both below it; the data revision follows the data, not the bounds."""

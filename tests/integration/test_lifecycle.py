@@ -319,6 +319,7 @@ def test_wave_trains_policies_together(stack: Stack) -> None:
 # ---- faults --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a killed flow run and its rerun (13 s); scripts/faults.py kills real services too
 def test_killed_during_update_then_rerun(stack: Stack) -> None:
     name = "lc-kill-update"
     proc = run_subprocess(stack, stack.ws, policy(name), training("k1", steps=3), "grpo_update:2:kill")
@@ -334,6 +335,7 @@ def test_killed_during_update_then_rerun(stack: Stack) -> None:
     assert stack.served(name) == f"sha256:{reg.resolve(name).digest}"
 
 
+@pytest.mark.slow  # a killed flow run and its rerun (19 s)
 def test_killed_during_promotion_then_rerun(stack: Stack) -> None:
     name = "lc-kill-promote"
     old_version, old_digest = seed_champion(stack, name, seed=11)

@@ -56,7 +56,8 @@ class Stack:
     backend: str
 
 
-@pytest.fixture(scope="module", params=["mint", "vllm"])
+# the vLLM case starts a vLLM of its own: slow tier (the default tier keeps one vLLM, the session's)
+@pytest.fixture(scope="module", params=["mint", pytest.param("vllm", marks=pytest.mark.slow)])
 def stack(
     request: pytest.FixtureRequest,
     mlflow_server: str,

@@ -27,6 +27,7 @@ def prefect(*args: str, api_url: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # `prefect deploy --all` (19 s); `mint up` registers the same deployments in test_services.py
 def test_deploy_all_registers_every_deployment_of_prefect_yaml(prefect_server: str) -> None:
     spec = yaml.safe_load(PREFECT_FILE.read_text())
     wanted = {d["name"]: d for d in spec["deployments"]}

@@ -176,6 +176,7 @@ def gauges(url: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(r"^(mint_\w+) (\S+)$", text, re.MULTILINE)}
 
 
+@pytest.mark.slow  # fifty RL steps through the SDK (10 s)
 def test_fifty_rl_steps_with_unnamed_snapshots_leave_the_server_at_a_constant_size(
     base_dir: Path,  # noqa: F811
     tmp_path: Path,

@@ -70,10 +70,11 @@ def deliver(
     return httpx.post(stack.hooks + WEBHOOK_PATH, content=body, headers=headers or signed, timeout=60)
 
 
-@pytest.fixture
+@pytest.fixture(scope="class")
 def webhook_off(stack: Stack) -> Iterator[None]:
-    """MLflow's webhook disabled for the test (past MLflow's 2 s webhook cache), so only the test's own deliveries
-    reach the receiver; registered again afterwards as `mint up` does."""
+    """MLflow's webhook disabled for a class of tests (past MLflow's 2 s webhook cache), so only the tests' own
+    deliveries reach the receiver; registered again afterwards as `mint up` does. Once per class: each switch
+    waits out that cache, 5 s a test when it was per test."""
     client = MlflowClient(stack.mlflow)
     hook = next(w for w in client.list_webhooks() if w.name == WEBHOOK_NAME)
     client.update_webhook(hook.webhook_id, status="DISABLED")
@@ -131,50 +132,54 @@ def test_deleting_the_champion_alias_leaves_serving_as_it_is(stack: Stack) -> No
     stack.wait_served(1)
 
 
-@pytest.mark.parametrize(
-    ("case", "change", "expected"),
-    [
-        ("no signature", "headers", "missing"),
-        ("another secret", "key", "does not match"),
-        ("signed another body", "body", "does not match"),
-        ("an hour old", "stale", "from now"),
-        ("timestamp not a number", "garbled_ts", "not a Unix time"),
-    ],
-)
-def test_a_bad_signature_is_refused_and_changes_nothing(
-    stack: Stack, webhook_off: None, case: str, change: str, expected: str
-) -> None:
-    client = MlflowClient(stack.mlflow)
-    before = stack.served()
-    current = next(v for v, d in stack.digests.items() if d == before)
-    target = next(v for v in stack.digests if v != current)
-    client.set_registered_model_alias(stack.policy, "champion", str(target))  # no delivery: webhook disabled
-    body = event(stack.policy, version=target)
-    if change == "headers":
-        r = deliver(stack, body, headers={"Content-Type": "application/json"})
-    elif change == "key":
-        r = deliver(stack, body, key="not-the-secret")
-    elif change == "body":
-        delivery, ts = "d-1", str(int(time.time()))
-        headers = {
-            "X-MLflow-Delivery-Id": delivery,
-            "X-MLflow-Timestamp": ts,
-            "X-MLflow-Signature": sign(secret(stack), delivery, ts, event("other-policy")),
-        }
-        r = deliver(stack, body, headers=headers)
-    elif change == "stale":
-        r = deliver(stack, body, ts=str(int(time.time()) - 3600))
-    else:
-        r = deliver(stack, body, ts="yesterday")
-    assert r.status_code == 401, (case, r.text)
-    assert expected in r.json()["error"], case
-    time.sleep(0.3)
-    assert stack.served() == before, f"{case}: serving changed"
-    # the same event, properly signed, is acted on
-    ok = deliver(stack, body)
-    assert ok.status_code == 200, ok.text
-    assert ok.json()["reloaded"] is True
-    assert stack.served() == stack.digests[target]
+@pytest.mark.usefixtures("webhook_off")
+class TestABadSignature:
+    @pytest.mark.parametrize(
+        ("case", "change", "expected"),
+        [
+            ("no signature", "headers", "missing"),
+            ("another secret", "key", "does not match"),
+            ("signed another body", "body", "does not match"),
+            ("an hour old", "stale", "from now"),
+            ("timestamp not a number", "garbled_ts", "not a Unix time"),
+        ],
+    )
+    def test_is_refused_and_changes_nothing(
+        self, stack: Stack, case: str, change: str, expected: str
+    ) -> None:
+        client = MlflowClient(stack.mlflow)
+        before = stack.served()
+        current = next(v for v, d in stack.digests.items() if d == before)
+        target = next(v for v in stack.digests if v != current)
+        client.set_registered_model_alias(
+            stack.policy, "champion", str(target)
+        )  # no delivery: webhook disabled
+        body = event(stack.policy, version=target)
+        if change == "headers":
+            r = deliver(stack, body, headers={"Content-Type": "application/json"})
+        elif change == "key":
+            r = deliver(stack, body, key="not-the-secret")
+        elif change == "body":
+            delivery, ts = "d-1", str(int(time.time()))
+            headers = {
+                "X-MLflow-Delivery-Id": delivery,
+                "X-MLflow-Timestamp": ts,
+                "X-MLflow-Signature": sign(secret(stack), delivery, ts, event("other-policy")),
+            }
+            r = deliver(stack, body, headers=headers)
+        elif change == "stale":
+            r = deliver(stack, body, ts=str(int(time.time()) - 3600))
+        else:
+            r = deliver(stack, body, ts="yesterday")
+        assert r.status_code == 401, (case, r.text)
+        assert expected in r.json()["error"], case
+        time.sleep(0.3)
+        assert stack.served() == before, f"{case}: serving changed"
+        # the same event, properly signed, is acted on
+        ok = deliver(stack, body)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["reloaded"] is True
+        assert stack.served() == stack.digests[target]
 
 
 def test_events_with_nothing_to_do_are_ignored_with_2xx(stack: Stack, tmp_path: Path) -> None:

@@ -572,11 +572,11 @@ def test_the_wire_format_round_trips_with_the_sdks_own_encoders_and_decoders() -
 
 def test_round_size_history_stays_bounded() -> None:
     """A long-running server keeps only the newest round sizes, never an ever-growing list."""
-    from mint_core.tinker.service import HISTORY, _record
+    from mint_core.tinker.records import HISTORY, record
 
     history: list[int] = []
     for i in range(HISTORY + 1):
-        _record(history, i)
+        record(history, i)
     assert len(history) == HISTORY // 2 + 1 and history[-1] == HISTORY and history[0] == HISTORY // 2
 
 
