@@ -8,6 +8,12 @@ and no flow run is touched (seen in the main job's runs, which all completed bes
 turns that one record into a one-line WARNING that says so; every other record passes as it was. On PostgreSQL
 (`prefect_database_url`, the documented scale path) the write takes a row lock and this does not occur.
 
+The same busy answer to a state write (a flow run's new state, or a scheduled run marked Late by Prefect's
+late-runs service, seen in a fresh clone's `make run` beside a loaded machine) is logged by `prefect.server` as
+"Encountered error during state validation" with a traceback. Prefect itself counts it retryable
+(`is_client_retryable_exception`): the API answers 503 and the client writes the state again, and the late-runs
+service marks the run on its next pass. A second filter says so in one WARNING line.
+
 Light on purpose: the Prefect server imports it while it configures logging.
 """
 
@@ -24,6 +30,15 @@ HEARTBEAT_LOGGER = "prefect.server.utilities.worker_channel"
 HARMLESS = (
     "worker heartbeat not written: SQLite was busy (database is locked). Harmless: the worker reconnects and its "
     "next heartbeat is written; no flow run is affected. Prefect on PostgreSQL (prefect_database_url) avoids it."
+)
+
+
+STATE_LOGGER = "prefect.server"
+STATE_VALIDATION = "Encountered error during state validation"  # prefect/server/orchestration/rules.py
+RETRIED = (
+    "a state write was not made: SQLite was busy (database is locked). Prefect counts it retryable: its API answers "
+    "503 and the state is written again (by the client, or by the late-runs service on its next pass); no flow run "
+    "is lost. Prefect on PostgreSQL (prefect_database_url) avoids it."
 )
 
 
@@ -52,13 +67,28 @@ class SQLiteBusyHeartbeat(logging.Filter):
         return True
 
 
+class SQLiteBusyStateWrite(logging.Filter):
+    """A state write that SQLite refused as busy (Prefect retries it): a one-line WARNING saying so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == STATE_VALIDATION and record.exc_info and _sqlite_busy(record.exc_info[1]):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = RETRIED, ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def write_config(prefect_default: Path, out: Path) -> Path:
-    """Prefect's logging.yml (its `${...}` settings placeholders kept) with the filter on the heartbeat logger."""
+    """Prefect's logging.yml (its `${...}` settings placeholders kept) with the filters on the heartbeat logger and
+    on the server's own."""
     config: dict[str, Any] = yaml.safe_load(prefect_default.read_text())
     config.setdefault("filters", {})["sqlite_busy_heartbeat"] = {"()": f"{__name__}.SQLiteBusyHeartbeat"}
     config.setdefault("loggers", {})[HEARTBEAT_LOGGER] = {
         "level": "${PREFECT_SERVER_LOGGING_LEVEL}",
         "filters": ["sqlite_busy_heartbeat"],
     }
+    config["filters"]["sqlite_busy_state_write"] = {"()": f"{__name__}.SQLiteBusyStateWrite"}
+    server = config["loggers"].setdefault(STATE_LOGGER, {"level": "${PREFECT_SERVER_LOGGING_LEVEL}"})
+    server["filters"] = [*server.get("filters", []), "sqlite_busy_state_write"]
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out

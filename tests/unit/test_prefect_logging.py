@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import sqlalchemy.exc
 
-from mint_app.prefect_logging import HARMLESS, HEARTBEAT_LOGGER, SQLiteBusyHeartbeat, write_config
+from mint_app.prefect_logging import (
+    HARMLESS,
+    HEARTBEAT_LOGGER,
+    RETRIED,
+    STATE_LOGGER,
+    STATE_VALIDATION,
+    SQLiteBusyHeartbeat,
+    SQLiteBusyStateWrite,
+    write_config,
+)
 
 
 def record_of(exc: BaseException) -> logging.LogRecord:
@@ -66,6 +75,30 @@ def test_every_other_error_passes_as_it_was(exc: BaseException) -> None:
     )
 
 
+def state_record(exc: BaseException, msg: str = STATE_VALIDATION) -> logging.LogRecord:
+    try:
+        raise exc
+    except BaseException:
+        info = sys.exc_info()
+    return logging.LogRecord(STATE_LOGGER, logging.ERROR, __file__, 1, msg, (), info)
+
+
+def test_a_busy_state_write_becomes_a_one_line_warning_and_nothing_else_does() -> None:
+    """What a fresh clone's `make run` logged once beside a loaded machine (a scheduled run marked Late)."""
+    late = sqlalchemy.exc.OperationalError(
+        "INSERT INTO flow_run_state ...", {}, sqlite3.OperationalError("database is locked")
+    )
+    r = state_record(late)
+    assert SQLiteBusyStateWrite().filter(r)
+    assert (r.levelno, r.getMessage(), r.exc_info) == (logging.WARNING, RETRIED, None)
+    for other in (
+        state_record(ValueError("a state the rules refuse")),  # a real validation error stays an ERROR
+        state_record(late, msg="Something else failed"),  # another message of the server's, busy or not
+    ):
+        assert SQLiteBusyStateWrite().filter(other)
+        assert other.levelno == logging.ERROR and other.exc_info is not None
+
+
 def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
     spec = importlib.util.find_spec("prefect")
     assert spec is not None and spec.origin is not None
@@ -75,6 +108,8 @@ def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
 
     config = load_logging_config(out)  # Prefect's loader: its ${...} settings substituted
     assert config["loggers"][HEARTBEAT_LOGGER]["filters"] == ["sqlite_busy_heartbeat"]
+    assert config["loggers"][STATE_LOGGER]["filters"] == ["sqlite_busy_state_write"]
+    assert "${" not in str(config["loggers"][STATE_LOGGER]["level"])
     assert "${" not in str(config["loggers"][HEARTBEAT_LOGGER]["level"])
     assert set(config["handlers"]) >= {"console", "api"}  # nothing of Prefect's own was dropped
     # the factory the server's dictConfig calls (not configured here: it would replace this process's logging)
