@@ -403,9 +403,11 @@ class GoldenProbe:
                 return None
             if self.gw.fleet is not None:
                 await asyncio.gather(*(self.gw.fleet.read(r) for r in self.gw.fleet.replicas))
-            results = [await self._probe(t, reason) for t in self.targets if t.out is None]
+            # a replica out of rotation is its restart's business (`_restart` admits it back), not the probe's
+            asked = [t for t in self.targets if t.out is None]
+            results = [await self._probe(t, reason) for t in asked]
         if self.gw.fleet is not None:
-            await self._admit([t for t, ok in zip(self.targets, results, strict=False) if ok])
+            await self._admit([t for t, ok in zip(asked, results, strict=True) if ok])
         if any(r is False for r in results):
             return False
         return True if any(r is True for r in results) else None
@@ -430,12 +432,15 @@ class GoldenProbe:
     # -- the router (a fleet) -------------------------------------------------------------------------------------
 
     async def _router(self, path: str, t: Target) -> bool:
-        """vllm-router's worker route `path` (`/remove_worker`, `/add_worker`) for `t`: True when it answered 200."""
+        """vllm-router's worker route `path` (`/remove_worker`, `/add_worker`) for `t`: True when it answered 200,
+        or, for an add, that the worker is there already (vllm-router 0.1.17: 400 "... already exists")."""
         try:
             r = await self.gw.vllm.post(path, params={"url": t.url}, timeout=30)
         except httpx.HTTPError as e:
             logger.error("golden probe: vllm-router did not answer %s for %s: %s", path, t.name, e)
             return False
+        if path == "/add_worker" and r.status_code == 400 and "already exists" in r.text:
+            return True
         if r.status_code != 200:
             logger.warning(
                 "golden probe: vllm-router answered %s for %s with %d: %s",
