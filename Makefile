@@ -47,9 +47,11 @@ fmt: venv
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# unit + integration: the default tier set, and what CI runs
+# unit + integration: the default tier set, and what CI runs; in TEST_WORKERS pytest workers (pytest-xdist), each
+# module whole on one worker and every module of the session's vLLM on the same one (tests/conftest.py: RoomScheduling)
+TEST_WORKERS ?= 2
 test: check vllm-venv
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup -q
 
 test-unit: venv
 	$(BIN)/pytest -m "not slow and not integration" -q

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +37,97 @@ NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machi
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 """Parametrise a test with `device` over these: the cheap cpu run in every suite, the same check on CUDA where a GPU
 is visible (skipped with the reason elsewhere, CI included: a skip, never a failure)."""
+
+
+# ---- two workers (`make test` runs `pytest -n 2`, pytest-xdist) -----------------------------------------------
+# A module runs whole on one worker, so its module-scoped stack starts once, and the modules that reach the
+# session's vLLM all run on the same worker, so a session starts one vLLM, not one per worker. (xdist's own
+# `--dist loadgroup` cannot say this under pytest 9: its group suffix is written to an attribute pytest 9 no longer
+# reads, so a scheduler of our own groups the node ids.)
+
+SHARED_VLLM_MODULES = frozenset(
+    {
+        "test_canary_flow.py",
+        "test_canary_serving.py",
+        "test_hot_swap.py",
+        "test_lifecycle.py",
+        "test_metrics_vs_vllm.py",
+        "test_serving_contract.py",
+        "test_serving_store.py",
+        "test_vllm_golden.py",
+        "test_vllm_resolver.py",
+        "test_vllm_seal.py",
+    }
+)
+"""The modules that use the session's vLLM (`vllm_server`, or `endpoint` through its vllm parameter)."""
+
+
+def room(nodeid: str) -> str:
+    """What one worker runs whole: a test's module, or "vllm" for every module of SHARED_VLLM_MODULES."""
+    module = nodeid.split("::", 1)[0]
+    return "vllm" if Path(module).name in SHARED_VLLM_MODULES else module
+
+
+def uses_session_vllm(item: pytest.Item) -> bool:
+    if any(name in item.fixturenames for name in ("vllm_server", "endpoint")):
+        return True
+    module = getattr(item, "module", None)
+    source = Path(module.__file__).read_text() if module and module.__file__ else ""
+    return 'getfixturevalue("vllm_server")' in source
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A module that uses the session's vLLM but is missing from SHARED_VLLM_MODULES would start a second vLLM on
+    the other worker: refuse to run, naming it."""
+    missing = sorted({item.path.name for item in items if uses_session_vllm(item)} - SHARED_VLLM_MODULES)
+    if missing:
+        raise pytest.UsageError(
+            f"{', '.join(missing)} use the session's vLLM: add them to SHARED_VLLM_MODULES in tests/conftest.py"
+        )
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is a dev dependency; without it tests run in one process
+    pass
+else:
+
+    class RoomScheduling(LoadScopeScheduling):
+        """xdist's load-by-scope scheduling with `room` as the scope, in collection order: the vLLM room (the
+        longest, from the second integration module) and the stacks of the integration modules first, the unit
+        modules' many short tests last, where they fill the end of the run evenly. (xdist's default order, by the
+        number of tests in a scope, would leave a stack of few tests for the end.)"""
+
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return room(nodeid)
+
+    TERMINAL = ("COLUMNS", "LINES")
+
+    def pytest_configure_node(node: Any) -> None:
+        """The controller's terminal variables, for its workers: they start with COLUMNS=80 in their environment
+        where the controller has none, and a console made in a worker would then cut a table at 80 columns."""
+        node.workerinput["terminal"] = {name: os.environ.get(name) for name in TERMINAL}
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadScopeScheduling | None:
+        if (
+            config.getvalue("dist") != "loadgroup"
+        ):  # the grouping `make test` asks for; any other --dist is kept
+            return None
+        return RoomScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In an xdist worker, the terminal variables are the controller's (pytest_configure_node)."""
+    terminal = getattr(config, "workerinput", {}).get("terminal", {})
+    for name, value in terminal.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
