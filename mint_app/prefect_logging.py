@@ -14,6 +14,11 @@ late-runs service, seen in a fresh clone's `make run` beside a loaded machine) i
 (`is_client_retryable_exception`): the API answers 503 and the client writes the state again, and the late-runs
 service marks the run on its next pass. A second filter says so in one WARNING line.
 
+The server's background tasks run on docket, which retries a failed one (Prefect declares `mark_work_queues_ready`
+and its kin with `Retry(attempts=...)`). Docket logs each retry it schedules as an ERROR with a traceback ("↩
+[duration] call"); when the failure was SQLite's busy answer, a third filter says in one WARNING line that the task
+is retried. A task that runs out of attempts is logged by docket on another line, which passes as it was.
+
 Light on purpose: the Prefect server imports it while it configures logging.
 """
 
@@ -39,6 +44,14 @@ RETRIED = (
     "a state write was not made: SQLite was busy (database is locked). Prefect counts it retryable: its API answers "
     "503 and the state is written again (by the client, or by the late-runs service on its next pass); no flow run "
     "is lost. Prefect on PostgreSQL (prefect_database_url) avoids it."
+)
+
+
+RETRY_LOGGER = "docket.dependencies"
+RETRY_MARK = "↩"  # docket/dependencies/_retry.py: "↩ [%s] %s", a retry scheduled
+RETRYING = (
+    "background task %s was not done: SQLite was busy (database is locked). Docket retries it (one that runs out "
+    "of attempts is logged as an ERROR). Prefect on PostgreSQL (prefect_database_url) avoids it."
 )
 
 
@@ -78,9 +91,26 @@ class SQLiteBusyStateWrite(logging.Filter):
         return True
 
 
+class SQLiteBusyRetry(logging.Filter):
+    """A background task docket retries because SQLite was busy: a one-line WARNING naming the task."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            isinstance(record.msg, str)
+            and record.msg.startswith(RETRY_MARK)
+            and record.exc_info
+            and _sqlite_busy(record.exc_info[1])
+        ):
+            call = record.args[-1] if isinstance(record.args, tuple) and record.args else "?"
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = RETRYING, (call,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def write_config(prefect_default: Path, out: Path) -> Path:
-    """Prefect's logging.yml (its `${...}` settings placeholders kept) with the filters on the heartbeat logger and
-    on the server's own."""
+    """Prefect's logging.yml (its `${...}` settings placeholders kept) with the filters on the heartbeat logger, on
+    the server's own and on docket's retries."""
     config: dict[str, Any] = yaml.safe_load(prefect_default.read_text())
     config.setdefault("filters", {})["sqlite_busy_heartbeat"] = {"()": f"{__name__}.SQLiteBusyHeartbeat"}
     config.setdefault("loggers", {})[HEARTBEAT_LOGGER] = {
@@ -90,5 +120,8 @@ def write_config(prefect_default: Path, out: Path) -> Path:
     config["filters"]["sqlite_busy_state_write"] = {"()": f"{__name__}.SQLiteBusyStateWrite"}
     server = config["loggers"].setdefault(STATE_LOGGER, {"level": "${PREFECT_SERVER_LOGGING_LEVEL}"})
     server["filters"] = [*server.get("filters", []), "sqlite_busy_state_write"]
+    config["filters"]["sqlite_busy_retry"] = {"()": f"{__name__}.SQLiteBusyRetry"}
+    retry = config["loggers"].setdefault(RETRY_LOGGER, {})
+    retry["filters"] = [*retry.get("filters", []), "sqlite_busy_retry"]
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out

@@ -17,9 +17,12 @@ from mint_app.prefect_logging import (
     HARMLESS,
     HEARTBEAT_LOGGER,
     RETRIED,
+    RETRY_LOGGER,
+    RETRYING,
     STATE_LOGGER,
     STATE_VALIDATION,
     SQLiteBusyHeartbeat,
+    SQLiteBusyRetry,
     SQLiteBusyStateWrite,
     write_config,
 )
@@ -99,6 +102,28 @@ def test_a_busy_state_write_becomes_a_one_line_warning_and_nothing_else_does() -
         assert other.levelno == logging.ERROR and other.exc_info is not None
 
 
+def retry_record(exc: BaseException, msg: str = "↩ [%s] %s") -> logging.LogRecord:
+    try:
+        raise exc
+    except BaseException:
+        info = sys.exc_info()
+    call = "mark_work_queues_ready(work_queue_ids=[...])"
+    return logging.LogRecord(RETRY_LOGGER, logging.ERROR, __file__, 1, msg, ("12ms", call), info)
+
+
+def test_a_busy_background_task_docket_retries_becomes_a_one_line_warning_naming_it() -> None:
+    r = retry_record(busy())
+    assert SQLiteBusyRetry().filter(r)
+    assert (r.levelno, r.levelname, r.exc_info) == (logging.WARNING, "WARNING", None)
+    assert r.getMessage() == RETRYING % "mark_work_queues_ready(work_queue_ids=[...])"
+    for other in (
+        retry_record(ValueError("a real failure")),  # retried, but not SQLite's busy answer: stays an ERROR
+        retry_record(busy(), msg="✗ [%s] %s"),  # any other line of docket's, busy or not
+    ):
+        assert SQLiteBusyRetry().filter(other)
+        assert other.levelno == logging.ERROR and other.exc_info is not None
+
+
 def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
     spec = importlib.util.find_spec("prefect")
     assert spec is not None and spec.origin is not None
@@ -109,6 +134,7 @@ def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
     config = load_logging_config(out)  # Prefect's loader: its ${...} settings substituted
     assert config["loggers"][HEARTBEAT_LOGGER]["filters"] == ["sqlite_busy_heartbeat"]
     assert config["loggers"][STATE_LOGGER]["filters"] == ["sqlite_busy_state_write"]
+    assert config["loggers"][RETRY_LOGGER]["filters"] == ["sqlite_busy_retry"]
     assert "${" not in str(config["loggers"][STATE_LOGGER]["level"])
     assert "${" not in str(config["loggers"][HEARTBEAT_LOGGER]["level"])
     assert set(config["handlers"]) >= {"console", "api"}  # nothing of Prefect's own was dropped
