@@ -321,7 +321,7 @@ def test_wave_trains_policies_together(stack: Stack) -> None:
 
 @pytest.mark.slow  # a killed flow run and its rerun (13 s); scripts/faults.py kills real services too
 def test_killed_during_update_then_rerun(stack: Stack) -> None:
-    name = "lc-kill-update"
+    name = f"lc-kill-update-{stack.root.name}"  # the [mint] and [vllm] stacks share the session's MLflow
     proc = run_subprocess(stack, stack.ws, policy(name), training("k1", steps=3), "grpo_update:2:kill")
     assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert stack.registry().policies().count(name) == 0  # nothing was exported
@@ -337,7 +337,7 @@ def test_killed_during_update_then_rerun(stack: Stack) -> None:
 
 @pytest.mark.slow  # a killed flow run and its rerun (19 s)
 def test_killed_during_promotion_then_rerun(stack: Stack) -> None:
-    name = "lc-kill-promote"
+    name = f"lc-kill-promote-{stack.root.name}"  # the [mint] and [vllm] stacks share the session's MLflow
     old_version, old_digest = seed_champion(stack, name, seed=11)
     ws = stack.ws.model_copy(update={"lock_hold_s": 8.0})
     proc = run_subprocess(stack, ws, policy(name), training("k2"), "promote:kill")
