@@ -282,7 +282,8 @@ def _other_workers_online(api: str, pool: str, worker: str) -> list[str]:
 
 
 def _lease_holders(catalog_url: str | None) -> Callable[[str], str | None]:
-    """Who holds a flow run's run lease (None: nobody, or no catalog to ask)."""
+    """Who holds a flow run's run lease, or last held it and never released it (its host died; with the catalog's
+    leases, whose rows keep an expired holder), None: nobody, or no catalog to ask."""
     if not catalog_url:
         return lambda run_id: None
     # only here: `mint up` on its own never loads the catalog (SQLAlchemy tables, the lease backends)
@@ -296,8 +297,8 @@ def _lease_holders(catalog_url: str | None) -> Callable[[str], str | None]:
         return lambda run_id: None
 
     def holder(run_id: str) -> str | None:
-        try:
-            return leases.holder(f"{RUN_LEASE_PREFIX}{run_id}")
+        try:  # held now, or expired unreleased: a host that died names its runs until another takes them
+            return leases.last_holder(f"{RUN_LEASE_PREFIX}{run_id}")
         except Exception as e:
             logger.warning("could not read the run lease of %s: %s", run_id, e)
             return None

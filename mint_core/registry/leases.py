@@ -68,6 +68,10 @@ class Leases(Protocol):
         """Who holds `name` now, or None."""
         ...
 
+    def last_holder(self, name: str) -> str | None:
+        """Who held `name` last and never released it, expired or not (a holder that died), or None."""
+        ...
+
 
 @contextlib.contextmanager
 def held(
@@ -137,6 +141,12 @@ class CatalogLeases:
             return None
         return str(row[0])
 
+    def last_holder(self, name: str) -> str | None:
+        """Who held `name` last and never released it: the row keeps an expired holder until another takes it."""
+        with self.catalog.engine.connect() as conn:
+            row = conn.execute(sa.select(locks.c.holder).where(locks.c.name == name)).first()
+        return None if row is None or row[0] is None else str(row[0])
+
     def __repr__(self) -> str:
         return f"CatalogLeases({self.catalog.engine.url.render_as_string(hide_password=True)})"
 
@@ -202,6 +212,10 @@ class RedisLeases:
         if value is None:
             return None
         return value.decode() if isinstance(value, bytes) else str(value)
+
+    def last_holder(self, name: str) -> str | None:
+        """Redis drops a key when its lease expires, so the last holder is the holder while it holds."""
+        return self.holder(name)
 
     def __repr__(self) -> str:
         return f"RedisLeases({_safe(self.url)})"

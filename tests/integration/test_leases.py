@@ -168,6 +168,23 @@ def test_lease_of_a_dead_holder_expires(backend: Backend) -> None:
     _close(leases)
 
 
+def test_an_expired_lease_still_names_its_last_holder_until_released_or_taken(backend: Backend) -> None:
+    """What a worker starting again reads to find the runs its dead host left (mint_app.deployments.reclaim_runs):
+    on the catalog the row keeps the holder after expiry; Redis drops the key, so there only a live holder shows."""
+    leases, name = backend.open(), backend.name("run/r1")
+    assert leases.last_holder(name) is None
+    assert leases.acquire(name, "host-a@1", hold_timeout=0.05)
+    assert leases.last_holder(name) == "host-a@1"
+    time.sleep(0.2)
+    assert leases.holder(name) is None
+    assert leases.last_holder(name) == (None if backend.kind == "redis" else "host-a@1")
+    assert leases.acquire(name, "host-b@2", acquire_timeout=0)  # taken over: the new holder is the last
+    assert leases.last_holder(name) == "host-b@2"
+    assert leases.release(name, "host-b@2")
+    assert leases.last_holder(name) is None  # released: nobody left it behind
+    _close(leases)
+
+
 def _take_and_die(backend: Backend, name: str) -> None:
     backend.open().acquire(name, f"dead-{os.getpid()}", hold_timeout=0.5)
     os._exit(0)  # no release, no cleanup: the process is gone with the lease held
