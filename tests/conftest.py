@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -68,12 +69,16 @@ def room(nodeid: str) -> str:
     return "vllm" if Path(module).name in SHARED_VLLM_MODULES else module
 
 
+@functools.cache
+def asks_for_session_vllm(path: Path) -> bool:
+    """The module asks for the session's vLLM by name at run time (`request.getfixturevalue`); read once."""
+    return 'getfixturevalue("vllm_server")' in path.read_text()
+
+
 def uses_session_vllm(item: pytest.Item) -> bool:
     if any(name in item.fixturenames for name in ("vllm_server", "endpoint")):
         return True
-    module = getattr(item, "module", None)
-    source = Path(module.__file__).read_text() if module and module.__file__ else ""
-    return 'getfixturevalue("vllm_server")' in source
+    return item.path.suffix == ".py" and asks_for_session_vllm(item.path)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
