@@ -148,8 +148,19 @@ def build_suite_data(
         raise SuiteError(f"guard_limit must be at least 1, got {guard_limit}")
     defaults = DataParams()
     unknown = [t for t in tasks or () if t not in TASKS]
+    specs = task_registry().specs if unknown else {}
+    for t in unknown:
+        if t in specs:  # a user's task brings its own eval: its YAML and data, which nothing here writes
+            spec = specs[t]
+            raise SuiteError(
+                f"task {t!r} is a registered task ({spec.path}) with its own eval, {spec.eval.task!r} from "
+                f"{spec.eval.include}: its data is the task's own, and `mint eval ... --suites {t}` scores it. "
+                f"Suite data is built for the built-in tasks only: {', '.join(TASKS)}"
+            )
     if unknown or (tasks is not None and not tasks):
-        raise SuiteError(f"unknown tasks {unknown}; known: {', '.join(TASKS)}")
+        raise SuiteError(
+            f"unknown tasks {unknown}; built-in: {', '.join(TASKS)}; registered: {', '.join(specs) or 'none'}"
+        )
     if tasks_dir is not None:
         try:
             heldout = read_split(tasks_dir, "heldout")

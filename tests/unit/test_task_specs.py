@@ -394,3 +394,27 @@ def test_a_reward_that_fails_on_the_gold_answers_is_refused(tmp_path: Path) -> N
         SpecError, match=r"task 'mine' .*its reward fails on the gold answers: returned 1 scores"
     ):
         check_rewards(spec)
+
+
+def test_building_suite_data_for_a_users_task_says_its_eval_is_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mint_core.data.spec import TASK_DIRS_ENV, reload_registry
+    from mint_core.eval.suites import build_suite_data
+
+    make_task(tmp_path / "tasks")
+    monkeypatch.setenv(TASK_DIRS_ENV, str(tmp_path / "tasks"))
+    reload_registry()
+    try:
+        with pytest.raises(
+            SuiteError, match=r"task 'mine' is a registered task .*'mine_eval' from eval.yaml"
+        ):
+            build_suite_data(tmp_path / "out", tasks=["mine"])
+        with pytest.raises(
+            SuiteError, match=r"unknown tasks \['mul'\]; built-in: add, .*; registered: .*mine"
+        ):
+            build_suite_data(tmp_path / "out", tasks=["mul"])
+        assert not (tmp_path / "out").exists(), "nothing written before the names are checked"
+    finally:
+        monkeypatch.delenv(TASK_DIRS_ENV)
+        reload_registry()
