@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -412,6 +413,9 @@ def scenario_poison(f: Faults) -> Row:
     cat.set_alias("f-champ", "champion", version)
     evil = nan_adapter(base_dir, root / "evil", seed=6)
     t_start = time.monotonic()
+    f.cleanup.append(
+        lambda: stop(cfg)
+    )  # a start that fails half way (vLLM up, the front not) still stops both
     start(cfg, ["vllm", "serve"], progress=lambda m: say(m))
     say(f"vllm and its front up ({time.monotonic() - t_start:.0f} s)")
     front, vllm = cfg.url("serve"), cfg.url("vllm")
@@ -617,6 +621,8 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}: choose from {','.join(SCENARIOS)}")
     rows: list[Row] = []
+    # SIGTERM (a test's timeout, a CI job stopped) unwinds like ^C: the `finally` below stops every service
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with workdir(args.keep) as root:
         say(f"state in {root}")
         f = Faults(root)

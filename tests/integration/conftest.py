@@ -228,6 +228,31 @@ def stop_server(proc: subprocess.Popen[str], timeout: float = 30) -> int:
         return proc.wait()
 
 
+def run_fault_suite(*args: str, timeout: float = 3500) -> subprocess.CompletedProcess[str]:
+    """`scripts/faults.py` with `args`. On a timeout, or when the test itself is stopped (pytest-timeout), the
+    suite gets SIGTERM and time to stop the services its scenarios started; only then is it killed. (A bare
+    `subprocess.run` timeout kills it at once, and its vLLM, front and servers run on.)"""
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "faults.py"), *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @dataclass
 class VLLMServer:
     """One vLLM for the test session, and mint's front before it (both subprocesses)."""

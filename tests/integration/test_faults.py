@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import run_fault_suite
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(3600)]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_fault_scenario_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "faults.py"), "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3500,
-    )
+    run = run_fault_suite("--json", str(out))
     assert out.is_file(), run.stdout[-3000:] + run.stderr[-5000:]
     rows = json.loads(out.read_text())
     assert len(rows) == 11, (

@@ -15,17 +15,13 @@ Minutes (two vLLM starts, three restarts): the slow tier."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mint_core.serving.vllm_process import vllm_available
-from tests.integration.conftest import VLLM_PYTHON, require
+from tests.integration.conftest import VLLM_PYTHON, require, run_fault_suite
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(3600)]
-ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["fleet-poison", "fleet-kill", "fleet-promote", "fleet-unreadable"]
 
 
@@ -36,13 +32,7 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object
         f"vLLM's environment with vllm-router ({VLLM_PYTHON.parent}, make vllm-venv)",
     )
     out = tmp_path_factory.mktemp("fleet-faults") / "rows.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "faults.py"), "--only", ",".join(ROWS), "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3500,
-    )
+    run = run_fault_suite("--only", ",".join(ROWS), "--json", str(out))
     assert out.is_file(), run.stdout[-3000:] + run.stderr[-5000:]
     got = json.loads(out.read_text())
     print(run.stdout)
