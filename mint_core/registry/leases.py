@@ -120,14 +120,13 @@ class CatalogLeases:
         return bool(self.catalog.transaction(lambda conn: _take(conn, name, holder, hold_s)))
 
     def release(self, name: str, holder: str) -> bool:
-        """Give the lease back; False when `holder` no longer held it (it had expired and maybe been taken)."""
+        """Give the lease back, and its row with it (a run's lease names a run: kept, rows would pile up one per
+        run); False when `holder` no longer held it (it had expired and maybe been taken)."""
         return bool(
             self.catalog.transaction(
                 lambda conn: (
                     conn.execute(
-                        locks.update()
-                        .where(locks.c.name == name, locks.c.holder == holder)
-                        .values(holder=None, expires=None)
+                        locks.delete().where(locks.c.name == name, locks.c.holder == holder)
                     ).rowcount
                 )
             )
