@@ -74,8 +74,26 @@ def server(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         stop_server(proc)
 
 
+OPENED: list[Any] = []
+"""The SDK clients this module's tests made: each runs a heartbeat thread until it is closed."""
+
+
+def service_client(url: str, key: str) -> Any:
+    OPENED.append(tinker.ServiceClient(base_url=url, api_key=key))
+    return OPENED[-1]
+
+
+@pytest.fixture(autouse=True)
+def closed_clients() -> Iterator[None]:
+    """Every SDK client a test left open is closed at its end (a second close does nothing), so no session
+    heartbeat outlives its test or the server."""
+    yield
+    while OPENED:
+        OPENED.pop().close("success").result(timeout=30)
+
+
 def training_client(url: str, key: str = ALICE, rank: int = RANK, seed: int = 0) -> tuple[Any, Any]:
-    sc = tinker.ServiceClient(base_url=url, api_key=key)
+    sc = service_client(url, key)
     base = sc._rest_client().get_server_capabilities().result().supported_models[0].model_name
     return sc, sc.create_lora_training_client(base_model=base, rank=rank, seed=seed).result()
 
@@ -234,7 +252,7 @@ def test_refusals_are_raised_by_the_sdk_with_a_clear_message(
 ) -> None:
     url, _ = server
     with pytest.raises(tinker.AuthenticationError, match="invalid API key"):
-        tinker.ServiceClient(base_url=url, api_key="tml-not-a-key-00000").create_lora_training_client(
+        service_client(url, "tml-not-a-key-00000").create_lora_training_client(
             base_model="x", rank=4
         ).result()
     sc, tc = training_client(url, rank=4)
@@ -323,7 +341,7 @@ def test_saved_revisions_become_mlflow_versions_with_lineage(
     }
     proc, url = start_server(store, "--base", str(base_dir), env=env)
     try:
-        sc = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        sc = service_client(url, ALICE)
         base = sc._rest_client().get_server_capabilities().result().supported_models[0].model_name
         policy = f"tinker-test-{os.getpid()}"
         tc = sc.create_lora_training_client(

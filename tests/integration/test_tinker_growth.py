@@ -70,10 +70,11 @@ def test_get_training_run_and_delete_checkpoint_through_the_sdk(
         assert run.last_sampler_checkpoint is not None and run.last_sampler_checkpoint.tinker_path == paths[1]
         assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
         assert run.last_checkpoint.checkpoint_type == "training" and run.user_metadata == {"team": "a"}
-        with pytest.raises(tinker.NotFoundError, match="no training run"):
-            tinker.ServiceClient(base_url=url, api_key=BOB).create_rest_client().get_training_run(
-                tc.model_id
-            ).result()
+        with (
+            tinker.ServiceClient(base_url=url, api_key=BOB) as bob,
+            pytest.raises(tinker.NotFoundError, match="no training run"),
+        ):
+            bob.create_rest_client().get_training_run(tc.model_id).result()
 
         client = MlflowClient(tracking_uri=mlflow_server, registry_uri=mlflow_server)
         policy = client.search_model_versions(f"tags.`tinker.path` = '{paths[0]}'")[0].name
