@@ -229,17 +229,21 @@ def reclaim_runs(
             when = _epoch(run.get("end_time") or (run.get("state") or {}).get("timestamp"))
             if crashed_since is None or when is None or when < crashed_since:
                 continue  # crashed before this worker died: not ours to run again
-        why = _orphaned(run, worker, others, holder(str(run["id"])))
+        why = _orphaned(run, worker, others, *holder(str(run["id"])))
         if why is not None and _requeue(api, run, why):
             n += 1
     return n
 
 
-def _orphaned(run: dict[str, Any], worker: str, others: list[str], holder: str | None) -> str | None:
-    """Why `run` is an orphan of a dead worker, or None when it may be alive (see `reclaim_runs`)."""
-    if holder is not None:
-        owner = holder.split("@", 1)[0]
-        return f"its run lease names {worker}, which is starting again" if owner == worker else None
+def _orphaned(
+    run: dict[str, Any], worker: str, others: list[str], holder: str | None, live: bool = True
+) -> str | None:
+    """Why `run` is an orphan of a dead worker, or None when it may be alive (see `reclaim_runs`). `holder`: who
+    holds its run lease, or held it last and never released it (`live` False: it expired)."""
+    if holder is not None and holder.split("@", 1)[0] == worker:
+        return f"its run lease names {worker}, which is starting again"
+    if holder is not None and live:
+        return None  # another worker holds it now: the run is alive
     if not others:
         return "no other worker of its pool is online"
     grace = RECLAIM_GRACE_S.get(run["state_type"])
@@ -281,11 +285,12 @@ def _other_workers_online(api: str, pool: str, worker: str) -> list[str]:
     return [w["name"] for w in found.json() if w.get("status") == "ONLINE" and w.get("name") != worker]
 
 
-def _lease_holders(catalog_url: str | None) -> Callable[[str], str | None]:
+def _lease_holders(catalog_url: str | None) -> Callable[[str], tuple[str | None, bool]]:
     """Who holds a flow run's run lease, or last held it and never released it (its host died; with the catalog's
-    leases, whose rows keep an expired holder), None: nobody, or no catalog to ask."""
+    leases, whose rows keep an expired holder), and whether the lease is held now. (None, False): nobody, or no
+    catalog to ask."""
     if not catalog_url:
-        return lambda run_id: None
+        return lambda run_id: (None, False)
     # only here: `mint up` on its own never loads the catalog (SQLAlchemy tables, the lease backends)
     from mint_core.registry.catalog import Catalog, CatalogConfig
     from mint_core.registry.leases import default_leases
@@ -294,14 +299,16 @@ def _lease_holders(catalog_url: str | None) -> Callable[[str], str | None]:
         leases = default_leases(Catalog(CatalogConfig(url=catalog_url)))
     except Exception as e:  # no catalog to ask: every run looks unleased (the one-worker rule still holds)
         logger.warning("could not open the catalog %s to read run leases: %s", catalog_url, e)
-        return lambda run_id: None
+        return lambda run_id: (None, False)
 
-    def holder(run_id: str) -> str | None:
+    def holder(run_id: str) -> tuple[str | None, bool]:
+        name = f"{RUN_LEASE_PREFIX}{run_id}"
         try:  # held now, or expired unreleased: a host that died names its runs until another takes them
-            return leases.last_holder(f"{RUN_LEASE_PREFIX}{run_id}")
+            last = leases.last_holder(name)
+            return last, last is not None and leases.holder(name) == last
         except Exception as e:
             logger.warning("could not read the run lease of %s: %s", run_id, e)
-            return None
+            return None, False
 
     return holder
 

@@ -111,7 +111,18 @@ TRAINING = ["mint", "training"]
     ("case", "flow_run", "others", "holder", "orphan"),
     [
         ("its lease names the starting worker", run("RUNNING", 5, TRAINING), ["b"], "a@h:1:x", True),
+        ("its own lease, expired", run("RUNNING", 5, TRAINING), ["b"], ("a@h:1:x", False), True),
         ("another worker's live lease", run("RUNNING", 900, TRAINING), ["b"], "b@h:1:x", False),
+        # a host that never came back: its expired lease still names it, and the grace rule decides
+        ("training, another's lease expired", run("RUNNING", 90, TRAINING), ["b"], ("c@h:1:x", False), True),
+        (
+            "training, another's lease just expired",
+            run("RUNNING", 10, TRAINING),
+            ["b"],
+            ("c@h:1:x", False),
+            False,
+        ),
+        ("one worker: another's expired lease", run("RUNNING", 1, ["mint"]), [], ("c@h:1:x", False), True),
         ("one worker: whatever it left", run("RUNNING", 1, ["mint"]), [], None, True),
         ("training, lease expired", run("RUNNING", 90, TRAINING), ["b"], None, True),
         ("training, just started", run("RUNNING", 10, TRAINING), ["b"], None, False),
@@ -121,9 +132,15 @@ TRAINING = ["mint", "training"]
     ],
 )
 def test_which_runs_a_starting_worker_requeues(
-    case: str, flow_run: dict[str, Any], others: list[str], holder: str | None, orphan: bool
+    case: str,
+    flow_run: dict[str, Any],
+    others: list[str],
+    holder: str | tuple[str, bool] | None,
+    orphan: bool,
 ) -> None:
-    assert (_orphaned(stamped(flow_run), "a", others, holder) is not None) is orphan, case
+    """`holder`: a live holder, or (holder, held now)."""
+    held = holder if isinstance(holder, tuple) else (holder, holder is not None)
+    assert (_orphaned(stamped(flow_run), "a", others, *held) is not None) is orphan, case
 
 
 def test_the_app_names_what_the_library_names() -> None:
@@ -150,3 +167,18 @@ def test_a_spread_wave_groups_its_policies_in_order() -> None:
     runs = [PolicyRun(spec=PolicySpec(name=f"p{i}", task="add")) for i in range(5)]
     assert [[r.name for r in g] for g in groups_of(runs, 2)] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
     assert [[r.name for r in g] for g in groups_of(runs, 9)] == [[f"p{i}" for i in range(5)]]
+
+
+def test_a_run_lease_reads_as_its_last_holder_and_whether_it_is_held(tmp_path: Path) -> None:
+    ws = sqlite_ws(tmp_path, run_lease_s=0.5)
+    leases = leases_for(None, Catalog(CatalogConfig(url=ws.catalog_url)))
+    holder = deployments._lease_holders(ws.catalog_url)
+    assert holder("r1") == (None, False)
+    assert leases.acquire(run_lease("r1"), "c@h:1:x", 0, 60)
+    assert leases.acquire(run_lease("r2"), "c@h:1:y", 0, 0.2)
+    time.sleep(0.3)
+    assert holder("r1") == ("c@h:1:x", True)
+    assert holder("r2") == ("c@h:1:y", False)  # expired, never released: its host died
+    assert leases.release(run_lease("r1"), "c@h:1:x")
+    assert holder("r1") == (None, False)
+    assert deployments._lease_holders(None)("r1") == (None, False)  # no catalog to ask
