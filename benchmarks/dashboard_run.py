@@ -142,7 +142,9 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
 
     def params(name: str, round_name: str) -> tuple[list[PolicyRun], Training]:
         run = PolicyRun(spec=PolicySpec(name=name, task="add", rank=4, alpha=8), gate=GatePolicy(suite="add"))
-        training = Training(steps=steps, prompts_per_step=4, grpo=grpo, data_dir=None, round=round_name)
+        training = Training(  # dry_run 0: a random base's completions score alike, which the dry run refuses
+            steps=steps, prompts_per_step=4, grpo=grpo, data_dir=None, round=round_name, dry_run=0
+        )
         return [run], training
 
     rows = []

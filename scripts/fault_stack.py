@@ -178,6 +178,7 @@ class Faults:
                 "seed": 0,
                 "round": round,
                 "data_dir": None,
+                "dry_run": 0,  # a random base: its completions score alike, which the dry run would refuse
                 "grpo": {
                     "group_size": 4,
                     "max_new_tokens": 8,
