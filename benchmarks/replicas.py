@@ -92,7 +92,7 @@ from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.store import AdapterStore
 from mint_core.serving.fleet import REPLICA_HEADER
 from mint_core.serving.gateway import BASE_ADAPTER
-from mint_core.serving.vllm_process import VLLMConfig
+from mint_core.serving.vllm_process import VLLMConfig, replica_cpus
 from mint_core.serving.vllm_router import RouterConfig
 from tests.integration.conftest import (
     VLLM_BASE_NAME,
@@ -254,6 +254,7 @@ def fleet(args: argparse.Namespace) -> Iterator[Fleet]:
                     max_model_len=512,
                     device="cpu" if args.device == "cpu" else "cuda",
                     replica=True,
+                    cpus=replica_cpus(i, 2) if args.device == "cpu" else None,  # as `mint up` binds them
                     routed_key=ROUTED_KEY,
                 ).command()
                 env |= {"VLLM_LOGGING_CONFIG_PATH": str(logging_config), "PYTHONUNBUFFERED": "1"}

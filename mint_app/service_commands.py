@@ -175,7 +175,12 @@ def vllm_config(config: ServicesConfig, name: ServiceName = "vllm") -> VLLMConfi
     serving config, on 127.0.0.1:vllm_port, its key and the resolver plugin's token kept in the state dir. `name`:
     which replica of a fleet (`replicas` > 1: each at its own port, its /health open for the router).
     ServiceError when vLLM's environment is missing or the base is one vLLM cannot run."""
-    from mint_core.serving.vllm_process import VLLMConfig, vllm_available  # only here: it reaches torch
+    from mint_core.serving.vllm_process import (  # only here: it reaches torch
+        CPU_BIND_ENV,
+        VLLMConfig,
+        replica_cpus,
+        vllm_available,
+    )
 
     if not vllm_available(config.vllm_python):
         raise ServiceError(
@@ -204,6 +209,10 @@ def vllm_config(config: ServicesConfig, name: ServiceName = "vllm") -> VLLMConfi
         resolver_token=_resolver_token(config),
         replica=config.replicas > 1,
         routed_key=_vllm_routed_key(config) if config.replicas > 1 else None,
+        # each replica on its own cores (a binding set in the environment wins)
+        cpus=replica_cpus(REPLICA_NAMES.index(name), config.replicas)
+        if config.replicas > 1 and device == "cpu" and CPU_BIND_ENV not in os.environ
+        else None,
     )
 
 

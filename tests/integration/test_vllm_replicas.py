@@ -27,7 +27,7 @@ from mint_core.lifecycle import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import Registry
 from mint_core.serving.fleet import replica_name
-from mint_core.serving.vllm_process import VLLMConfig, vllm_available
+from mint_core.serving.vllm_process import VLLMConfig, replica_cpus, vllm_available
 from mint_core.serving.vllm_router import RouterConfig
 from tests.integration.conftest import (
     LOGS,
@@ -150,6 +150,7 @@ def fleet(
                 resolver_url=f"http://127.0.0.1:{fport}",
                 resolver_token=RESOLVER_TOKEN,
                 replica=True,
+                cpus=replica_cpus(i, 2),  # as `mint up --replicas 2` binds them: each on its own cores
                 routed_key=ROUTED_KEY,
             ).command()
             commands.append((cmd, env, root / f"replica-{i}.log"))

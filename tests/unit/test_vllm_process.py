@@ -21,7 +21,14 @@ from mint_app.service_commands import command, hooks_workspace
 from mint_app.service_config import SERVICES, ServiceError, ServicesConfig, parse_names, services_for
 from mint_app.services import start, status, stop
 from mint_core.serving.config import ServingConfig
-from mint_core.serving.vllm_process import DEFAULT_PYTHON, VLLM_RANKS, VLLMConfig, vllm_rank
+from mint_core.serving.vllm_process import (
+    CPU_BIND_ENV,
+    DEFAULT_PYTHON,
+    VLLM_RANKS,
+    VLLMConfig,
+    replica_cpus,
+    vllm_rank,
+)
 
 KEY, TOKEN = "vllm-key-not-on-argv", "resolver-token-not-on-argv"
 
@@ -408,6 +415,33 @@ def test_replicas_each_at_their_own_port_behind_the_router(
         "1",
         "2",
     ]
+    assert not any(CPU_BIND_ENV in command(n, cuda)[1] for n in ("vllm", "vllm-1"))
+    # on CPU each replica binds its threads to its own cores, not all to the first (vLLM's auto)
+    cpus = sorted(os.sched_getaffinity(0))
+    binds = [command(n, cfg)[1][CPU_BIND_ENV] for n in ("vllm", "vllm-1", "vllm-2")]
+    assert binds == [",".join(map(str, replica_cpus(i, 3, cpus))) for i in range(3)]
+    assert CPU_BIND_ENV not in command("vllm", cfg.model_copy(update={"replicas": 1}))[1]  # one: vLLM's own
+    os.environ[CPU_BIND_ENV] = "1"  # the user's binding wins (the autouse fixture clears MINT_* only)
+    try:
+        assert CPU_BIND_ENV not in command("vllm-1", cfg)[1]
+    finally:
+        del os.environ[CPU_BIND_ENV]
+
+
+@pytest.mark.parametrize(
+    ("replicas", "cpus", "shares"),
+    [
+        (2, [0, 1], [[0], [1]]),
+        (2, list(range(8)), [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        (3, list(range(8)), [[0, 1], [2, 3], [4, 5]]),
+        (3, [0, 1], [[0], [1], [0]]),  # more replicas than CPUs: round robin
+        (2, [4, 6, 9], [[4], [6]]),  # the CPUs this process may use, not 0..n
+    ],
+)
+def test_each_cpu_replica_gets_its_own_share_of_the_cpus(
+    replicas: int, cpus: list[int], shares: list[list[int]]
+) -> None:
+    assert [replica_cpus(i, replicas, cpus) for i in range(replicas)] == shares
 
 
 def test_a_fleet_without_the_router_program_is_refused_before_anything_starts(
