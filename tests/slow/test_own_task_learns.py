@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(1800)
 def test_the_built_in_base_learns_a_users_task_through_the_gate() -> None:
     require((ROOT / "data" / "base" / "config.json").is_file(), "the built-in base is not built (dvc repro)")
+    require(  # the replay of the built-in tasks reads their train files
+        (ROOT / "data" / "tasks" / "train" / "add.jsonl").is_file(),
+        "the task data is not built (dvc repro task_data)",
+    )
     out = subprocess.run(
         [
             sys.executable,
@@ -33,8 +37,8 @@ def test_the_built_in_base_learns_a_users_task_through_the_gate() -> None:
         capture_output=True,
         text=True,
         timeout=1700,
-        check=True,
     )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["n"] >= 300, got
     assert got["gain"] >= 0.10 and got["p_value"] < 0.01, got
