@@ -12,7 +12,9 @@ against another server that speaks the contract, such as a vLLM deployment (infr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -220,11 +222,21 @@ def start_server(
 
 
 def stop_server(proc: subprocess.Popen[str], timeout: float = 30) -> int:
-    proc.terminate()
+    """SIGTERM, then SIGKILL after `timeout`; to the server's whole process group when it leads one (vLLM's engine
+    core and worker would otherwise outlive a killed API server)."""
+
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    send(signal.SIGTERM)
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        send(signal.SIGKILL)
         return proc.wait()
 
 
@@ -303,10 +315,18 @@ def start_vllm(
     timeout_s: float = 300,
     seal: bool = True,
 ) -> subprocess.Popen[str]:
-    """vLLM from `.venv-vllm` on loopback `port` (its key VLLM_KEY), once it answers /health."""
+    """vLLM from `.venv-vllm` on loopback `port` (its key VLLM_KEY), once it answers /health. It leads a process
+    group of its own (its engine core and worker in it), which `stop_server` ends whole."""
     cmd, env = vllm_command(base_dir, port, resolver_url, max_loras, seal)
     out = log.open("w")
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, **env},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     LOGS[proc.pid] = log
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
