@@ -5,13 +5,12 @@ champion."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
@@ -186,7 +185,8 @@ def test_after_vllm_restarts_the_first_request_is_answered_by_the_champion(tmp_p
     try:
         first = ask(url, "add")
         assert first.status_code == 200 and first.json()["system_fingerprint"] == champion, first.text
-        os.killpg(vllm.pid, signal.SIGKILL)  # the API server, its engine core and worker: none outlives it
+        for p in [*psutil.Process(vllm.pid).children(recursive=True), psutil.Process(vllm.pid)]:
+            p.kill()  # the API server, its engine core and worker: none outlives it
         vllm.wait()
         down = ask(url, "add")  # vLLM gone: a clean answer, not a hang
         assert down.status_code == 503 and down.json()["error"]["type"] == "ServiceUnavailableError", (
