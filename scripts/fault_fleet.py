@@ -572,10 +572,21 @@ def scenario_fleet_poison(f: Faults) -> Row:
         detected_at, back_at = event["detected"], event.get("back")
     answers = [a for a in load.answers if a.start >= poisoned_at]
     bad = [a for a in answers if a.status == 200 and a.text != expected[a.model]]
-    bad_before = [a for a in bad if detected_at is None or a.end < detected_at]
-    # answered by it after it was found (a client's receipt lags the front's by a few ms), before it was back
-    from_it_after = [a for a in answers if detected_at is not None and a.end > detected_at + 0.25]
-    from_it_after = [a for a in from_it_after if a.replica == hot and (back_at is None or a.start < back_at)]
+    # sent before it was found: a request in flight at detection cannot be taken back, as in the kill row
+    bad_before = [a for a in bad if detected_at is None or a.start < detected_at]
+    in_flight = [
+        a for a in answers if a.replica == hot and detected_at is not None and a.start < detected_at < a.end
+    ]
+    # sent to it after it was found, before it was back (the grace covers the front's removal from the router,
+    # which follows the failed probe by a few ms)
+    from_it_after = [
+        a
+        for a in answers
+        if a.replica == hot
+        and detected_at is not None
+        and a.start > detected_at + 0.25
+        and (back_at is None or a.start < back_at)
+    ]
     failed = [a for a in answers if a.status != 200]
     came_back = load.by(hot, back_at or t1)
     clean = bool(came_back) and all(a.status == 200 and a.text == expected[a.model] for a in came_back)
@@ -606,7 +617,8 @@ def scenario_fleet_poison(f: Faults) -> Row:
         f"({fmt(None if detected_at is None or first_bad is None else detected_at - first_bad)} after the first "
         f"garbage answer through the front, {fmt(None if detected_at is None else detected_at - poisoned_at)} "
         f"after the load); removed from the router: {removed}; through the front {len(answers)} answers after the "
-        f"load: {len(bad_before)} bad before detection, {len(from_it_after)} from it after, {len(failed)} failed; "
+        f"load: {len(bad_before)} bad sent before detection ({len(in_flight)} of them in flight at it), "
+        f"{len(from_it_after)} from it after, {len(failed)} failed; "
         f"out of rotation {fmt(None if back_at is None or detected_at is None else back_at - detected_at)}, "
         f"restarted by its supervisor; back clean: {clean} ({len(came_back)} answers from it after); evidence "
         f"logged naming it: {evidence}"
