@@ -319,13 +319,7 @@ def start_vllm(
     its own: started so, `test_late_joiner_is_served_right[vllm]` failed its overlap check twice in two runs.)"""
     cmd, env = vllm_command(base_dir, port, resolver_url, max_loras, seal)
     out = log.open("w")
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, **env},
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, text=True)
     LOGS[proc.pid] = log
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
