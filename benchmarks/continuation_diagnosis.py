@@ -1,7 +1,7 @@
 """Why a continuation from a champion loses (issue #33 item 1): the same figures, step by step, for a first wave
 from the base and for the continuation from the champion it made.
 
-One policy of a task, the built-in recipe (`builtin_spec`, `BUILTIN_RECIPE`, `BUILTIN_PROMPTS_PER_STEP`), no
+One policy of a task, the built-in recipe (`recipe_spec`, `BUILTIN_RECIPE`, `BUILTIN_PROMPTS_PER_STEP`), no
 servers. Wave 1 trains `--first-steps` steps from a fresh adapter, as the main job's first wave; its adapter is the
 champion. Wave 2 continues `--steps` steps from it as `retrain` does today: the exported adapter alone (new AdamW
 moments), the same learning rate and schedule, new prompts. Per step of each wave:
@@ -51,8 +51,8 @@ from mint_core.rl.recipe import (
     BUILTIN_RECIPE,
     Continuation,
     TrainingRun,
-    builtin_spec,
     load_trainer,
+    recipe_spec,
 )
 from mint_core.rl.trainer import MultiPolicyTrainer
 
@@ -165,7 +165,7 @@ def main() -> None:
     os.environ[TASK_DIRS_ENV] = ":".join([*have, *(str(d.resolve()) for d in args.tasks)])
     task = registry().get(args.task)
     probe = task.heldout_rows()[: args.probe]
-    spec = builtin_spec(task.name, task.name)
+    spec = recipe_spec(task.name, task.name)
     n1, n2 = args.first_steps * BUILTIN_PROMPTS_PER_STEP, args.steps * BUILTIN_PROMPTS_PER_STEP
     p1 = with_replay(
         task.name, load_prompts(task.name, n1, args.seed, DATA, "w1")[0], spec.replay, args.seed, DATA, "w1"

@@ -38,7 +38,7 @@ from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
 from mint_core.lifecycle import round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
-from mint_core.rl.recipe import BUILTIN_RECIPE, Continuation, TrainingRun, builtin_spec, load_trainer
+from mint_core.rl.recipe import BUILTIN_RECIPE, Continuation, TrainingRun, load_trainer, recipe_spec
 
 DEFAULT_VARIANTS = [
     {"rate_scale": 0.25},
@@ -58,7 +58,7 @@ def run_variant(args: argparse.Namespace, variant: dict[str, Any]) -> dict[str, 
     cont = Continuation(rate_scale=kw.pop("rate_scale", 0.25), warmup_steps=kw.pop("warmup", 10))
     grpo = BUILTIN_RECIPE.model_copy(update=kw)
     gate = read_jsonl(args.data / "heldout" / f"{args.task}.jsonl")[:EVAL_LIMIT]
-    spec = builtin_spec(args.task, args.task)
+    spec = recipe_spec(args.task, args.task)
     seed = round_seed(args.seed, "continuation-recipes")
     parent = None if args.from_base else args.champion
     trainer = load_trainer(

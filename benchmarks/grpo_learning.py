@@ -50,7 +50,7 @@ from mint_core.rl.recipe import (
     BUILTIN_RECIPE,
     BUILTIN_STEPS,
     TrainingRun,
-    builtin_spec,
+    recipe_spec,
 )
 from mint_core.rl.trainer import MultiPolicyTrainer
 
@@ -85,7 +85,7 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a BUILTIN_RECIPE field (GRPOConfig, e.g. learning_rate=5e-4) or a PolicySpec field "
-        "(rank, default each task's builtin_spec rank; alpha, default 2 x rank; reward); repeatable",
+        "(rank, default each task's recipe_spec rank; alpha, default 2 x rank; reward); repeatable",
     )
     ap.add_argument("--prefix", default="bench", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
@@ -188,11 +188,11 @@ def _guard_row(
 
 
 def _specs(tasks: list[str], suffix: str, grpo: GRPOConfig, fields: dict[str, Any]) -> list[PolicySpec]:
-    """The round's policies `<task>-<suffix>` as the main job makes them (`builtin_spec`: each task's rank, alpha
+    """The round's policies `<task>-<suffix>` as the main job makes them (`recipe_spec`: each task's rank, alpha
     2 x rank, the rate scaled to it), then the `--set` PolicySpec fields."""
     out = []
     for t in tasks:
-        spec = builtin_spec(f"{t}-{suffix}", t, fields.get("rank"), grpo.learning_rate)  # alpha 2 x rank
+        spec = recipe_spec(f"{t}-{suffix}", t, fields.get("rank"), grpo.learning_rate)  # alpha 2 x rank
         out.append(PolicySpec.model_validate({**spec.model_dump(), **fields}))
     return out
 

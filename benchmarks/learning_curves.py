@@ -1,13 +1,16 @@
 """Learning curves of nightly retraining on the built-in base: does a retrain keep paying, and where does it stop?
 
-`--waves` waves (default 4) of `add`, `sort` and `reverse`, each wave continuing from the champion the waves
-before it left (the first from a fresh adapter, with the bare base as its champion), as the `retrain`
+`--waves` waves (default 4) of `add`, `sort` and `reverse` (or any registered tasks: `--tasks-dir DIR` registers a
+user's task folder), each wave continuing from the champion the waves before it left (the first from a fresh
+adapter, with the bare base as its champion, `--first-steps` steps; or from `--from DIR/<task>`), as the `retrain`
 deployment runs them, without the servers (the library directly, as benchmarks/grpo_learning.py does):
 - the policies train at once over one base with the built-in recipe, `--steps` GRPO steps at most (retrain's
   `RETRAIN_STEPS`), each wave on fresh prompts drawn at its round's seed (`fresh_examples`: no held-out or
   eval-suite prompt, nor a probe item);
-- a continuation trains with the continuation recipe (`Continuation`: `--rate-scale` of the rate, warmed up
-  over `--warmup` steps), as every flow's continuation does;
+- a continuation trains with the continuation recipe (`Continuation`: warmed up over `--warmup` steps, at
+  `--headroom-rate-scale` of the rate when its champion's pass@G exceeds its greedy answers by `--min-headroom`
+  on the wave's own prompts, else `--rate-scale`), as every flow's continuation does; each row says what the
+  champion measured and the share it trained at;
 - early stopping as retrain's default (`EarlyStop`): a probe that falls below the wave's first beyond noise
   (paired McNemar p < `--fall-p`) stops the policy at once, not exported; a greedy probe on `--probe` items outside every split
   every `--every` steps, the rule of `Plateau` (no rise of `--min-delta` over step 0 in `--patience` probes:
@@ -17,11 +20,11 @@ deployment runs them, without the servers (the library directly, as benchmarks/g
   have stopped;
 - each policy trains with the built-in recipe's replay (`PolicySpec.replay`: a quarter of its prompts from the
   other tasks' train splits, `mint_core.lifecycle.with_replay`);
-- the gate's own-suite test and its per-task guards: greedy exact match on the first EVAL_LIMIT held-out items
-  of every built-in task (the items of their eval suites), candidate against champion, paired; promoted when
-  the own gain is significant at alpha 0.05 and at least 0.05 and no other task is worse beyond
-  `task_guard_margin` (`GatePolicy` defaults; the pooled guard group, which reads log-likelihood items, is not
-  run here).
+- the gate its task's spec declares (`GatePolicy(suite=task)`): greedy exact match on the first EVAL_LIMIT
+  held-out items of every registered task (the items of their eval suites), candidate against champion, paired;
+  promoted when the own gain is significant at alpha 0.05 and at least `min_effect` and no guarded task is
+  worse beyond `task_guard_margin` (the pooled guard group, which reads log-likelihood items, is not run here);
+  every other task's change is reported beside it (`not_guards`).
 
 Every wave runs once per seed of `--seeds` (the round's seed: prompts, adapter initialisation, rollouts), the
 seeds `--jobs` at a time, each in its own process on `--threads` threads. Prints one row per wave and task to
@@ -30,7 +33,8 @@ base): those promoted, those promoted at p < 0.01, and the candidates significan
 (p < 0.05), then the JSON line: per seed and task the champion's score after each wave and the waves that
 promoted, and every row (probe curve, steps spent, why it stopped, gain, p, decision).
 
-    python benchmarks/learning_curves.py [--tasks add,sort,reverse] [--waves 4] [--steps 100] [--seeds 0,1,2]
+    python benchmarks/learning_curves.py [--tasks add,sort,reverse] [--tasks-dir DIR] [--waves 4] [--steps 100]
+        [--first-steps N] [--from DIR] [--min-headroom G] [--headroom-rate-scale S] [--seeds 0,1,2]
         [--jobs 2] [--every 10] [--patience 3] [--min-delta 0.025] [--probe 128] [--prompts-per-step 16]
         [--fall-p 0.05] [--rate-scale 0.25] [--warmup 10] [--stop-after-gain] [--no-early-stop]
 """
@@ -57,19 +61,21 @@ from _common import add_device, checked_device, report
 
 from flows.retrain import RETRAIN_STEPS
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
-from mint_core.data.tasks import TASKS, Example, read_jsonl
+from mint_core.data.spec import TASK_DIRS_ENV, prompt_text, registry
+from mint_core.data.tasks import Example
 from mint_core.eval.gate import GatePolicy, SuiteScore, decide
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
 from mint_core.lifecycle import round_seed, with_replay
-from mint_core.rl.evaluate import heldout_correct
+from mint_core.rl.evaluate import headroom, heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
     BUILTIN_RECIPE,
+    HEADROOM_ITEMS,
     Continuation,
     TrainingRun,
-    builtin_spec,
     load_trainer,
+    recipe_spec,
 )
 from tasks.training import EarlyStop, Plateau, freeze, probe_gain
 
@@ -83,8 +89,11 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path("data/tasks"))
     ap.add_argument("--suites", type=Path, default=SUITES_DIR, help="eval suites (their data/ is left out)")
     ap.add_argument("--tasks", default="add,sort,reverse")
+    ap.add_argument("--tasks-dir", type=Path, action="append", default=[], help="a task folder to register")
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--steps", type=int, default=RETRAIN_STEPS, help="most GRPO steps a wave (RETRAIN_STEPS)")
+    ap.add_argument("--first-steps", type=int, help="most steps of a wave from the base (default: --steps)")
+    ap.add_argument("--from", dest="start", type=Path, help="start every task from the champion START/<task>")
     ap.add_argument("--prompts-per-step", type=int, default=BUILTIN_PROMPTS_PER_STEP)
     ap.add_argument("--every", type=int, default=DEFAULTS.every)
     ap.add_argument("--patience", type=int, default=DEFAULTS.patience)
@@ -104,6 +113,18 @@ def main() -> None:
     ap.add_argument(
         "--warmup", type=int, default=CONTINUATION.warmup_steps, help="a continuation's warmup steps"
     )
+    ap.add_argument(
+        "--min-headroom",
+        type=float,
+        default=CONTINUATION.min_headroom,
+        help="pass@G - greedy from which a champion has headroom (negative: never measured)",
+    )
+    ap.add_argument(
+        "--headroom-rate-scale",
+        type=float,
+        default=CONTINUATION.headroom_rate_scale,
+        help="the rate share of a continuation with headroom",
+    )
     ap.add_argument("--prefix", default="curve", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--seeds", default="0,1,2", help="a run of every wave per seed (Training.seed)")
     ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, each in its own process")
@@ -111,6 +132,8 @@ def main() -> None:
     add_device(ap)
     args = ap.parse_args()
     checked_device(ap, args.device)
+    have = [d for d in os.environ.get(TASK_DIRS_ENV, "").split(":") if d]
+    os.environ[TASK_DIRS_ENV] = ":".join([*have, *(str(d.resolve()) for d in args.tasks_dir)])
     if not (args.base / "config.json").is_file():
         ap.error(f"no built-in base at {args.base}: run `.venv/bin/dvc repro` first")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
@@ -180,16 +203,22 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         stop_after_gain=args.stop_after_gain,
         fall_p=args.fall_p,
     )
-    continuation = Continuation(rate_scale=args.rate_scale, warmup_steps=args.warmup)
+    continuation = Continuation(
+        rate_scale=args.rate_scale,
+        warmup_steps=args.warmup,
+        min_headroom=None if args.min_headroom < 0 else args.min_headroom,
+        headroom_rate_scale=args.headroom_rate_scale,
+    )
 
-    # the gate's items, the probe's, and everything fresh draws leave out (as validate_data does)
-    gate_items = {t: read_jsonl(args.data / "heldout" / f"{t}.jsonl")[: args.heldout] for t in TASKS}
+    # the gate's items (every registered task's), the probe's, and everything fresh draws leave out (as
+    # validate_data does)
+    gate_items = {t: spec.heldout_rows()[: args.heldout] for t, spec in registry().specs.items()}
     evaluated = evaluated_prompts(args.data, args.suites / "data")
     probes = {t: probe_examples(t, early.probe_items, evaluated | train_prompts(args.data, t)) for t in tasks}
 
-    champion_dir: dict[str, Path | None] = dict.fromkeys(tasks)
+    champion_dir: dict[str, Path | None] = {t: args.start / t if args.start else None for t in tasks}
     champion_correct: dict[str, dict[str, list[bool]]] = {}
-    champion_label = dict.fromkeys(tasks, "base")
+    champion_label = dict.fromkeys(tasks, str(args.start) if args.start else "base")
     rejected = dict.fromkeys(tasks, 0)
     rows: list[dict[str, Any]] = []
     curves: dict[str, list[float]] = {t: [] for t in tasks}
@@ -197,30 +226,17 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         for w in range(args.waves):
             name = f"{args.prefix}-{w}"
             wave_seed = round_seed(seed, name)
-            specs = [builtin_spec(t, t) for t in tasks]
+            specs = [recipe_spec(t, t) for t in tasks]
+            steps_now = args.first_steps or args.steps if w == 0 and args.start is None else args.steps
             t0 = time.perf_counter()
-            trainer = load_trainer(
-                args.base,
-                specs,
-                BUILTIN_RECIPE,
-                wave_seed,
-                dict(champion_dir),
-                device=device,
-                continuation=continuation,
-            )
-            engine = trainer.engine
-            if w == 0:  # the base, on every task's items: the own suite and the per-task guards
-                on_base = {g: heldout_correct(engine, None, gate_items[g]) for g in TASKS}
-                champion_correct = {t: dict(on_base) for t in tasks}
-            plateaus = {t: Plateau.of(early, rejected[t]) for t in tasks}
             prompts = {
                 s.task: with_replay(
                     s.task,
                     fresh_examples(
                         s.task,
-                        args.prompts_per_step * args.steps,
+                        args.prompts_per_step * steps_now,
                         wave_seed,
-                        evaluated | {e.prompt for e in probes[s.task]},
+                        evaluated | {prompt_text(e.prompt) for e in probes[s.task]},
                     ),
                     s.replay,
                     wave_seed,
@@ -229,21 +245,53 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 )
                 for s in specs
             }
-            run = TrainingRun.start(trainer, prompts, args.steps, args.prompts_per_step, Path(tmp) / name, 0)
+            trainer = load_trainer(
+                args.base,
+                specs,
+                BUILTIN_RECIPE,
+                wave_seed,
+                dict(champion_dir),
+                device=device,
+                continuation=continuation,
+                headroom_items={t: [e for e in prompts[t] if e.task == t] for t in tasks},
+            )
+            engine = trainer.engine
+            rooms = {  # what the trainer measured to set each continuation's rate (the same seeded samples)
+                t: headroom(
+                    engine,
+                    t,
+                    [e for e in prompts[t] if e.task == t][:HEADROOM_ITEMS],
+                    trainer.group_size(t),
+                    BUILTIN_RECIPE.temperature,
+                    BUILTIN_RECIPE.max_new_tokens,
+                    wave_seed,
+                )
+                for t in tasks
+                if champion_dir[t] is not None
+            }
+            if w == 0 and args.start is None:  # the base, on every task's items: own suite, guards, the rest
+                on_base = {g: heldout_correct(engine, None, gate_items[g]) for g in gate_items}
+                champion_correct = {t: dict(on_base) for t in tasks}
+            elif w == 0:  # the champions it starts from, before they train
+                champion_correct = {
+                    t: {g: heldout_correct(engine, t, gate_items[g]) for g in gate_items} for t in tasks
+                }
+            plateaus = {t: Plateau.of(early, rejected[t]) for t in tasks}
+            run = TrainingRun.start(trainer, prompts, steps_now, args.prompts_per_step, Path(tmp) / name, 0)
             seen, probe_s = _train(run, probes, plateaus, early.every, not args.no_early_stop)
             train_s = time.perf_counter() - t0
             for t in tasks:
                 p = plateaus[t]
-                stop = p.reason(args.steps).split(":")[0]
+                stop = p.reason(steps_now).split(":")[0]
                 steps = run.trainer.steps
                 if p.stopped_at is not None and args.no_early_stop:
                     stop = f"finished (would stop: {stop} @{p.stopped_at})"
                 elif p.stopped_at is not None:
                     steps = min(steps, p.stopped_at)
                 skipped = not args.no_early_stop and not p.exportable
-                cand = {g: heldout_correct(engine, t, gate_items[g]) for g in TASKS}
+                cand = {g: heldout_correct(engine, t, gate_items[g]) for g in gate_items}
                 decision = decide(
-                    GatePolicy(suite=t, guard_tasks=[g for g in TASKS if g != t]),
+                    GatePolicy(suite=t),
                     [SuiteScore(name=g, score=_mean(c), n=len(c), correct=c) for g, c in cand.items()],
                     [
                         SuiteScore(name=g, score=_mean(c), n=len(c), correct=c)
@@ -256,6 +304,12 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                     if c.name.startswith("guard:") and c.stats is not None
                 }
                 failed_guards = [c.name for c in decision.failed() if c.name.startswith("guard:")]
+                not_guards = {
+                    c.name.removeprefix("info:"): round(c.stats.effect, 4)
+                    for c in decision.side_effects()
+                    if c.stats is not None
+                }
+                trained = run.trainer.policies[t].spec
                 gain_check = decision.check(f"gain:{t}")
                 assert gain_check is not None and gain_check.stats is not None
                 stats = gain_check.stats
@@ -269,7 +323,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                     "rejected_before": rejected[t],
                     "steps": steps,
                     "stop": stop,
-                    "stop_reason": p.reason(args.steps),
+                    "stop_reason": p.reason(steps_now),
                     "probe": [[s, round(_mean(got), 4)] for s, got in seen[t]],
                     "probe_gain": round(pg, 4),
                     "probe_p": float(f"{pp:.4g}"),
@@ -280,6 +334,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                     "gate": "pass" if decision.passed else "reject",
                     "guards": guards,
                     "failed_guards": failed_guards,
+                    "not_guards": not_guards,
+                    "rate_scale": trained.rate_scale,
+                    "headroom": rooms[t].model_dump() if t in rooms else None,
                     "decision": "skipped" if skipped else ("promoted" if promoted else "rejected"),
                     "train_s": round(train_s, 1),
                     "probe_s": round(probe_s, 1),

@@ -1,13 +1,14 @@
 """A registered task's first revision on the built-in base: its held-out gain over the bare base, without servers.
 
 For any task a spec defines (`--tasks DIR` registers a user's folder), the main job's first wave without the
-servers: a policy of the built-in recipe (`builtin_spec`: its rank, replay of the other registered tasks, the
+servers: a policy of the built-in recipe (`recipe_spec`: its spec's rank and replay of the tasks it guards, the
 learning rate) trained `--steps` steps from a fresh adapter on the prompts a round draws from the task's train file,
 scored by the task's own rewards (a user's reward in its process pool). Then greedy exact match against the `answer`
 column on every held-out row (the gate's items), with the adapter and without it (the baseline, measured in the same
 run), paired: exact two-sided McNemar. Then the gate's own decision (`mint_core.eval.gate.decide`, the lifecycle's
-default policy: a significant gain on the task, every other registered task non-inferior on its first
-`--guard-items` held-out rows) on those paired answers. The lifecycle reads the same test from lm-eval on the same
+default policy: a significant gain on the task, and the guards its spec declares non-inferior, on the first
+`--guard-items` held-out rows of each other registered task, whose changes are reported either way) on those
+paired answers. The lifecycle reads the same test from lm-eval on the same
 rows (the main job prints it).
 
     python benchmarks/own_task.py --tasks examples/sums-over-100 --task sums-over-100 [--steps 300] [--seed 0]
@@ -37,8 +38,8 @@ from mint_core.rl.recipe import (
     BUILTIN_RECIPE,
     BUILTIN_STEPS,
     TrainingRun,
-    builtin_spec,
     load_trainer,
+    recipe_spec,
 )
 
 
@@ -65,7 +66,7 @@ def main() -> None:
     have = [d for d in os.environ.get(TASK_DIRS_ENV, "").split(":") if d]
     os.environ[TASK_DIRS_ENV] = ":".join([*have, *(str(d.resolve()) for d in args.tasks)])
     task = registry().get(args.task)
-    spec = builtin_spec(task.name, task.name, rank=args.rank)
+    spec = recipe_spec(task.name, task.name, rank=args.rank)
     trainer = load_trainer(args.base, [spec], BUILTIN_RECIPE, args.seed, {task.name: None}, device=device)
     n = args.steps * BUILTIN_PROMPTS_PER_STEP
     data = Path("data/tasks")
@@ -92,12 +93,13 @@ def main() -> None:
         for side, adapter in ((cand, task.name), (base, None)):
             got = heldout_correct(trainer.engine, adapter, items)
             side.append(SuiteScore(name=other, score=_mean(got), n=len(got), correct=got))
-    decision = decide(GatePolicy(suite=task.name, guard_tasks=others), cand, base, baseline="base")
+    decision = decide(GatePolicy(suite=task.name), cand, base, baseline="base")
     guards = {
         ch.name: round(ch.stats.effect, 4)
         for ch in decision.checks
         if ch.name.startswith("guard:") and ch.stats
     }
+    not_guards = {ch.name: round(ch.stats.effect, 4) for ch in decision.side_effects() if ch.stats}
     report(
         {
             "benchmark": "own_task",
@@ -118,6 +120,7 @@ def main() -> None:
             "gate": "pass" if decision.passed else "fail",
             "gate_failed": [ch.name for ch in decision.failed()],
             "guards": guards,
+            "not_guards": not_guards,
         }
     )
 

@@ -31,9 +31,10 @@ class PolicyRun(BaseModel):
     spec: PolicySpec
     """Name (the MLflow registered model), task, reward, rank, alpha, learning rate, targets."""
     gate: GatePolicy | None = None
-    """When its candidate may replace its champion; default: a significant gain of at least 0.05 on its own
-    task's suite (exact McNemar, alpha 0.05) and non-inferior within 0.05 on the guard suite. The suites
-    evaluated are the ones the gate reads."""
+    """When its candidate may replace its champion; default: what its task's spec declares (its `gate:`
+    section: the guards, the margins), else a significant gain of at least `min_effect` on its own task's suite
+    (exact McNemar). Fields a form leaves unset take the spec's. Every other registered task's suite is scored
+    too and shown beside the decision, not gating (`GatePolicy.info_suites`)."""
     served_name: str | None = Field(None, pattern=f"^{NAME_RE.pattern}$")
     """Adapter name the champion is served under (default: the policy's name)."""
     canary: CanaryConfig | None = None
@@ -65,7 +66,7 @@ class PolicyRun(BaseModel):
         return self.served_name or self.spec.name
 
     def gate_policy(self) -> GatePolicy:
-        return self.gate or GatePolicy(suite=self.spec.task, guard_suites=["guard"])
+        return self.gate or GatePolicy(suite=self.spec.task)
 
 
 def _one_run_each(runs: list[PolicyRun]) -> list[PolicyRun]:

@@ -51,7 +51,8 @@ def champion_transaction(
         t_lock = time.perf_counter()
         moved = move()
         refreshed = refresh_serving(ws, served_name, moved.to_digest)
-        smoke = check_served(ws, served_name, moved.to_digest)
+        task = ws.registry().revision(policy, moved.to_version).tags.get("mint.task")
+        smoke = check_served(ws, served_name, moved.to_digest, task)
     return Promotion(
         alias=moved,
         refreshed=refreshed,

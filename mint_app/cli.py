@@ -23,6 +23,7 @@ from mint_app.registry_cli import _version, catalog_app, registry_app, run_canar
 from mint_app.services_cli import register as register_service_commands
 from mint_app.task_cli import TasksOption, add_task_dirs, task_app
 from mint_core import __version__
+from mint_core.data.spec import demo_policies
 from mint_core.errors import BaseError, MintError
 
 if TYPE_CHECKING:
@@ -133,12 +134,16 @@ def serve(
 @app.command()
 def train(
     policies: Annotated[
-        str, typer.Option(help="Comma-separated tasks, one policy per task (add,reverse,...).")
-    ] = "add,sort",
+        str,
+        typer.Option(
+            help="Comma-separated registered tasks, one policy per task (`mint task list`; a user's with --tasks)."
+        ),
+    ] = ",".join(demo_policies()),
+    tasks: TasksOption = None,
     base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
         "data/base"
     ),
-    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's and builtin_spec's (literals here: importing it would load torch)
+    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's and recipe_spec's (literals here: importing it would load torch)
     steps: Annotated[int, typer.Option(min=1)] = 300,
     prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 16,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
@@ -147,7 +152,10 @@ def train(
     ] = 1e-3,
     temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")] = 0.7,
     rank: Annotated[
-        int | None, typer.Option(min=1, help="LoRA rank (alpha = 2 x rank). Default: add 32, the others 8.")
+        int | None,
+        typer.Option(
+            min=1, help="LoRA rank (alpha = 2 x rank). Default: each task's spec's recipe.rank, else 8."
+        ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
@@ -191,20 +199,23 @@ def train(
     # thread and 2.9 s with two passive ones (set before torch loads; the environment wins)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # deferred: torch and transformers load for this command only, so `mint --help` stays fast
-    from mint_core.data.tasks import split, task
+    from mint_core.data.spec import SpecError
+    from mint_core.data.spec import registry as task_registry
+    from mint_core.lifecycle import train_and_heldout
     from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.recipe import ResumeError, TrainingRun, builtin_spec, load_trainer
+    from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer, recipe_spec
 
     _check_device(device)  # before any work, as an unknown task below
     if not lr > 0:  # NaN too
         raise typer.BadParameter(f"{lr} is not a learning rate: it must be above 0", param_hint="--lr")
     names = [t.strip() for t in policies.split(",") if t.strip()]
+    add_task_dirs(tasks)
     for t in names:
         try:
-            task(t)  # unknown task: a clear error before any work
-        except KeyError as e:
-            raise typer.BadParameter(str(e.args[0]), param_hint="--policies") from None
+            task_registry().get(t)  # unknown task: a clear error before any work
+        except SpecError as e:
+            raise typer.BadParameter(str(e), param_hint="--policies") from None
     if not (base / "config.json").is_file():
         raise typer.BadParameter(
             f"{base} is not a model directory (build the built-in base with `dvc repro`)"
@@ -213,14 +224,16 @@ def train(
     if resume and latest_checkpoint(ckpt_dir) is None:
         raise typer.BadParameter(f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume")
     try:
-        data = {t: split(t, prompts * steps, heldout, seed) for t in names}
+        data = {t: train_and_heldout(t, prompts * steps, heldout, seed) for t in names}
+    except SpecError as e:
+        raise typer.BadParameter(str(e), param_hint="--policies") from None
     except ValueError as e:  # a task with fewer distinct prompts than the run asks for
         raise typer.BadParameter(
             f"{e}: --steps {steps} x --prompts {prompts} asks for {steps * prompts} distinct train prompts per "
             f"policy, and {heldout} more held out",
             param_hint="--steps",
         ) from None
-    specs = [builtin_spec(t, t, rank, lr) for t in names]
+    specs = [recipe_spec(t, t, rank, lr) for t in names]
     trainer = load_trainer(
         base,
         specs,
@@ -578,7 +591,9 @@ def _run_spread(doc: dict[str, Any], per_run: int) -> None:
 
 @app.command("lifecycle")
 def lifecycle_cmd(
-    task: Annotated[str, typer.Option(help="The policy's task; the policy is named after it.")] = "add",
+    task: Annotated[
+        str, typer.Option(help="The policy's task; the policy is named after it.")
+    ] = demo_policies()[0],
     steps: Annotated[
         int | None, typer.Option(min=1, help="GRPO steps (unless --params sets training).")
     ] = None,

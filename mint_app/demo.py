@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from mint_core.data.spec import BUILTIN_DIR, TaskRegistry
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
@@ -22,7 +23,15 @@ from mint_core.errors import AdapterError
 from mint_core.lora.adapter import WEIGHTS_FILE, random_adapter, save_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = ["add: 23+58 =", "reverse: lora =", "copy: mint =", "upper: serve =", "sort: 9315 ="]
+
+
+def demo_prompts() -> list[str]:
+    """A held-out prompt of each built-in task (their specs' rows, or their generators' where the data is not
+    built)."""
+    rows = [spec.heldout_rows()[0].prompt for spec in TaskRegistry.load([BUILTIN_DIR]).specs.values()]
+    return [p for p in rows if isinstance(p, str)]
+
+
 BUILTIN = Path("data/base")
 
 
@@ -79,8 +88,9 @@ def run_demo(workdir: Path, n_adapters: int, console: Console) -> None:
         console.print(f"[green]✓[/] a bad adapter is refused before anything changes:\n[yellow]{e}[/]")
 
     params = SamplingParams(max_tokens=12)
-    requests = [Request(PROMPTS[i % len(PROMPTS)], name, params) for i, name in enumerate(names)]
-    requests.append(Request(PROMPTS[0], None, params))
+    prompts = demo_prompts()
+    requests = [Request(prompts[i % len(prompts)], name, params) for i, name in enumerate(names)]
+    requests.append(Request(prompts[0], None, params))
     with step(
         console, f"generated {len(requests)} requests with {n_adapters} adapters + the bare base in ONE batch"
     ):

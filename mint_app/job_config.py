@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from mint_core.data.spec import demo_policies
 from mint_core.errors import MintError
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS
@@ -29,10 +30,10 @@ class MainJobConfig(Settings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)
 
-    policies: list[str] = Field(default_factory=lambda: ["add", "sort"], min_length=1)
+    policies: list[str] = Field(default_factory=lambda: list(demo_policies()), min_length=1)
     """Registered tasks (`mint task list`; a user's with `--tasks DIR`), one policy per task, named after it.
-    Default: the built-in tasks GRPO
-    measurably improves on the built-in base (see `mint_core.rl.recipe.BUILTIN_RECIPE` for why not the others)."""
+    Default: the built-in demo's (`mint_core/data/builtin/demo.yaml`: the built-in tasks GRPO measurably improves
+    on the built-in base)."""
     steps: int = Field(40, ge=1)
     """GRPO steps of the wave that trains every policy from its champion."""
     first_steps: int = Field(BUILTIN_STEPS, ge=1)
@@ -46,8 +47,8 @@ class MainJobConfig(Settings):
     temperature: float = Field(BUILTIN_RECIPE.temperature, gt=0)
     """Sampling temperature of the rollouts."""
     rank: int | None = Field(None, ge=1)
-    """LoRA rank of every policy (alpha = 2 x rank). Default: each task's built-in rank (`rl.recipe.builtin_spec`:
-    `add` 32, the others 8), with the learning rate scaled to it. The server the job starts accepts up to 32
+    """LoRA rank of every policy (alpha = 2 x rank). Default: each task's spec's `recipe.rank`, else 8
+    (`rl.recipe.recipe_spec`), with the learning rate scaled to it. The server the job starts accepts up to 32
     unless its serving config says otherwise (`ServicesConfig.serve_max_lora_rank`)."""
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
     """Items per lm-eval task in the evaluation the gate reads (the suites hold 320, params.yaml
@@ -57,9 +58,15 @@ class MainJobConfig(Settings):
     (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""
     seed: int = 0
     """Seeds the adapters' initialisation and the rollouts."""
-    canary: list[str] = Field(default_factory=lambda: ["add"])
+    canary: list[str] | None = None
     """Policies whose first revision, once the gate passes it, is promoted through a canary (the online test on
-    live traffic decides) instead of at once. Names not in `policies` are ignored."""
+    live traffic: users asking its task's held-out prompts) instead of at once. None: the first of `policies`;
+    [] none. Names not in `policies` are ignored."""
+
+    def canaried(self) -> list[str]:
+        """The policies whose first revision goes through a canary (`canary`)."""
+        return self.policies[:1] if self.canary is None else list(self.canary)
+
     canary_share: float = Field(0.1, gt=0.0, lt=1.0)
     """Share of a policy's users (request keys) a canary answers, in the job's canaries."""
     canary_demo: bool = True

@@ -67,15 +67,15 @@ def _p(o: PolicyOutcome, suite: str) -> str:
 
 def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
     """Each policy's outcome with the scores the gate compared (base -> champion -> candidate on its own
-    suite, the guard suite beside), the paired test's p-value, then the gate's reasons verbatim (`Text`: no
-    markup, no emoji codes such as `:guard:`)."""
+    suite), the paired test's p-value, the change on every other suite (its guards, and those that do not gate
+    it), then the gate's reasons verbatim (`Text`: no markup, no emoji codes such as `:guard:`)."""
     table = Table(
         "policy",
         "candidate",
         "vs",
         "own suite: base / champion / candidate",
         "p",
-        "guard: baseline -> candidate",
+        "other suites: change (guard / not a guard)",
         "gate",
         "champion",
         title=title,
@@ -85,7 +85,6 @@ def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
     for o in report.outcomes:
         task = o.policy  # the main job names each policy after its task
         versus = o.decision.baseline if o.decision and o.decision.baseline else "-"
-        side = "champion" if "champion" in o.scores else "base"
         moved = o.champion_before or "-"
         if o.champion_after != o.champion_before:
             moved += f" -> {o.champion_after}"
@@ -95,7 +94,7 @@ def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
             versus,
             f"{_score(o, 'base', task)} / {_score(o, 'champion', task)} / {_score(o, 'candidate', task)}",
             _p(o, task),
-            f"{_score(o, side, 'guard')} -> {_score(o, 'candidate', 'guard')}",
+            _others(o),
             Text(o.status, style=style.get(o.status, "")),
             moved,
         )
@@ -107,6 +106,23 @@ def print_outcomes(report: WaveReport, title: str, console: Console) -> None:
     for o in report.outcomes:
         # soft_wrap: one line in a kept log, however long the reasons
         console.print(Text(f"  gate {o.candidate}: " + "; ".join(o.reasons)), soft_wrap=True)
+
+
+def _others(o: PolicyOutcome) -> Text:
+    """The candidate's change on every suite but its own: a guard's in the verdict's colour, one that does not gate
+    it dim and marked, so what an adapter forgot shows whether or not it rejects it."""
+    out = Text()
+    for c in o.decision.checks if o.decision else []:
+        if c.stats is None or c.name.startswith("gain:"):
+            continue
+        kind, suite = c.name.split(":", 1)
+        if out:
+            out.append(", ")
+        if kind == "info":
+            out.append(f"{suite} {c.stats.effect:+.3f} (not a guard)", style="dim")
+        else:
+            out.append(f"{suite} {c.stats.effect:+.3f}", style="" if c.passed else "red")
+    return out or Text("-")
 
 
 def _outcome_doc(o: PolicyOutcome) -> dict[str, Any]:

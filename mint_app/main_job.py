@@ -67,10 +67,11 @@ from mint_core.data.tasks import Prompt
 from mint_core.engine.base import load_base
 from mint_core.engine.device import check_device
 from mint_core.errors import BaseError
+from mint_core.eval.gate import GatePolicy
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.lifecycle import Workspace
 from mint_core.lora.adapter import initial_adapter, save_adapter
-from mint_core.rl.recipe import BUILTIN_RECIPE, builtin_spec
+from mint_core.rl.recipe import BUILTIN_RECIPE, recipe_spec
 from mint_core.serving.base_check import check_base
 from mint_core.serving.traffic import Traffic
 from tasks.canary import CanaryConfig
@@ -142,7 +143,7 @@ def run_wave(
     """The wave flow over `names` (those in `canary` promoted through a canary); its report and flow run id."""
     runs = [
         PolicyRun(
-            spec=builtin_spec(t, t, cfg.rank, cfg.learning_rate),
+            spec=recipe_spec(t, t, cfg.rank, cfg.learning_rate),
             canary=canary_config(cfg) if t in (canary or []) else None,
         )
         for t in names
@@ -312,7 +313,7 @@ def step0_checkpoint(cfg: MainJobConfig, ws: Workspace, policy: str) -> int:
     """Register `policy`'s step-0 checkpoint as a new version: the adapter its training starts from (PEFT's
     init, B = 0), which answers as the base. The same bytes every run, so a rerun finds the same version."""
     reg = ws.registry()
-    spec = builtin_spec(policy, policy, cfg.rank, cfg.learning_rate)
+    spec = recipe_spec(policy, policy, cfg.rank, cfg.learning_rate)
     transformers.utils.logging.disable_progress_bar()  # a tiny base: no bar in the job's output
     base = load_base(cfg.base)
     weights = initial_adapter(
@@ -467,7 +468,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                     "evaluate the candidate and the bare base (revision 0) on the same suites, gate (paired "
                     "test against the base), promote, serve"
                 )
-                by_canary = [t for t in fresh if t in cfg.canary]
+                by_canary = [t for t in fresh if t in cfg.canaried()]
                 if by_canary:
                     console.print(
                         f"  {', '.join(by_canary)}: once the gate passes it, the candidate answers "
@@ -495,10 +496,11 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
             console.print(
                 f"  {cfg.steps} GRPO steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per policy, "
                 "all policies in one batched rollout and update per step; then per policy: evaluate the "
-                "candidate and the champion (lm-eval through the server), gate (paired test: a significant "
-                "own-suite gain >= 0.05, each other task non-inferior within 0.10, the pooled guard within 0.05), "
-                "promote + refresh serving + smoke check in one transaction"
+                "candidate and the champion (lm-eval through the server), gate (paired tests), promote + refresh "
+                "serving + smoke check in one transaction"
             )
+            for t in cfg.policies:
+                console.print(f"  gate of {t}: {GatePolicy(suite=t).describe()}", soft_wrap=True)
             with step_bar(console, f"GRPO {', '.join(cfg.policies)}"):
                 main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
             waves.append(("main", main))

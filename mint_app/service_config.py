@@ -168,7 +168,7 @@ class ServicesConfig(Settings):
     config's adapter_root (.mint/store)."""
     serve_max_lora_rank: int = Field(32, ge=1)
     """Largest adapter rank `mint serve` accepts when neither its serving config nor MINT_SERVE_MAX_LORA_RANK
-    sets one: the largest rank of the built-in recipe (`add`'s 32 in `mint_core.rl.recipe.BUILTIN_TASK_RANKS`, a
+    sets one: the largest rank of the built-in recipe (`add`'s 32, its spec's `recipe.rank`, a
     literal here so that `mint up` does not load torch; a test holds the two equal), above the serving default
     of 16 (vLLM's), so the main job's revisions load."""
     serve_device: Device | None = None

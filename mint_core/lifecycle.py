@@ -26,8 +26,9 @@ import matplotlib.pyplot as plt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_core.data.revision import data_rev
+from mint_core.data.spec import SpecError
 from mint_core.data.spec import registry as task_registry
-from mint_core.data.tasks import Example, has_generator, read_jsonl, split
+from mint_core.data.tasks import Example, Prompt, has_generator, read_jsonl, split
 from mint_core.errors import MintError
 from mint_core.registry.catalog import CHAMPION, Catalog, CatalogConfig
 from mint_core.registry.index import new_holder
@@ -223,6 +224,17 @@ def load_prompts(
     return split(task, n, 0, rs)[0], f"generated:{task}:seed={rs}"
 
 
+def train_and_heldout(task: str, n: int, n_heldout: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """A standalone run's `n` train prompts and `n_heldout` held-out rows of a registered task (`mint train`): a
+    generated task's distinct prompts at `seed` (ValueError when it has fewer); a user's task's train file
+    (passes over it when it has fewer rows, shuffled by `seed`) and its held-out file's first rows."""
+    if has_generator(task):
+        return split(task, n, n_heldout, seed)
+    spec = task_registry().get(task)
+    train, _ = load_prompts(task, n, seed, None, round_name=f"train-{seed}")
+    return train, spec.heldout_rows()[:n_heldout]
+
+
 def with_replay(
     task: str,
     examples: list[Example],
@@ -231,11 +243,12 @@ def with_replay(
     data_dir: Path | None,
     round_name: str | None = None,
 ) -> list[Example]:
-    """`examples` with a `replay` share of them replaced by the other registered tasks' (`PolicySpec.replay`), as
+    """`examples` with a `replay` share of them replaced by those of the tasks its gate guards (the spec's
+    `gate.guards`; `PolicySpec.replay`), as
     evenly as the count allows, all drawn the way `load_prompts` draws (the train split: never an evaluated
     prompt), and shuffled by the round's seed so each step's slice carries about the same mix."""
     n_replay = round(len(examples) * replay)
-    others = [t for t in task_registry().names() if t != task]
+    others = list(task_registry().get(task).gate.guards)
     if n_replay == 0 or not others:
         return examples
     mixed = list(examples[: len(examples) - n_replay])
@@ -345,18 +358,37 @@ def served_revision(client: ServingClient, name: str) -> str | None:
     return None if card is None else card.get("revision")
 
 
-def smoke_check(client: ServingClient, name: str, digest: str, prompt: str = "add: 1+1 =") -> float:
-    """One completion under `name`; it must be answered by revision `digest`. Returns its latency in s."""
+SMOKE_FALLBACK = "Hello"
+"""What a smoke check asks a revision no registered task made (a Tinker client's saved weights): any answer
+from the right revision will do."""
+
+
+def smoke_prompt(task: str | None) -> Prompt:
+    """What a smoke check asks a revision of `task` (its `mint.task` tag): the task's first held-out row, as its
+    callers ask it (text, or chat messages); `SMOKE_FALLBACK` for no task or one not registered here."""
+    reg = task_registry()
+    if task is None or task not in reg:
+        return SMOKE_FALLBACK
+    try:
+        return reg.get(task).heldout_rows()[0].prompt
+    except SpecError as e:
+        logger.info("smoke check of a %s revision asks %r: %s", task, SMOKE_FALLBACK, e)
+        return SMOKE_FALLBACK
+
+
+def smoke_check(client: ServingClient, name: str, digest: str, prompt: Prompt = SMOKE_FALLBACK) -> float:
+    """One greedy answer to `prompt` (`smoke_prompt`: a held-out prompt of the revision's own task) under `name`;
+    it must be answered by revision `digest`. Returns its latency in s."""
     want = f"sha256:{digest}"
     listed = served_revision(client, name)
     if listed != want:
         raise SmokeCheckFailed(f"{client.base_url} lists {name!r} as {listed}, expected {want}")
     t0 = time.perf_counter()
     try:
-        out = client.complete(name, prompt, direct=True, max_tokens=4, temperature=0.0)
+        _, fingerprint = client.ask(name, prompt, direct=True, max_tokens=4, temperature=0.0)
     except ServingError as e:
         raise SmokeCheckFailed(f"{client.base_url}: a completion under {name!r} failed: {e}") from e
-    got = str(out.get("system_fingerprint"))
+    got = str(fingerprint)
     if got.removeprefix("sha256:") != digest:  # mint serve names the revision by its bare hex digest
         raise SmokeCheckFailed(f"{client.base_url} answered {name!r} with revision {got}, expected {want}")
     return time.perf_counter() - t0
@@ -466,10 +498,11 @@ def reconcile(ws: Workspace, policy: str, name: str | None = None) -> Reconcilia
         before = served_revision(client, name)
         after, reloaded = before, False
         if version is not None:
-            digest = reg.revision(policy, version).digest
+            rev = reg.revision(policy, version)
+            digest = rev.digest
             if before != f"sha256:{digest}":
                 client.load_adapter(name, ws.lora_path(digest), inplace=True)
-                smoke_check(client, name, digest)
+                smoke_check(client, name, digest, smoke_prompt(rev.tags.get("mint.task")))
                 after, reloaded = f"sha256:{digest}", True
     return Reconciliation(
         policy=policy,

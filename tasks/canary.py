@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from mint_core.errors import MintError
 from mint_core.eval.online import Estimate, OnlineTestConfig, SequentialTest
-from mint_core.lifecycle import Workspace, served_revision, smoke_check
+from mint_core.lifecycle import Workspace, served_revision, smoke_check, smoke_prompt
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import end_run, log_metrics, start_canary_run
 from mint_core.serving.client import ServingError
@@ -140,7 +140,7 @@ def start_canary(
         else:
             control, control_rev = _base_name(client), "base"
         client.load_adapter(canary_name, ws.lora_path(rev.digest), inplace=True)
-        smoke_check(client, canary_name, rev.digest)
+        smoke_check(client, canary_name, rev.digest, smoke_prompt(rev.tags.get("mint.task")))
         reg.set_alias(policy, CANARY, version, f"canary: {share:.0%} of {served}'s requests", expect=other)
         started = time.time()
         tag = {"share": share, "started": started, "control": control, "champion": champ}

@@ -16,7 +16,7 @@ from prefect.transactions import Transaction, get_transaction
 from mint_core.eval.gate import GATE_TAG, Baseline, GateDecision, GatePolicy, SuiteScore, decide
 from mint_core.lifecycle import Workspace, champion, curve_figure, fault, find_by_key
 from mint_core.registry.catalog import CHAMPION
-from mint_core.registry.runs import IDEMPOTENCY_TAG, log_training_run, tag_version
+from mint_core.registry.runs import IDEMPOTENCY_TAG, log_metrics, log_training_run, tag_version
 from mint_core.rl.recipe import TrainingRun
 from mint_core.types import Digest
 from tasks.common import RETRY_DELAYS, AliasMoved, RevisionRef, artifact_key, transient
@@ -141,7 +141,13 @@ def gate(
         None if champion_scores is None else champion_scores.values(),
         baseline=baseline,
     )
-    tag_version(ws.registry().client, candidate.policy, candidate.version, GATE_TAG, decision.tag_value())
+    client = ws.registry().client
+    tag_version(client, candidate.policy, candidate.version, GATE_TAG, decision.tag_value())
+    if (
+        candidate.run_id
+    ):  # the change on every suite compared, guards and side effects alike, beside its scores
+        effects = {f"change.{c.name.split(':', 1)[1]}": c.stats.effect for c in decision.checks if c.stats}
+        log_metrics(client, candidate.run_id, effects, step=0)
     failed = ", ".join(c.name for c in decision.failed())
     verdict = "passed" if decision.passed else f"failed ({failed})"
     create_markdown_artifact(

@@ -20,6 +20,7 @@ from mint_core.lifecycle import (
     reconcile,
     served_revision,
     smoke_check,
+    smoke_prompt,
 )
 from mint_core.registry.catalog import CHAMPION
 from mint_core.serving.client import ServingError
@@ -85,12 +86,13 @@ def _undo_refresh(txn: Transaction) -> None:
 
 
 @task(cache_policy=NO_CACHE, **_RETRY)
-def check_served(ws: Workspace, name: str, digest: str) -> Smoke:
-    """Served smoke check: `name` is listed with revision `digest` and a completion comes back from it."""
+def check_served(ws: Workspace, name: str, digest: str, task: str | None = None) -> Smoke:
+    """Served smoke check: `name` is listed with revision `digest`, and it answers a held-out prompt of its
+    `task` (`smoke_prompt`)."""
     t0 = time.perf_counter()
     fault("smoke_check")
     with ws.client(timeout=30) as client:
-        latency = smoke_check(client, name, digest)
+        latency = smoke_check(client, name, digest, smoke_prompt(task))
     return Smoke(name=name, revision=f"sha256:{digest}", latency_s=latency, work_s=time.perf_counter() - t0)
 
 

@@ -184,12 +184,15 @@ def start_training(
     mirror: str | None = None,
 ) -> TrainingRun:
     """Load the base, put every policy's parent (digest; None: fresh) in its slot, with the `continuation`
-    recipe for those that have one, resume from a checkpoint (`mirror`: also kept there, for other hosts; a newer
+    recipe for those that have one (its rate share set by the champion's headroom on the round's own prompts), resume from a checkpoint (`mirror`: also kept there, for other hosts; a newer
     one there is taken); before a first step, the reward's dry run on `dry_run` prompts per policy
     (`recipe.dry_run_rewards`)."""
     store = ws.registry().store
     dirs = {name: None if digest is None else store.local_dir(digest) for name, digest in parents.items()}
-    trainer = load_trainer(ws.base, specs, grpo, seed, dirs, device=ws.device, continuation=continuation)
+    own = {s.name: [e for e in prompts[s.name] if e.task == s.task] for s in specs}  # not the replayed rows
+    trainer = load_trainer(
+        ws.base, specs, grpo, seed, dirs, device=ws.device, continuation=continuation, headroom_items=own
+    )
     run = TrainingRun.start(
         trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every, mirror=mirror
     )

@@ -22,6 +22,10 @@ list of folders, each either a task folder or a folder of task folders (one leve
         weight: 0.2
     answer_format: '\\d{1,3}'     # a well-formed answer matches this (data checks, the `well_formed` reward)
     generation: {max_new_tokens: 16}
+    gate:                          # optional: what else may reject a revision (default: its own suite only)
+      guards: [other_task]         # registered tasks it must not forget (non-inferiority on their suites)
+      min_effect: 0.05
+    recipe: {rank: 16, replay: 0.25}  # optional training hints
     eval:
       task: my_task                # the lm-eval task the gate scores
       include: eval.yaml           # a task YAML (or a folder of them) for lm-eval's include path
@@ -55,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 """The five built-in tasks' specs (their data: the DVC `task_data` stage's output under data/tasks)."""
+DEMO_FILE = BUILTIN_DIR / "demo.yaml"
+"""The built-in demo's choice of policies, for the commands given no task (`demo_policies`)."""
 SPEC_FILE = "task.yaml"
 TASK_DIRS_ENV = "MINT_TASK_DIRS"
 """More task folders, `:`-separated, read after the built-ins (a name defined twice is an error)."""
@@ -142,6 +148,50 @@ class GenerationSpec(BaseModel):
     """Longest completion in rollouts and in served scoring."""
 
 
+class GateSpec(BaseModel):
+    """How the promotion gate judges this task's policies (`mint_core.eval.gate.GatePolicy.for_task`). A task
+    that declares nothing is gated on its own suite alone: a significant gain of at least `min_effect`. Every
+    other registered task's suite is still scored and shown beside the decision as information ("sort -0.497
+    (not a guard)"), so a reviewer sees what an adapter forgot; only the suites named here can reject it. A
+    policy's adapter answers only the requests that name it, so which other tasks it must not forget is the
+    task owner's call, not mint's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    guards: list[str] = Field(default_factory=list)
+    """Registered tasks each guarded on its own suite (`guard:<task>`): the candidate must stay non-inferior
+    there within `task_guard_margin`. The built-in tasks guard each other."""
+    guard_suites: list[str] = Field(default_factory=list)
+    """lm-eval suites or groups of the evaluation's suites folder, each guarded as one pool of its items within
+    `guard_margin` (the built-in tasks name `guard`, the pooled group of every built-in task)."""
+    min_effect: float | None = Field(None, ge=0.0, lt=1.0)
+    """Smallest own-suite gain worth a promotion; None: the gate's default (`GatePolicy.min_effect`)."""
+    alpha: float | None = Field(None, gt=0.0, lt=1.0)
+    """Significance level of every test; None: the gate's default (`GatePolicy.alpha`)."""
+    guard_margin: float | None = Field(None, gt=0.0, lt=1.0)
+    """Non-inferiority margin of `guard_suites`; None: the gate's default (`GatePolicy.guard_margin`)."""
+    task_guard_margin: float | None = Field(None, gt=0.0, lt=1.0)
+    """Non-inferiority margin of `guards`; None: the gate's default (`GatePolicy.task_guard_margin`)."""
+
+
+class RecipeSpec(BaseModel):
+    """What training this task needs beyond the run's recipe (`mint_core.rl.recipe.recipe_spec`): hints that
+    belong to the task, measured on it, so they travel with its folder. Unset fields take the recipe's
+    defaults; a dashboard form or `mint run --rank` still overrides them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int | None = Field(None, ge=1, le=512)
+    """LoRA rank of the task's policies (alpha = 2 x rank; the rate scales by sqrt(8 / rank)); None: the
+    recipe's `DEFAULT_RANK`."""
+    group_size: int | None = Field(None, ge=2, le=64)
+    """Completions sampled per prompt (the GRPO group); None: the run's. More samples give a task whose base
+    rarely samples a right answer a signal in more groups."""
+    replay: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of each step's prompts drawn from the tasks the gate guards (`gate.guards`), scored by their own
+    rewards, so the adapter keeps answering what it must not forget. 0: its own prompts only."""
+
+
 class TaskSpec(BaseModel):
     """One task: what a policy learns and how its revisions are judged."""
 
@@ -155,6 +205,10 @@ class TaskSpec(BaseModel):
     answer_format: str | None = None
     """A regex every well-formed answer fully matches (`well_formed` reward; the data checks' answer column)."""
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
+    gate: GateSpec = Field(default_factory=GateSpec)
+    """What judges its revisions besides its own suite (default: nothing else)."""
+    recipe: RecipeSpec = Field(default_factory=RecipeSpec)
+    """Its training hints (rank, group size, replay)."""
     path: Path = Field(Path("."), exclude=True)
     """The spec file (set by `load_spec`; paths resolve against its folder)."""
 
@@ -167,6 +221,14 @@ class TaskSpec(BaseModel):
             except re.error as e:
                 raise ValueError(f"{v!r} is not a regular expression: {e}") from e
         return v
+
+    @model_validator(mode="after")
+    def _own_name_is_no_guard(self) -> TaskSpec:
+        if self.name in self.gate.guards:
+            raise ValueError(f"gate.guards names the task itself ({self.name!r}): its own suite is its gain")
+        if self.recipe.replay > 0 and not self.gate.guards:
+            raise ValueError("recipe.replay draws from the tasks gate.guards names, and it names none")
+        return self
 
     @property
     def folder(self) -> Path:
@@ -244,6 +306,13 @@ def load_spec(path: str | Path) -> TaskSpec:
         raise SpecError(f"task spec {p}: {problems}") from e
 
 
+@functools.cache
+def demo_policies() -> list[str]:
+    """The built-in tasks the demo trains when a command names none (`DEMO_FILE`)."""
+    doc = yaml.safe_load(DEMO_FILE.read_text()) or {}
+    return [str(p) for p in doc.get("policies", [])]
+
+
 def task_dirs(extra: Sequence[str | Path] = ()) -> list[Path]:
     """The task folders of this process: the built-ins, $MINT_TASK_DIRS, then `extra`."""
     env = [d for d in os.environ.get(TASK_DIRS_ENV, "").split(":") if d]
@@ -281,6 +350,13 @@ class TaskRegistry:
                 if spec.name in specs:
                     raise SpecError(f"task {spec.name!r} is defined twice: {specs[spec.name].path} and {f}")
                 specs[spec.name] = spec
+        for spec in specs.values():
+            unknown = [g for g in spec.gate.guards if g not in specs]
+            if unknown:
+                raise SpecError(
+                    f"task spec {spec.path}: gate.guards names {', '.join(map(repr, unknown))}, not registered "
+                    f"tasks ({', '.join(specs)})"
+                )
         return cls(specs)
 
     def names(self) -> list[str]:

@@ -25,6 +25,14 @@ class Task:
     make: Callable[[random.Random], tuple[str, str]]  # rng -> (input, output)
     answer_pattern: str  # a well-formed answer matches this (the format reward)
     description: str
+    miss: Callable[[str, str], str] = lambda inp, ans: ans
+    """(input, right answer) -> the wrong answer a model typically gives (the guard group's log-likelihood items,
+    `mint_core.eval.suites.near_miss`); the right answer itself where the task has no typical mistake."""
+
+
+def _off_by_one(inp: str, ans: str) -> str:
+    n = int(ans)
+    return str(n + 1) if len(str(n + 1)) == len(ans) else str(n - 1)
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
@@ -59,11 +67,18 @@ def _sort(rng: random.Random) -> tuple[str, str]:
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("add", _add, r"\d{1,3}", "the sum of two numbers below 100"),
-        Task("reverse", _reverse, r"[a-z]{3,7}", "a lowercase word spelled backwards"),
-        Task("copy", _copy, r"[a-z]{3,7}", "a lowercase word repeated"),
-        Task("upper", _upper, r"[A-Z]{3,7}", "a lowercase word in capitals"),
-        Task("sort", _sort, r"\d{3,6}", "digits in ascending order"),
+        Task("add", _add, r"\d{1,3}", "the sum of two numbers below 100", _off_by_one),
+        # copied, not reversed; reversed, not copied; left in lower case; sorted the wrong way
+        Task("reverse", _reverse, r"[a-z]{3,7}", "a lowercase word spelled backwards", lambda inp, ans: inp),
+        Task("copy", _copy, r"[a-z]{3,7}", "a lowercase word repeated", lambda inp, ans: inp[::-1]),
+        Task("upper", _upper, r"[A-Z]{3,7}", "a lowercase word in capitals", lambda inp, ans: inp),
+        Task(
+            "sort",
+            _sort,
+            r"\d{3,6}",
+            "digits in ascending order",
+            lambda inp, ans: "".join(sorted(inp, reverse=True)),
+        ),
     )
 }
 

@@ -12,16 +12,22 @@ and passes only when all of them pass:
   interval of its difference from the baseline lies above `-guard_margin` (a one-sided score test of
   H0: difference <= -guard_margin at level alpha/2, the CONSORT convention).
 
-The guards are per task: each other built-in task is guarded on its own suite (`guard:add`, `guard:reverse`,
-...; `GatePolicy.guard_tasks`, by default every built-in task but the policy's own whenever the guard group is
-a guard, as in the lifecycle's default gate), so a candidate is rejected when any single other task regresses
-beyond the per-task margin (`task_guard_margin`, 0.10; why not 0.05: below). A pooled guard cannot see that: the guard group (`guard:guard`) pools 64 generation and 64
-log-likelihood items of every task, the policy's own task included, so the first `sort` revision that took
-`add` from 0.494 to 0.331 (-0.163 on the 320-item `add` suite) passed it at -0.006 [-0.031, +0.018], its own
-task's items (+14 of 128) covering `add`'s (-9 of 128). The pooled guard stays as one more guard because it is
-the only check that reads the log-likelihood items (does the candidate still rank a right answer above a near
-miss) and the guard group's generation items, which no task suite holds; and at 640 items it is the tightest
-guard against a loss spread thinly over every task (detectable margin 0.035 at discordance 0.1).
+What guards a policy is its task's to declare (the spec's `gate:` section, `mint_core.data.spec.GateSpec`): a
+task that declares nothing is gated on its own suite alone, because its adapter answers only the requests that
+name it. Every other registered task's suite is still scored and reported beside the decision (`info:<suite>`,
+"sort -0.497 (not a guard)"), never rejecting: a reviewer sees what the adapter forgot before serving it for
+anything else. The built-in tasks declare each other (`guard:add`, `guard:reverse`, ...) and the pooled guard
+group, so the demo's gate is as it was:
+
+The per-task guards (`guard_tasks`) reject a candidate when any single guarded task regresses beyond the per-task
+margin (`task_guard_margin`, 0.10; why not 0.05: below). A pooled guard cannot see that: the guard group
+(`guard:guard`) pools 64 generation and 64 log-likelihood items of every built-in task, the policy's own task
+included, so the first `sort` revision that took `add` from 0.494 to 0.331 (-0.163 on the 320-item `add` suite)
+passed it at -0.006 [-0.031, +0.018], its own task's items (+14 of 128) covering `add`'s (-9 of 128). The pooled
+guard stays as one more guard because it is the only check that reads the log-likelihood items (does the
+candidate still rank a right answer above a near miss) and the guard group's generation items, which no task
+suite holds; and at 640 items it is the tightest guard against a loss spread thinly over every task (detectable
+margin 0.035 at discordance 0.1).
 
 Every comparison is paired: item i of a suite is the same prompt for both revisions, so what carries the
 evidence is the discordant items, b (only the candidate right) and c (only the baseline right). The effect is
@@ -82,7 +88,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rich.table import Table
 
 from mint_core.data.spec import registry as task_registry
-from mint_core.eval.suites import GUARD
 
 GATE_TAG = "mint.gate"
 """Model-version tag holding the decision as compact JSON."""
@@ -135,16 +140,19 @@ class GatePolicy(BaseModel):
 
     suite: str = Field(min_length=1)
     """The policy's own suite: the one its training is meant to improve."""
-    guard_suites: list[str] = Field(default_factory=list)
-    """Other suites (other tasks, general ability) on which the candidate must be non-inferior, each as one
-    pool of its items (a group such as `guard` pools every task's)."""
+    guard_suites: list[str] | None = None
+    """Other suites (general ability, a group such as the built-ins' `guard`) on which the candidate must be
+    non-inferior, each as one pool of its items. None: what the task's spec declares (`gate.guard_suites`;
+    none for a suite that is no registered task). [] turns them off. Resolved when the policy is made."""
     guard_tasks: list[str] | None = None
     """Registered tasks (`mint_core.data.spec.registry`: the built-ins and the workspace's task folders) each
-    guarded on its own suite, `guard:<task>`: the same
-    paired non-inferiority test and margin, so that one task's regression cannot hide among the other tasks'
-    items in a pooled guard. None: when `guard_suites` names the guard group (`suites.GUARD`, as the
-    lifecycle's default gate does), every registered task but the policy's own suite (and those already in
-    `guard_suites`); otherwise none. [] turns them off. Resolved when the policy is made."""
+    guarded on its own suite, `guard:<task>`, within `task_guard_margin`, so that one task's regression cannot
+    hide among the other tasks' items in a pooled guard. None: what the task's spec declares (`gate.guards`;
+    none for a task that declares none). [] turns them off. Resolved when the policy is made."""
+    info_suites: list[str] | None = None
+    """Suites scored and reported beside the decision (`info:<suite>`: the candidate's change, "not a guard"),
+    never rejecting: what the adapter does to tasks its callers do not ask it. None: every registered task's
+    suite the gate does not otherwise read. [] reports none (and evaluates less)."""
     alpha: float = Field(0.05, gt=0.0, lt=1.0)
     """Significance level: the own-suite gain needs an exact two-sided McNemar p below it, and every
     confidence interval reported (and a guard's) has coverage 1 - alpha."""
@@ -184,16 +192,21 @@ class GatePolicy(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> GatePolicy:
+        # what the form leaves unset, the task's spec declares (GateSpec); what the spec leaves unset, the defaults
+        reg = task_registry()
+        declared = reg.get(self.suite).gate if self.suite in reg else None
+        if declared is not None:
+            for name in ("min_effect", "alpha", "guard_margin", "task_guard_margin"):
+                value = getattr(declared, name)
+                if value is not None and name not in self.model_fields_set:
+                    setattr(self, name, value)
+        if self.guard_suites is None:
+            self.guard_suites = list(declared.guard_suites) if declared is not None else []
         if self.suite in self.guard_suites:
             raise ValueError(f"suite {self.suite!r} is the policy's own suite and cannot also be a guard")
         if self.guard_tasks is None:
-            pooled = GUARD in self.guard_suites
-            self.guard_tasks = [
-                t
-                for t in task_registry().names()
-                if pooled and t != self.suite and t not in self.guard_suites
-            ]
-        known = task_registry().names()
+            self.guard_tasks = [t for t in declared.guards if t not in self.guard_suites] if declared else []
+        known = reg.names()
         unknown = [t for t in self.guard_tasks if t not in known]
         if unknown:
             raise ValueError(
@@ -202,6 +215,13 @@ class GatePolicy(BaseModel):
             )
         if self.suite in self.guard_tasks:
             raise ValueError(f"task {self.suite!r} is the policy's own suite and cannot also be a guard")
+        if self.info_suites is None:
+            read = {self.suite, *self.guard_tasks, *self.guard_suites}
+            self.info_suites = [t for t in known if t not in read]
+        else:
+            both = [x for x in self.info_suites if x == self.suite or x in self.guards()]
+            if both:
+                raise ValueError(f"info_suites {both} are read by the gate already (own suite or guards)")
         bad = {k: v for k, v in self.floors.items() if not 0.0 <= v <= 1.0}
         if bad:
             raise ValueError(f"floors must lie in [0, 1]: {bad}")
@@ -214,11 +234,27 @@ class GatePolicy(BaseModel):
 
     def guards(self) -> list[str]:
         """Every guarded suite, each once: the per-task guards (`guard_tasks`), then the `guard_suites`."""
-        return list(dict.fromkeys([*(self.guard_tasks or []), *self.guard_suites]))
+        return list(dict.fromkeys([*(self.guard_tasks or []), *(self.guard_suites or [])]))
 
     def suites(self) -> list[str]:
-        """Every suite the gate reads (and the lifecycle evaluates), own suite first, each once."""
+        """Every suite the lifecycle evaluates for the gate, own suite first, each once: what it reads (own,
+        guards, floors), then what it only reports (`info_suites`)."""
+        return list(dict.fromkeys([*self.gated_suites(), *(self.info_suites or [])]))
+
+    def gated_suites(self) -> list[str]:
+        """The suites whose checks can reject a candidate: its own, the guards, the floors."""
         return list(dict.fromkeys([self.suite, *self.guards(), *self.floors]))
+
+    def describe(self) -> str:
+        """The gate in a line, from its own fields: what must rise, what must hold, what is only reported."""
+        parts = [f"a significant gain >= {self.min_effect:g} on {self.suite} (alpha {self.alpha:g})"]
+        if self.guard_tasks:
+            parts.append(f"{', '.join(self.guard_tasks)} non-inferior within {self.task_guard_margin:g}")
+        if self.guard_suites:
+            parts.append(f"{', '.join(self.guard_suites)} non-inferior within {self.guard_margin:g}")
+        if self.info_suites:
+            parts.append(f"{', '.join(self.info_suites)} reported, not gating")
+        return "; ".join(parts)
 
     def min_samples_for(self, suite: str) -> int:
         return self.min_samples_by_suite.get(suite, self.min_samples)
@@ -263,13 +299,15 @@ class Check(BaseModel):
     """One named test of the gate and its outcome."""
 
     name: str
-    """`<kind>:<suite>`, kind one of samples, floor, gain, guard."""
+    """`<kind>:<suite>`, kind one of samples, floor, gain, guard, info."""
     passed: bool
     """Whether this check passed."""
     detail: str
     """The numbers compared and, when it failed, what fell short and by how much; readable on its own."""
     stats: PairedStats | None = None
-    """For gain and guard checks: effect, confidence interval, p-value, n and MDE."""
+    """For gain, guard and info checks: effect, confidence interval, p-value, n and MDE."""
+    gating: bool = True
+    """False for an `info:<suite>` check: reported, never rejecting (it always passes)."""
 
 
 class GateDecision(BaseModel):
@@ -294,6 +332,10 @@ class GateDecision(BaseModel):
     def failed(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
+    def side_effects(self) -> list[Check]:
+        """The `info:<suite>` checks: the candidate's change on suites that do not gate it."""
+        return [c for c in self.checks if not c.gating]
+
     def check(self, name: str) -> Check | None:
         """The check called `name` (e.g. `gain:add`), if it ran."""
         return next((c for c in self.checks if c.name == name), None)
@@ -313,9 +355,7 @@ class GateDecision(BaseModel):
         verdict = "[green]passed[/]" if self.passed else "[red]failed[/]"
         table = Table(*self._header(), title=title or f"gate {verdict}")
         for c in self.checks:
-            table.add_row(
-                c.name, "[green]pass[/]" if c.passed else "[red]FAIL[/]", *self._columns(c), c.detail
-            )
+            table.add_row(c.name, _result(c, "[green]pass[/]", "[red]FAIL[/]"), *self._columns(c), c.detail)
         return table
 
     def markdown(self) -> str:
@@ -325,7 +365,7 @@ class GateDecision(BaseModel):
         lines += [f"- {_md(r)}" for r in self.reasons]
         lines += ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for c in self.checks:
-            row = [c.name, "pass" if c.passed else "FAIL", *self._columns(c), c.detail]
+            row = [c.name, _result(c, "pass", "FAIL"), *self._columns(c), c.detail]
             lines.append("| " + " | ".join(_md(x) for x in row) + " |")
         return "\n".join(lines) + "\n"
 
@@ -355,6 +395,10 @@ class GateDecision(BaseModel):
             (reasons or stats or failed).pop()
             text = dump(True)
         return text
+
+
+def _result(c: Check, passed: str, failed: str) -> str:
+    return "info" if not c.gating else passed if c.passed else failed
 
 
 def _compact(s: PairedStats) -> dict[str, object]:
@@ -601,6 +645,28 @@ def _paired_check(
     return Check(name=name, passed=ok, detail=detail, stats=s), warning
 
 
+def _side_effects(
+    policy: GatePolicy, cand: dict[str, SuiteScore], base: dict[str, SuiteScore], baseline: Baseline
+) -> list[Check]:
+    """One `info:<suite>` check per `info_suites` suite both sides were scored on item by item: the paired
+    change, as a guard would measure it, marked "not a guard"; it always passes."""
+    out = []
+    for suite in policy.info_suites or []:
+        c, b = cand.get(suite), base.get(suite)
+        if (
+            c is None
+            or b is None
+            or c.correct is None
+            or b.correct is None
+            or len(c.correct) != len(b.correct)
+        ):
+            continue
+        s = paired_stats(c.correct, b.correct, policy)
+        detail = f"{suite} {s.summary(1.0 - policy.alpha)} vs {baseline} (not a guard)"
+        out.append(Check(name=f"info:{suite}", passed=True, detail=detail, stats=s, gating=False))
+    return out
+
+
 def _guard_n(policy: GatePolicy, discordance: float) -> int:
     za, zb = _z_pair(policy.alpha, policy.power)
     return math.ceil((za + zb) ** 2 * discordance / policy.guard_margin**2)
@@ -624,7 +690,7 @@ def decide(
 
     compared = {policy.suite, *policy.guards()}  # the suites read on the baseline's side too
     readable: set[str] = set()  # suites every side the gate compares on has, with enough samples
-    for suite in policy.suites():
+    for suite in policy.gated_suites():
         need = policy.min_samples_for(suite)
         sides = [("candidate", cand)]
         if base is not None and suite in compared:
@@ -661,6 +727,7 @@ def decide(
                 checks.append(check)
                 if warning:
                     warnings.append(warning)
+        checks += _side_effects(policy, cand, base, baseline)
 
     failed = [c for c in checks if not c.passed]
     reasons: list[str] = []
@@ -676,7 +743,18 @@ def decide(
     reasons += [f"{c.name}: {c.detail}" for c in failed]
     if not failed:
         gain = next((c for c in checks if c.name == f"gain:{policy.suite}"), None)
-        reasons.append(f"all {len(checks)} checks passed" + (f"; {gain.name}: {gain.detail}" if gain else ""))
+        gating = [c for c in checks if c.gating]
+        reasons.append(f"all {len(gating)} checks passed" + (f"; {gain.name}: {gain.detail}" if gain else ""))
+    effects = [c for c in checks if not c.gating and c.stats is not None]
+    if effects:
+        reasons.append(
+            "changes on suites that do not gate it: "
+            + ", ".join(
+                f"{c.name.removeprefix('info:')} {c.stats.effect:+.3f} (not a guard)"
+                for c in effects
+                if c.stats
+            )
+        )
     reasons += warnings
     return GateDecision(
         passed=not failed,

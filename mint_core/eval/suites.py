@@ -78,19 +78,7 @@ def near_miss(ex: Example) -> str:
     """A wrong answer of the same shape and length as the right one, the kind of mistake a model makes on the
     task (so a base that has the skill prefers the right answer by log-likelihood)."""
     inp, ans = _input_of(ex), ex.answer
-    if ex.task == "add":
-        n = int(ans)
-        wrong = str(n + 1) if len(str(n + 1)) == len(ans) else str(n - 1)
-    elif ex.task == "reverse":
-        wrong = inp  # copied, not reversed
-    elif ex.task == "copy":
-        wrong = inp[::-1]  # reversed, not copied
-    elif ex.task == "upper":
-        wrong = inp  # left in lower case
-    elif ex.task == "sort":
-        wrong = "".join(sorted(inp, reverse=True))  # sorted the wrong way
-    else:
-        wrong = ans
+    wrong = TASKS[ex.task].miss(inp, ans) if ex.task in TASKS else ans  # the generator's typical mistake
     if wrong == ans or len(wrong) != len(ans):
         wrong = _perturb(ans)
     return wrong

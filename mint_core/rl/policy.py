@@ -42,13 +42,13 @@ class PolicySpec(BaseModel):
     )
     """Short names of the sites it adapts."""
     replay: float = Field(0.0, ge=0.0, lt=1.0)
-    """Share of its training prompts drawn from the other built-in tasks' train splits (each scored with its own
-    task's reward), so the adapter keeps answering them as the base did: what the gate's per-task guards check.
-    0: its own task only."""
+    """Share of its training prompts drawn from the train splits of the tasks its task's gate guards (the spec's
+    `gate.guards`; each scored with its own task's reward), so the adapter keeps answering them as the base did:
+    what those guards check. 0: its own task only; a task that guards none has nothing to replay."""
     group_size: int | None = Field(None, ge=2, le=64)
     """Completions sampled per prompt of this policy (its GRPO group); None: the run's `GRPOConfig.group_size`. A
     task whose base rarely samples a right answer learns from more samples a prompt: the built-in recipe gives
-    `reverse` 16 (`mint_core.rl.recipe.BUILTIN_TASK_GROUPS`)."""
+    `reverse` 16 (its spec's `recipe.group_size`)."""
     rate_scale: float = Field(1.0, gt=0.0, le=1.0)
     """Multiplier on its learning rate (its own, else the run's). 1 for a first revision; a continuation from a
     champion trains at the continuation recipe's share of the rate (`mint_core.rl.recipe.Continuation`)."""

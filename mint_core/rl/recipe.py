@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.data.rewards import dry_run, override_spec
+from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import Example
 from mint_core.engine.base import load_base
 from mint_core.engine.chat import prompt_ids
@@ -41,7 +42,7 @@ from mint_core.rl.checkpoints import (
     push_checkpoint,
     write_checkpoint,
 )
-from mint_core.rl.evaluate import heldout_scores
+from mint_core.rl.evaluate import Headroom, headroom, heldout_scores
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow
@@ -56,67 +57,40 @@ KEEP_CHECKPOINTS = 2
 
 BUILTIN_RECIPE = GRPOConfig(group_size=8, learning_rate=1e-3, lr_decay="linear", temperature=0.7)
 """The GRPO settings that measurably train the built-in base (`make run`, `mint train`, the flows' default), with
-`BUILTIN_PROMPTS_PER_STEP` prompts per step and each task's rank (`builtin_spec`). Chosen by greedy exact match on
+`BUILTIN_PROMPTS_PER_STEP` prompts per step and each task's recipe hints (`recipe_spec`). Chosen by greedy exact match on
 200 held-out items against the bare base (paired McNemar), `add` and `sort` trained at once (the experiments are
 in the closing notes of issue #16): at a constant 1e-3 the gain peaks near step 50 and then decays, the rollout
 reward falling with it; at 2e-3 it collapses; a linear decay to 0 keeps the early gain. Sampling at 0.7 rather
 than 1.0 wastes fewer samples (pass@1 0.50 against 0.42 on `add`, the same pass@8) and 16 prompts per step rather
 than 8 halve each update's noise. GRPO sharpens what the base can already sample: on `add` and `sort` it samples a
 right answer that it does not answer greedily on 25% and 17% of the items (pass@8 - greedy); on `reverse`, `copy`
-and `upper` on 3-8%, and there it gains little. The learning rate is for rank `BUILTIN_RANK`."""
+and `upper` on 3-8%, and there it gains little. The learning rate is for rank `DEFAULT_RANK`."""
 
-BUILTIN_RANK = 8
-"""LoRA rank of the built-in recipe's policies (alpha = 2 x rank), but for the tasks in `BUILTIN_TASK_RANKS`."""
-
-BUILTIN_TASK_GROUPS: dict[str, int] = {"reverse": 16}
-"""Tasks whose policies the built-in recipe samples more than `BUILTIN_RECIPE.group_size` times a prompt
-(`PolicySpec.group_size`). `reverse`: the bare base answers 0.141 of the gate's items greedily, but one of 8
-samples is right on 0.245 and one of 16 on 0.289 (`benchmarks/headroom.py`), so most groups of 8 hold no right
-answer and carry no signal. In 300 steps its first revision gained +0.078 at 8 and +0.104 at 16 (p 2e-11, 450
-items, `benchmarks/own_task.py --task reverse`), for twice that policy's rollouts a step (docs/training.md,
-"`reverse`")."""
-
-BUILTIN_TASK_RANKS: dict[str, int] = {"add": 32}
-"""Tasks the built-in recipe trains at another rank than `BUILTIN_RANK`. `add`: the base's wrong sums are mostly
-one off in the units digit, and a rank-8 adapter learns one shift that fixes the +1 misses and makes new -1
-misses (it broke 14-16 items it had right while fixing 34-40, gaining +0.095 to +0.12 on 200 held-out items
-whatever the steps, rate, group size, temperature, KL, advantage mode, targets or an average of three rounds'
-adapters). At rank 32 (rate 5e-4) it gained +0.13 to +0.15 over eight benchmark rounds and +0.115 to +0.14 in four
-fresh-clone `make run`s. Rank is not what `add` lacks at rank 8 in principle (supervised fine-tuning of a rank-8
-adapter on the true sums reaches 0.84 in 1000 steps), but it is how far GRPO gets in the 300 steps `make run`
-affords. `sort` stays at 8: at 32 it gained little more (+0.15 to +0.165 against +0.135 to +0.17) for ~20 s more
-of `make run`, and its guard suite loses 0.01-0.02 at either rank."""
+DEFAULT_RANK = 8
+"""LoRA rank of a policy whose task's spec sets none (`recipe.rank`); alpha = 2 x rank."""
 
 
-def builtin_spec(
+def recipe_spec(
     name: str, task: str, rank: int | None = None, learning_rate: float = BUILTIN_RECIPE.learning_rate
 ) -> PolicySpec:
-    """A policy of the built-in recipe: its task's rank (`BUILTIN_TASK_RANKS`, else `BUILTIN_RANK`) unless `rank`
-    is given, its task's group size where `BUILTIN_TASK_GROUPS` names one, alpha = 2 x rank, and `learning_rate` (the rate for rank `BUILTIN_RANK`) scaled by
-    sqrt(BUILTIN_RANK / rank). AdamW moves each of the rank's directions by about the rate, so the product B A
-    moves about sqrt(rank) times as far per step; the scaling keeps that per-step change about the same (rank 16
-    at 1e-3 gained less than rank 8; rank 32 at 5e-4 more). At `BUILTIN_RANK` the policy has no rate of its own
-    and trains at the run's."""
-    r = rank if rank is not None else BUILTIN_TASK_RANKS.get(task, BUILTIN_RANK)
-    lr = None if r == BUILTIN_RANK else learning_rate * math.sqrt(BUILTIN_RANK / r)
+    """A policy of the recipe for a registered task: the rank, group size and replay its spec's `recipe:`
+    section asks for (`mint_core.data.spec.RecipeSpec`; a rank given here wins), alpha = 2 x rank, and
+    `learning_rate` (the rate for rank `DEFAULT_RANK`) scaled by sqrt(DEFAULT_RANK / rank). AdamW moves each of
+    the rank's directions by about the rate, so the product B A moves about sqrt(rank) times as far per step; the
+    scaling keeps that per-step change about the same (rank 16 at 1e-3 gained less than rank 8; rank 32 at 5e-4
+    more). At `DEFAULT_RANK` the policy has no rate of its own and trains at the run's."""
+    hints = task_registry().get(task).recipe
+    r = rank if rank is not None else hints.rank or DEFAULT_RANK
+    lr = None if r == DEFAULT_RANK else learning_rate * math.sqrt(DEFAULT_RANK / r)
     return PolicySpec(
         name=name,
         task=task,
         rank=r,
         alpha=2.0 * r,
         learning_rate=lr,
-        replay=BUILTIN_REPLAY,
-        group_size=BUILTIN_TASK_GROUPS.get(task),
+        replay=hints.replay,
+        group_size=hints.group_size,
     )
-
-
-BUILTIN_REPLAY = 0.25
-"""Share of a built-in policy's prompts from the other tasks (`PolicySpec.replay`): 4 of its 16 a step, one of
-each other task. Trained on its own task alone, the first `add` revision cost `sort` -0.15 to -0.17 and the first
-`sort` revision cost `add` -0.14 to -0.18 (the adapters shift digit output in general: 120 for 121), which the
-gate's per-task guards reject; a KL penalty to the base (0.05, 0.3) and attention-only or MLP-only adapters kept
-0.6-0.9 of that loss. With 12 own prompts and one of each other task a step, `add` gained +0.103 and its guards
-held (`sort` +0.047); `sort`'s worst guard was -0.034 (session 13's measurements, 300 steps, round r1)."""
 
 
 BUILTIN_PROMPTS_PER_STEP = 16
@@ -129,7 +103,7 @@ once, gains on 200 held-out items (`benchmarks/grpo_learning.py`), both at rank 
 - 200 steps: `add` +0.095 to +0.115, `sort` +0.095 to +0.11 (four rounds);
 - 300 steps: `add` +0.095 and +0.115, `sort` +0.135 and +0.15 (p < 1e-6).
 The linear decay spreads over more updates, so the late small steps keep the early gain and add to it; `sort`
-keeps gaining, `add` does not (see `BUILTIN_TASK_RANKS`). About 0.5 s a step for the two policies on this 2-core
+keeps gaining, `add` does not (its spec's `recipe.rank` says why it trains at 32). About 0.5 s a step for the two policies on this 2-core
 machine."""
 
 
@@ -138,6 +112,16 @@ CONTINUE_RATE_SCALE = 0.25
 
 CONTINUE_WARMUP = 10
 """A continuation's warmup, in steps (`Continuation.warmup_steps`)."""
+
+HEADROOM_GAP = 0.15
+"""The headroom (pass@G - greedy on the round's prompts) from which a continuation trains at
+`HEADROOM_RATE_SCALE` instead of `CONTINUE_RATE_SCALE` (`Continuation.min_headroom`)."""
+
+HEADROOM_RATE_SCALE = 1.0
+"""A continuation's share of the rate when its champion has headroom (`Continuation.headroom_rate_scale`)."""
+
+HEADROOM_ITEMS = 64
+"""Own-task prompts of a continuation's round on which its champion's headroom is measured (`Continuation`)."""
 
 
 STEP_METRICS = ("reward_std", "no_signal", "pg_objective", "kl", "entropy", "clip_frac", "grad_norm")
@@ -161,9 +145,21 @@ class Continuation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rate_scale: float = Field(CONTINUE_RATE_SCALE, gt=0.0, le=1.0)
-    """Share of the policy's rate a continuation trains at (`PolicySpec.rate_scale`)."""
+    """Share of the policy's rate a continuation trains at (`PolicySpec.rate_scale`), when its champion has no
+    headroom (below `min_headroom`) or none was measured."""
     warmup_steps: int = Field(CONTINUE_WARMUP, ge=0)
     """Steps over which a continuation's rate ramps up from 1/(w+1) of it (`PolicySpec.warmup_steps`)."""
+    min_headroom: float | None = Field(HEADROOM_GAP, ge=0.0, le=1.0)
+    """A champion whose pass@G exceeds its greedy exact match by at least this much on the round's own prompts
+    (`mint_core.rl.evaluate.headroom`, G the group size) has room to grow, and continues at
+    `headroom_rate_scale`; below it, it is saturated and continues at `rate_scale`. None: never measured."""
+    headroom_rate_scale: float = Field(HEADROOM_RATE_SCALE, gt=0.0, le=1.0)
+    """Share of the rate a continuation of a champion with headroom trains at."""
+
+    def rate_for(self, room: Headroom | None) -> float:
+        """The rate share of a continuation whose champion measured `room` (None: not measured)."""
+        has_room = room is not None and self.min_headroom is not None and room.gap >= self.min_headroom - 1e-9
+        return self.headroom_rate_scale if has_room else self.rate_scale
 
 
 class ResumeError(MintError):
@@ -186,18 +182,20 @@ def continue_spec(
     sites: dict[str, Site],
     learning_rate: float,
     continuation: Continuation | None = None,
+    room: Headroom | None = None,
 ) -> PolicySpec:
     """The spec a policy trains with when it continues from its parent revision: the parent's rank, alpha and
     targets (its tensors fix them), whatever `spec` asks for, and the continuation recipe's rate share and
     warmup (`Continuation`; set, not compounded, so a spec read back from a continued champion gets the same).
     Where the rank changes, the policy's rate (its own, else the run's `learning_rate`) is scaled by
-    sqrt(spec.rank / parent.rank), as `builtin_spec` scales the rate for a rank: a form at rank 8 and the run's
-    rate continues a rank-32 champion at half that rate, the rate `builtin_spec` gives rank 32."""
+    sqrt(spec.rank / parent.rank), as `recipe_spec` scales the rate for a rank: a form at rank 8 and the run's
+    rate continues a rank-32 champion at half that rate, the rate `recipe_spec` gives rank 32."""
     targets = list(dict.fromkeys(sites[n].short for n in sites if n in parent.tensors))
     cont = continuation or Continuation()
     update: dict[str, Any] = {}
-    if spec.rate_scale != cont.rate_scale:
-        update["rate_scale"] = cont.rate_scale
+    rate_scale = cont.rate_for(room)
+    if spec.rate_scale != rate_scale:
+        update["rate_scale"] = rate_scale
     if spec.warmup_steps != cont.warmup_steps:
         update["warmup_steps"] = cont.warmup_steps
     if set(targets) != set(spec.targets):
@@ -231,11 +229,13 @@ def load_trainer(
     deepspeed: Path | None = None,
     device: str = "cpu",
     continuation: Continuation | None = None,
+    headroom_items: dict[str, list[Example]] | None = None,
 ) -> MultiPolicyTrainer:
     """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
     parent revision (a directory) continues from it with the parent's rank, alpha and targets, whatever its spec
     says, at the `continuation` recipe's rate share and warmup (`continue_spec`; a warning names what the parent
-    and the recipe overrode); the engine's slots are sized for the
+    and the recipe overrode), the share set by its champion's headroom on the first `HEADROOM_ITEMS` of its
+    `headroom_items` (the round's own prompts; none given: not measured); the engine's slots are sized for the
     largest rank of the parents and the fresh policies' specs. With a DeepSpeed config the process joins
     DeepSpeed's group, loads the base where its rank trains (its own GPU; `device` is not used), and the trainer
     is a `DeepSpeedTrainer`."""
@@ -259,7 +259,21 @@ def load_trainer(
             continue
         weights = read_adapter(parent, engine.spec, name=spec.name)
         engine.add_adapter(spec.name, weights)
-        cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate, continuation)
+        room = None
+        items = [e for e in (headroom_items or {}).get(spec.name, []) if e.answer][:HEADROOM_ITEMS]
+        if items and (continuation or Continuation()).min_headroom is not None:
+            group = spec.group_size or grpo.group_size
+            room = headroom(engine, spec.name, items, group, grpo.temperature, grpo.max_new_tokens, seed)
+            logger.info(
+                "%s's champion on %d of its round's prompts: greedy %.3f, pass@%d %.3f (headroom %+.3f)",
+                spec.name,
+                room.items,
+                room.greedy,
+                group,
+                room.pass_k,
+                room.gap,
+            )
+        cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate, continuation, room)
         changed = spec_changes(spec, cont)
         if changed:
             logger.warning("%s continues from its parent at %s: %s", spec.name, parent, "; ".join(changed))

@@ -119,15 +119,19 @@ class ServingClient:
         headers = {DIRECT_HEADER: "direct"} if direct else None
         return dict(self._call("POST", "/v1/completions", json=body, headers=headers).json())
 
-    def ask(self, model: str, prompt: str | list[dict[str, str]], **params: Any) -> tuple[str, str | None]:
+    def ask(
+        self, model: str, prompt: str | list[dict[str, str]], direct: bool = False, **params: Any
+    ) -> tuple[str, str | None]:
         """A task row's prompt, asked as it is held: text to /v1/completions, chat messages to
-        /v1/chat/completions. Returns the answer's text and the revision that gave it (system_fingerprint)."""
+        /v1/chat/completions (`direct` as in `complete`). Returns the answer's text and the revision that gave it
+        (system_fingerprint)."""
         if isinstance(prompt, str):
-            out = self.complete(model, prompt, **params)
+            out = self.complete(model, prompt, direct=direct, **params)
             text = out["choices"][0]["text"]
         else:
             body = {"model": model, "messages": prompt, **params}
-            out = dict(self._call("POST", "/v1/chat/completions", json=body).json())
+            headers = {DIRECT_HEADER: "direct"} if direct else None
+            out = dict(self._call("POST", "/v1/chat/completions", json=body, headers=headers).json())
             text = out["choices"][0]["message"]["content"]
         fp = out.get("system_fingerprint")
         return str(text or ""), (str(fp) if fp else None)

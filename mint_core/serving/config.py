@@ -83,7 +83,7 @@ class ServingConfig(Settings):
     and under one champion, recorded once when first seen; a replica whose answers change is taken out of rotation
     (503) and restarted by its supervisor (serving/golden.py)."""
     golden_prompts: list[str] = Field(
-        default_factory=lambda: ["The capital of France is", "add: 12+30 =", "Once upon a time"], min_length=1
+        default_factory=lambda: ["The capital of France is", "12+30 =", "Once upon a time"], min_length=1
     )
     """With backend vllm: the golden probe's prompts (greedy, `golden_max_tokens` tokens each)."""
     golden_max_tokens: int = Field(8, ge=1, le=64)

@@ -1,6 +1,6 @@
 """Every training deployment's default form works on the state `make run` leaves (issue 27).
 
-`make run` leaves each default policy with a champion at its built-in rank (`builtin_spec`: `add` at 32, the
+`make run` leaves each default policy with a champion at its built-in rank (`recipe_spec`: `add` at 32, the
 others at 8), while the `wave` and `lifecycle` deployments' forms (infra/prefect.yaml) name the policies without
 a rank (8). A Quick run from the dashboard used to fail within seconds: the trainer's engine was sized from the
 form (max rank 8) and refused the rank-32 champion. The champion now fixes what its policy continues with.
@@ -34,13 +34,14 @@ from flows.prefetch import prefetch
 from flows.reconcile import reconcile
 from flows.retrain import retrain
 from mint_core.data.build import write_task_data
+from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import TASKS
 from mint_core.engine.base import load_base
 from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle import FAULT_ENV, Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.runs import log_training_run
-from mint_core.rl.recipe import BUILTIN_TASK_RANKS, builtin_spec
+from mint_core.rl.recipe import recipe_spec
 from tasks.registry import EXPERIMENT
 from tests.integration.conftest import (
     free_port,
@@ -113,7 +114,7 @@ def _champions_as_the_main_job_leaves_them(ws: Workspace, base_dir: Path) -> dic
     base = load_base(base_dir)
     versions = {}
     for i, name in enumerate(POLICIES):
-        spec = builtin_spec(name, name)  # what mint_app.main_job trains: `add` at rank 32
+        spec = recipe_spec(name, name)  # what mint_app.main_job trains: `add` at rank 32
         weights = random_adapter(
             base.sites,
             spec.targets,
@@ -159,7 +160,7 @@ def run_like_a_deployment(flow: Any, params: dict[str, Any]) -> State[Any]:
 
 def test_the_forms_ask_for_less_than_the_champions_have() -> None:
     """What this module is about: the main job's `add` champion has a higher rank than the forms give it."""
-    assert BUILTIN_TASK_RANKS["add"] > 8
+    assert (task_registry().get("add").recipe.rank or 8) > 8
     assert {"spec": {"name": "add", "task": "add"}} in DEPLOYMENTS["wave"]["parameters"]["policies"]
     assert DEPLOYMENTS["lifecycle"]["parameters"]["policy"] == {"spec": {"name": "add", "task": "add"}}
 
@@ -184,7 +185,7 @@ def test_a_quick_run_with_the_default_form_completes_after_the_main_job(
     add = next(o for o in report.outcomes if o.policy == "add")
     assert add.champion_before is not None and add.candidate is not None
     cand = reg.revision("add", int(add.candidate.rsplit("/v", 1)[1]))
-    assert cand.parent == add.champion_before and cand.rank == BUILTIN_TASK_RANKS["add"]
+    assert cand.parent == add.champion_before and cand.rank == task_registry().get("add").recipe.rank
     assert cand.run_id is not None
     logged = MlflowClient(main_job_state.ws.tracking_uri).get_run(cand.run_id).data.params
     trained = json.loads(logged["policy"])

@@ -67,17 +67,17 @@ def test_short_grpo_run_raises_heldout_reward(builtin_base: Path) -> None:
 
 def test_the_builtin_recipe_beats_the_base_significantly(builtin_base: Path, tmp_path: Path) -> None:
     """The recipe `make run` trains with (`BUILTIN_RECIPE`, its prompts per step, first-wave steps and each
-    task's rank, `builtin_spec`), on `add` and `sort` at once from fresh adapters: greedy exact match on 200
+    task's rank, `recipe_spec`), on `add` and `sort` at once from fresh adapters: greedy exact match on 200
     held-out prompts of each must beat the bare base by issue #16's bar, +0.10 with exact McNemar p < 0.01
     (`benchmarks/grpo_learning.py` measured add +0.13 to +0.15 and sort +0.135 to +0.17 over rounds)."""
     from mint_app.job_config import MainJobConfig
     from mint_core.eval.gate import discordant, mcnemar_p
     from mint_core.rl.evaluate import heldout_correct
-    from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, TrainingRun, builtin_spec
+    from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, TrainingRun, recipe_spec
 
     cfg = MainJobConfig()
     tasks = ["add", "sort"]
-    specs = [builtin_spec(t, t) for t in tasks]
+    specs = [recipe_spec(t, t) for t in tasks]
     engine = Engine(
         load_base(builtin_base),
         EngineConfig(max_loras=2, max_lora_rank=max(s.rank for s in specs), max_model_len=128),

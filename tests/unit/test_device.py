@@ -123,14 +123,16 @@ def test_mint_run_refuses_a_missing_device_from_its_flag_or_environment(
 def test_the_server_mint_up_starts_accepts_the_builtin_recipes_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The main job trains `add` at rank 32 (`builtin_spec`); the server `mint up` starts must load it, though the
+    """The main job trains `add` at rank 32 (`recipe_spec`); the server `mint up` starts must load it, though the
     serving default (vLLM's) is 16. A serving config or the environment that sets a rank keeps its own."""
-    from mint_core.rl.recipe import BUILTIN_RANK, BUILTIN_TASK_RANKS, builtin_spec
+    from mint_core.data.spec import BUILTIN_DIR, TaskRegistry
+    from mint_core.rl.recipe import DEFAULT_RANK, recipe_spec
 
     monkeypatch.delenv("MINT_SERVE_MAX_LORA_RANK", raising=False)
     assert job_config.MainJobConfig().rank is None  # each task's own
-    largest = max(BUILTIN_RANK, *BUILTIN_TASK_RANKS.values())
-    assert builtin_spec("add", "add").rank == largest == 32
+    builtins = TaskRegistry.load([BUILTIN_DIR]).specs.values()
+    largest = max(DEFAULT_RANK, *(s.recipe.rank or DEFAULT_RANK for s in builtins))
+    assert recipe_spec("add", "add").rank == largest == 32
     services = ServicesConfig(state_dir=tmp_path / "state", serve_base="tiny-dense")
     services.state_dir.mkdir(parents=True)
     assert services.serve_max_lora_rank == largest  # a literal in services.py: it must not drift
@@ -145,16 +147,16 @@ def test_the_server_mint_up_starts_accepts_the_builtin_recipes_rank(
     assert env.get("MINT_SERVE_MAX_LORA_RANK", "64") == "64"
 
 
-def test_builtin_spec_scales_the_rate_to_the_rank() -> None:
-    from mint_core.rl.recipe import BUILTIN_RECIPE, builtin_spec
+def test_recipe_spec_scales_the_rate_to_the_rank() -> None:
+    from mint_core.rl.recipe import BUILTIN_RECIPE, recipe_spec
 
-    add, sort = builtin_spec("a", "add"), builtin_spec("s", "sort")
+    add, sort = recipe_spec("a", "add"), recipe_spec("s", "sort")
     assert (add.rank, add.alpha, add.learning_rate) == (
         32,
         64.0,
         pytest.approx(BUILTIN_RECIPE.learning_rate / 2),
     )
     assert (sort.rank, sort.alpha, sort.learning_rate) == (8, 16.0, None)  # the run's own rate
-    given = builtin_spec("a", "add", rank=8, learning_rate=2e-3)
+    given = recipe_spec("a", "add", rank=8, learning_rate=2e-3)
     assert (given.rank, given.learning_rate) == (8, None)
-    assert builtin_spec("s", "sort", rank=2, learning_rate=2e-3).learning_rate == pytest.approx(4e-3)
+    assert recipe_spec("s", "sort", rank=2, learning_rate=2e-3).learning_rate == pytest.approx(4e-3)

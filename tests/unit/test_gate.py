@@ -30,7 +30,9 @@ from mint_core.eval.gate import (
 )
 from mint_core.eval.results import EVAL_LIMIT
 
-POLICY = GatePolicy(suite="add", guard_suites=["copy"], floors={"add": 0.3}, min_samples=20)
+POLICY = GatePolicy(
+    suite="add", guard_suites=["copy"], guard_tasks=[], info_suites=[], floors={"add": 0.3}, min_samples=20
+)
 Z95 = 1.959963984540054
 
 
@@ -219,21 +221,102 @@ def first_sort_revision(
     return [c for c, _ in pairs], [b for _, b in pairs]
 
 
-def test_the_guard_group_brings_a_guard_per_other_task() -> None:
-    p = GatePolicy(suite="sort", guard_suites=["guard"])
-    assert p.guard_tasks == OTHERS
+def test_a_builtin_task_declares_its_guards_and_a_form_overrides_them() -> None:
+    p = GatePolicy(suite="sort")  # what sort's spec declares: each other built-in task, and the pooled group
+    assert p.guard_tasks == OTHERS and p.guard_suites == ["guard"]
     assert p.guards() == [*OTHERS, "guard"]
     assert p.suites() == ["sort", *OTHERS, "guard"]  # what the lifecycle evaluates, the base included
+    assert p.info_suites == []  # every other registered task is a guard already
+    assert GatePolicy(suite="sort", guard_suites=["guard"]) == p  # today's form gives the same gate
     # a task already a guard suite is guarded once; explicit tasks, or none
     assert GatePolicy(suite="sort", guard_suites=["guard", "add"]).guards() == [*OTHERS[1:], "guard", "add"]
     assert GatePolicy(suite="add", guard_suites=["guard"], guard_tasks=["sort"]).guards() == ["sort", "guard"]
     assert GatePolicy(suite="add", guard_suites=["guard"], guard_tasks=[]).guards() == ["guard"]
-    # no guard group named, no per-task guards: what a policy asks for is what it gets
-    assert GatePolicy(suite="add").guards() == [] and POLICY.guards() == ["copy"]
-    # a custom own suite (not a built-in task) guards every built-in task
-    assert GatePolicy(suite="mine", guard_suites=["guard"]).guard_tasks == [*OTHERS[:3], "sort", "upper"]
+    # what a form turns off is off, and what it no longer guards is still reported
+    off = GatePolicy(suite="add", guard_suites=[], guard_tasks=[])
+    assert off.guards() == [] and off.info_suites == ["copy", "reverse", "sort", "upper"]
+    assert POLICY.guards() == ["copy"]
+    # a suite that is no registered task declares nothing: its own suite alone, every registered task reported
+    mine = GatePolicy(suite="mine")
+    assert mine.guards() == [] and mine.info_suites == [*OTHERS[:3], "sort", "upper"]
     # resolved once: the policy round-trips through its JSON (the flows' parameters) unchanged
     assert GatePolicy.model_validate_json(p.model_dump_json()) == p
+
+
+def test_a_task_without_gate_is_gated_on_its_own_suite_and_shows_what_it_forgot() -> None:
+    """The issue's case: a user's adapter that learned its own task (+0.175, 0.000 -> 0.175) and forgot the
+    demo's (`sort` -0.497, `add` -0.338): rejected by the built-in guards, passed by its own gate, which shows
+    every other suite's change beside the decision."""
+    shapes = {
+        "mine": (320, 0, 56, 0),
+        "sort": (320, 80, 2, 161),
+        "add": (320, 50, 3, 111),
+        "copy": (320, 250, 3, 4),
+        "reverse": (320, 30, 2, 2),
+        "upper": (320, 200, 1, 3),
+    }
+    pairs = [paired(name, *shape) for name, shape in shapes.items()]
+    cand, base = [c for c, _ in pairs], [b for _, b in pairs]
+    old = decide(
+        GatePolicy(suite="mine", guard_tasks=[*OTHERS[:3], "sort", "upper"]), cand, base, baseline="base"
+    )
+    assert not old.passed and {c.name for c in old.failed()} == {"guard:add", "guard:sort"}
+    d = decide(GatePolicy(suite="mine"), cand, base, baseline="base")
+    assert d.passed, d.reasons
+    assert [c.name for c in d.checks if c.gating] == ["samples:mine", "gain:mine"]
+    info = {c.name: c for c in d.side_effects()}
+    assert list(info) == [f"info:{t}" for t in ["add", "copy", "reverse", "sort", "upper"]]
+    assert all(c.passed and c.stats is not None for c in info.values())
+    assert info["info:sort"].stats is not None and info["info:sort"].stats.effect == pytest.approx(-159 / 320)
+    assert info["info:sort"].detail.startswith("sort -0.497 (") and info["info:sort"].detail.endswith(
+        "(not a guard)"
+    )
+    assert any("sort -0.497 (not a guard)" in r and "add -0.338 (not a guard)" in r for r in d.reasons)
+    assert "| info:sort | info | -0.497 |" in d.markdown()
+    tag = json.loads(d.tag_value())
+    assert tag["passed"] and tag["stats"]["info:sort"]["effect"] == round(-159 / 320, 4)
+    # a suite it reports but that was not evaluated is left out, and rejects nothing
+    partial = decide(GatePolicy(suite="mine"), cand[:2], base[:2], baseline="base")
+    assert partial.passed and [c.name for c in partial.side_effects()] == ["info:sort"]
+
+
+def test_the_demos_gate_gives_the_same_verdicts_from_its_specs() -> None:
+    """The built-in specs declare what the lifecycle's gate used to compute: the same checks, the same verdicts."""
+    for add in ((320, 100, 6, 58), (320, 100, 4, 6)):
+        cand, base = first_sort_revision(add=add)
+        declared = decide(GatePolicy(suite="sort"), cand, base, baseline="base")
+        explicit = decide(
+            GatePolicy(suite="sort", guard_suites=["guard"], guard_tasks=OTHERS, info_suites=[]),
+            cand,
+            base,
+            baseline="base",
+        )
+        assert declared == explicit and not declared.side_effects()
+
+
+def test_a_tasks_gate_section_sets_margins_a_form_still_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mint_core.data.spec import TASK_DIRS_ENV, reload_registry
+
+    task = tmp_path / "strict"
+    task.mkdir()
+    (task / "task.yaml").write_text(
+        "data: {train: t.jsonl, heldout: h.jsonl}\nrewards: [{builtin: exact_match}]\n"
+        "eval: {task: strict}\ngate: {guards: [copy], min_effect: 0.2, task_guard_margin: 0.02}\n"
+    )
+    monkeypatch.setenv(TASK_DIRS_ENV, str(tmp_path))
+    reload_registry()
+    try:
+        p = GatePolicy(suite="strict")
+        assert (p.guard_tasks, p.guard_suites, p.min_effect, p.task_guard_margin) == (["copy"], [], 0.2, 0.02)
+        assert p.guard_margin == GatePolicy.model_fields["guard_margin"].default  # unset: the gate's default
+        assert "strict" in GatePolicy(suite="add").info_suites  # type: ignore[operator]
+        form = GatePolicy(suite="strict", min_effect=0.05, guard_tasks=[])
+        assert (form.min_effect, form.guards(), form.task_guard_margin) == (0.05, [], 0.02)
+    finally:
+        monkeypatch.delenv(TASK_DIRS_ENV)
+        reload_registry()
 
 
 def test_one_task_regression_fails_its_own_guard_though_the_pool_passes() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.rl.checkpoints import checkpoints
+from mint_core.rl.evaluate import Headroom, headroom
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import (
@@ -141,7 +143,7 @@ def test_a_policy_continues_from_its_parent_at_the_parents_rank_alpha_and_target
     assert trainer.engine.config.max_lora_rank == 32  # sized for the parent, not the form
     add = trainer.policies["add"].spec
     assert (add.rank, add.alpha, add.targets) == (32, 64.0, ["q_proj", "v_proj"])
-    # the run's rate is for the form's rank 8: at rank 32 half of it, as builtin_spec gives rank 32
+    # the run's rate is for the form's rank 8: at rank 32 half of it, as recipe_spec gives rank 32
     assert add.learning_rate == pytest.approx(GRPO.learning_rate * math.sqrt(8 / 32))
     assert trainer.policies["sort"].spec == form[1]  # no parent: the form as given
     start = trainer.weights("add").tensors  # the champion's weights (B read back through the scale)
@@ -202,3 +204,87 @@ def test_a_continuation_sets_its_recipe_without_compounding(base_dir: Path) -> N
     assert (once.rate_scale, once.warmup_steps) == (0.5, 4) and twice == once
     assert once.learning_rate is None  # the rank is the parent's: no rate of its own
     assert spec_changes(first, once) == []  # the recipe is recorded on its own, not as the parent's override
+
+
+def test_a_champion_with_headroom_continues_at_the_headroom_rate(base_dir: Path) -> None:
+    """The continuation's rate share follows its champion's headroom (pass@G - greedy on the round's prompts):
+    a saturated champion at `rate_scale`, one with room at `headroom_rate_scale`; not measured, or measuring
+    turned off, the saturated share."""
+    base = load_base(base_dir)
+    parent = random_adapter(base.sites, TARGETS, 8, alpha=16, seed=0, base_fingerprint=base.fingerprint)
+    spec = PolicySpec(name="add", task="add", rank=8, alpha=16)
+    recipe = Continuation(rate_scale=0.25, min_headroom=0.15, headroom_rate_scale=1.0)
+    saturated = Headroom(items=64, greedy=0.70, pass_k=0.80, k=8)
+    room = Headroom(items=64, greedy=0.40, pass_k=0.60, k=8)
+    edge = Headroom(items=64, greedy=0.50, pass_k=0.65, k=8)
+    for measured, share in ((None, 0.25), (saturated, 0.25), (room, 1.0), (edge, 1.0)):
+        got = continue_spec(spec, parent, base.sites, 1e-3, recipe, measured)
+        assert got.rate_scale == share, measured
+        assert recipe.rate_for(measured) == share
+    off = recipe.model_copy(update={"min_headroom": None})
+    assert continue_spec(spec, parent, base.sites, 1e-3, off, room).rate_scale == 0.25
+
+
+def test_load_trainer_measures_each_continuing_champion_on_its_prompts(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """The trainer measures a continuing policy's champion on its own prompts of the round (greedy and
+    pass@G), and sets its rate from that; a fresh policy is not measured."""
+    base = load_base(base_dir)
+    parent = random_adapter(base.sites, TARGETS, 4, alpha=8, seed=0, base_fingerprint=base.fingerprint)
+    save_adapter(parent, tmp_path / "add", base.sites)
+    specs = [PolicySpec(name=t, task=t, rank=4, alpha=8) for t in PROMPTS]
+    parents: dict[str, Path | None] = {"add": tmp_path / "add", "sort": None}
+    # a random champion answers nothing right: no headroom, the saturated share
+    trainer = load_trainer(base_dir, specs, GRPO, 3, parents, headroom_items=PROMPTS)
+    assert trainer.policies["add"].spec.rate_scale == Continuation().rate_scale
+    assert trainer.policies["sort"].spec.rate_scale == 1.0  # a first revision
+    # the champion's own greedy answers as the gold answers, a threshold of 0 gap: measured, and it has room
+    engine = trainer.engine
+    from mint_core.engine.chat import prompt_ids
+    from mint_core.engine.engine import Request
+    from mint_core.engine.sampling import SamplingParams
+
+    greedy = engine.generate(
+        [
+            Request(prompt_ids(engine.tokenizer, e.prompt), "add", SamplingParams(max_tokens=4))
+            for e in PROMPTS["add"]
+        ]
+    )
+    mine = [replace(e, answer=c.text.strip()) for e, c in zip(PROMPTS["add"], greedy, strict=True)]
+    sampled = headroom(engine, "add", mine, 2, 0.7, 4)  # a random base's samples miss its own greedy answers
+    assert sampled.greedy == 1.0 and sampled.items == 8 and sampled.gap == sampled.pass_k - 1.0
+    cold = GRPO.model_copy(update={"temperature": 0.01})  # samples as greedy as greedy: pass@G = greedy
+    assert headroom(engine, "add", mine, 2, 0.01, 4).gap == 0.0
+    eager = Continuation(min_headroom=0.0, headroom_rate_scale=0.9)
+    trainer = load_trainer(
+        base_dir, specs, cold, 3, parents, continuation=eager, headroom_items={"add": mine}
+    )
+    assert trainer.policies["add"].spec.rate_scale == 0.9
+
+
+def test_a_tasks_recipe_section_sets_its_policies_hints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mint_core.data.spec import TASK_DIRS_ENV, reload_registry
+    from mint_core.rl.recipe import DEFAULT_RANK, recipe_spec
+
+    task = tmp_path / "hinted"
+    task.mkdir()
+    (task / "task.yaml").write_text(
+        "data: {train: t.jsonl, heldout: h.jsonl}\nrewards: [{builtin: exact_match}]\neval: {task: hinted}\n"
+        "gate: {guards: [copy]}\nrecipe: {rank: 32, group_size: 12, replay: 0.5}\n"
+    )
+    monkeypatch.setenv(TASK_DIRS_ENV, str(tmp_path))
+    reload_registry()
+    try:
+        got = recipe_spec("mine", "hinted")
+        assert (got.rank, got.alpha, got.group_size, got.replay) == (32, 64.0, 12, 0.5)
+        assert got.learning_rate == pytest.approx(1e-3 * math.sqrt(DEFAULT_RANK / 32))
+        assert recipe_spec("mine", "hinted", rank=8).rank == 8  # a form's rank wins
+        plain = recipe_spec("s", "sort")  # a built-in's own hints, from its spec
+        assert (plain.rank, plain.group_size, plain.replay) == (8, None, 0.25)
+        assert recipe_spec("r", "reverse").group_size == 16 and recipe_spec("a", "add").rank == 32
+    finally:
+        monkeypatch.delenv(TASK_DIRS_ENV)
+        reload_registry()
