@@ -67,11 +67,10 @@ from mint_core.eval.gate import GatePolicy, SuiteScore, decide
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
 from mint_core.lifecycle import round_seed, with_replay
-from mint_core.rl.evaluate import headroom, heldout_correct
+from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,
     BUILTIN_RECIPE,
-    HEADROOM_ITEMS,
     Continuation,
     TrainingRun,
     load_trainer,
@@ -256,19 +255,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 headroom_items={t: [e for e in prompts[t] if e.task == t] for t in tasks},
             )
             engine = trainer.engine
-            rooms = {  # what the trainer measured to set each continuation's rate (the same seeded samples)
-                t: headroom(
-                    engine,
-                    t,
-                    [e for e in prompts[t] if e.task == t][:HEADROOM_ITEMS],
-                    trainer.group_size(t),
-                    BUILTIN_RECIPE.temperature,
-                    BUILTIN_RECIPE.max_new_tokens,
-                    wave_seed,
-                )
-                for t in tasks
-                if champion_dir[t] is not None
-            }
+            rooms = {t: room for t in tasks if (room := trainer.policies[t].headroom) is not None}
             if w == 0 and args.start is None:  # the base, on every task's items: own suite, guards, the rest
                 on_base = {g: heldout_correct(engine, None, gate_items[g]) for g in gate_items}
                 champion_correct = {t: dict(on_base) for t in tasks}
@@ -276,7 +263,10 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 champion_correct = {
                     t: {g: heldout_correct(engine, t, gate_items[g]) for g in gate_items} for t in tasks
                 }
-            plateaus = {t: Plateau.of(early, rejected[t]) for t in tasks}
+            plateaus = {
+                t: Plateau.of(early, rejected[t], continuation.has_room(trainer.policies[t].headroom))
+                for t in tasks
+            }
             run = TrainingRun.start(trainer, prompts, steps_now, args.prompts_per_step, Path(tmp) / name, 0)
             seen, probe_s = _train(run, probes, plateaus, early.every, not args.no_early_stop)
             train_s = time.perf_counter() - t0

@@ -330,7 +330,8 @@ def train(
     early = training.early_stop
     items = {p.name: prompts[p.name].probe for p in to_train} if early else {}
     rejected = {p.name: p.rejected for p in to_train}
-    plateaus = {n: Plateau.of(early, rejected[n]) for n in items} if early else {}
+    room = {n: training.continuation.has_room(run.trainer.policies[n].headroom) for n in items}
+    plateaus = {n: Plateau.of(early, rejected[n], room[n]) for n in items} if early else {}
     probe_file = run.checkpoint_dir / "probes.json"
     probes = ProbeLog.read(probe_file, items, run.trainer.steps)
     first: dict[str, list[bool]] = {}

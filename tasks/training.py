@@ -277,8 +277,13 @@ class EarlyStop(BaseModel):
     change on the same items negative at exact McNemar p below this, stops at once and is not exported, evaluated
     or gated, whatever it gained before."""
 
-    def patience_for(self, rejected: int) -> int:
-        return 1 if rejected >= self.after_rejections else self.patience
+    def patience_for(self, rejected: int, room: bool = False) -> int:
+        """Probes without a rise before a policy stops: 1 after `after_rejections` rejections; for a continuation
+        whose champion has headroom (`Continuation.has_room`), the whole run (only a fall stops it: its probe
+        first dips as AdamW starts again, and rises after about 100 steps, docs/training.md); else `patience`."""
+        if rejected >= self.after_rejections:
+            return 1
+        return 10**6 if room else self.patience
 
 
 class ProbePoint(BaseModel):
@@ -311,9 +316,12 @@ class Plateau:
         self.stopped_at: int | None = None
 
     @classmethod
-    def of(cls, config: EarlyStop, rejected: int = 0) -> Plateau:
-        """The rule `config` sets for a policy whose last `rejected` candidates were rejected."""
-        return cls(config.min_delta, config.patience_for(rejected), config.stop_after_gain, config.fall_p)
+    def of(cls, config: EarlyStop, rejected: int = 0, room: bool = False) -> Plateau:
+        """The rule `config` sets for a policy whose last `rejected` candidates were rejected, and whose champion
+        has headroom (`room`) or not."""
+        return cls(
+            config.min_delta, config.patience_for(rejected, room), config.stop_after_gain, config.fall_p
+        )
 
     def add(self, step: int, score: float, correct: list[bool] | None = None) -> bool:
         """Record the probe after `step` steps; True when the policy stops here. `correct`: the probe item by

@@ -38,8 +38,8 @@ came out at p = 0.0105 in one fresh clone (MDE 0.104). A +0.05 gain (the gate's 
 470-780 items at such disagreement, so the gate warns that it cannot see one at this size; there a gain is
 promoted only when it is large enough to be significant.
 
-The same suites are the per-task guards (`guard:<task>`: every other built-in task's suite, read by the gate of
-each policy), so each has n = 320 too: non-inferiority within the 0.05 margin at 80% power up to a discordance of
+The same suites are the per-task guards (`guard:<task>`: the suites of the tasks a policy's task declares, for a
+built-in task every other built-in task's), so each has n = 320 too: non-inferiority within the 0.05 margin at 80% power up to a discordance of
 0.10 (`gate.detectable_margin(320, 0.1)` = 0.0495): the first `add` and `sort` revisions changed 3-11% of the
 letter tasks' items (`gate`'s docstring has the measurements)."""
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mint_core.data.rewards import OVERRIDES
 from mint_core.registry.address import NAME_RE
+from mint_core.rl.evaluate import Headroom
 
 MAX_RANK = 512
 """Largest LoRA rank a policy may have: the largest that either serving backend holds (vLLM's largest
@@ -78,6 +79,9 @@ class PolicyState:
     sites: list[str]
     optimizer_steps: int = 0
     """AdamW steps this policy has taken (none in an update where it had no kept token)."""
+    headroom: Headroom | None = None
+    """What its champion measured on the round's own prompts before a continuation (`recipe.load_trainer`): what
+    set its rate share, and how long early stopping waits for it. None: a first revision, or not measured."""
 
     @property
     def scale(self) -> float:

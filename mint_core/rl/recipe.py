@@ -120,7 +120,7 @@ HEADROOM_GAP = 0.15
 HEADROOM_RATE_SCALE = 1.0
 """A continuation's share of the rate when its champion has headroom (`Continuation.headroom_rate_scale`)."""
 
-HEADROOM_ITEMS = 64
+HEADROOM_ITEMS = 128
 """Own-task prompts of a continuation's round on which its champion's headroom is measured (`Continuation`)."""
 
 
@@ -156,10 +156,13 @@ class Continuation(BaseModel):
     headroom_rate_scale: float = Field(HEADROOM_RATE_SCALE, gt=0.0, le=1.0)
     """Share of the rate a continuation of a champion with headroom trains at."""
 
+    def has_room(self, room: Headroom | None) -> bool:
+        """Whether a champion that measured `room` has room to grow (None: not measured, so no)."""
+        return room is not None and self.min_headroom is not None and room.gap >= self.min_headroom - 1e-9
+
     def rate_for(self, room: Headroom | None) -> float:
         """The rate share of a continuation whose champion measured `room` (None: not measured)."""
-        has_room = room is not None and self.min_headroom is not None and room.gap >= self.min_headroom - 1e-9
-        return self.headroom_rate_scale if has_room else self.rate_scale
+        return self.headroom_rate_scale if self.has_room(room) else self.rate_scale
 
 
 class ResumeError(MintError):
@@ -252,6 +255,7 @@ def load_trainer(
     # prompts up to the base's own positions (the engine's default, clamped by the base)
     engine = Engine(base, EngineConfig(max_loras=len(specs), max_lora_rank=max(ranks)))
     trained = []
+    rooms: dict[str, Headroom | None] = {}
     for spec in specs:
         parent = found.get(spec.name)
         if parent is None:
@@ -278,9 +282,14 @@ def load_trainer(
         if changed:
             logger.warning("%s continues from its parent at %s: %s", spec.name, parent, "; ".join(changed))
         trained.append(cont)
+        rooms[spec.name] = room
     if deepspeed is None:
-        return MultiPolicyTrainer(engine, grpo, trained, seed=seed)
-    return distributed.DeepSpeedTrainer(engine, grpo, trained, deepspeed, seed=seed)
+        trainer: MultiPolicyTrainer = MultiPolicyTrainer(engine, grpo, trained, seed=seed)
+    else:
+        trainer = distributed.DeepSpeedTrainer(engine, grpo, trained, deepspeed, seed=seed)
+    for name, room in rooms.items():
+        trainer.policies[name].headroom = room
+    return trainer
 
 
 class TrainingRun:
