@@ -2,7 +2,8 @@
 
 `--waves` waves (default 4) of `add`, `sort` and `reverse` (or any registered tasks: `--tasks-dir DIR` registers a
 user's task folder), each wave continuing from the champion the waves before it left (the first from a fresh
-adapter, with the bare base as its champion, `--first-steps` steps; or from `--from DIR/<task>`), as the `retrain`
+adapter, with the bare base as its champion; with `--first-steps`, that many steps and no early stop, as the main
+job's first wave; or from `--from DIR/<task>`), as the `retrain`
 deployment runs them, without the servers (the library directly, as benchmarks/grpo_learning.py does):
 - the policies train at once over one base with the built-in recipe, `--steps` GRPO steps at most (retrain's
   `RETRAIN_STEPS`), each wave on fresh prompts drawn at its round's seed (`fresh_examples`: no held-out or
@@ -268,20 +269,22 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
                 for t in tasks
             }
             run = TrainingRun.start(trainer, prompts, steps_now, args.prompts_per_step, Path(tmp) / name, 0)
-            seen, probe_s = _train(run, probes, plateaus, early.every, not args.no_early_stop)
+            # with --first-steps the first wave is the main job's: every step, no early stop
+            stop_early = not args.no_early_stop and not (w == 0 and args.first_steps and args.start is None)
+            seen, probe_s = _train(run, probes, plateaus, early.every, stop_early)
             train_s = time.perf_counter() - t0
             for t in tasks:
                 p = plateaus[t]
                 stop = p.reason(steps_now).split(":")[0]
                 steps = run.trainer.steps
-                if p.stopped_at is not None and args.no_early_stop:
+                if p.stopped_at is not None and not stop_early:
                     stop = f"finished (would stop: {stop} @{p.stopped_at})"
                 elif p.stopped_at is not None:
                     steps = min(steps, p.stopped_at)
-                skipped = not args.no_early_stop and not p.exportable
+                skipped = stop_early and not p.exportable
                 cand = {g: heldout_correct(engine, t, gate_items[g]) for g in gate_items}
                 decision = decide(
-                    GatePolicy(suite=t),
+                    GatePolicy(suite=t, guard_suites=[]),  # the pooled guard group is not run here
                     [SuiteScore(name=g, score=_mean(c), n=len(c), correct=c) for g, c in cand.items()],
                     [
                         SuiteScore(name=g, score=_mean(c), n=len(c), correct=c)

@@ -139,6 +139,44 @@ def test_the_gsm8k_format_example_runs_the_whole_lifecycle(stack: Stack) -> None
     assert isinstance(text, str)
 
 
+def test_a_task_that_declares_no_gate_is_judged_on_its_own_suite_and_shown_the_rest(stack: Stack) -> None:
+    """The default gate of a policy whose task declares no `gate:` section (no PolicyRun.gate): its own suite
+    gates it, and every built-in task's suite is scored beside it and reported, never gating: in the decision,
+    its tag, its artifact and the training run's `change.<suite>` metrics."""
+    if stack.backend == "vllm":
+        pytest.skip("the gate reads what either backend scores: the same on both")
+    name = "gsm8k-default-gate"
+    policy = PolicyRun(spec=PolicySpec(name=name, task="gsm8k-format", rank=4, alpha=8))
+    assert policy.gate_policy().guards() == []
+    training = Training(
+        steps=2, prompts_per_step=4, grpo=GRPO, data_dir=None, round="default-gate", dry_run=0
+    )
+    report = lifecycle(
+        policy=policy, training=training, evaluation=EvalConfig(limit=6, batch_size=8), workspace=stack.ws
+    )
+    (outcome,) = report.outcomes
+    assert outcome.decision is not None and outcome.decision.baseline == "base"
+    gating = [c.name for c in outcome.decision.checks if c.gating]
+    assert gating == ["samples:gsm8k-format", "gain:gsm8k-format"], gating
+    builtins = ["add", "copy", "reverse", "sort", "upper"]
+    info = {c.name: c for c in outcome.decision.side_effects()}
+    assert sorted(info) == [f"info:{t}" for t in builtins]
+    assert all(c.passed and c.stats is not None and c.stats.n == 6 for c in info.values())
+    assert all(c.detail.endswith("(not a guard)") for c in info.values())
+    assert any("(not a guard)" in r for r in outcome.reasons)
+    # a random base gains nothing: rejected by its own suite alone, whatever the others did
+    assert outcome.status == "rejected" and [c.name for c in outcome.decision.failed()] == [
+        "gain:gsm8k-format"
+    ]
+    reg = stack.ws.registry()
+    (rev,) = reg.revisions(name)
+    tag = json.loads(rev.tags["mint.gate"])
+    assert {f"info:{t}" for t in builtins} <= set(tag["stats"]) and tag["failed"] == ["gain:gsm8k-format"]
+    assert rev.run_id is not None
+    metrics = MlflowClient(stack.ws.tracking_uri).get_run(rev.run_id).data.metrics
+    assert {f"change.{t}" for t in [*builtins, "gsm8k-format"]} <= set(metrics), sorted(metrics)
+
+
 def _break_reward(d: Path) -> None:
     spec = yaml.safe_load((d / "task.yaml").read_text())
     spec["rewards"][0]["function"] = "reward.py:no_such_function"
