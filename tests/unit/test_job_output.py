@@ -206,3 +206,54 @@ def test_library_tqdm_bars_are_off_in_mint(process: str) -> None:
         [sys.executable, "-c", BAR, process], capture_output=True, text=True, check=True, env=env
     )
     assert ("a library's bar" in got.stderr) == (process == "plain"), got.stderr
+
+
+def test_the_wave_table_shows_what_an_adapter_forgot_beside_its_guards() -> None:
+    """The job's per-policy table: a user's policy (no guards) shows each built-in task's change marked "not a
+    guard"; a built-in policy shows its guards' changes; the gate's reasons say the same in words."""
+    from mint_app.job_report import print_outcomes
+    from mint_core.eval.gate import GatePolicy, SuiteScore, decide
+
+    def paired(name: str, n: int, both: int, b: int, c: int) -> tuple[SuiteScore, SuiteScore]:
+        rest = n - both - b - c
+        cand = [True] * both + [True] * b + [False] * c + [False] * rest
+        base = [True] * both + [False] * b + [True] * c + [False] * rest
+        return (
+            SuiteScore(name=name, score=sum(cand) / n, n=n, correct=cand),
+            SuiteScore(name=name, score=sum(base) / n, n=n, correct=base),
+        )
+
+    shapes = {"shout": (320, 0, 120, 0), "sort": (320, 80, 2, 161), "add": (320, 50, 10, 12)}
+    pairs = {k: paired(k, *v) for k, v in shapes.items()}
+    cand = [c for c, _ in pairs.values()]
+    base = [b for _, b in pairs.values()]
+    mine = decide(GatePolicy(suite="shout", info_suites=["sort", "add"]), cand, base, baseline="base")
+    theirs = decide(
+        GatePolicy(suite="add", guard_tasks=["sort"], guard_suites=[], info_suites=[]),
+        [pairs["add"][0], pairs["sort"][0]],
+        [pairs["add"][1], pairs["sort"][1]],
+        baseline="base",
+    )
+    report = WaveReport(
+        outcomes=[
+            PolicyOutcome(
+                policy=name,
+                status="promoted" if d.passed else "rejected",
+                candidate=f"{name}/v1",
+                champion_before=None,
+                champion_after=f"{name}/v1" if d.passed else None,
+                reasons=d.reasons,
+                decision=d,
+                scores={"candidate": {}, "base": {}},
+            )
+            for name, d in (("shout", mine), ("add", theirs))
+        ],
+        curve=[],
+        timings=[],
+    )
+    console = Console(record=True, width=400)
+    print_outcomes(report, "first revisions", console)
+    text = console.export_text()
+    assert "sort -0.497 (not a guard), add -0.006 (not a guard)" in text
+    assert "sort -0.497" in text.split("add/v1")[1]  # add's guard, a failing one, without the mark
+    assert "changes on suites that do not gate it: sort -0.497 (not a guard)" in text
