@@ -78,7 +78,7 @@ def check_cmd(
     with --base, the base. Changes nothing; exits 1 naming every problem."""
     add_task_dirs(tasks)
     from mint_core.data.checks import check_task
-    from mint_core.data.rewards import Rewarder, check_rewards
+    from mint_core.data.rewards import GOLD_WARN_BELOW, Rewarder, check_rewards
     from mint_core.eval.suites import check_eval
 
     console = make_console()
@@ -98,11 +98,25 @@ def check_cmd(
         console.print(f"[green]ok[/] data: {report.evaluated} expectations on {report.rows} rows")
         mean = check_rewards(spec)
         n_gold = min(32, len(heldout))
-        console.print(f"[green]ok[/] rewards: the gold answers of {n_gold} held-out rows score {mean:.3f}")
+        if mean is None:
+            console.print(
+                "[green]ok[/] rewards: they import and take the data's keywords (no answers to score)"
+            )
+        elif mean < GOLD_WARN_BELOW:
+            console.print(
+                f"[yellow]warning[/] rewards: the gold answers of {n_gold} held-out rows score only {mean:.3f} "
+                f"(below {GOLD_WARN_BELOW:g}): is the answer column ({spec.column('answer')!r}) what the reward "
+                "compares with?"
+            )
+        else:
+            console.print(
+                f"[green]ok[/] rewards: the gold answers of {n_gold} held-out rows score {mean:.3f}"
+            )
         with Rewarder(reg) as rewarder:
             n = check_eval(spec)
             console.print(
-                f"[green]ok[/] eval: lm-eval builds {spec.eval.task} ({n} items, metric {spec.eval.metric})"
+                f"[green]ok[/] eval: lm-eval builds {spec.eval.task} ({n} items, metric {spec.eval.metric}) and "
+                "renders the held-out rows' prompts and answers"
             )
             if base is not None:
                 _check_base(console, spec, base, train, rewarder)

@@ -35,7 +35,7 @@ from great_expectations.data_context.types.base import (
 from great_expectations.expectations.row_conditions import Column
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mint_core.data.spec import TaskSpec, prompt_text
+from mint_core.data.spec import TaskSpec, check_columns, prompt_text
 from mint_core.data.tasks import TASKS, Example
 from mint_core.errors import DataCheckError
 
@@ -347,7 +347,8 @@ def task_suite(spec: TaskSpec, min_rows: int = 1) -> ExpectationSuite:
 
 def check_task(spec: TaskSpec) -> CheckReport:
     """Run `task_suite` on a task's data files; raises DataCheckError naming the spec, the data and every
-    failing expectation."""
+    failing expectation (and first a SpecError for a `data.columns` map naming a column a file lacks)."""
+    check_columns(spec)
     train, heldout = spec.train_rows(), spec.heldout_rows()
     frame = pd.DataFrame(
         [{**_prompt_record(e), "split": "train"} for e in train]

@@ -32,7 +32,15 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
-from mint_core.data.spec import RewardSpec, SpecError, TaskRegistry, TaskSpec, registry
+from mint_core.data.spec import (
+    RewardSpec,
+    SpecError,
+    TaskRegistry,
+    TaskSpec,
+    prompt_text,
+    registry,
+    reward_source,
+)
 from mint_core.data.tasks import Example
 from mint_core.errors import MintError
 
@@ -185,6 +193,28 @@ def _call_user(ref: str, folder: str, kwargs: dict[str, Any]) -> list[Any]:
     return list(result)
 
 
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+, in .*$')
+
+
+def user_traceback(e: BaseException, folder: str | Path, source: str | Path | None = None) -> str:
+    """What a user's reward raised, as its author needs it: the frames of their own files (under the task's
+    `folder`, or the reward's `source`), each with its line, and the exception. The pool's own frames (mint's,
+    multiprocessing's) are left out; the traceback the worker sent (`e.__cause__`) is read when there is one."""
+    remote = getattr(e.__cause__, "tb", None)
+    text = remote if isinstance(remote, str) else "".join(traceback.format_exception(e))
+    roots = [str(Path(folder).resolve())] + ([str(Path(source).resolve())] if source else [])
+    lines = text.strip("\n").splitlines()
+    kept: list[str] = []
+    for i, line in enumerate(lines):
+        m = _FRAME.match(line)
+        if m and any(m["file"].startswith(r) for r in roots):
+            kept.append(line)
+            if i + 1 < len(lines) and lines[i + 1].startswith("    ") and not _FRAME.match(lines[i + 1]):
+                kept.append(lines[i + 1])
+    last = f"{type(e).__name__}: {e}"
+    return "\n".join(["Traceback (the reward's own frames):", *kept, last] if kept else [last])
+
+
 def _call_builtin(r: RewardSpec, spec: TaskSpec, comps: list[Any], cols: dict[str, list[Any]]) -> list[Any]:
     truth = cols.get(r.column) if r.column else None
     if r.builtin in ("exact_match", "math_verify", "char_overlap") and truth is None:
@@ -265,10 +295,13 @@ class Rewarder:
         tasks: TaskRegistry | None = None,
         max_failure_share: float = 0.1,
         workers: int = 1,
+        log_failures: bool = True,
     ) -> None:
         self.tasks = tasks if tasks is not None else registry()
         self.max_failure_share = max_failure_share
         self.workers = workers
+        self.log_failures = log_failures
+        """Log each reward's first failure (off where the caller raises it itself: one report, not two)."""
         self.stats: dict[str, RewardStats] = {}
         self._pool: Pool | None = None
         self._checked: set[tuple[str, str]] = set()
@@ -356,12 +389,13 @@ class Rewarder:
             self.close()  # the worker still runs the hung call: end it, the next call starts a new pool
             values, why = [None] * n, f"timed out after {r.timeout_s:g} s"
         except Exception as e:  # whatever the user's code raised, re-raised here by the pool
-            values, why = [None] * n, "raised " + "".join(traceback.format_exception(e)).strip()
+            values, why = [None] * n, "raised " + user_traceback(e, spec.folder, reward_source(spec, r))
         if why is not None:
             st.failures += 1
             if r.label not in st.first_error:
                 st.first_error[r.label] = why
-                logger.warning("task %s: reward %s failed (scored 0): %s", spec.name, r.label, why)
+                if self.log_failures:
+                    logger.warning("task %s: reward %s failed (scored 0): %s", spec.name, r.label, why)
             values = [0.0] * n
             self._stop_if_failing(spec.name, st, r.label)
         return values
@@ -444,18 +478,36 @@ def reward(name: str) -> RewardFn:
     return lambda example, completion: builtin_scores(name, [example], [completion])[0]
 
 
-def check_rewards(spec: TaskSpec, items: int = 32) -> float:
+GOLD_WARN_BELOW = 0.5
+"""`mint task check` warns when the gold answers (the `answer` column scored as completions) average below this:
+a right answer should earn most of the reward, so a low score says the answer column or the reward is off (a
+format the reward does not parse, a column of another meaning). 0 for every gold answer is an error."""
+
+
+def check_rewards(spec: TaskSpec, items: int = 32) -> float | None:
     """Before training: a task's rewards import, take TRL's keywords with the data's columns, and can score its
     gold answers (the `answer` column as completions of the first `items` held-out rows) without a failure.
-    Returns their mean score; a SpecError names the task and the first failure."""
-    with Rewarder(TaskRegistry({spec.name: spec})) as r:
+    Returns their mean score (None: the rows have no answers to score); a SpecError names the task and the first
+    failure, or says that every gold answer scored 0 (the answer column or the reward is wrong)."""
+    with Rewarder(TaskRegistry({spec.name: spec}), log_failures=False) as r:
         heldout = spec.heldout_rows()[:items]
         r.check(spec, sorted({"answer", *(c for e in heldout for c in e.columns)}))
-        scores = r.score(heldout, [e.answer for e in heldout])
+        answered = [e for e in heldout if e.answer.strip()]
+        if not answered:  # a task scored by its reward alone: nothing to compare with
+            return None
+        scores = r.score(answered, [e.answer for e in answered])
         st = r.stats.get(spec.name)
         if st is not None and st.failures:
             first = next(iter(st.first_error.values()))
             raise SpecError(
                 f"task {spec.name!r} ({spec.path}): its reward fails on the gold answers: {first}"
             )
+    if not any(scores):
+        e = answered[0]
+        labels = ", ".join(x.label for x in spec.rewards)
+        raise SpecError(
+            f"task {spec.name!r} ({spec.path}): every gold answer of {len(answered)} held-out rows scores 0 with "
+            f"its rewards ({labels}): either the answer column ({spec.column('answer')!r}) or the reward is wrong; "
+            f"the first row: prompt {prompt_text(e.prompt)!r}, answer {e.answer!r}, score 0"
+        )
     return sum(scores) / len(scores)

@@ -473,6 +473,29 @@ def prompt_text(prompt: str | list[dict[str, str]]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
+def check_columns(spec: TaskSpec) -> None:
+    """Every column the spec's `data.columns` map names is in both data files: a map naming a column a file lacks
+    would read an empty answer (or lose a reward's keyword) for every row, and every later check would pass on
+    it. A SpecError names the mapped column, the file and the columns it has."""
+    if not spec.data.columns:
+        return
+    for which in ("train", "heldout"):
+        ref = spec.resolve(getattr(spec.data, which))
+        try:
+            rows = _read_table(ref)
+        except FileNotFoundError:
+            continue  # read_rows names a missing file
+        except (OSError, ValueError) as e:
+            raise SpecError(f"task {spec.name!r} ({spec.path}), data.{which} {ref}: cannot read: {e}") from e
+        have = list(dict.fromkeys(k for row in rows[:1000] for k in row))
+        for ours, theirs in spec.data.columns.items():
+            if theirs not in have:
+                raise SpecError(
+                    f"task {spec.name!r} ({spec.path}): data.columns maps {ours!r} to column {theirs!r}, which "
+                    f"data.{which} {ref} does not have (its columns: {', '.join(have) or 'none'})"
+                )
+
+
 def read_rows(spec: TaskSpec, which: Literal["train", "heldout"]) -> list[Example]:
     """One split of a task as Examples; a SpecError names the file, the row and the column that is wrong."""
     ref = spec.resolve(getattr(spec.data, which))

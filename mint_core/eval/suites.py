@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import DataParams, read_split
-from mint_core.data.spec import SpecError, TaskSpec
+from mint_core.data.spec import SpecError, TaskSpec, prompt_text
 from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import TASKS, Example, split
 from mint_core.errors import MintError
@@ -369,7 +369,46 @@ def check_eval(spec: TaskSpec) -> int:
             f"task {spec.name!r} ({spec.path}): eval.metric {spec.eval.metric!r} is not one of the eval's "
             f"metric_list ({', '.join(sorted(str(m) for m in metrics))})"
         )
+    if cfg.get("output_type", "generate_until") == "generate_until":
+        _check_rendering(spec, task)
     return n
+
+
+RENDERED_ITEMS = 3
+"""Items of a task's eval that `check_eval` renders and compares with the spec's held-out rows."""
+
+
+def _check_rendering(spec: TaskSpec, task: Any) -> None:
+    """The eval's first items, rendered by lm-eval itself, are the spec's held-out prompts and answers. A YAML
+    whose `doc_to_text` names a field the rows lack is read by lm-eval as a template, so every item would ask the
+    same literal text and the gate would score nonsense; one whose `doc_to_target` names the wrong column scores
+    against something else. A SuiteError shows what lm-eval renders beside what the spec's row says."""
+    rows = {prompt_text(e.prompt).strip(): e for e in spec.heldout_rows()}
+    if any(isinstance(e.prompt, list) for e in rows.values()):
+        return  # chat prompts: lm-eval renders them through the chat template, not as the row's text
+    docs = [task.eval_docs[i] for i in range(min(RENDERED_ITEMS, len(task.eval_docs)))]
+    where = f"task {spec.name!r} ({spec.path}): eval {spec.eval.task!r} ({spec.eval.include})"
+    texts = [str(task.doc_to_text(d)).strip() for d in docs]
+    if len(texts) > 1 and len(set(texts)) == 1:
+        raise SuiteError(
+            f"{where} asks every item the same text, {texts[0]!r}: its doc_to_text names no field of the rows "
+            "(lm-eval reads an unknown name as literal text)"
+        )
+    first = next(iter(rows.values()), None)
+    for d, text in zip(docs, texts, strict=True):
+        row = rows.get(text)
+        if row is None:
+            ours = "none" if first is None else repr(prompt_text(first.prompt))
+            raise SuiteError(
+                f"{where} renders the prompt {text!r}, which is no held-out prompt of the spec (its first: {ours}): "
+                "the eval's doc_to_text, or its data file, is not the task's"
+            )
+        target = str(task.doc_to_target(d)).strip()
+        if row.answer.strip() and target != row.answer.strip():
+            raise SuiteError(
+                f"{where} expects {target!r} for {text!r}, where the spec's held-out row answers "
+                f"{row.answer.strip()!r}: the eval's doc_to_target is not the task's answer column"
+            )
 
 
 def chat_tasks() -> set[str]:

@@ -113,7 +113,7 @@ CONTINUE_RATE_SCALE = 0.25
 CONTINUE_WARMUP = 10
 """A continuation's warmup, in steps (`Continuation.warmup_steps`)."""
 
-HEADROOM_GAP = 0.15
+HEADROOM_GAP = 0.10
 """The headroom (pass@G - greedy on the round's prompts) from which a continuation trains at
 `HEADROOM_RATE_SCALE` instead of `CONTINUE_RATE_SCALE` (`Continuation.min_headroom`)."""
 
