@@ -472,7 +472,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
                 if by_canary:
                     console.print(
                         f"  {', '.join(by_canary)}: once the gate passes it, the candidate answers "
-                        f"{cfg.canary_share:.0%} of the users (live traffic from the built-in generator) and the "
+                        f"{cfg.canary_share:.0%} of the users (live traffic: simulated users asking its task's held-out prompts) and the "
                         "online test (always-valid, on the task's reward of each answer) promotes or rolls it back"
                     )
                 with step_bar(console, f"GRPO {', '.join(fresh)}"):
