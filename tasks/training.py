@@ -282,12 +282,13 @@ class EarlyStop(BaseModel):
     champion: -0.078 at step 20, p 0.031, of 128 items), so only a fall well beyond that dip stops it."""
 
     def patience_for(self, rejected: int, room: bool = False) -> int:
-        """Probes without a rise before a policy stops: 1 after `after_rejections` rejections; for a continuation
-        whose champion has headroom (`Continuation.has_room`), the whole run (only a fall stops it: its probe
-        first dips as AdamW starts again, and rises after about 100 steps, docs/training.md); else `patience`."""
-        if rejected >= self.after_rejections:
-            return 1
-        return 10**6 if room else self.patience
+        """Probes without a rise before a policy stops. For a continuation whose champion has headroom
+        (`Continuation.has_room`, measured tonight), the whole run: only a fall stops it, since its probe first dips
+        as AdamW starts again and rises after about 100 steps (docs/training.md), so a probe or three say nothing
+        yet, whatever its earlier candidates did. Else 1 after `after_rejections` rejections, and `patience`."""
+        if room:
+            return 10**6
+        return 1 if rejected >= self.after_rejections else self.patience
 
 
 class ProbePoint(BaseModel):
