@@ -125,6 +125,12 @@ def main() -> None:
         default=CONTINUATION.headroom_rate_scale,
         help="the rate share of a continuation with headroom",
     )
+    ap.add_argument(
+        "--headroom-warmup",
+        type=int,
+        default=CONTINUATION.headroom_warmup_steps,
+        help="the warmup steps of a continuation with headroom",
+    )
     ap.add_argument("--prefix", default="curve", help="rounds are named <prefix>-0, <prefix>-1, ...")
     ap.add_argument("--seeds", default="0,1,2", help="a run of every wave per seed (Training.seed)")
     ap.add_argument("--jobs", type=int, default=2, help="seeds run at once, each in its own process")
@@ -208,6 +214,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         warmup_steps=args.warmup,
         min_headroom=None if args.min_headroom < 0 else args.min_headroom,
         headroom_rate_scale=args.headroom_rate_scale,
+        headroom_warmup_steps=args.headroom_warmup,
     )
 
     # the gate's items (every registered task's), the probe's, and everything fresh draws leave out (as

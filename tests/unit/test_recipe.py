@@ -220,6 +220,8 @@ def test_a_champion_with_headroom_continues_at_the_headroom_rate(base_dir: Path)
     for measured, share in ((None, 0.25), (saturated, 0.25), (room, 1.0), (edge, 1.0)):
         got = continue_spec(spec, parent, base.sites, 1e-3, recipe, measured)
         assert got.rate_scale == share, measured
+        warmup = recipe.headroom_warmup_steps if share == 1.0 else recipe.warmup_steps
+        assert got.warmup_steps == warmup and recipe.headroom_warmup_steps > recipe.warmup_steps
         assert recipe.rate_for(measured) == share
     off = recipe.model_copy(update={"min_headroom": None})
     assert continue_spec(spec, parent, base.sites, 1e-3, off, room).rate_scale == 0.25
