@@ -49,9 +49,10 @@ from flows.forms import (
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
 from mint_core.data.spec import registry as task_registry
-from mint_core.eval.gate import GateDecision, SuiteScore
+from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
+from mint_core.eval.suites import scorable
 from mint_core.lifecycle import (
     Workspace,
     data_revision,
@@ -201,7 +202,7 @@ def run_wave(
     # the bare base is revision 0: a policy without a champion is gated against it, on the same suites; every
     # report shows it (evaluated once per base and suites, then read from the cache)
     gated = [p for p in policies if candidates[p.name] is not None]
-    suites = sorted({s for p in gated for s in p.gate_policy().suites()})
+    suites = sorted({s for p in gated for s in evaluated_suites(p.gate_policy(), evaluation)})
     base = None
     if gated:
         base = clock(
@@ -555,12 +556,12 @@ def _evaluate_gate_promote(
         )
 
     gate_policy = p.gate_policy()
-    config = evaluation.model_copy(update={"suites": gate_policy.suites()})
+    config = evaluation.model_copy(update={"suites": evaluated_suites(gate_policy, evaluation)})
     scored = cached_in(evaluate, ws)
     cand_scores = clock(scored, ws, cand, "candidate", config, checks.eval)
     scores["candidate"] = cand_scores.scores
     if base is not None:
-        scores["base"] = {s: base.scores[s] for s in gate_policy.suites() if s in base.scores}
+        scores["base"] = {s: base.scores[s] for s in config.suite_names() if s in base.scores}
     if champ is not None:
         champ_scores = clock(scored, ws, champ, "champion", config, checks.eval)
         scores["champion"] = champ_scores.scores
@@ -590,6 +591,15 @@ def _evaluate_gate_promote(
 
 
 # ---- small helpers ------------------------------------------------------------------------------------------
+
+
+def evaluated_suites(policy: GatePolicy, evaluation: EvalConfig) -> list[str]:
+    """What a candidate is scored on: every suite its gate reads, and, when it compares with a baseline, those it
+    only reports (`info_suites`) that this workspace can score (a suite without its data is left out of the
+    report, not a failed run; with `compare=False` there is no change to report)."""
+    if not policy.compare:
+        return policy.gated_suites()
+    return [*policy.gated_suites(), *scorable(policy.info_suites or [], evaluation.suites_dir)]
 
 
 class Clock:

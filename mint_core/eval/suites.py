@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import shutil
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import TASKS, Example, split
 from mint_core.errors import MintError
 
+logger = logging.getLogger(__name__)
 SUITES_DIR = Path(__file__).resolve().parents[2] / "eval_suites"
 """The suites shipped with mint (YAMLs + data/)."""
 TASK_PREFIX = "mint_"
@@ -316,6 +318,20 @@ def suite_tasks(
         if not members:
             raise SuiteError(f"{known[s]}: group {cfg['group']!r} has no tasks")
         out[s] = members
+    return out
+
+
+def scorable(suites: Sequence[str], suites_dir: str | Path = SUITES_DIR) -> list[str]:
+    """Those of `suites` that can be scored here (`suite_tasks` resolves them and their data is there), in order:
+    what the gate only reports is left out where a workspace has no data for it, instead of failing the run."""
+    out = []
+    for s in suites:
+        try:
+            suite_tasks([s], suites_dir)
+        except SuiteError as e:
+            logger.info("suite %s is not scored here: %s", s, e)
+            continue
+        out.append(s)
     return out
 
 

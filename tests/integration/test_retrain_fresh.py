@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -42,7 +43,12 @@ ADMIN = "admin-secret"  # what start_server gives `mint serve`
 GRPO = GRPOConfig(
     group_size=4, max_new_tokens=8, learning_rate=1e-2, weight_decay=0.5, drop_zero_variance=False
 )
-PLUMBING = {"compare": False}  # a few eval items: gate on sample counts (the gate's statistics: test_gate.py)
+PLUMBING: dict[str, Any] = {
+    "compare": False,
+    "guard_tasks": [],
+    "guard_suites": [],
+}  # a few eval items: gate on
+# sample counts (the statistics: test_gate.py); its stack builds suites for add and reverse only, so no guards
 
 
 @dataclass
