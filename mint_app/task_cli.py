@@ -11,7 +11,15 @@ from rich.console import Console
 from rich.table import Table
 
 from mint_app.console import make_console
-from mint_core.data.spec import TASK_DIRS_ENV, SpecError, TaskRegistry, load_spec, registry, task_dirs
+from mint_core.data.spec import (
+    TASK_DIRS_ENV,
+    SpecError,
+    TaskRegistry,
+    check_columns,
+    load_spec,
+    registry,
+    task_dirs,
+)
 from mint_core.data.tasks import Example
 from mint_core.errors import MintError
 
@@ -90,6 +98,7 @@ def check_cmd(
         else:
             reg = registry()
             spec = reg.get(task)
+        check_columns(spec)  # before reading rows, which take a mapped column a file lacks as empty
         train, heldout = spec.train_rows(), spec.heldout_rows()
         console.print(
             f"[green]ok[/] {spec.name}: {len(train)} train rows, {len(heldout)} held-out rows ({spec.path})"

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import DataParams, read_split
-from mint_core.data.spec import SpecError, TaskSpec, prompt_text
+from mint_core.data.spec import SpecError, TaskSpec
 from mint_core.data.spec import registry as task_registry
 from mint_core.data.tasks import TASKS, Example, split
 from mint_core.errors import MintError
@@ -394,36 +394,50 @@ RENDERED_ITEMS = 3
 """Items of a task's eval that `check_eval` renders and compares with the spec's held-out rows."""
 
 
+def _asked(prompt: str | list[dict[str, str]]) -> str:
+    """What an eval item of this prompt must render: the text, or a conversation's last user turn (the runner
+    asks chat tasks through the base's chat template with lm-eval's text as that turn)."""
+    if isinstance(prompt, str):
+        return prompt.strip()
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    return (users[-1] if users else prompt[-1]["content"]).strip()
+
+
+def _same_answer(target: str, answer: str) -> bool:
+    """The eval's target is the row's answer, or its end: an eval may score only the final answer of a worked
+    solution (gsm8k's `#### 15` against the answer column's whole working)."""
+    return target == answer or (bool(target) and answer.endswith(target))
+
+
 def _check_rendering(spec: TaskSpec, task: Any) -> None:
-    """The eval's first items, rendered by lm-eval itself, are the spec's held-out prompts and answers. A YAML
-    whose `doc_to_text` names a field the rows lack is read by lm-eval as a template, so every item would ask the
-    same literal text and the gate would score nonsense; one whose `doc_to_target` names the wrong column scores
-    against something else. A SuiteError shows what lm-eval renders beside what the spec's row says."""
-    rows = {prompt_text(e.prompt).strip(): e for e in spec.heldout_rows()}
-    if any(isinstance(e.prompt, list) for e in rows.values()):
-        return  # chat prompts: lm-eval renders them through the chat template, not as the row's text
+    """The eval's first items, rendered by lm-eval itself, are the spec's held-out prompts and answers (of a chat
+    prompt, its last user turn). A YAML whose `doc_to_text` names a field the rows lack is read by lm-eval as a
+    template, so every item would ask the same literal text and the gate would score nonsense; one whose
+    `doc_to_target` names the wrong column scores against something else. A SuiteError shows what lm-eval renders
+    beside what the spec's row says."""
+    heldout = spec.heldout_rows()
+    rows = {_asked(e.prompt): e for e in heldout}
     docs = [task.eval_docs[i] for i in range(min(RENDERED_ITEMS, len(task.eval_docs)))]
     where = f"task {spec.name!r} ({spec.path}): eval {spec.eval.task!r} ({spec.eval.include})"
     texts = [str(task.doc_to_text(d)).strip() for d in docs]
+    first = repr(_asked(heldout[0].prompt)) if heldout else "none"
     if len(texts) > 1 and len(set(texts)) == 1:
         raise SuiteError(
-            f"{where} asks every item the same text, {texts[0]!r}: its doc_to_text names no field of the rows "
-            "(lm-eval reads an unknown name as literal text)"
+            f"{where} asks every item the same text, {texts[0]!r}, where the spec's first held-out row asks "
+            f"{first}: its doc_to_text names no field of the rows (lm-eval reads an unknown name as literal text)"
         )
-    first = next(iter(rows.values()), None)
     for d, text in zip(docs, texts, strict=True):
         row = rows.get(text)
         if row is None:
-            ours = "none" if first is None else repr(prompt_text(first.prompt))
             raise SuiteError(
-                f"{where} renders the prompt {text!r}, which is no held-out prompt of the spec (its first: {ours}): "
-                "the eval's doc_to_text, or its data file, is not the task's"
+                f"{where} renders the prompt {text!r}, which is no held-out prompt of the spec (its first: "
+                f"{first}): the eval's doc_to_text, or its data file, is not the task's"
             )
-        target = str(task.doc_to_target(d)).strip()
-        if row.answer.strip() and target != row.answer.strip():
+        target, answer = str(task.doc_to_target(d)).strip(), row.answer.strip()
+        if answer and not _same_answer(target, answer):
             raise SuiteError(
                 f"{where} expects {target!r} for {text!r}, where the spec's held-out row answers "
-                f"{row.answer.strip()!r}: the eval's doc_to_target is not the task's answer column"
+                f"{answer!r}: the eval's doc_to_target is not the task's answer column"
             )
 
 

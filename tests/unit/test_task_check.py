@@ -32,6 +32,9 @@ def helper(c):
 
 def buggy(prompts, completions, **kw):
     return [helper(c) for c in completions]
+
+def graded_chat(prompts, completions, answer, **kw):
+    return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
 """
 
 
@@ -75,13 +78,49 @@ def edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+def id_in_train_only(d: Path) -> None:
+    """Map `id` to a column only the train file has."""
+    table = pq.read_table(d / "data" / "train.parquet")
+    pq.write_table(
+        table.append_column("qid", pa.array([f"q{i}" for i in range(table.num_rows)])),
+        d / "data" / "train.parquet",
+    )
+    edit(d / "task.yaml", lambda s: s["data"]["columns"].update(id="qid"))
+
+
+def as_chat(d: Path) -> None:
+    """The folder with chat prompts (a system turn, then the question as the user's) and the question's text
+    kept in a `text` column, which the eval asks."""
+
+    def chat(row: dict[str, Any]) -> dict[str, Any]:
+        turns = [{"role": "system", "content": "Shout."}, {"role": "user", "content": row["question"]}]
+        return {**row, "question": turns, "text": row["question"]}
+
+    train = [chat(r) for r in pq.read_table(d / "data" / "train.parquet").to_pylist()]
+    pq.write_table(pa.Table.from_pylist(train), d / "data" / "train.parquet")
+    held = d / "data" / "heldout.jsonl"
+    held.write_text("".join(json.dumps(chat(json.loads(x))) + "\n" for x in held.read_text().splitlines()))
+    edit(d / "task.yaml", lambda s: s["rewards"][0].update(function="reward.py:graded_chat"))
+    edit(d / "eval.yaml", lambda e: e.update(doc_to_text="text"))
+
+
+def chat_eval(d: Path, **fields: str) -> None:
+    """The folder as chat, with these fields of its eval YAML changed."""
+    as_chat(d)
+    edit(d / "eval.yaml", lambda e: e.update(fields))
+
+
 def run_check(folder: Path) -> tuple[int, str]:
     out = CliRunner().invoke(app, ["task", "check", str(folder)], env={"COLUMNS": "400"})
     return out.exit_code, re.sub(r"\s+", " ", out.output)
 
 
-def test_a_good_folder_passes_without_a_warning(tmp_path: Path) -> None:
-    code, text = run_check(good_task(tmp_path))
+@pytest.mark.parametrize("chat", [False, True], ids=["text prompts", "chat prompts"])
+def test_a_good_folder_passes_without_a_warning(tmp_path: Path, chat: bool) -> None:
+    folder = good_task(tmp_path)
+    if chat:
+        as_chat(folder)
+    code, text = run_check(folder)
     assert code == 0, text
     assert "warning" not in text and "score 1.000" in text
     assert "renders the held-out rows' prompts and answers" in text
@@ -93,6 +132,20 @@ CASES: list[tuple[str, Callable[[Path], None], int, str]] = [
         lambda d: edit(d / "task.yaml", lambda s: s["data"]["columns"].update(answer="solution")),
         1,
         r"data.columns maps 'answer' to column 'solution', which data.train .*train.parquet does not have "
+        r"\(its columns: question, shouted, word\)",
+    ),
+    (
+        "a prompt column map naming a column the file lacks, named before any row is read",
+        lambda d: edit(d / "task.yaml", lambda s: s["data"]["columns"].update(prompt="query")),
+        1,
+        r"^task 'loud' .*data.columns maps 'prompt' to column 'query', which data.train .*train.parquet does "
+        r"not have \(its columns: question, shouted, word\)",
+    ),
+    (
+        "an id column map naming a column the held-out file lacks",
+        id_in_train_only,
+        1,
+        r"data.columns maps 'id' to column 'qid', which data.heldout .*heldout.jsonl does not have "
         r"\(its columns: question, shouted, word\)",
     ),
     (
@@ -112,7 +165,8 @@ CASES: list[tuple[str, Callable[[Path], None], int, str]] = [
         "an eval asking a field the rows lack",
         lambda d: edit(d / "eval.yaml", lambda e: e.update(doc_to_text="questoin")),
         1,
-        r"asks every item the same text, 'questoin': its doc_to_text names no field of the rows",
+        r"asks every item the same text, 'questoin', where the spec's first held-out row asks 'loud: wai.* =': "
+        r"its doc_to_text names no field of the rows",
     ),
     (
         "an eval scoring against another column",
@@ -126,6 +180,18 @@ CASES: list[tuple[str, Callable[[Path], None], int, str]] = [
         lambda d: edit(d / "eval.yaml", lambda e: e.update(doc_to_text="{{word}} please")),
         1,
         r"renders the prompt 'wai.* please', which is no held-out prompt of the spec \(its first: 'loud: wai",
+    ),
+    (
+        "a chat task's eval asking a field the rows lack (compared with the last user turn)",
+        lambda d: chat_eval(d, doc_to_text="txet"),
+        1,
+        r"asks every item the same text, 'txet', where the spec's first held-out row asks 'loud: wai.* =': ",
+    ),
+    (
+        "a chat task's eval scoring against another column",
+        lambda d: chat_eval(d, doc_to_target="word"),
+        1,
+        r"expects 'wai.*' for 'loud: wai.* =', where the spec's held-out row answers 'WAI.*'",
     ),
 ]
 
