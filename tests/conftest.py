@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +186,17 @@ def adapter_dir(tmp_path: Path) -> Path:
     d = tmp_path / "adapters"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def register_tasks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
+    """Register task folders for one test ($MINT_TASK_DIRS, the registry read again), and forget them after."""
+    from mint_core.data.spec import TASK_DIRS_ENV, reload_registry
+
+    def register(*folders: Path) -> None:
+        monkeypatch.setenv(TASK_DIRS_ENV, ":".join(str(f) for f in folders))
+        reload_registry()
+
+    yield register
+    monkeypatch.delenv(TASK_DIRS_ENV, raising=False)
+    reload_registry()

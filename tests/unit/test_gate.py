@@ -294,29 +294,20 @@ def test_the_demos_gate_gives_the_same_verdicts_from_its_specs() -> None:
         assert declared == explicit and not declared.side_effects()
 
 
-def test_a_tasks_gate_section_sets_margins_a_form_still_wins(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from mint_core.data.spec import TASK_DIRS_ENV, reload_registry
-
+def test_a_tasks_gate_section_sets_margins_a_form_still_wins(tmp_path: Path, register_tasks: Any) -> None:
     task = tmp_path / "strict"
     task.mkdir()
     (task / "task.yaml").write_text(
         "data: {train: t.jsonl, heldout: h.jsonl}\nrewards: [{builtin: exact_match}]\n"
         "eval: {task: strict}\ngate: {guards: [copy], min_effect: 0.2, task_guard_margin: 0.02}\n"
     )
-    monkeypatch.setenv(TASK_DIRS_ENV, str(tmp_path))
-    reload_registry()
-    try:
-        p = GatePolicy(suite="strict")
-        assert (p.guard_tasks, p.guard_suites, p.min_effect, p.task_guard_margin) == (["copy"], [], 0.2, 0.02)
-        assert p.guard_margin == GatePolicy.model_fields["guard_margin"].default  # unset: the gate's default
-        assert "strict" in GatePolicy(suite="add").info_suites  # type: ignore[operator]
-        form = GatePolicy(suite="strict", min_effect=0.05, guard_tasks=[])
-        assert (form.min_effect, form.guards(), form.task_guard_margin) == (0.05, [], 0.02)
-    finally:
-        monkeypatch.delenv(TASK_DIRS_ENV)
-        reload_registry()
+    register_tasks(tmp_path)
+    p = GatePolicy(suite="strict")
+    assert (p.guard_tasks, p.guard_suites, p.min_effect, p.task_guard_margin) == (["copy"], [], 0.2, 0.02)
+    assert p.guard_margin == GatePolicy.model_fields["guard_margin"].default  # unset: the gate's default
+    assert "strict" in GatePolicy(suite="add").info_suites  # type: ignore[operator]
+    form = GatePolicy(suite="strict", min_effect=0.05, guard_tasks=[])
+    assert (form.min_effect, form.guards(), form.task_guard_margin) == (0.05, [], 0.02)
 
 
 def test_one_task_regression_fails_its_own_guard_though_the_pool_passes() -> None:

@@ -8,6 +8,7 @@ import logging
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -265,10 +266,7 @@ def test_load_trainer_measures_each_continuing_champion_on_its_prompts(
     assert trainer.policies["add"].spec.rate_scale == 0.9
 
 
-def test_a_tasks_recipe_section_sets_its_policies_hints(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from mint_core.data.spec import TASK_DIRS_ENV, reload_registry
+def test_a_tasks_recipe_section_sets_its_policies_hints(tmp_path: Path, register_tasks: Any) -> None:
     from mint_core.rl.recipe import DEFAULT_RANK, recipe_spec
 
     task = tmp_path / "hinted"
@@ -277,16 +275,11 @@ def test_a_tasks_recipe_section_sets_its_policies_hints(
         "data: {train: t.jsonl, heldout: h.jsonl}\nrewards: [{builtin: exact_match}]\neval: {task: hinted}\n"
         "gate: {guards: [copy]}\nrecipe: {rank: 32, group_size: 12, replay: 0.5}\n"
     )
-    monkeypatch.setenv(TASK_DIRS_ENV, str(tmp_path))
-    reload_registry()
-    try:
-        got = recipe_spec("mine", "hinted")
-        assert (got.rank, got.alpha, got.group_size, got.replay) == (32, 64.0, 12, 0.5)
-        assert got.learning_rate == pytest.approx(1e-3 * math.sqrt(DEFAULT_RANK / 32))
-        assert recipe_spec("mine", "hinted", rank=8).rank == 8  # a form's rank wins
-        plain = recipe_spec("s", "sort")  # a built-in's own hints, from its spec
-        assert (plain.rank, plain.group_size, plain.replay) == (8, None, 0.25)
-        assert recipe_spec("r", "reverse").group_size == 16 and recipe_spec("a", "add").rank == 32
-    finally:
-        monkeypatch.delenv(TASK_DIRS_ENV)
-        reload_registry()
+    register_tasks(tmp_path)
+    got = recipe_spec("mine", "hinted")
+    assert (got.rank, got.alpha, got.group_size, got.replay) == (32, 64.0, 12, 0.5)
+    assert got.learning_rate == pytest.approx(1e-3 * math.sqrt(DEFAULT_RANK / 32))
+    assert recipe_spec("mine", "hinted", rank=8).rank == 8  # a form's rank wins
+    plain = recipe_spec("s", "sort")  # a built-in's own hints, from its spec
+    assert (plain.rank, plain.group_size, plain.replay) == (8, None, 0.25)
+    assert recipe_spec("r", "reverse").group_size == 16 and recipe_spec("a", "add").rank == 32

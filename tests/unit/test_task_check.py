@@ -16,6 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from mint_app.cli import app
+from tests.unit.test_task_specs import eval_doc
 
 REWARD_PY = """
 def graded(prompts, completions, answer, **kw):
@@ -47,18 +48,7 @@ def good_task(root: Path) -> Path:
     pq.write_table(pa.Table.from_pylist(rows[20:]), d / "data" / "train.parquet")
     (d / "data" / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
     (d / "reward.py").write_text(REWARD_PY)
-    eval_doc = {
-        "task": "loud",
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": "data/heldout.jsonl"}},
-        "test_split": "test",
-        "output_type": "generate_until",
-        "doc_to_text": "question",
-        "doc_to_target": "shouted",
-        "generation_kwargs": {"until": ["<eos>"], "max_gen_toks": 8, "do_sample": False},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-    }
-    (d / "eval.yaml").write_text(yaml.safe_dump(eval_doc))
+    (d / "eval.yaml").write_text(yaml.safe_dump(eval_doc("loud", "question", "shouted")))
     spec = {
         "data": {
             "train": "data/train.parquet",

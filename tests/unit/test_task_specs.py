@@ -56,6 +56,21 @@ def positional(p, c, /):
 """
 
 
+def eval_doc(task: str, text: str, target: str) -> dict[str, Any]:
+    """A generation eval over the folder's data/heldout.jsonl, asking `text` and expecting `target` (its fields)."""
+    return {
+        "task": task,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": "data/heldout.jsonl"}},
+        "test_split": "test",
+        "output_type": "generate_until",
+        "doc_to_text": text,
+        "doc_to_target": target,
+        "generation_kwargs": {"until": ["<eos>"], "max_gen_toks": 8, "do_sample": False},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+    }
+
+
 def make_task(root: Path, name: str = "mine", reward: str = "reward.py:good", **spec: Any) -> Path:
     """A task folder written only from files: data, a reward .py, an eval YAML."""
     d = root / name
@@ -65,21 +80,7 @@ def make_task(root: Path, name: str = "mine", reward: str = "reward.py:good", **
     for split, rows in (("train", train), ("heldout", heldout)):
         (d / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "reward.py").write_text(REWARD_PY)
-    (d / "eval.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "task": f"{name}_eval",
-                "dataset_path": "json",
-                "dataset_kwargs": {"data_files": {"test": "data/heldout.jsonl"}},
-                "test_split": "test",
-                "output_type": "generate_until",
-                "doc_to_text": "prompt",
-                "doc_to_target": "answer",
-                "generation_kwargs": {"until": ["<eos>"], "max_gen_toks": 8, "do_sample": False},
-                "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-            }
-        )
-    )
+    (d / "eval.yaml").write_text(yaml.safe_dump(eval_doc(f"{name}_eval", "prompt", "answer")))
     doc = {
         "data": {"train": "data/train.jsonl", "heldout": "data/heldout.jsonl"},
         "rewards": [{"function": reward, "timeout_s": 3}],

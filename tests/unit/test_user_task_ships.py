@@ -11,13 +11,11 @@ import yaml
 
 from mint_core.data.spec import (
     BUILTIN_DIR,
-    TASK_DIRS_ENV,
     SpecError,
     TaskRegistry,
     demo_policies,
     load_spec,
     registry,
-    reload_registry,
 )
 from mint_core.eval.gate import GatePolicy
 from mint_core.lifecycle import SMOKE_FALLBACK, smoke_prompt
@@ -35,19 +33,6 @@ def write_task(root: Path, name: str, **extra: Any) -> Path:
     folder.mkdir(parents=True)
     (folder / "task.yaml").write_text(yaml.safe_dump({**BASE_SPEC, **extra}))
     return folder
-
-
-@pytest.fixture
-def user_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Register tmp_path's task folders for the test (and forget them after)."""
-
-    def register(*folders: Path) -> None:
-        monkeypatch.setenv(TASK_DIRS_ENV, ":".join(str(f) for f in folders))
-        reload_registry()
-
-    yield register
-    monkeypatch.delenv(TASK_DIRS_ENV, raising=False)
-    reload_registry()
 
 
 @pytest.mark.parametrize(
@@ -72,9 +57,9 @@ def test_a_bad_gate_or_recipe_section_is_named(tmp_path: Path, case: str, extra:
 
 
 def test_a_task_without_gate_guards_nothing_and_reports_every_other_task(
-    tmp_path: Path, user_tasks: Any
+    tmp_path: Path, register_tasks: Any
 ) -> None:
-    user_tasks(SHOUT)
+    register_tasks(SHOUT)
     spec = registry().get("shout")
     assert spec.gate.guards == [] and spec.recipe.replay == 0.0
     p = GatePolicy(suite="shout")
@@ -87,18 +72,18 @@ def test_a_task_without_gate_guards_nothing_and_reports_every_other_task(
     assert add.guard_tasks == ["copy", "reverse", "sort", "upper"] and add.info_suites == ["shout"]
 
 
-def test_a_declared_guard_gates_a_users_task(tmp_path: Path, user_tasks: Any) -> None:
+def test_a_declared_guard_gates_a_users_task(tmp_path: Path, register_tasks: Any) -> None:
     folder = write_task(
         tmp_path, "careful", gate={"guards": ["copy"], "min_effect": 0.1}, recipe={"replay": 0.2}
     )
-    user_tasks(folder)
+    register_tasks(folder)
     p = GatePolicy(suite="careful")
     assert (p.guard_tasks, p.min_effect) == (["copy"], 0.1)
     assert p.info_suites == ["add", "reverse", "sort", "upper"]
 
 
-def test_the_smoke_check_asks_the_revisions_own_task(user_tasks: Any) -> None:
-    user_tasks(SHOUT)
+def test_the_smoke_check_asks_the_revisions_own_task(register_tasks: Any) -> None:
+    register_tasks(SHOUT)
     assert smoke_prompt("shout") == load_spec(SHOUT / "task.yaml").heldout_rows()[0].prompt
     assert str(smoke_prompt("shout")).startswith("shout: ")
     assert smoke_prompt(None) == SMOKE_FALLBACK and smoke_prompt("unregistered") == SMOKE_FALLBACK
