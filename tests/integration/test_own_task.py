@@ -27,6 +27,7 @@ from mint_core.data.spec import TASK_DIRS_ENV, registry
 from mint_core.engine.base import build_tiny_chat_base
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
+from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle import FAULT_ENV, Workspace, served_revision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
@@ -54,6 +55,7 @@ GRPO = GRPOConfig(
 class Stack:
     ws: Workspace
     backend: str
+    suites: Path  # the built-in suites with data built here (a clean clone has no DVC outputs)
 
 
 # the vLLM case starts a vLLM of its own: slow tier (the default tier keeps one vLLM, the session's)
@@ -68,6 +70,7 @@ def stack(
     base_dir = build_tiny_chat_base(root / "tiny-qwen2-chat", "qwen2")
     store = root / "store"
     store.mkdir()
+    suites = standalone_suites(root, limit=6)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(TASK_DIRS_ENV, str(EXAMPLE))  # the servers started below inherit it
         mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
@@ -95,7 +98,7 @@ def stack(
                 work_dir=root / "work",
                 lock_hold_s=60,
             )
-            yield Stack(ws, request.param)
+            yield Stack(ws, request.param, suites)
         finally:
             for p in reversed(procs):
                 stop_server(p, timeout=60)
@@ -152,7 +155,10 @@ def test_a_task_that_declares_no_gate_is_judged_on_its_own_suite_and_shown_the_r
         steps=2, prompts_per_step=4, grpo=GRPO, data_dir=None, round="default-gate", dry_run=0
     )
     report = lifecycle(
-        policy=policy, training=training, evaluation=EvalConfig(limit=6, batch_size=8), workspace=stack.ws
+        policy=policy,
+        training=training,
+        evaluation=EvalConfig(limit=6, batch_size=8, suites_dir=stack.suites),
+        workspace=stack.ws,
     )
     (outcome,) = report.outcomes
     assert outcome.decision is not None and outcome.decision.baseline == "base"
