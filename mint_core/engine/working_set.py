@@ -176,11 +176,6 @@ class WorkingSet:
         with self._lock:
             return name in self._ephemeral
 
-    def ephemeral_names(self) -> set[str]:
-        """Names loaded on demand (forgotten when they leave the host cache)."""
-        with self._lock:
-            return set(self._ephemeral)
-
     def digest_of(self, name: str) -> str:
         with self._lock:
             if name not in self._names:

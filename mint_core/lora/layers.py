@@ -411,16 +411,6 @@ class LoRAModel:
     def num_slots(self) -> int:
         return self.ctx.num_slots
 
-    def write_slot(
-        self, slot: int, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float
-    ) -> None:
-        for name, bank in self.banks.items():
-            if name in tensors:
-                A, B = tensors[name]
-                bank.write(slot, A.to(bank.A.dtype), B.to(bank.B.dtype), scale)
-            else:
-                bank.clear(slot)
-
     @torch.no_grad()
     def prepare(
         self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float

@@ -172,11 +172,6 @@ def _parse_header(data: bytes | bytearray | memoryview) -> tuple[_Header | None,
     return _Header(8 + n, entries, metadata), problems
 
 
-def check_safetensors_header(data: bytes | bytearray | memoryview) -> list[str]:
-    """Problems with a safetensors file's framing, found without parsing any tensor."""
-    return _parse_header(data)[1]
-
-
 def recorded_base(path: str | Path) -> tuple[str | None, str | None]:
     """The base an adapter directory says it was made for: (its config's `base_model_name_or_path`, the base
     fingerprint mint's exporter writes into the safetensors header), each None where it records none or cannot

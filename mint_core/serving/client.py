@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
@@ -141,11 +140,3 @@ class ServingClient:
             return self._http.get("/health", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.health():
-                return
-            time.sleep(0.2)
-        raise ServingError(0, "Timeout", f"not healthy after {timeout:.0f} s", self.base_url + "/health")

@@ -74,11 +74,6 @@ class EngineLoop:
                 if seq.on_event is not None:
                     seq.on_event(seq)
 
-    def queue_depth(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        with self._cv:
-            return len(self.batcher), len(self._waiting)
-
     def in_flight(self) -> tuple[list[Sequence], list[Sequence]]:
         """(running, waiting) sequences, for metrics. A sequence that finished in the step under way no longer
         counts as running, though the batcher drops it only at the end of that step (its client may already have
