@@ -54,7 +54,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, peak_rss_bytes, report
 
-from mint_core.data.tasks import split
+from mint_core.data.generators import split
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.loader import AdapterManager

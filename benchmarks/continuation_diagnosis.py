@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, report
 
 from mint_core.data.spec import TASK_DIRS_ENV, registry
-from mint_core.lifecycle import load_prompts, with_replay
+from mint_core.lifecycle.prompts import load_prompts, with_replay
 from mint_core.lora.adapter import AdapterWeights, save_adapter
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (

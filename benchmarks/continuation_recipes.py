@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import add_device, checked_device, report
 
+from mint_core.data.generators import read_jsonl
 from mint_core.data.revision import evaluated_prompts, fresh_examples
-from mint_core.data.tasks import read_jsonl
 from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
-from mint_core.lifecycle import round_seed, with_replay
+from mint_core.lifecycle.prompts import round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import BUILTIN_RECIPE, Continuation, TrainingRun, load_trainer, recipe_spec
 

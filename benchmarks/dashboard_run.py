@@ -129,7 +129,7 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
     from mint_core.eval.gate import GatePolicy
     from mint_core.eval.results import EvalConfig
     from mint_core.eval.suites import standalone_suites
-    from mint_core.lifecycle import Workspace
+    from mint_core.lifecycle.workspace import Workspace
     from mint_core.rl.grpo import GRPOConfig
     from mint_core.rl.policy import PolicySpec
 

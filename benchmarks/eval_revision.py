@@ -41,7 +41,7 @@ def train_policies(
     base_dir: Path, store: Path, tasks: list[str], args: argparse.Namespace
 ) -> dict[str, float]:
     """One policy per task, trained together; revisions written to store/<task>. Returns timings."""
-    from mint_core.data.tasks import split
+    from mint_core.data.generators import split
     from mint_core.engine.base import load_base
     from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.rl.grpo import GRPOConfig
@@ -92,7 +92,7 @@ def main() -> None:
     import torch
     from pydantic import SecretStr
 
-    from mint_core.data.tasks import TASKS
+    from mint_core.data.generators import GENERATORS
     from mint_core.engine.base import build_tiny_base
     from mint_core.engine.tokenizer import byte_tokenizer
     from mint_core.eval.in_process import evaluate_in_process
@@ -102,7 +102,7 @@ def main() -> None:
     from tests.integration.conftest import start_server, stop_server
 
     torch.set_num_threads(args.threads)
-    tasks = list(TASKS)
+    tasks = list(GENERATORS)
     work = Path(tempfile.mkdtemp(prefix="mint-eval-bench-"))
     notes = []
     base_dir = Path(args.base)

@@ -36,12 +36,12 @@ from pydantic import ValidationError
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, report
 
-from mint_core.data.tasks import read_jsonl
+from mint_core.data.generators import read_jsonl
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.eval.results import EVAL_LIMIT
-from mint_core.lifecycle import load_prompts, round_seed
+from mint_core.lifecycle.prompts import load_prompts, round_seed
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec

@@ -54,8 +54,8 @@ import mixed_adapter_decode
 from _common import add_device, checked_device, report, synchronize
 from mixed_adapter_decode import TARGETS
 
+from mint_core.data.generators import split
 from mint_core.data.rewards import reward
-from mint_core.data.tasks import split
 from mint_core.engine.base import from_model
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer

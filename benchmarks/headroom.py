@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import add_device, checked_device, report
 
+from mint_core.data.generators import Example, read_jsonl
 from mint_core.data.rewards import builtin_scores
-from mint_core.data.tasks import Example, read_jsonl
 from mint_core.engine.base import load_base
 from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, EngineConfig, Request

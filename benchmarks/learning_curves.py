@@ -61,13 +61,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import add_device, checked_device, report
 
 from flows.retrain import RETRAIN_STEPS
+from mint_core.data.generators import Example
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
 from mint_core.data.spec import TASK_DIRS_ENV, prompt_text, registry
-from mint_core.data.tasks import Example
 from mint_core.eval.gate import GatePolicy, SuiteScore, decide
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
-from mint_core.lifecycle import round_seed, with_replay
+from mint_core.lifecycle.prompts import round_seed, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,

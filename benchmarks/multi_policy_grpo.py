@@ -52,7 +52,7 @@ def child(args: argparse.Namespace) -> None:
     """One mode: build everything, print "ready", then run one step per "step" line on stdin."""
     import torch
 
-    from mint_core.data.tasks import TASKS, split
+    from mint_core.data.generators import GENERATORS, split
     from mint_core.engine.base import build_tiny_base, load_base
     from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.engine.tokenizer import byte_tokenizer
@@ -68,7 +68,7 @@ def child(args: argparse.Namespace) -> None:
     )
     n = args.policies
     engine = Engine(b, EngineConfig(max_loras=n, max_lora_rank=8, max_model_len=128))
-    tasks = list(TASKS)
+    tasks = list(GENERATORS)
     specs = [PolicySpec(name=f"p{i}", task=tasks[i % len(tasks)], rank=8, alpha=16) for i in range(n)]
     cfg = GRPOConfig(group_size=args.group, max_new_tokens=args.new_tokens, learning_rate=1e-4)
     extra: dict[str, Any] = {}

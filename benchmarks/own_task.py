@@ -31,7 +31,7 @@ from _common import add_device, checked_device, report
 
 from mint_core.data.spec import TASK_DIRS_ENV, registry
 from mint_core.eval.gate import GatePolicy, SuiteScore, decide, discordant, mcnemar_p
-from mint_core.lifecycle import load_prompts, with_replay
+from mint_core.lifecycle.prompts import load_prompts, with_replay
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.recipe import (
     BUILTIN_PROMPTS_PER_STEP,

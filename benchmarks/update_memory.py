@@ -50,7 +50,7 @@ def child(args: argparse.Namespace) -> None:
     from mixed_adapter_decode import build_model
 
     import mint_core.rl.trainer as trainer_mod
-    from mint_core.data.tasks import split
+    from mint_core.data.generators import split
     from mint_core.engine.base import from_model
     from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.engine.tokenizer import byte_tokenizer

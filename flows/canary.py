@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows.promotion import Promotion, promote_and_refresh
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from tasks.canary import CanaryConfig, CanaryWatch, end_canary, start_canary, watch_canary
 
 

@@ -7,11 +7,10 @@ import datetime as dt
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from flows.canary import CanaryOutcome
-from mint_core.data.spec import registry as task_registry
-from mint_core.data.spec import task_dirs
+from mint_core.data.spec import registry_in
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.grpo import GRPOConfig
@@ -47,13 +46,14 @@ class PolicyRun(BaseModel):
     show a gain, else it is skipped."""
 
     @model_validator(mode="after")
-    def _known_task(self) -> PolicyRun:
+    def _known_task(self, info: ValidationInfo) -> PolicyRun:
         # checked when the run's parameters are, before anything trains: a typo fails the run at once
-        known = task_registry().names()
+        reg = registry_in(info.context)
+        known = reg.names()
         if self.spec.task not in known:
             raise ValueError(
                 f"spec.task: unknown task {self.spec.task!r}; registered: {', '.join(known)} (a task is a spec "
-                f"file in a task folder: {', '.join(str(d) for d in task_dirs())})"
+                f"file in a task folder: {', '.join(str(d) for d in reg.dirs)})"
             )
         return self
 

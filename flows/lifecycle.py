@@ -53,14 +53,10 @@ from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
 from mint_core.eval.suites import scorable
-from mint_core.lifecycle import (
-    Workspace,
-    data_revision,
-    held_run,
-    idempotency_key,
-    round_seed,
-    run_lease,
-)
+from mint_core.lifecycle.leases import held_run, run_lease
+from mint_core.lifecycle.prompts import data_revision, round_seed
+from mint_core.lifecycle.revisions import idempotency_key
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.rl.checkpoints import drop_mirror
 from mint_core.rl.recipe import spec_changes
 from tasks.common import RevisionRef, cached_in

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from tasks.serving import Prefetched, prefetch_revisions
 
 

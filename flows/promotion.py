@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.transactions import IsolationLevel, transaction
 from pydantic import BaseModel
 
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.types import Digest
 from tasks.common import AliasMoved, lock_store
 from tasks.registry import current_champion, promote, rollback

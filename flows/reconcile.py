@@ -14,7 +14,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import IsolationLevel, transaction
 
-from mint_core.lifecycle import Workspace, promotion_lock
+from mint_core.lifecycle.leases import promotion_lock
+from mint_core.lifecycle.workspace import Workspace
 from tasks.common import RETRY_DELAYS, lock_store, transient
 from tasks.serving import Reconciled, reconcile_policy
 

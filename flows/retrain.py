@@ -44,7 +44,8 @@ from mint_core.data.checks import CheckParams
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
-from mint_core.lifecycle import Workspace, champion
+from mint_core.lifecycle.revisions import champion
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.mlflow_registry import Registry
 from mint_core.registry.reader import Revision
 from mint_core.rl.policy import PolicySpec

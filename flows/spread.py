@@ -31,7 +31,7 @@ from mint_core.data.checks import CheckParams
 from mint_core.errors import MintError
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 
 WAVE_DEPLOYMENT = "wave/wave"
 """The deployment each group runs as (infra/prefect.yaml, `wave`)."""

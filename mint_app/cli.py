@@ -201,7 +201,7 @@ def train(
     # deferred: torch and transformers load for this command only, so `mint --help` stays fast
     from mint_core.data.spec import SpecError
     from mint_core.data.spec import registry as task_registry
-    from mint_core.lifecycle import train_and_heldout
+    from mint_core.lifecycle.prompts import train_and_heldout
     from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
     from mint_core.rl.grpo import GRPOConfig
     from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer, recipe_spec

@@ -61,15 +61,15 @@ from mint_app.job_report import (
 from mint_app.progress import step_bar
 from mint_app.service_config import Service, ServiceError, ServiceName, ServicesConfig, services_for
 from mint_app.services import start
+from mint_core.data.generators import Prompt
 from mint_core.data.spec import SpecError, prompt_text
 from mint_core.data.spec import registry as task_registry
-from mint_core.data.tasks import Prompt
 from mint_core.engine.base import load_base
 from mint_core.engine.device import check_device
 from mint_core.errors import BaseError
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.lm_eval_runner import EvalConfig
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import initial_adapter, save_adapter
 from mint_core.rl.recipe import BUILTIN_RECIPE, recipe_spec
 from mint_core.serving.base_check import check_base

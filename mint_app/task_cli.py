@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mint_app.console import make_console
+from mint_core.data.generators import Example
 from mint_core.data.spec import (
     TASK_DIRS_ENV,
     SpecError,
@@ -20,7 +21,6 @@ from mint_core.data.spec import (
     registry,
     task_dirs,
 )
-from mint_core.data.tasks import Example
 from mint_core.errors import MintError
 
 if TYPE_CHECKING:

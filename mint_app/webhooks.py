@@ -32,7 +32,9 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from mint_core.lifecycle import Workspace, policy_lock, reconcile
+from mint_core.lifecycle.leases import policy_lock
+from mint_core.lifecycle.reconcile import reconcile
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.leases import LockTimeout
 from mint_core.registry.reader import RegistryError, RegistryUnavailable, UnknownRevision

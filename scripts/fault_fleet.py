@@ -41,7 +41,8 @@ from mint_app.processes import service_log
 from mint_app.service_config import ServiceName, ServicesConfig
 from mint_app.services import start, stop
 from mint_core.engine.base import load_base
-from mint_core.lifecycle import Workspace, served_revision
+from mint_core.lifecycle.smoke import served_revision
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.fleet import replica_name
 

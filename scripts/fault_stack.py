@@ -29,7 +29,9 @@ from mint_app.services import start, status, stop  # noqa: E402
 from mint_core.engine.base import Base, build_tiny_base, load_base  # noqa: E402
 from mint_core.engine.tokenizer import byte_tokenizer  # noqa: E402
 from mint_core.eval.suites import standalone_suites  # noqa: E402
-from mint_core.lifecycle import Workspace, reconcile, served_revision  # noqa: E402
+from mint_core.lifecycle.reconcile import reconcile  # noqa: E402
+from mint_core.lifecycle.smoke import served_revision  # noqa: E402
+from mint_core.lifecycle.workspace import Workspace  # noqa: E402
 from mint_core.lora.adapter import random_adapter  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj"]

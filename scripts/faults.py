@@ -184,7 +184,7 @@ def scenario_mlflow(f: Faults) -> Row:
     policy = "f-mlflow"
     f.seed(policy, [21, 22])
     code = (
-        "import sys; from flows.promotion import promote_flow; from mint_core.lifecycle import Workspace; "
+        "import sys; from flows.promotion import promote_flow; from mint_core.lifecycle.workspace import Workspace; "
         "promote_flow(sys.argv[1], 2, expect=1, workspace=Workspace.model_validate_json(sys.argv[2]))"
     )
     proc = subprocess.Popen(

@@ -15,7 +15,8 @@ from pydantic import BaseModel, Field
 
 from mint_core.errors import MintError
 from mint_core.eval.online import Estimate, OnlineTestConfig, SequentialTest
-from mint_core.lifecycle import Workspace, served_revision, smoke_check, smoke_prompt
+from mint_core.lifecycle.smoke import served_revision, smoke_check, smoke_prompt
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import end_run, log_metrics, start_canary_run
 from mint_core.serving.client import ServingError

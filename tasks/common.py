@@ -17,7 +17,7 @@ from prefect.locking.protocol import LockManager
 from prefect.results import ResultStore
 from pydantic import BaseModel
 
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.leases import Leases, check_lock_url, leases_for
 from mint_core.registry.reader import RegistryUnavailable

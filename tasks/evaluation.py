@@ -17,7 +17,8 @@ from mint_core.eval.gate import SuiteScore
 from mint_core.eval.lm_eval_runner import evaluate_served
 from mint_core.eval.records import log_to_mlflow
 from mint_core.eval.results import EvalConfig, ServedModel
-from mint_core.lifecycle import Workspace, fault
+from mint_core.lifecycle.faults import fault
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.types import Digest
 from tasks.common import RETRY_DELAYS, RevisionRef, Timed, artifact_key, transient
 

@@ -14,7 +14,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 
 from mint_core.eval.gate import GATE_TAG, Baseline, GateDecision, GatePolicy, SuiteScore, decide
-from mint_core.lifecycle import Workspace, champion, curve_figure, fault, find_by_key
+from mint_core.lifecycle.faults import fault
+from mint_core.lifecycle.figures import curve_figure
+from mint_core.lifecycle.revisions import champion, find_by_key
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import IDEMPOTENCY_TAG, log_metrics, log_training_run, tag_version
 from mint_core.rl.recipe import TrainingRun

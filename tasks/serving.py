@@ -11,17 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction
 from pydantic import BaseModel
 
-from mint_core.lifecycle import (
-    Reconciliation,
-    Workspace,
-    fault,
-    prefetch,
-    prefetch_route,
-    reconcile,
-    served_revision,
-    smoke_check,
-    smoke_prompt,
-)
+from mint_core.lifecycle.faults import fault
+from mint_core.lifecycle.prefetch import prefetch, prefetch_route
+from mint_core.lifecycle.reconcile import Reconciliation, reconcile
+from mint_core.lifecycle.smoke import served_revision, smoke_check, smoke_prompt
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.serving.client import ServingError
 from tasks.common import RETRY_DELAYS, Timed, transient

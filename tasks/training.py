@@ -26,15 +26,18 @@ from mint_core.data.checks import (
     prompts_frame,
     rollout_frame,
 )
+from mint_core.data.generators import Example, has_generator
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
 from mint_core.data.rewards import check_rewards
 from mint_core.data.spec import prompt_text
 from mint_core.data.spec import registry as task_registry
-from mint_core.data.tasks import Example, has_generator
 from mint_core.errors import DataCheckError
 from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.eval.suites import check_eval
-from mint_core.lifecycle import LifecycleError, Workspace, fault, load_prompts, round_seed, with_replay
+from mint_core.lifecycle.errors import LifecycleError
+from mint_core.lifecycle.faults import fault
+from mint_core.lifecycle.prompts import load_prompts, round_seed, with_replay
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec

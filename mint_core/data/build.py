@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mint_core.data.tasks import TASKS, Example, read_jsonl, split, write_jsonl
+from mint_core.data.generators import GENERATORS, Example, read_jsonl, split, write_jsonl
 
 EOS = "<eos>"  # the byte tokenizer's end-of-sequence token, written literally in the corpus
 TRAIN, HELDOUT, CORPUS = "train", "heldout", "corpus.txt"
@@ -29,7 +29,7 @@ class DataParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tasks: list[str] = Field(default_factory=lambda: list(TASKS))
+    tasks: list[str] = Field(default_factory=lambda: list(GENERATORS))
     n_train: int = Field(5000, ge=1)
     n_heldout: int = Field(200, ge=1)
     seed: int = 0
@@ -37,9 +37,9 @@ class DataParams(BaseModel):
     @field_validator("tasks")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        unknown = [t for t in v if t not in TASKS]
+        unknown = [t for t in v if t not in GENERATORS]
         if unknown or not v:
-            raise ValueError(f"unknown tasks {unknown}; known: {', '.join(TASKS)}")
+            raise ValueError(f"unknown tasks {unknown}; known: {', '.join(GENERATORS)}")
         return v
 
 

@@ -35,8 +35,8 @@ from great_expectations.data_context.types.base import (
 from great_expectations.expectations.row_conditions import Column
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mint_core.data.generators import GENERATORS, Example
 from mint_core.data.spec import TaskSpec, check_columns, prompt_text
-from mint_core.data.tasks import TASKS, Example
 from mint_core.errors import DataCheckError
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ Kind = Literal["prompts", "rollouts", "eval"]
 KINDS: tuple[Kind, ...] = ("prompts", "rollouts", "eval")
 
 PROMPT_COLUMNS = ["id", "task", "prompt", "answer"]
-"""One row per example, the fields of `mint_core.data.tasks.Example` (`id` is `<task>-<seed>-<index>`)."""
+"""One row per example, the fields of `mint_core.data.generators.Example` (`id` is `<task>-<seed>-<index>`)."""
 ROLLOUT_COLUMNS = [
     "policy",  # adapter name that sampled the completion
     "group",  # rows sharing a group share a prompt and a policy
@@ -69,7 +69,7 @@ _LOGPROB_SLACK = 1e-4  # log-softmax in low precision can land a hair above 0
 
 
 class PromptBounds(BaseModel):
-    """What a prompt dataset (rows of `mint_core.data.tasks.Example`) must satisfy."""
+    """What a prompt dataset (rows of `mint_core.data.generators.Example`) must satisfy."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -300,7 +300,7 @@ def prompt_suite(bounds: PromptBounds | None = None) -> ExpectationSuite:
     exps += [
         gxe.ExpectColumnValuesToBeUnique(column="id"),
         gxe.ExpectColumnValuesToBeUnique(column="prompt"),
-        gxe.ExpectColumnValuesToBeInSet(column="task", value_set=list(TASKS)),
+        gxe.ExpectColumnValuesToBeInSet(column="task", value_set=list(GENERATORS)),
         gxe.ExpectColumnValueLengthsToBeBetween(
             column="prompt", min_value=b.prompt_chars[0], max_value=b.prompt_chars[1]
         ),
@@ -308,7 +308,7 @@ def prompt_suite(bounds: PromptBounds | None = None) -> ExpectationSuite:
             column="answer", min_value=b.answer_chars[0], max_value=b.answer_chars[1]
         ),
     ]
-    for name, t in TASKS.items():
+    for name, t in GENERATORS.items():
         is_task = Column("task") == name
         # the formats of `tasks.prompt_of` and `tasks.is_well_formed`
         exps.append(

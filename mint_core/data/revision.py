@@ -23,8 +23,8 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import HELDOUT, TRAIN, read_split
+from mint_core.data.generators import Example, examples, has_generator, read_jsonl, take
 from mint_core.data.spec import prompt_text, registry
-from mint_core.data.tasks import Example, examples, has_generator, read_jsonl, take
 
 DATA_REV_TAG = "mint.data_rev"
 """Tag (MLflow run and model version) holding the data revision."""

@@ -32,6 +32,7 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
+from mint_core.data.generators import Example
 from mint_core.data.spec import (
     RewardSpec,
     SpecError,
@@ -41,7 +42,6 @@ from mint_core.data.spec import (
     registry,
     reward_source,
 )
-from mint_core.data.tasks import Example
 from mint_core.errors import MintError
 
 logger = logging.getLogger(__name__)

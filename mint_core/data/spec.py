@@ -52,7 +52,7 @@ from typing import Any, Literal, TypeGuard
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mint_core.data.tasks import Example, example_of, has_generator, split
+from mint_core.data.generators import Example, example_of, has_generator, split
 from mint_core.errors import MintError
 
 logger = logging.getLogger(__name__)
@@ -329,6 +329,8 @@ class TaskRegistry:
     """Every task spec in some folders, by name."""
 
     specs: dict[str, TaskSpec]
+    dirs: tuple[Path, ...] = ()
+    """The task folders the specs were read from."""
     _index: dict[str, Example] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -338,7 +340,8 @@ class TaskRegistry:
         subfolders; a folder that does not exist, or holds no spec, is an error, and so is a name two specs
         define."""
         specs: dict[str, TaskSpec] = {}
-        for d in task_dirs() if dirs is None else [Path(x) for x in dirs]:
+        folders = task_dirs() if dirs is None else [Path(x) for x in dirs]
+        for d in folders:
             if not Path(d).is_dir():
                 raise SpecError(f"task folder {d} does not exist")
             own = Path(d) / SPEC_FILE
@@ -357,7 +360,7 @@ class TaskRegistry:
                     f"task spec {spec.path}: gate.guards names {', '.join(map(repr, unknown))}, not registered "
                     f"tasks ({', '.join(specs)})"
                 )
-        return cls(specs)
+        return cls(specs, tuple(folders))
 
     def names(self) -> list[str]:
         return list(self.specs)
@@ -422,6 +425,19 @@ def registry(extra: Sequence[str | Path] = ()) -> TaskRegistry:
 
 def reload_registry() -> None:
     _REGISTRY.clear()
+
+
+TASKS_CONTEXT = "tasks"
+"""The key under which a caller passes the task registry to validate against in pydantic's validation context
+(`Model.model_validate(doc, context={TASKS_CONTEXT: registry})`): the forms that name tasks (a gate's suite and
+guards, a policy's task) read it there (`registry_in`)."""
+
+
+def registry_in(context: Any) -> TaskRegistry:
+    """The task registry a validation was given (its context's `TASKS_CONTEXT`), else the process's (`registry()`:
+    what a form validated without one, e.g. a flow's parameters in a Prefect worker, is checked against)."""
+    given = context.get(TASKS_CONTEXT) if isinstance(context, dict) else None
+    return given if isinstance(given, TaskRegistry) else registry()
 
 
 # ---- reading rows -------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from mint_core.engine.sampling import choose_tokens
 from mint_core.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    import threading
+    from contextlib import AbstractContextManager
 
     from mint_core.engine.base import Base
     from mint_core.engine.working_set import WorkingSet
@@ -43,16 +43,17 @@ def _top(logp: torch.Tensor, k: int, lse: torch.Tensor | None = None) -> list[di
 
 
 class Resident(Protocol):
-    """What a batcher runs on: the resident base with its LoRA layers and working set, the lock every forward
-    takes, and the tokenizer's pad, ends and decoding. `Engine` is one; the batcher names what it uses rather than
+    """What a batcher runs on: the resident base with its LoRA layers and working set, the model held alone for
+    each forward (`exclusive`), and the tokenizer's pad, ends and decoding. `Engine` is one; the batcher names what it uses rather than
     importing the engine that imports it."""
 
     base: Base
     lora: LoRAModel
     working_set: WorkingSet
-    _forward_lock: threading.Lock
     pad_id: int
     eos_ids: frozenset[int]
+
+    def exclusive(self) -> AbstractContextManager[bool]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -77,7 +78,7 @@ class Batcher:
 
     def _forward(self, rows: list[int], **inputs: torch.Tensor | RaggedCache | int | None) -> torch.Tensor:
         eng = self.engine
-        with eng._forward_lock:
+        with eng.exclusive():
             eng.lora.ctx.set_rows(rows, self.dev, key=self.composition)
             out = eng.base.model(use_cache=True, **inputs)
         return out.logits  # type: ignore[no-any-return]

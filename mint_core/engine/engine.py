@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
 
@@ -172,6 +173,12 @@ class Engine:
         return self.working_set.remove(name)
 
     # ---- forward ------------------------------------------------------------------------------------------
+
+    def exclusive(self) -> AbstractContextManager[bool]:
+        """The model alone for a `with` block: no other forward runs meanwhile (serving's batcher, a training
+        step, a Tinker call), since the LoRA context that routes each row to its slot is shared state of the
+        model. Every forward on the resident base, and every write of a slot a forward reads, takes it."""
+        return self._forward_lock
 
     @torch.no_grad()
     def logits(

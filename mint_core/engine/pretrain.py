@@ -29,7 +29,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from mint_core.data.build import CORPUS, read_corpus, read_split
-from mint_core.data.tasks import Example, is_well_formed
+from mint_core.data.generators import Example, is_well_formed
 from mint_core.engine.base import load_base
 from mint_core.engine.cpu_pin import PINNED_CAPABILITY, REPRODUCIBLE_CPU_ENV
 from mint_core.engine.engine import Engine, EngineConfig, Request

@@ -84,10 +84,10 @@ from collections.abc import Iterable
 from statistics import NormalDist
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 from rich.table import Table
 
-from mint_core.data.spec import registry as task_registry
+from mint_core.data.spec import registry_in
 
 GATE_TAG = "mint.gate"
 """Model-version tag holding the decision as compact JSON."""
@@ -126,11 +126,6 @@ class SuiteScore(BaseModel):
         if self.correct is not None and len(self.correct) != self.n:
             raise ValueError(f"suite {self.name!r}: {len(self.correct)} per-sample results but n={self.n}")
         return self
-
-    @property
-    def successes(self) -> int:
-        """Samples counted as correct: from `correct` when given, else score x n rounded."""
-        return sum(self.correct) if self.correct is not None else round(self.score * self.n)
 
 
 class GatePolicy(BaseModel):
@@ -191,9 +186,9 @@ class GatePolicy(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _consistent(self) -> GatePolicy:
+    def _consistent(self, info: ValidationInfo) -> GatePolicy:
         # what the form leaves unset, the task's spec declares (GateSpec); what the spec leaves unset, the defaults
-        reg = task_registry()
+        reg = registry_in(info.context)
         declared = reg.get(self.suite).gate if self.suite in reg else None
         if declared is not None:
             for name in ("min_effect", "alpha", "guard_margin", "task_guard_margin"):

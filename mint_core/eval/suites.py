@@ -8,7 +8,7 @@ of the same shape (a sum off by one, the word copied instead of reversed, ...). 
 capabilities no policy may lose while it learns its own task.
 
 All items come from the held-out split (`mint data build` writes it; the generators of
-`mint_core.data.tasks` give the same items from a seed), and the per-task suites and the guard use disjoint
+`mint_core.data.generators` give the same items from a seed), and the per-task suites and the guard use disjoint
 slices of it: a task suite takes the first `limit` held-out items of its task, the guard the next ones.
 
 The YAMLs name their data relative to the directory that holds `eval_suites/` (the repository root), so
@@ -31,9 +31,9 @@ from typing import Any
 import yaml
 
 from mint_core.data.build import DataParams, read_split
+from mint_core.data.generators import GENERATORS, Example, split
 from mint_core.data.spec import SpecError, TaskSpec
 from mint_core.data.spec import registry as task_registry
-from mint_core.data.tasks import TASKS, Example, split
 from mint_core.errors import MintError
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,6 @@ GUARD_GENERATE, GUARD_CHOICE = "guard_generate", "guard_choice"
 
 class SuiteError(MintError):
     """A suite that does not exist, or suite files that are missing or malformed."""
-
-
-def lm_eval_name(suite: str) -> str:
-    return TASK_PREFIX + suite
 
 
 def suite_name(lm_eval_task: str) -> str:
@@ -80,7 +76,9 @@ def near_miss(ex: Example) -> str:
     """A wrong answer of the same shape and length as the right one, the kind of mistake a model makes on the
     task (so a base that has the skill prefers the right answer by log-likelihood)."""
     inp, ans = _input_of(ex), ex.answer
-    wrong = TASKS[ex.task].miss(inp, ans) if ex.task in TASKS else ans  # the generator's typical mistake
+    wrong = (
+        GENERATORS[ex.task].miss(inp, ans) if ex.task in GENERATORS else ans
+    )  # the generator's typical mistake
     if wrong == ans or len(wrong) != len(ans):
         wrong = _perturb(ans)
     return wrong
@@ -137,7 +135,7 @@ def build_suite_data(
     if guard_limit is not None and guard_limit < 1:
         raise SuiteError(f"guard_limit must be at least 1, got {guard_limit}")
     defaults = DataParams()
-    unknown = [t for t in tasks or () if t not in TASKS]
+    unknown = [t for t in tasks or () if t not in GENERATORS]
     specs = task_registry().specs if unknown else {}
     for t in unknown:
         if t in specs:  # a user's task brings its own eval: its YAML and data, which nothing here writes
@@ -145,11 +143,11 @@ def build_suite_data(
             raise SuiteError(
                 f"task {t!r} is a registered task ({spec.path}) with its own eval, {spec.eval.task!r} from "
                 f"{spec.eval.include}: its data is the task's own, and `mint eval ... --suites {t}` scores it. "
-                f"Suite data is built for the built-in tasks only: {', '.join(TASKS)}"
+                f"Suite data is built for the built-in tasks only: {', '.join(GENERATORS)}"
             )
     if unknown or (tasks is not None and not tasks):
         raise SuiteError(
-            f"unknown tasks {unknown}; built-in: {', '.join(TASKS)}; registered: {', '.join(specs) or 'none'}"
+            f"unknown tasks {unknown}; built-in: {', '.join(GENERATORS)}; registered: {', '.join(specs) or 'none'}"
         )
     if tasks_dir is not None:
         try:
@@ -157,13 +155,13 @@ def build_suite_data(
         except FileNotFoundError as e:
             raise SuiteError(f"{tasks_dir} is not task data (build it with `mint data build`): {e}") from e
         # by default the tasks the data has (params.yaml may narrow them), in mint's order
-        names = list(tasks) if tasks is not None else [t for t in TASKS if t in heldout]
+        names = list(tasks) if tasks is not None else [t for t in GENERATORS if t in heldout]
         missing = [t for t in names if t not in heldout] or ([] if names else ["any"])
         if missing:
             raise SuiteError(f"{tasks_dir}/heldout has no items for tasks {missing}")
         source: dict[str, Any] = {"tasks_dir": str(tasks_dir)}
     else:
-        names = list(tasks) if tasks is not None else list(TASKS)
+        names = list(tasks) if tasks is not None else list(GENERATORS)
         n_tr = n_train if n_train is not None else defaults.n_train
         n_ho = n_heldout if n_heldout is not None else defaults.n_heldout
         heldout = {t: split(t, n_tr, n_ho, seed)[1] for t in names}
@@ -189,7 +187,7 @@ def build_suite_data(
         _choice_row(heldout[t][limit + per_guard + i], rng) for i in range(per_guard) for t in names
     ]
     digests = {name: _write_jsonl(out / f"{name}.jsonl", r) for name, r in rows.items()}
-    for stale in set(TASKS) - set(rows):  # a task left out this time must not keep an older file
+    for stale in set(GENERATORS) - set(rows):  # a task left out this time must not keep an older file
         (out / f"{stale}.jsonl").unlink(missing_ok=True)
     counts = {name: len(r) for name, r in rows.items()}
     manifest: dict[str, Any] = {

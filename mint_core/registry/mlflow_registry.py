@@ -83,10 +83,14 @@ KIND_TAG = "mint.kind"
 POLICY_KIND = "policy"
 TINKER_KIND = "tinker"
 
-# The shared retry policy (`mint_core.registry.retry`) is the only one: MLflow's client must not retry underneath
-# it, and a registry call should fail in seconds, not minutes.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+def no_client_retries() -> None:
+    """Make MLflow's HTTP client fail at once, within 30 s (unless the environment says otherwise): the shared
+    retry policy (`mint_core.registry.retry`) is the only one, MLflow's client must not retry underneath it, and a
+    registry call should fail in seconds, not minutes. MLflow reads both variables at each request, so setting
+    them before a registry's first call is enough."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
 class Registry:
@@ -106,6 +110,7 @@ class Registry:
         self.catalog = catalog
         self.leases = default_leases(catalog) if leases is None else leases
         self.uri = self.config.tracking_uri
+        no_client_retries()
         self.reader = RegistryReader(self.config)
         self.reader.check_reachable()
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)

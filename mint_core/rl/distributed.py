@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 
-from mint_core.data.tasks import Example
+from mint_core.data.generators import Example
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import selected_logprobs
 from mint_core.lora.layers import MultiLoRAExperts, MultiLoRALinear, _SlotBank
@@ -357,7 +357,7 @@ class DeepSpeedTrainer(MultiPolicyTrainer):
             group["lr"] = group.setdefault("base_lr", group["lr"]) * lr_scale * warm
         batch = self._batch(rows)
         ref, ref_rows = self._reference(batch)
-        with torch.enable_grad(), self.engine._forward_lock:
+        with torch.enable_grad(), self.engine.exclusive():
             lp = self._completion_logprobs(batch)
             total, losses, extra = self._losses(rows, batch, lp, ref, None, ref_rows)
             self.optimizer.active = self._agree(set(losses))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from mint_core.data.generators import Example
 from mint_core.data.rewards import builtin_scores
-from mint_core.data.tasks import Example
 from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, Request
 from mint_core.engine.sampling import SamplingParams

@@ -25,9 +25,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mint_core.data.generators import Example
 from mint_core.data.rewards import dry_run, override_spec
 from mint_core.data.spec import registry as task_registry
-from mint_core.data.tasks import Example
 from mint_core.engine.base import load_base
 from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, EngineConfig, Request

@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mint_core.data.generators import Example
 from mint_core.data.rewards import Rewarder
-from mint_core.data.tasks import Example
 from mint_core.engine.engine import Engine
 from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_logprobs
 from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
@@ -256,7 +256,7 @@ class MultiPolicyTrainer:
                 part_rows = rows if idx is None else [rows[i] for i in idx]
                 part = batch if idx is None else batch.take(idx)
                 ref, ref_rows = self._reference(part)
-                with torch.enable_grad(), eng._forward_lock:
+                with torch.enable_grad(), eng.exclusive():
                     lp = self._logprobs(part, part.slots)
                     total, losses, extra = self._losses(part_rows, part, lp, ref, w, ref_rows)
                     total.backward()
@@ -362,7 +362,7 @@ class MultiPolicyTrainer:
             rows = sorted(firsts.values())
             if not rows:
                 return None, None
-        with torch.no_grad(), self.engine._forward_lock:
+        with torch.no_grad(), self.engine.exclusive():
             if rows is None:
                 return self._logprobs(batch, [-1] * len(batch.slots)), None
             sub = batch.take(rows)

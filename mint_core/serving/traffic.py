@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from mint_core.data.generators import Example
 from mint_core.data.spec import registry
-from mint_core.data.tasks import Example
 
 logger = logging.getLogger(__name__)
 SEED = 7_000_001

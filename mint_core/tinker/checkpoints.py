@@ -141,7 +141,7 @@ class Checkpoints:
             raise TinkerError(400, "; ".join(problems))
         weights = self.engine.read_adapter(m.id, Path(self.store.local_dir(ck.digest)))
         opt_state = load_file(ck.optimizer_file) if optimizer and ck.optimizer_file else {}
-        with self.engine._forward_lock, torch.no_grad():
+        with self.engine.exclusive(), torch.no_grad():
             for s, (A, B) in weights.tensors.items():
                 self.engine.lora.banks[s].write(m.slot, A, B, weights.scale)
             for s, views in m.views.items():

@@ -282,7 +282,7 @@ class TinkerService(Checkpoints):
 
     def _zero_grad(self, slot: int) -> None:
         """Forget gradient left at a slot (a dropped model's), so the next model there starts from none."""
-        with self.engine._forward_lock, torch.no_grad():
+        with self.engine.exclusive(), torch.no_grad():
             for bank in self.engine.lora.banks.values():
                 for g in (bank.A.grad, bank.B.grad):
                     if g is not None:
@@ -421,7 +421,7 @@ class TinkerService(Checkpoints):
 
     def weights(self, m: TrainModel) -> AdapterWeights:
         """The model's current LoRA factors (PEFT orientation, scale taken out of B)."""
-        with self.engine._forward_lock:
+        with self.engine.exclusive():
             tensors = {
                 s: tuple(t.clone() for t in self.engine.lora.banks[s].read(m.slot, m.rank, m.scale))
                 for s in m.sites
@@ -605,7 +605,7 @@ class TinkerService(Checkpoints):
         # each call's tokens are one run of the real tokens in row order (rows are in call order)
         token_ends = np.concatenate([[0], np.cumsum(lengths)])
         bounds = token_ends[np.cumsum([0] + [len(op.data) for _, op in calls])]
-        with eng._forward_lock:
+        with eng.exclusive():
             for b in banks:
                 b.A.requires_grad_(True)
                 b.B.requires_grad_(True)
@@ -688,7 +688,7 @@ class TinkerService(Checkpoints):
         gradient accumulated at its slot since its last step (zero if none), which is cleared: the same updates as
         stepping them one by one, in a few fused AdamW calls over all their LoRA factors (`fused_adamw_step`)."""
         banks = self.engine.lora.banks
-        with self.engine._forward_lock, torch.no_grad():
+        with self.engine.exclusive(), torch.no_grad():
             grads_of: list[list[torch.Tensor]] = []
             for m, _ in steps:
                 grads = []

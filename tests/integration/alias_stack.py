@@ -15,7 +15,10 @@ from mint_app.service_config import Service, ServiceName, ServicesConfig
 from mint_app.services import start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
-from mint_core.lifecycle import Workspace, policy_lock, reconcile, served_revision
+from mint_core.lifecycle.leases import policy_lock
+from mint_core.lifecycle.reconcile import reconcile
+from mint_core.lifecycle.smoke import served_revision
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.store import AdapterStore
 from tests.integration.conftest import free_port

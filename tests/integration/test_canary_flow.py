@@ -20,7 +20,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from flows.canary import canary_flow
-from mint_core.lifecycle import Workspace, served_revision
+from mint_core.lifecycle.smoke import served_revision
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.store import AdapterStore
 from tasks.canary import CANARY, CANARY_TAG, CanaryConfig

@@ -35,7 +35,7 @@ from mint_app.services import start, status, stop
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec

@@ -34,15 +34,16 @@ from flows.prefetch import prefetch
 from flows.reconcile import reconcile
 from flows.retrain import retrain
 from mint_core.data.build import write_task_data
+from mint_core.data.generators import GENERATORS
 from mint_core.data.spec import registry as task_registry
-from mint_core.data.tasks import TASKS
 from mint_core.engine.base import load_base
 from mint_core.eval.suites import standalone_suites
-from mint_core.lifecycle import FAULT_ENV, Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.runs import log_training_run
 from mint_core.rl.recipe import recipe_spec
 from tasks.registry import EXPERIMENT
+from tests.fault_points import FAULT_ENV
 from tests.integration.conftest import (
     free_port,
     mint_cli,
@@ -83,7 +84,7 @@ def main_job_state(prefect_server: str, tmp_path_factory: pytest.TempPathFactory
     base_dir = save_tiny_base(root / "base")
     data = root / "data" / "tasks"
     write_task_data(
-        data, list(TASKS), n_train=600, n_heldout=40, seed=0
+        data, list(GENERATORS), n_train=600, n_heldout=40, seed=0
     )  # the DVC `task_data` stage's layout
     suites = standalone_suites(root, limit=20, tasks_dir=data)
     # mint up serves up to rank 32 (serve_max_lora_rank): the main job's rank-32 `add` must load

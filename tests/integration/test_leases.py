@@ -26,7 +26,7 @@ from prefect.results import ResultStore
 from prefect.transactions import IsolationLevel, transaction
 from pydantic import ValidationError
 
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.catalog_schema import locks

@@ -37,13 +37,16 @@ from mint_core.errors import DataCheckError
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
-from mint_core.lifecycle import FAULT_ENV, InjectedFault, Workspace, served_revision
+from mint_core.lifecycle.faults import InjectedFault
+from mint_core.lifecycle.smoke import served_revision
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import AliasConflict, Registry, RegistryUnavailable, UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.serving.client import ServingError
 from tasks.common import is_transient
+from tests.fault_points import FAULT_ENV, installed
 from tests.integration.conftest import (
     VLLMServer,
     free_port,
@@ -121,7 +124,8 @@ def stack(
         work_dir=root / "work",
         lock_hold_s=60,
     )
-    with pytest.MonkeyPatch.context() as mp:
+    # the fault points this module's tests name in $MINT_LIFECYCLE_FAULT fail in this process (none by default)
+    with pytest.MonkeyPatch.context() as mp, installed():
         mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
         mp.delenv(FAULT_ENV, raising=False)
         try:
@@ -169,7 +173,8 @@ def seed_champion(stack: Stack, name: str, seed: int) -> tuple[int, str]:
 def run_subprocess(
     stack: Stack, ws: Workspace, run: PolicyRun, train: Training, fault: str
 ) -> subprocess.CompletedProcess[str]:
-    """`mint lifecycle --params FILE` in another process, with a fault injected."""
+    """`mint lifecycle --params FILE` in another process, with a fault injected (`tests.fault_points` installs
+    the hook there, then runs the command)."""
     params = stack.root / f"{run.name}-{fault.replace(':', '_')}.json"
     doc = {
         "policy": run.model_dump(mode="json"),
@@ -180,7 +185,7 @@ def run_subprocess(
     params.write_text(json.dumps(doc))
     env = {**os.environ, FAULT_ENV: fault, "MINT_SERVE_ADMIN_TOKEN": ADMIN}
     return subprocess.run(
-        [sys.executable, "-m", "mint_app.cli", "lifecycle", "--params", str(params)],
+        [sys.executable, "-m", "tests.fault_points", "lifecycle", "--params", str(params)],
         env=env,
         capture_output=True,
         text=True,
@@ -399,7 +404,7 @@ def test_racing_promotions_end_with_one_winner(stack: Stack) -> None:
             ).version
         )
     code = (
-        "import sys, json; from flows.promotion import promote_flow; from mint_core.lifecycle import Workspace; "
+        "import sys, json; from flows.promotion import promote_flow; from mint_core.lifecycle.workspace import Workspace; "
         "promote_flow(sys.argv[1], int(sys.argv[2]), expect=1, workspace=Workspace.model_validate_json(sys.argv[3]))"
     )
     env = {**os.environ, "MINT_SERVE_ADMIN_TOKEN": ADMIN}

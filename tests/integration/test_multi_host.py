@@ -48,7 +48,8 @@ from mint_app.services import start, stop
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
-from mint_core.lifecycle import Workspace, run_lease
+from mint_core.lifecycle.leases import run_lease
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from tests.integration.conftest import (

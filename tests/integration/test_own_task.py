@@ -28,10 +28,12 @@ from mint_core.engine.base import build_tiny_chat_base
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
-from mint_core.lifecycle import FAULT_ENV, Workspace, served_revision
+from mint_core.lifecycle.smoke import served_revision
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.serving.vllm_process import vllm_available
+from tests.fault_points import FAULT_ENV
 from tests.integration.conftest import (
     VLLM_PYTHON,
     free_port,

@@ -26,7 +26,8 @@ from mint_core.engine.base import load_base
 from mint_core.eval.gate import GATE_TAG, GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
-from mint_core.lifecycle import FAULT_ENV, Workspace, round_seed
+from mint_core.lifecycle.prompts import round_seed
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.registry.runs import log_training_run, tag_version
@@ -35,6 +36,7 @@ from mint_core.rl.policy import PolicySpec
 from mint_core.rl.recipe import Continuation
 from tasks.registry import EXPERIMENT, NO_GAIN_TAG
 from tasks.training import EarlyStop
+from tests.fault_points import FAULT_ENV
 from tests.integration.conftest import save_tiny_base, start_server, stop_server
 
 pytestmark = pytest.mark.integration

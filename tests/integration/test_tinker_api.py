@@ -26,8 +26,8 @@ import tinker
 import torch
 from tinker import types
 
+from mint_core.data.generators import examples, take
 from mint_core.data.rewards import reward
-from mint_core.data.tasks import examples, take
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.engine.tokenizer import byte_tokenizer

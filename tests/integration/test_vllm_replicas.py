@@ -23,7 +23,7 @@ import pytest
 
 from flows.promotion import promote_flow, rollback_flow
 from mint_core.engine.base import load_base
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import Registry
 from mint_core.serving.fleet import replica_name

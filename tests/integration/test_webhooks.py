@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from mint_app.services import start, status
 from mint_app.webhooks import WEBHOOK_PATH
-from mint_core.lifecycle import policy_lock
+from mint_core.lifecycle.leases import policy_lock
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
 from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
 from tests.integration.conftest import mint_cli

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mint_core.data.tasks import split
+from mint_core.data.generators import split
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.rl.evaluate import heldout_scores

@@ -22,7 +22,7 @@ from mint_core.data.build import (
     render,
     write_task_data,
 )
-from mint_core.data.tasks import Example, read_jsonl
+from mint_core.data.generators import Example, read_jsonl
 from mint_core.engine.base import load_base
 from mint_core.engine.cpu_pin import PINNED_CAPABILITY, REPRODUCIBLE_CPU_ENV
 from mint_core.engine.pretrain import (

@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from mint_core.data.generators import GENERATORS, example_of, examples, take
 from mint_core.data.rewards import Rewarder
-from mint_core.data.tasks import TASKS, example_of, examples, take
 from mint_core.serving.canary import (
     AlreadyScored,
     CanaryState,
@@ -88,7 +88,7 @@ def test_a_bad_split_names_its_field(split: dict[str, object], field: str) -> No
 
 def test_every_task_prompt_is_scored_by_its_own_reward() -> None:
     rewarder = Rewarder()
-    for t in TASKS:  # the built-in specs: 0.8 for the exact answer, 0.2 for an answer of the right shape
+    for t in GENERATORS:  # the built-in specs: 0.8 for the exact answer, 0.2 for an answer of the right shape
         for ex in take(examples(t, 5), 50):
             assert task_score(rewarder, ex.prompt, [f" {ex.answer}"]) == pytest.approx(1.0)
             assert task_score(rewarder, ex.prompt, ["no pe"]) == 0.0

@@ -30,7 +30,7 @@ from mint_core.data.checks import (
     read_prompts,
     rollout_frame,
 )
-from mint_core.data.tasks import Example, split
+from mint_core.data.generators import Example, split
 from mint_core.errors import DataCheckError
 from mint_core.eval.gate import SuiteScore
 from mint_core.rl.rollout import RolloutRow

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mint_core.data.tasks import split
+from mint_core.data.generators import split
 from mint_core.rl.distributed import DeepSpeedTrainer, PolicyAdamW, init_distributed, load_config
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec

@@ -18,7 +18,7 @@ from mint_app.deployments import workspace_defaults
 from mint_app.service_commands import command
 from mint_app.service_config import ServicesConfig
 from mint_core.engine.device import DeviceError, check_device
-from mint_core.lifecycle import Workspace
+from mint_core.lifecycle.workspace import Workspace
 from mint_core.serving.config import ServingConfig
 from tests.conftest import DEVICES
 

@@ -16,7 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from mint_core.data.tasks import split
+from mint_core.data.generators import split
 from mint_core.engine.base import Base, build_tiny_base, load_base, tiny_config
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams

@@ -17,7 +17,7 @@ import yaml
 from lm_eval.tasks import TaskManager
 from typer.testing import CliRunner
 
-from mint_core.data.tasks import TASKS, Example
+from mint_core.data.generators import GENERATORS, Example
 from mint_core.eval.suites import (
     SUITES_DIR,
     SuiteError,
@@ -29,7 +29,7 @@ from mint_core.eval.suites import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATE = [*TASKS, "guard_generate"]
+GENERATE = [*GENERATORS, "guard_generate"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def suites(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def oracle(task: str, inp: str) -> str:
-    """The right answer, computed from the prompt's input (independently of mint_core.data.tasks)."""
+    """The right answer, computed from the prompt's input (independently of mint_core.data.generators)."""
     return {
         "add": lambda: str(sum(int(x) for x in inp.split("+"))),
         "reverse": lambda: inp[::-1],
@@ -61,7 +61,7 @@ def input_of(row: dict[str, Any]) -> str:
 
 def test_every_builtin_task_has_a_suite_and_there_is_a_guard() -> None:
     assert SUITES_DIR == ROOT / "eval_suites"
-    assert set(available_suites()) == {*TASKS, "guard"}
+    assert set(available_suites()) == {*GENERATORS, "guard"}
 
 
 def test_task_manager_finds_and_loads_every_suite_by_name(
@@ -131,7 +131,7 @@ def test_suite_tasks_resolve_data_paths_from_anywhere(
 def test_data_is_right_and_every_suite_is_its_task(suites: Path) -> None:
     manifest = json.loads((suites / "data" / "manifest.json").read_text())
     assert manifest["counts"] == {name: 100 for name in [*GENERATE, "guard_choice"]}
-    for t in TASKS:
+    for t in GENERATORS:
         items = rows(suites, t)
         assert {r["task"] for r in items} == {t}
         assert all(r["answer"] == oracle(t, input_of(r)) for r in items)
@@ -142,11 +142,11 @@ def test_data_is_right_and_every_suite_is_its_task(suites: Path) -> None:
         a, b = r["choices"]
         assert r["choices"][r["gold"]] == right and a != b and len(a) == len(b)
     # the guard and the task suites share no item, and every window of the guard's first items covers all tasks
-    task_ids = {r["id"] for t in TASKS for r in rows(suites, t)}
+    task_ids = {r["id"] for t in GENERATORS for r in rows(suites, t)}
     for name in ("guard_generate", "guard_choice"):
         items = rows(suites, name)
         assert not task_ids & {r["id"] for r in items}
-        assert [r["task"] for r in items[: len(TASKS)]] == list(TASKS)
+        assert [r["task"] for r in items[: len(GENERATORS)]] == list(GENERATORS)
     assert not {r["id"] for r in rows(suites, "guard_generate")} & {
         r["id"] for r in rows(suites, "guard_choice")
     }
@@ -157,7 +157,9 @@ def test_built_data_is_the_same_from_task_data_or_the_generators(suites: Path, t
     the same items, byte for byte; so does eval_suites/data where it has been built."""
     from mint_core.data.build import write_task_data
 
-    write_task_data(tmp_path / "tasks", list(TASKS), 200, 200, seed=0)  # a small train split: same held-out
+    write_task_data(
+        tmp_path / "tasks", list(GENERATORS), 200, 200, seed=0
+    )  # a small train split: same held-out
     build_suite_data(tmp_path / "small", tasks_dir=tmp_path / "tasks", limit=10)
     build_suite_data(tmp_path / "generated", limit=10, n_train=200, n_heldout=200)
     for name in [*GENERATE, "guard_choice"]:
@@ -203,7 +205,7 @@ def test_the_guard_can_hold_more_items_than_a_task_suite(tmp_path: Path) -> None
     guard = [
         json.loads(line)["task"] for line in (tmp_path / "guard_generate.jsonl").read_text().splitlines()
     ]
-    assert guard == list(TASKS) * 3
+    assert guard == list(GENERATORS) * 3
     with pytest.raises(
         SuiteError, match=r"limit 100 with guard limit 255 needs 202 held-out items .*--guard-limit"
     ):

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import yaml
 from prefect.exceptions import ParameterTypeError
+from pydantic import ValidationError
 
+from flows.forms import PolicyRun
 from flows.lifecycle import lifecycle, wave
 
 PREFECT_FILE = Path(__file__).resolve().parents[2] / "infra" / "prefect.yaml"
@@ -87,6 +89,25 @@ def test_a_form_that_cannot_work_is_refused_naming_the_field(
 def test_lifecycle_refuses_the_same_spec() -> None:
     with pytest.raises(ParameterTypeError, match=r"policy\.spec\.rank: .*greater than or equal to 1"):
         lifecycle.validate_parameters({"policy": {"spec": {"name": "add", "task": "add", "rank": 0}}})
+
+
+def test_a_policy_run_checks_its_task_in_the_registry_it_is_given(tmp_path: Path) -> None:
+    """The task registry passed in the validation context decides which tasks a form may name."""
+    from mint_core.data.spec import BUILTIN_DIR, TASKS_CONTEXT, TaskRegistry
+
+    task = tmp_path / "mine"
+    task.mkdir()
+    (task / "task.yaml").write_text(
+        "data: {train: t.jsonl, heldout: h.jsonl}\nrewards: [{builtin: exact_match}]\neval: {task: mine}\n"
+    )
+    doc = {"spec": {"name": "mine", "task": "mine"}}
+    with pytest.raises(ValidationError, match=r"unknown task 'mine'; registered: add, copy"):
+        PolicyRun.model_validate(doc)
+    given = TaskRegistry.load([BUILTIN_DIR, tmp_path])
+    run = PolicyRun.model_validate(doc, context={TASKS_CONTEXT: given})
+    assert run.spec.task == "mine" and run.gate_policy().suite == "mine"
+    with pytest.raises(ValidationError, match=rf"unknown task 'addd'; .*task folder: .*{tmp_path}"):
+        PolicyRun.model_validate({"spec": {"name": "a", "task": "addd"}}, context={TASKS_CONTEXT: given})
 
 
 def test_every_training_deployments_defaults_pass() -> None:

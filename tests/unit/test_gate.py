@@ -310,6 +310,27 @@ def test_a_tasks_gate_section_sets_margins_a_form_still_wins(tmp_path: Path, reg
     assert (form.min_effect, form.guards(), form.task_guard_margin) == (0.05, [], 0.02)
 
 
+def test_a_gate_reads_the_task_registry_its_validation_is_given(tmp_path: Path) -> None:
+    """A registry passed in the validation context is the one the gate's defaults and guards come from, not the
+    process's: `strict` is registered in no folder of this process."""
+    from mint_core.data.spec import BUILTIN_DIR, TASKS_CONTEXT, TaskRegistry, registry
+
+    task = tmp_path / "strict"
+    task.mkdir()
+    (task / "task.yaml").write_text(
+        "data: {train: t.jsonl, heldout: h.jsonl}\nrewards: [{builtin: exact_match}]\n"
+        "eval: {task: strict}\ngate: {guards: [copy], min_effect: 0.2}\n"
+    )
+    given = {TASKS_CONTEXT: TaskRegistry.load([BUILTIN_DIR, tmp_path])}
+    assert "strict" not in registry()
+    p = GatePolicy.model_validate({"suite": "strict"}, context=given)
+    assert (p.guard_tasks, p.min_effect) == (["copy"], 0.2)
+    assert GatePolicy(suite="strict").min_effect != 0.2  # the process's registry: no such spec, the defaults
+    with pytest.raises(ValidationError, match=r"guard_tasks \['strict'\] are not registered tasks"):
+        GatePolicy(suite="add", guard_tasks=["strict"])
+    assert GatePolicy.model_validate({"suite": "add", "guard_tasks": ["strict"]}, context=given).guards()
+
+
 def test_one_task_regression_fails_its_own_guard_though_the_pool_passes() -> None:
     """The issue's case: a `sort` revision that costs `add` 0.163 passed the pooled guard, and now fails
     `guard:add` alone, with every other guard shown passing beside it."""

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mint_core.data.tasks import Example, split, write_jsonl
+from mint_core.data.generators import Example, split, write_jsonl
 from mint_core.engine.engine import Request
 from mint_core.engine.sampling import SamplingParams
-from mint_core.lifecycle import load_prompts, round_seed
+from mint_core.lifecycle.prompts import load_prompts, round_seed
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.optim import warmup_factor
 from mint_core.rl.policy import PolicySpec

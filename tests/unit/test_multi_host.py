@@ -12,8 +12,8 @@ import pytest
 
 from mint_app import deployments, service_config
 from mint_app.deployments import _orphaned
-from mint_core import lifecycle
-from mint_core.lifecycle import Workspace, held_run, holder_worker, run_lease
+from mint_core.lifecycle.leases import RUN_LEASE_PREFIX, WORKER_ENV, held_run, holder_worker, run_lease
+from mint_core.lifecycle.workspace import WORK_DIR_ENV, Workspace
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.leases import LockTimeout, leases_for
 from mint_core.rl.checkpoints import (
@@ -66,7 +66,7 @@ def sqlite_ws(tmp_path: Path, **extra: Any) -> Workspace:
 def test_a_run_lease_is_renewed_while_held_and_names_its_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(lifecycle.WORKER_ENV, "host-a")
+    monkeypatch.setenv(WORKER_ENV, "host-a")
     ws = sqlite_ws(tmp_path, run_lease_s=0.6)
     leases = leases_for(None, Catalog(CatalogConfig(url=ws.catalog_url)))
     with held_run(ws, "run-1") as holder:
@@ -145,17 +145,17 @@ def test_which_runs_a_starting_worker_requeues(
 
 def test_the_app_names_what_the_library_names() -> None:
     """mint up loads no MLflow, so the app holds copies of the library's names: the same."""
-    assert service_config.WORK_DIR_ENV == lifecycle.WORK_DIR_ENV
-    assert service_config.WORKER_ENV == lifecycle.WORKER_ENV
-    assert deployments.RUN_LEASE_PREFIX == lifecycle.RUN_LEASE_PREFIX
+    assert service_config.WORK_DIR_ENV == WORK_DIR_ENV
+    assert service_config.WORKER_ENV == WORKER_ENV
+    assert deployments.RUN_LEASE_PREFIX == RUN_LEASE_PREFIX
 
 
 def test_a_worker_keeps_its_runs_work_on_its_own_host(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv(lifecycle.WORK_DIR_ENV, str(tmp_path / "host-b" / "lifecycle"))
+    monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "host-b" / "lifecycle"))
     assert Workspace().work_dir == tmp_path / "host-b" / "lifecycle"
-    monkeypatch.delenv(lifecycle.WORK_DIR_ENV)
+    monkeypatch.delenv(WORK_DIR_ENV)
     assert Workspace().work_dir == Path(".mint/lifecycle")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from mint_core.data.tasks import split
+from mint_core.data.generators import split
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter

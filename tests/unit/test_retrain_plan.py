@@ -27,11 +27,11 @@ from flows.retrain import (
 )
 from mint_core.data.build import write_task_data
 from mint_core.data.checks import PromptBounds
+from mint_core.data.generators import Example, read_jsonl
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
-from mint_core.data.tasks import Example, read_jsonl
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.suites import build_suite_data
-from mint_core.lifecycle import round_seed
+from mint_core.lifecycle.prompts import round_seed
 from mint_core.rl.policy import PolicySpec
 from tasks.registry import NO_GAIN_TAG
 from tasks.training import EarlyStop, Plateau, ProbeLog, ProbeResult, probe_gain, validate_data

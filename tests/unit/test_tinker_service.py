@@ -291,7 +291,7 @@ def test_a_fused_optim_step_of_many_models_equals_each_models_own_adamw_step(tmp
                 for f in futs:
                     f.result(30)
             got = fused.optim_steps(list(zip(models[id(fused)], adams, strict=True)))
-            with alone.engine._forward_lock:
+            with alone.engine.exclusive():
                 want = [
                     reference_adamw_step(alone, m, adam)
                     for m, adam in zip(models[id(alone)], adams, strict=True)
@@ -366,7 +366,7 @@ def test_save_weights_for_sampler_serves_the_trained_revision_by_its_path(svc: T
     assert digest is not None and svc.store.exists(digest)
     ids = torch.tensor([[5, 6, 7, 8]])
     served = svc.engine.logits(ids, [path])
-    with svc.engine._forward_lock:
+    with svc.engine.exclusive():
         svc.engine.lora.ctx.set_rows([a.slot])
         trained = svc.engine.base.model(input_ids=ids).logits.detach()
         svc.engine.lora.ctx.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mint_core.data.tasks import split
+from mint_core.data.generators import split
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow

@@ -18,7 +18,7 @@ from mint_core.data.spec import (
     registry,
 )
 from mint_core.eval.gate import GatePolicy
-from mint_core.lifecycle import SMOKE_FALLBACK, smoke_prompt
+from mint_core.lifecycle.smoke import SMOKE_FALLBACK, smoke_prompt
 
 SHOUT = Path(__file__).resolve().parents[2] / "examples" / "shout"
 BASE_SPEC: dict[str, Any] = {

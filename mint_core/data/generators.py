@@ -1,4 +1,5 @@
-"""Synthetic tasks with verifiable answers: the built-in base is pretrained on them, policies learn them.
+"""The generators of the five built-in tasks' rows (synthetic, with verifiable answers: the built-in base is
+pretrained on them, policies learn them), and the row itself (`Example`), as the task data files hold it.
 
 Every example is a prompt `"<task>: <input> ="` and an answer `" <output>"` ending with the tokenizer's EOS.
 Inputs are drawn by a seeded generator, so a task's train and held-out sets are reproducible; held-out sets use
@@ -20,7 +21,9 @@ LETTERS = string.ascii_lowercase
 
 
 @dataclass(frozen=True)
-class Task:
+class Generator:
+    """How a built-in task's rows are made and what a well-formed answer looks like."""
+
     name: str
     make: Callable[[random.Random], tuple[str, str]]  # rng -> (input, output)
     answer_pattern: str  # a well-formed answer matches this (the format reward)
@@ -64,15 +67,17 @@ def _sort(rng: random.Random) -> tuple[str, str]:
     return digits, "".join(sorted(digits))
 
 
-TASKS: dict[str, Task] = {
+GENERATORS: dict[str, Generator] = {
     t.name: t
     for t in (
-        Task("add", _add, r"\d{1,3}", "the sum of two numbers below 100", _off_by_one),
+        Generator("add", _add, r"\d{1,3}", "the sum of two numbers below 100", _off_by_one),
         # copied, not reversed; reversed, not copied; left in lower case; sorted the wrong way
-        Task("reverse", _reverse, r"[a-z]{3,7}", "a lowercase word spelled backwards", lambda inp, ans: inp),
-        Task("copy", _copy, r"[a-z]{3,7}", "a lowercase word repeated", lambda inp, ans: inp[::-1]),
-        Task("upper", _upper, r"[A-Z]{3,7}", "a lowercase word in capitals", lambda inp, ans: inp),
-        Task(
+        Generator(
+            "reverse", _reverse, r"[a-z]{3,7}", "a lowercase word spelled backwards", lambda inp, ans: inp
+        ),
+        Generator("copy", _copy, r"[a-z]{3,7}", "a lowercase word repeated", lambda inp, ans: inp[::-1]),
+        Generator("upper", _upper, r"[A-Z]{3,7}", "a lowercase word in capitals", lambda inp, ans: inp),
+        Generator(
             "sort",
             _sort,
             r"\d{3,6}",
@@ -105,13 +110,13 @@ class Example:
 
 def has_generator(name: str) -> bool:
     """Whether a task's rows come from a generator here (the built-ins) rather than only from its spec's files."""
-    return name in TASKS
+    return name in GENERATORS
 
 
-def task(name: str) -> Task:
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
-    return TASKS[name]
+def generator(name: str) -> Generator:
+    if name not in GENERATORS:
+        raise KeyError(f"unknown task {name!r}; known: {', '.join(GENERATORS)}")
+    return GENERATORS[name]
 
 
 def prompt_of(task_name: str, inp: str) -> str:
@@ -120,7 +125,7 @@ def prompt_of(task_name: str, inp: str) -> str:
 
 def examples(task_name: str, seed: int, exclude: set[str] | None = None) -> Iterator[Example]:
     """An endless reproducible stream of distinct examples of one task (none whose prompt is in `exclude`)."""
-    t = task(task_name)
+    t = generator(task_name)
     rng = random.Random(f"{task_name}:{seed}")
     seen = set(exclude or ())
     i = 0
@@ -181,7 +186,7 @@ def example_of(prompt: str) -> Example | None:
 
 
 def is_well_formed(task_name: str, completion: str) -> bool:
-    return re.fullmatch(task(task_name).answer_pattern, completion.strip()) is not None
+    return re.fullmatch(generator(task_name).answer_pattern, completion.strip()) is not None
 
 
 def write_jsonl(path: Path, rows: Iterable[Example]) -> int:
