@@ -19,12 +19,16 @@ from tqdm import tqdm
 from mint_app.base_cli import adapter_app, base_app, data_app
 from mint_app.console import make_console
 from mint_app.eval_cli import eval_app
+from mint_app.help import default_of, with_default
+from mint_app.job_config import MainJobConfig
 from mint_app.registry_cli import _version, catalog_app, registry_app, run_canary_cmd
 from mint_app.services_cli import register as register_service_commands
 from mint_app.task_cli import TasksOption, add_task_dirs, task_app
 from mint_core import __version__
 from mint_core.data.spec import demo_policies
 from mint_core.errors import BaseError, MintError
+from mint_core.rl.recipe_defaults import RECIPE
+from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     from mint_core.rl.recipe import TrainingRun
@@ -87,14 +91,17 @@ def serve(
     backend: Annotated[
         Literal["mint", "vllm"] | None,
         typer.Option(
-            help="Who runs the model: mint's embedded engine, or the vLLM server at vllm_url that this "
-            "server fronts (MINT_SERVE_VLLM_URL, MINT_SERVE_VLLM_API_KEY) \\[default: mint]."
+            help=with_default(
+                "Who runs the model: mint's embedded engine, or the vLLM server at vllm_url that this "
+                "server fronts (MINT_SERVE_VLLM_URL, MINT_SERVE_VLLM_API_KEY)",
+                ServingConfig,
+                "backend",
+            )
         ),
     ] = None,
 ) -> None:
     """Serve the base and its adapters over the OpenAI/vLLM HTTP contract (settings: file, then MINT_SERVE_*)."""
     from mint_core.serving.app import serve as run_server
-    from mint_core.serving.config import ServingConfig
     from mint_core.tinker.mount import build_app
 
     if device is not None:
@@ -140,34 +147,43 @@ def train(
         ),
     ] = ",".join(demo_policies()),
     tasks: TasksOption = None,
-    base: Annotated[Path, typer.Option(help="Base model directory (default: the built-in base).")] = Path(
-        "data/base"
-    ),
-    # the defaults are mint_core.rl.recipe.BUILTIN_RECIPE's and recipe_spec's (literals here: importing it would load torch)
-    steps: Annotated[int, typer.Option(min=1)] = 300,
-    prompts: Annotated[int, typer.Option(min=1, help="Prompts per policy per step.")] = 16,
-    group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = 8,
+    base: Annotated[
+        Path, typer.Option(help="Base model directory (the default is the built-in base).")
+    ] = default_of(MainJobConfig, "base"),
+    # the built-in recipe's defaults (mint_core.rl.recipe_defaults: the flows and `mint run` read them too)
+    steps: Annotated[int, typer.Option(min=1)] = RECIPE.steps,
+    prompts: Annotated[
+        int, typer.Option(min=1, help="Prompts per policy per step.")
+    ] = RECIPE.prompts_per_step,
+    group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = RECIPE.group_size,
     lr: Annotated[
-        float, typer.Option(help="Learning rate at rank 8 (scaled by sqrt(8 / rank); decays linearly to 0).")
-    ] = 1e-3,
-    temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")] = 0.7,
+        float,
+        typer.Option(
+            help=f"Learning rate at rank {RECIPE.rank} (scaled by sqrt({RECIPE.rank} / rank); "
+            f"{RECIPE.lr_decay} decay to 0)."
+        ),
+    ] = RECIPE.learning_rate,
+    temperature: Annotated[
+        float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")
+    ] = RECIPE.temperature,
     rank: Annotated[
         int | None,
         typer.Option(
-            min=1, help="LoRA rank (alpha = 2 x rank). Default: each task's spec's recipe.rank, else 8."
+            min=1,
+            help=f"LoRA rank (alpha = 2 x rank). Default: each task's spec's recipe.rank, else {RECIPE.rank}.",
         ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
     ),
-    seed: int = 0,
+    seed: int = RECIPE.seed,
     heldout: Annotated[
         int, typer.Option(min=20, help="Held-out prompts per policy, scored before and after (paired test).")
-    ] = 200,
+    ] = RECIPE.heldout,
     device: Annotated[
         str,
         typer.Option(help="cpu, cuda or cuda:N: where the base, the adapters and the update run."),
-    ] = "cpu",
+    ] = default_of(MainJobConfig, "device"),
     deepspeed: Annotated[
         Path | None,
         typer.Option(
@@ -237,7 +253,9 @@ def train(
     trainer = load_trainer(
         base,
         specs,
-        GRPOConfig(group_size=group, learning_rate=lr, lr_decay="linear", temperature=temperature),
+        GRPOConfig(
+            **{**RECIPE.grpo_fields(), "group_size": group, "learning_rate": lr, "temperature": temperature}
+        ),
         seed,
         deepspeed=deepspeed,
         device=device,
@@ -390,41 +408,51 @@ def demo(
 
 
 @app.command("run")
+def _job(text: str, field: str) -> str:
+    """Help of a `mint run` flag: `text` and the main job's default for `field` (MainJobConfig)."""
+    return with_default(text, MainJobConfig, field)
+
+
 def run_cmd(
     policies: Annotated[
         str | None,
-        typer.Option(help="Comma-separated tasks, one policy per task \\[default: add,sort]."),
+        typer.Option(help=_job("Comma-separated tasks, one policy per task", "policies")),
     ] = None,
     steps: Annotated[
-        int | None, typer.Option(min=1, help="GRPO steps of the wave from the champions \\[default: 40].")
+        int | None, typer.Option(min=1, help=_job("GRPO steps of the wave from the champions", "steps"))
     ] = None,
     first_steps: Annotated[
         int | None,
         typer.Option(
-            min=1, help="GRPO steps of the first wave, for policies with no champion \\[default: 300]."
+            min=1, help=_job("GRPO steps of the first wave, for policies with no champion", "first_steps")
         ),
     ] = None,
     eval_limit: Annotated[
-        int | None, typer.Option(min=20, help="Items per lm-eval task the gate reads \\[default: 200].")
+        int | None, typer.Option(min=20, help=_job("Items per lm-eval task the gate reads", "eval_limit"))
     ] = None,
     state_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where everything is kept: run/ (services), store/, catalog.db, lifecycle/ \\[default: .mint]."
+            help=_job(
+                "Where everything is kept: run/ (services), store/, catalog.db, lifecycle/", "state_dir"
+            )
         ),
     ] = None,
     build: Annotated[bool, typer.Option(help="Build what is missing with DVC first.")] = True,
     round: Annotated[
         str | None, typer.Option(help="Training round name \\[default: a timestamp, so every run trains].")
     ] = None,
-    mlflow_port: Annotated[int | None, typer.Option(help="\\[default: 5000]")] = None,
-    prefect_port: Annotated[int | None, typer.Option(help="\\[default: 4200]")] = None,
-    serve_port: Annotated[int | None, typer.Option(help="\\[default: 8000]")] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help=_job("", "mlflow_port"))] = None,
+    prefect_port: Annotated[int | None, typer.Option(help=_job("", "prefect_port"))] = None,
+    serve_port: Annotated[int | None, typer.Option(help=_job("", "serve_port"))] = None,
     serving: Annotated[
         Literal["mint", "vllm"] | None,
         typer.Option(
-            help="Who serves the policies: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
-            "vllm-venv`) behind mint serve \\[default: mint]."
+            help=_job(
+                "Who serves the policies: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
+                "vllm-venv`) behind mint serve",
+                "serving",
+            )
         ),
     ] = None,
     replicas: Annotated[
@@ -432,20 +460,23 @@ def run_cmd(
         typer.Option(
             min=1,
             max=8,
-            help="vLLM replicas behind vllm-router (with --serving vllm), loaded all or nothing \\[default: 1].",
+            help=_job(
+                "vLLM replicas behind vllm-router (with --serving vllm), loaded all or nothing", "replicas"
+            ),
         ),
     ] = None,
     device: Annotated[
         str | None,
-        typer.Option(
-            help="cpu, cuda or cuda:N: where the waves train and mint serve serves \\[default: cpu]."
-        ),
+        typer.Option(help=_job("cpu, cuda or cuda:N: where the waves train and mint serve serves", "device")),
     ] = None,
     base: Annotated[
         Path | None,
         typer.Option(
-            help="The base: a Hugging Face causal-LM directory with its tokenizer (and chat template), which the "
-            "waves train and mint serve (or vLLM) serves; checked before anything starts \\[default: data/base]."
+            help=_job(
+                "The base: a Hugging Face causal-LM directory with its tokenizer (and chat template), which the "
+                "waves train and mint serve (or vLLM) serves; checked before anything starts",
+                "base",
+            )
         ),
     ] = None,
     config: Annotated[

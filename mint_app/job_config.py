@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from mint_core.data.spec import demo_policies
 from mint_core.errors import MintError
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS
+from mint_core.rl.recipe_defaults import RECIPE
 from mint_core.settings import Settings
 from mint_core.types import Device
 
@@ -36,19 +36,19 @@ class MainJobConfig(Settings):
     on the built-in base)."""
     steps: int = Field(40, ge=1)
     """GRPO steps of the wave that trains every policy from its champion."""
-    first_steps: int = Field(BUILTIN_STEPS, ge=1)
+    first_steps: int = Field(RECIPE.steps, ge=1)
     """GRPO steps of the first wave, for the policies that have no champion yet (trained from the base)."""
-    prompts_per_step: int = Field(BUILTIN_PROMPTS_PER_STEP, ge=1)
+    prompts_per_step: int = Field(RECIPE.prompts_per_step, ge=1)
     """Prompts per policy per step, each sampled `group_size` times."""
-    group_size: int = Field(BUILTIN_RECIPE.group_size, ge=2)
+    group_size: int = Field(RECIPE.group_size, ge=2)
     """GRPO group size G."""
-    learning_rate: float = Field(BUILTIN_RECIPE.learning_rate, gt=0)
+    learning_rate: float = Field(RECIPE.learning_rate, gt=0)
     """AdamW learning rate of every policy's adapter."""
-    temperature: float = Field(BUILTIN_RECIPE.temperature, gt=0)
+    temperature: float = Field(RECIPE.temperature, gt=0)
     """Sampling temperature of the rollouts."""
     rank: int | None = Field(None, ge=1)
-    """LoRA rank of every policy (alpha = 2 x rank). Default: each task's spec's `recipe.rank`, else 8
-    (`rl.recipe.recipe_spec`), with the learning rate scaled to it. The server the job starts accepts up to 32
+    """LoRA rank of every policy (alpha = 2 x rank). Default: each task's spec's `recipe.rank`, else
+    `RecipeDefaults.rank` (`rl.recipe.recipe_spec`), with the learning rate scaled to it. The server the job starts accepts up to 32
     unless its serving config says otherwise (`ServicesConfig.serve_max_lora_rank`)."""
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
     """Items per lm-eval task in the evaluation the gate reads (the suites hold 320, params.yaml
@@ -56,7 +56,7 @@ class MainJobConfig(Settings):
     guard_limit: int = Field(GUARD_LIMIT, ge=20)
     """Items per task of the guard group (generation, choice) in the gate's evaluation; the suites hold 320
     (params.yaml eval_suites.guard_limit). Why 320: mint_core.eval.results.GUARD_LIMIT."""
-    seed: int = 0
+    seed: int = RECIPE.seed
     """Seeds the adapters' initialisation and the rollouts."""
     canary: list[str] | None = None
     """Policies whose first revision, once the gate passes it, is promoted through a canary (the online test on

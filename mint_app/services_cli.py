@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from mint_app.console import make_console, rule
+from mint_app.help import with_default
 from mint_app.processes import follow_log, log_tail, rolled_logs, service_log
 from mint_app.service_config import (
     ALL_SERVICES,
@@ -28,7 +29,11 @@ console = make_console()  # a kept log's tables keep their width
 
 StateDir = Annotated[
     Path | None,
-    typer.Option(help="Pid files, logs and local databases (default .mint/run, or MINT_SERVICES_STATE_DIR)."),
+    typer.Option(
+        help=with_default(
+            "Pid files, logs and local databases (or MINT_SERVICES_STATE_DIR)", ServicesConfig, "state_dir"
+        )
+    ),
 ]
 Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(ALL_SERVICES)}.")]
 ConfigFile = Annotated[Path | None, typer.Option(help="YAML or JSON file of ServicesConfig fields.")]
@@ -54,6 +59,11 @@ OPEN = {
     "worker": "health",
 }
 STYLE = {"running": "green", "unhealthy": "yellow", "stopped": "dim"}
+
+
+def _up(text: str, field: str) -> str:
+    """Help of a service flag: `text` and the services' default for `field` (ServicesConfig)."""
+    return with_default(text, ServicesConfig, field)
 
 
 def _names(only: str | None) -> list[ServiceName] | None:
@@ -92,34 +102,40 @@ def up(
     state_dir: StateDir = None,
     config: ConfigFile = None,
     host: Annotated[str | None, typer.Option(help="Address the services bind to.")] = None,
-    mlflow_port: Annotated[int | None, typer.Option(help="MLflow port (default 5000).")] = None,
-    prefect_port: Annotated[int | None, typer.Option(help="Prefect port (default 4200).")] = None,
-    serve_port: Annotated[int | None, typer.Option(help="mint serve port (default 8000).")] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help=_up("MLflow port", "mlflow_port"))] = None,
+    prefect_port: Annotated[int | None, typer.Option(help=_up("Prefect port", "prefect_port"))] = None,
+    serve_port: Annotated[int | None, typer.Option(help=_up("mint serve port", "serve_port"))] = None,
     serving: Annotated[
         Literal["mint", "vllm"] | None,
         typer.Option(
-            help="Who runs the served model: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
-            "vllm-venv`) that mint serve fronts \\[default: mint]."
+            help=_up(
+                "Who runs the served model: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
+                "vllm-venv`) that mint serve fronts",
+                "serving",
+            )
         ),
     ] = None,
     vllm_port: Annotated[
-        int | None, typer.Option(help="Port of vLLM, on 127.0.0.1 (default 8100; with --serving vllm).")
+        int | None, typer.Option(help=_up("Port of vLLM, on 127.0.0.1, with --serving vllm", "vllm_port"))
     ] = None,
     replicas: Annotated[
         int | None,
         typer.Option(
             min=1,
             max=8,
-            help="vLLM replicas (with --serving vllm): N > 1 starts N vLLMs at vllm-port, vllm-port+1, ... and "
-            "vllm-router before them; mint serve loads every revision on every replica \\[default: 1].",
+            help=_up(
+                "vLLM replicas (with --serving vllm): N > 1 starts N vLLMs at vllm-port, vllm-port+1, ... and "
+                "vllm-router before them; mint serve loads every revision on every replica",
+                "replicas",
+            ),
         ),
     ] = None,
     router_policy: Annotated[
         Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin"] | None,
-        typer.Option(help="How vllm-router picks a replica (replicas > 1) \\[default: consistent_hash]."),
+        typer.Option(help=_up("How vllm-router picks a replica (replicas > 1)", "router_policy")),
     ] = None,
     hooks_port: Annotated[
-        int | None, typer.Option(help="Port of the receiver of MLflow's alias webhook (default 8001).")
+        int | None, typer.Option(help=_up("Port of the receiver of MLflow's alias webhook", "hooks_port"))
     ] = None,
     mlflow_backend_url: Annotated[
         str | None, typer.Option(help="MLflow store: SQLAlchemy URL (default SQLite in the state dir).")
@@ -140,7 +156,7 @@ def up(
     serve_config: Annotated[Path | None, typer.Option(help="ServingConfig file for mint serve.")] = None,
     serve_adapter_root: Annotated[Path | None, typer.Option(help="Adapter store of mint serve.")] = None,
     worker_port: Annotated[
-        int | None, typer.Option(help="Healthcheck port of the Prefect worker (default 4201).")
+        int | None, typer.Option(help=_up("Healthcheck port of the Prefect worker", "worker_port"))
     ] = None,
     tasks: TasksOption = None,
 ) -> None:
@@ -296,7 +312,7 @@ def worker_cmd(
         str | None,
         typer.Option(help="Its name in the pool, one per worker (default mint-worker-<hostname>)."),
     ] = None,
-    port: Annotated[int | None, typer.Option(help="Healthcheck port (default 4201).")] = None,
+    port: Annotated[int | None, typer.Option(help=_up("Healthcheck port", "worker_port"))] = None,
     limit: Annotated[
         int | None, typer.Option(min=1, help="Flow runs at once (default: no limit; 1 where it trains).")
     ] = None,
