@@ -407,13 +407,13 @@ def demo(
     console.print(f"\n[bold]done in {time.perf_counter() - t0:.1f} s[/]")
 
 
-@app.command("run")
 def _job(text: str, field: str) -> str:
     """Help of a `mint run` flag: `text` and the main job's default for `field` (MainJobConfig)."""
     return with_default(text, MainJobConfig, field)
 
 
 def run_cmd(
+@app.command("run")
     policies: Annotated[
         str | None,
         typer.Option(help=_job("Comma-separated tasks, one policy per task", "policies")),
