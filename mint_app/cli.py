@@ -412,8 +412,8 @@ def _job(text: str, field: str) -> str:
     return with_default(text, MainJobConfig, field)
 
 
-def run_cmd(
 @app.command("run")
+def run_cmd(
     policies: Annotated[
         str | None,
         typer.Option(help=_job("Comma-separated tasks, one policy per task", "policies")),
