@@ -20,7 +20,7 @@ deployment runs them, without the servers (the library directly, as benchmarks/g
   that the gate would have rejected it); `--no-early-stop` trains every step and says where the rule would
   have stopped;
 - each policy trains with the built-in recipe's replay (`PolicySpec.replay`: a quarter of its prompts from the
-  other tasks' train splits, `mint_core.lifecycle.with_replay`);
+  other tasks' train splits, `mint_core.lifecycle.prompts.with_replay`);
 - the gate its task's spec declares (`GatePolicy(suite=task)`): greedy exact match on the first EVAL_LIMIT
   held-out items of every registered task (the items of their eval suites), candidate against champion, paired;
   promoted when the own gain is significant at alpha 0.05 and at least `min_effect` and no guarded task is

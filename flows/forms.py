@@ -95,15 +95,15 @@ class Training(BaseModel):
     """Sampling, loss and optimiser settings (default: what trains the built-in base, `rl.recipe.BUILTIN_RECIPE`)."""
     seed: int = 0
     """With the round, seeds the draw of the prompts, the adapters' initialisation and the rollouts
-    (`mint_core.lifecycle.round_seed`): each round trains on new prompts and samples."""
+    (`mint_core.lifecycle.prompts.round_seed`): each round trains on new prompts and samples."""
     data_dir: Path | None = Path("data/tasks")
     """The DVC `task_data` output (train/<task>.jsonl, heldout/<task>.jsonl); None generates the prompts from
     `seed` (only with `draw="train"` and no `early_stop`: leaving the held-out prompts out needs them)."""
     draw: Literal["train", "fresh"] = "train"
     """Where a round's prompts come from. "train": drawn by the round from `data_dir`/train (the examples the
     built-in base was pretrained on, one fixed pool of 5000 a task). "fresh": new ones from the task generators
-    at the round's seed (`mint_core.lifecycle.round_seed`, recorded as the run's `fresh_seed`), leaving out every
-    held-out and eval-suite prompt and the early-stop probe's, so evaluation stays honest."""
+    at the round's seed (`mint_core.lifecycle.prompts.round_seed`, recorded as the run's `fresh_seed`), leaving out
+    every held-out and eval-suite prompt and the early-stop probe's, so evaluation stays honest."""
     early_stop: EarlyStop | None = None
     """Probe each policy's held-out reward every few steps and stop it when that does not rise (`EarlyStop`); a
     policy stopped without gain is not exported or gated. None: every policy trains every step."""

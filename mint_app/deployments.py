@@ -185,7 +185,8 @@ def requeue_orphaned_runs(config: ServicesConfig) -> int:
 TRAINING_TAG = "training"
 """The tag of the deployments whose flows hold a run lease while they run (wave, lifecycle, retrain)."""
 RUN_LEASE_PREFIX = "run/"
-"""mint_core.lifecycle.RUN_LEASE_PREFIX, not imported (that module loads MLflow; a unit test holds them equal)."""
+"""mint_core.lifecycle.leases.RUN_LEASE_PREFIX, not imported (that module loads MLflow; a unit test holds them
+equal)."""
 RECLAIM_GRACE_S = {"RUNNING": 60.0, "PENDING": 180.0}
 """A run tagged `TRAINING_TAG` that has been Running this long without its run lease held is an orphan: its host
 stopped renewing the lease (a run takes it in its first seconds). Pending this long: its process died before it
@@ -202,7 +203,7 @@ def reclaim_runs(
     """Flow runs of `pool` whose worker is gone, back to Scheduled (any worker of the pool then runs them again,
     and they resume from their checkpoints); returns how many. `worker` is the worker about to start, so none
     of its own runs is alive. A Pending or Running run is an orphan when its run lease in the catalog
-    (`mint_core.lifecycle.held_run`) names `worker`, or when it is a training run (`TRAINING_TAG`) whose lease
+    (`mint_core.lifecycle.leases.held_run`) names `worker`, or when it is a training run (`TRAINING_TAG`) whose lease
     nobody has held for `RECLAIM_GRACE_S`, or, with no other worker of the pool online, whatever it is (one
     worker: every run it had is gone). With `crashed_since` (epoch s), runs that crashed since then (taken down
     with their worker) too, unless another worker's lease names them. The supervisor of the worker calls it

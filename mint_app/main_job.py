@@ -371,8 +371,8 @@ def _job_console() -> Iterator[None]:
         handlers = [logging.StreamHandler()]
         root.addHandler(handlers[0])
     saved = [(h, h.formatter) for h in handlers]
-    # MLflow sets its logger's level when it is imported (mint_core.lifecycle above imports mint_core.registry,
-    # which imports it), so a level set here holds
+    # MLflow sets its logger's level when it is imported (mint_core.lifecycle.workspace above imports
+    # mint_core.registry, which imports it), so a level set here holds
     names = ("mlflow", "mlflow.store.model_registry.abstract_store", "lm_eval", "httpx")
     quiet = {name: logging.getLogger(name) for name in names}
     levels = {name: lg.level for name, lg in quiet.items()}

@@ -81,8 +81,8 @@ VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
 # vllm_router.DEFAULT_ROUTER, not imported for the same reason
 VLLM_ROUTER = Path(".venv-vllm/bin/vllm-router")
-# mint_core.lifecycle's WORK_DIR_ENV and WORKER_ENV, not imported: that module loads MLflow, which `mint up` does
-# not (a unit test holds them equal)
+# mint_core.lifecycle's WORK_DIR_ENV (workspace) and WORKER_ENV (leases), not imported: they load MLflow, which
+# `mint up` does not (a unit test holds them equal)
 WORK_DIR_ENV = "MINT_WORK_DIR"
 WORKER_ENV = "MINT_WORKER_NAME"
 PROGRESS_EVERY_S = 10.0
