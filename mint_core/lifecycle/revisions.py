@@ -11,7 +11,7 @@ from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.mlflow_registry import Registry, Revision, UnknownRevision
 from mint_core.registry.runs import IDEMPOTENCY_TAG
 
-if TYPE_CHECKING:  # annotations only: the webhook receiver reconciles through this package and loads no torch
+if TYPE_CHECKING:  # annotations only: looking a revision up (a champion, a run by its key) loads no torch
     from mint_core.rl.grpo import GRPOConfig
     from mint_core.rl.policy import PolicySpec
 
