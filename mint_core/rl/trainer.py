@@ -8,7 +8,7 @@ step count, learning rate, rank) on its slot, in place: torch's fused AdamW over
 forward with slot -1.
 
 The G rows of a group share their prompt, so the update's forward runs each distinct (policy, prompt) once,
-packed with its rows' completions behind a block mask (`_logprobs`): the prompt's forward and backward are
+packed with its rows' completions behind a block mask (`mint_core.rl.packing`): the prompt's forward and backward are
 paid once per group instead of G times, with the same logprobs and gradients.
 
 With `micro_batch_rows` set, the forward/backward runs over micro-batches of at most that many rows (rows
@@ -43,6 +43,7 @@ from mint_core.engine.logprobs import head_logprobs, selected_logprobs, token_lo
 from mint_core.lora.adapter import AdapterWeights, initial_adapter, save_adapter
 from mint_core.rl.grpo import GRPOConfig, group_advantages, grpo_loss, k3_kl
 from mint_core.rl.optim import SlotAdamW
+from mint_core.rl.packing import Packing
 from mint_core.rl.policy import PolicySpec, PolicyState, rollout_seed
 from mint_core.rl.rollout import RolloutRow, rollout
 from mint_core.types import Digest
@@ -73,10 +74,6 @@ FUSED_HEAD_MIN_BYTES = 512 * 2**20
 
 # How a checkpoint names a site's AdamW moments (`SlotAdamW.moments` order).
 _MOMENTS = ("mA", "vA", "mB", "vB")
-
-# In the packed update, a sequence joins the current bucket (padded to the bucket's longest) while it is at
-# least this fraction of that length; shorter ones start a new bucket.
-PACK_FILL = 0.75
 
 
 @dataclass
@@ -372,127 +369,57 @@ class MultiPolicyTrainer:
         """Token logprobs [B, T-1] of `batch` with row i under slot slots[i], in `token_logprobs`' layout,
         exact at the completion tokens (the only ones the loss reads).
 
-        The G rows of a group repeat one prompt under one slot, so when rows share prompts the batch is packed:
-        one sequence per distinct (slot, prompt), its prompt once and then the completions of its rows one
-        after another, each completion attending to the prompt and to its own earlier tokens only (a block
-        mask) at the positions it had in its own row. The prompt's forward and backward are paid once per
-        group, not G times, with no copies of its keys and values; sequences of similar length share a forward
-        (`PACK_FILL`). The logprobs and gradients are those of the full rows. Otherwise (no shared prompt, no
-        prompt lengths, or an attention implementation that takes no custom mask) one forward over the full
-        rows."""
+        When rows share prompts the batch is packed (`mint_core.rl.packing`): one sequence per distinct (slot,
+        prompt) behind a block mask, in buckets of similar width, with the logprobs and gradients of the full
+        rows. Otherwise (no shared prompt, no prompt lengths, or an attention implementation that takes no
+        custom mask) one forward over the full rows."""
         eng = self.engine
         model = eng.base.model
         ctx = eng.lora.ctx
         dev = batch.ids.device
-        n = len(slots)
-        keys: dict[tuple[int, tuple[int, ...]], int] = {}  # (slot, prompt) -> its packed sequence
-        inv: list[int] = []  # each row's packed sequence
-        comp_lens: list[int] = []
         ids_host = batch.ids.cpu()
         attn_impl = getattr(model.config, "_attn_implementation", None)
+        packing = None
         if batch.prompt_lens and attn_impl in ("sdpa", "eager"):
             lens = batch.attn.sum(dim=1).cpu().tolist()
-            for i, (slot, p_len) in enumerate(zip(slots, batch.prompt_lens, strict=True)):
-                inv.append(keys.setdefault((slot, tuple(ids_host[i, :p_len].tolist())), len(keys)))
-                comp_lens.append(int(lens[i]) - p_len)
-        if len(keys) in (0, n) or max(comp_lens) == 0:
+            packing = Packing.plan(ids_host, lens, slots, batch.prompt_lens)
+        if packing is None:
             ctx.set_rows(slots, dev)
             try:
                 return token_logprobs(model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids)
             finally:
                 ctx.clear()
 
-        # Pack. A row's completion of m tokens enters as its first m - 1 tokens (the last is only a target);
-        # the logits for its token 0 come from the prompt's last position, for token j from its input j - 1.
-        packed = list(keys)
-        seq_ids: list[list[int]] = [list(p) for _, p in packed]
-        seq_pos: list[list[int]] = [list(range(len(p))) for _, p in packed]
-        seg: list[list[int]] = [[-1] * len(p) for _, p in packed]  # -1 prompt, else the row it belongs to
-        reads: list[list[int]] = []  # per row, where in its sequence each completion token's logits are
-        for i, u in enumerate(inv):
-            p_len, m = batch.prompt_lens[i], comp_lens[i]
-            at = len(seq_ids[u])
-            seq_ids[u].extend(ids_host[i, p_len : p_len + m - 1].tolist())
-            seq_pos[u].extend(range(p_len, p_len + m - 1))
-            seg[u].extend([i] * (m - 1))
-            reads.append([p_len - 1, *range(at, at + m - 1)][:m])  # none for an empty completion
-        seq_reads: list[list[int]] = [[] for _ in packed]  # per packed sequence, the positions any row reads
-        for u, where in zip(inv, reads, strict=True):
-            seq_reads[u].extend(where)
         # the fused projection saves memory at the price of making its logits twice: worth it once they are large
         use = self._output_mode()
         vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-        if use == "hidden" and sum(len(set(r)) for r in seq_reads) * vocab * 4 < self.fused_head_min_bytes:
+        if use == "hidden" and packing.kept_positions() * vocab * 4 < self.fused_head_min_bytes:
             use = "logits"
         self.last_output = use
-        # Sequences of one policy are about as long as each other, but policies on different tasks are not
-        # (8 short answers against 8 long ones), so one forward padded to the longest wastes much of its work:
-        # sequences run in buckets of similar width (one autograd graph, so one backward still covers all).
-        order = sorted(range(len(packed)), key=lambda u: -len(seq_ids[u]))
-        buckets: list[list[int]] = []
-        for u in order:
-            if buckets and len(seq_ids[u]) >= PACK_FILL * len(seq_ids[buckets[-1][0]]):
-                buckets[-1].append(u)
-            else:
-                buckets.append([u])
         # Logits only where a completion token is predicted, not at the prompt's other positions: the output
         # projection over a large vocabulary costs as much as a layer, and its output is the largest tensor.
-        where_in: dict[int, torch.Tensor] = {}  # packed sequence -> its positions' rows in the kept logits
         pieces: list[torch.Tensor] = []
-        kept = 0
-        for bucket in buckets:
-            width = len(seq_ids[bucket[0]])
-            ids = torch.full((len(bucket), width), eng.pad_id, dtype=torch.long)
-            pos = torch.zeros((len(bucket), width), dtype=torch.long)
-            seg_t = torch.full((len(bucket), width), -2, dtype=torch.long)  # -2: padding
-            keep = torch.zeros((len(bucket), width), dtype=torch.bool)
-            for j, u in enumerate(bucket):
-                k = len(seq_ids[u])
-                ids[j, :k] = torch.tensor(seq_ids[u])
-                pos[j, :k] = torch.tensor(seq_pos[u])
-                seg_t[j, :k] = torch.tensor(seg[u])
-                keep[j, seq_reads[u]] = True
-            index = torch.full((len(bucket), width), -1, dtype=torch.long)
-            n_kept = int(keep.sum())
-            index[keep] = torch.arange(kept, kept + n_kept)
-            kept += n_kept
-            for j, u in enumerate(bucket):
-                where_in[u] = index[j]
-            # a query sees earlier keys of the prompt and of its own completion; padding sees earlier padding
-            causal = torch.ones(width, width, dtype=torch.bool).tril()
-            mask = causal & ((seg_t[:, None, :] == -1) | (seg_t[:, None, :] == seg_t[:, :, None]))
-            mask = mask[:, None].to(dev)
+        for bucket in packing.buckets(eng.pad_id):
+            mask = bucket.mask.to(dev)
             if attn_impl == "eager":  # an additive mask
                 mask = torch.zeros(mask.shape, dtype=model.dtype, device=dev).masked_fill(
                     ~mask, torch.finfo(model.dtype).min
                 )
-            ctx.set_rows([packed[u][0] for u in bucket], dev)
+            ctx.set_rows([packing.slots[u] for u in bucket.sequences], dev)
             try:
                 pieces.append(
                     self._kept_outputs(
                         use,
-                        keep.to(dev),
-                        input_ids=ids.to(dev),
+                        bucket.keep.to(dev),
+                        input_ids=bucket.ids.to(dev),
                         attention_mask=mask,
-                        position_ids=pos.to(dev),
+                        position_ids=bucket.positions.to(dev),
                     )
                 )
             finally:
                 ctx.clear()
         out_NX = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # hidden states or logits
-        # every completion token of every row: the logits row that predicts it, and where it goes in the
-        # full rows' layout (completion token j of row i is target prompt_len - 1 + j)
-        rows_M = torch.cat([where_in[u][where] for u, where in zip(inv, reads, strict=True)])
-        targets_M = torch.cat(
-            [
-                ids_host[i, p : p + m]
-                for i, (p, m) in enumerate(zip(batch.prompt_lens, comp_lens, strict=True))
-            ]
-        )
-        row_of_M = torch.repeat_interleave(torch.arange(n), torch.tensor(comp_lens))
-        col_of_M = torch.cat(
-            [torch.arange(p - 1, p - 1 + m) for p, m in zip(batch.prompt_lens, comp_lens, strict=True)]
-        )
+        rows_M, targets_M, row_of_M, col_of_M = packing.targets(ids_host)
         rows_M, targets_M = rows_M.to(dev), targets_M.to(dev)
         if self._output == "full":  # found out during this forward
             self.last_output = "full"
@@ -501,7 +428,7 @@ class MultiPolicyTrainer:
             lp_M = head_logprobs(out_NX, head.weight, head.bias, rows_M, targets_M)
         else:
             lp_M = selected_logprobs(out_NX, rows_M, targets_M)
-        out = lp_M.new_zeros(n, batch.ids.shape[1] - 1)
+        out = lp_M.new_zeros(len(slots), batch.ids.shape[1] - 1)
         return out.index_put((row_of_M.to(dev), col_of_M.to(dev)), lp_M)
 
     def _kept_outputs(
