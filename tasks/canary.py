@@ -3,7 +3,6 @@ champion's with an always-valid sequential test (`mint_core.eval.online`), and e
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -19,6 +18,7 @@ from mint_core.lifecycle.smoke import served_revision, smoke_check, smoke_prompt
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import end_run, log_metrics, start_canary_run
+from mint_core.registry.tags import json_tag
 from mint_core.serving.client import ServingError
 from mint_core.types import Digest
 from tasks.common import RETRY_DELAYS, Timed, artifact_key, is_transient, transient
@@ -145,7 +145,7 @@ def start_canary(
         reg.set_alias(policy, CANARY, version, f"canary: {share:.0%} of {served}'s requests", expect=other)
         started = time.time()
         tag = {"share": share, "started": started, "control": control, "champion": champ}
-        reg.set_tag(policy, version, CANARY_TAG, json.dumps(tag))
+        reg.set_tag(policy, version, CANARY_TAG, json_tag(tag))
         run_id = start_canary_run(
             reg.client,
             policy,
@@ -319,7 +319,7 @@ def end_canary(
     }
     if estimate is not None:
         doc.update({k: v for k, v in estimate.row().items() if k not in ("decision", "reason")})
-    reg.set_tag(started.policy, started.version, CANARY_TAG, json.dumps(doc)[:4900])
+    reg.set_tag(started.policy, started.version, CANARY_TAG, json_tag(doc, shrink=("reason",)))
     end_run(
         reg.client,
         started.run_id,

@@ -20,6 +20,7 @@ from mint_core.lifecycle.revisions import champion, find_by_key
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.runs import IDEMPOTENCY_TAG, log_metrics, log_training_run, tag_version
+from mint_core.registry.tags import json_tag
 from mint_core.rl.recipe import TrainingRun
 from mint_core.types import Digest
 from tasks.common import RETRY_DELAYS, AliasMoved, RevisionRef, artifact_key, transient
@@ -123,7 +124,9 @@ def note_no_gain(ws: Workspace, champ: RevisionRef, reason: str) -> int:
         count = int(json.loads(rev.tags.get(NO_GAIN_TAG, "{}")).get("count", 0)) + 1
     except (ValueError, AttributeError, TypeError):
         count = 1
-    reg.set_tag(champ.policy, champ.version, NO_GAIN_TAG, json.dumps({"count": count, "last": reason[:4000]}))
+    reg.set_tag(
+        champ.policy, champ.version, NO_GAIN_TAG, json_tag({"count": count, "last": reason}, shrink=("last",))
+    )
     return count
 
 

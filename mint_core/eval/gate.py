@@ -78,7 +78,6 @@ same items) fails its check: the gate says no when it cannot tell.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from statistics import NormalDist
@@ -88,10 +87,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 from rich.table import Table
 
 from mint_core.data.spec import registry_in
+from mint_core.registry.tags import json_tag
 
 GATE_TAG = "mint.gate"
 """Model-version tag holding the decision as compact JSON."""
-_TAG_MAX_CHARS = 5000  # the smallest tag-value limit among MLflow backends
 _SLACK = 1e-9  # scores are ratios of counts: 0.7 must pass ">= 0.6 + 0.1" despite rounding
 _NORMAL = NormalDist()
 
@@ -368,28 +367,17 @@ class GateDecision(BaseModel):
         """Compact JSON for the `mint.gate` model-version tag: the verdict, the baseline, the reasons, the failed
         checks and every paired check's numbers (`stats`: effect, CI, p, n, MDE; a gain and each guard, one per
         guarded task). To fit an MLflow tag, trailing reasons (warnings first: the prose of what `stats` and
-        `failed` already hold), then trailing stats, then failed names are dropped, with `"truncated": true`."""
-        reasons, failed = list(self.reasons), [c.name for c in self.failed()]
-        stats = [(c.name, _compact(c.stats)) for c in self.checks if c.stats is not None]
-
-        def dump(truncated: bool) -> str:
-            doc: dict[str, object] = {
-                "passed": self.passed,
-                "first_revision": self.first_revision,
-                "baseline": self.baseline,
-                "reasons": reasons,
-                "failed": failed,
-                "stats": dict(stats),
-            }
-            if truncated:
-                doc["truncated"] = True
-            return json.dumps(doc, separators=(",", ":"))
-
-        text = dump(False)
-        while len(text) > _TAG_MAX_CHARS and (reasons or stats or failed):
-            (reasons or stats or failed).pop()
-            text = dump(True)
-        return text
+        `failed` already hold), then trailing stats, then failed names are dropped, with `"truncated": true`
+        (`registry.tags.json_tag`)."""
+        doc = {
+            "passed": self.passed,
+            "first_revision": self.first_revision,
+            "baseline": self.baseline,
+            "reasons": list(self.reasons),
+            "failed": [c.name for c in self.failed()],
+            "stats": {c.name: _compact(c.stats) for c in self.checks if c.stats is not None},
+        }
+        return json_tag(doc, shrink=("reasons", "stats", "failed"))
 
 
 def _result(c: Check, passed: str, failed: str) -> str:

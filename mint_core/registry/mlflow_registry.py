@@ -58,6 +58,7 @@ from mint_core.registry.reader import (
 from mint_core.registry.retention import RetentionPlan, protected
 from mint_core.registry.retry import retried
 from mint_core.registry.store import AdapterStore
+from mint_core.registry.tags import fit_tag
 from mint_core.types import Digest
 
 __all__ = [
@@ -287,7 +288,7 @@ class Registry:
         summary += f" by {self.actor}: {reason}"
         self._call(
             "tag the move",
-            lambda: self.client.set_registered_model_tag(policy, f"mint.last_move.{alias}", summary[:4900]),
+            lambda: self.client.set_registered_model_tag(policy, f"mint.last_move.{alias}", fit_tag(summary)),
         )
         logger.info("%s@%s: %s", policy, alias, summary)
         return move

@@ -21,6 +21,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
 from mint_core.errors import MintError
+from mint_core.registry.tags import fit_tag
 
 IDEMPOTENCY_TAG = "mint.idempotency_key"
 """Tag on a training run (and its model version) naming the work that produced it, so a retry finds it."""
@@ -92,7 +93,7 @@ def log_run_record(
         client.log_batch(
             run_id,
             metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items() if math.isfinite(v)],
-            tags=[RunTag(k, v) for k, v in tags.items()],
+            tags=[RunTag(k, fit_tag(v)) for k, v in tags.items()],
         )
         for path, doc in documents.items():
             client.log_dict(run_id, doc, path)
@@ -154,5 +155,5 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: Mapping[str, float |
 
 
 def end_run(client: MlflowClient, run_id: str, tags: Mapping[str, str], failed: bool = False) -> None:
-    client.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
+    client.log_batch(run_id, tags=[RunTag(k, fit_tag(v)) for k, v in tags.items()])
     client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
