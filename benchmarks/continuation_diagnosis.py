@@ -17,7 +17,7 @@ moments), the same learning rate and schedule, new prompts. Per step of each wav
   from the champion's: a behavioural distance to the champion).
 
 Wave 2 runs twice from the same champion, on the same prompts and seed: as retrain did before issue #33 (rate share
-1, no warmup), and with the continuation recipe (`mint_core.rl.recipe.Continuation`). Prints a table per wave and a
+1, no warmup), and with the continuation recipe (`mint_core.rl.builder.Continuation`). Prints a table per wave and a
 JSON line with the waves' curves and their means (`cont_*`: the old way, `recipe_*`: the recipe).
 
     python benchmarks/continuation_diagnosis.py [--task add] [--tasks DIR] [--first-steps 300] [--steps 40]
@@ -45,15 +45,10 @@ from _common import add_device, checked_device, report
 from mint_core.data.spec import TASK_DIRS_ENV, registry
 from mint_core.lifecycle.prompts import load_prompts, with_replay
 from mint_core.lora.adapter import AdapterWeights, save_adapter
+from mint_core.rl.builder import Continuation, load_trainer, recipe_spec
+from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
 from mint_core.rl.evaluate import heldout_correct
-from mint_core.rl.recipe import (
-    BUILTIN_PROMPTS_PER_STEP,
-    BUILTIN_RECIPE,
-    Continuation,
-    TrainingRun,
-    load_trainer,
-    recipe_spec,
-)
+from mint_core.rl.recipe import TrainingRun
 from mint_core.rl.trainer import MultiPolicyTrainer
 
 DATA = Path("data/tasks")

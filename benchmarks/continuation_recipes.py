@@ -37,8 +37,10 @@ from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
 from mint_core.lifecycle.prompts import round_seed, with_replay
+from mint_core.rl.builder import Continuation, load_trainer, recipe_spec
+from mint_core.rl.constants import BUILTIN_RECIPE
 from mint_core.rl.evaluate import heldout_correct
-from mint_core.rl.recipe import BUILTIN_RECIPE, Continuation, TrainingRun, load_trainer, recipe_spec
+from mint_core.rl.recipe import TrainingRun
 
 DEFAULT_VARIANTS = [
     {"rate_scale": 0.25},
@@ -73,7 +75,7 @@ def run_variant(args: argparse.Namespace, variant: dict[str, Any]) -> dict[str, 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         run = TrainingRun.start(trainer, prompts, steps, pps, Path(tmp), 0)
-        run.run()
+        run.train()
     after = heldout_correct(trainer.engine, args.task, gate)
     fixed, broken = discordant(after, before)
     return {

@@ -42,16 +42,12 @@ from mint_core.engine.engine import Engine, EngineConfig
 from mint_core.eval.gate import discordant, mcnemar_p
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.lifecycle.prompts import load_prompts, round_seed
+from mint_core.rl.builder import recipe_spec
+from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from mint_core.rl.recipe import (
-    BUILTIN_PROMPTS_PER_STEP,
-    BUILTIN_RECIPE,
-    BUILTIN_STEPS,
-    TrainingRun,
-    recipe_spec,
-)
+from mint_core.rl.recipe import TrainingRun
 from mint_core.rl.trainer import MultiPolicyTrainer
 
 
@@ -128,7 +124,7 @@ def main() -> None:
         trainer = MultiPolicyTrainer(engine, grpo, specs, seed=round_seed(0, name))
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            TrainingRun.start(trainer, prompts, args.steps, k, Path(tmp), checkpoint_every=0).run()
+            TrainingRun.start(trainer, prompts, args.steps, k, Path(tmp), checkpoint_every=0).train()
         row: dict[str, object] = {"round": name, "train_s": round(time.perf_counter() - t0, 1)}
         for t in tasks:
             now = heldout_correct(engine, f"{t}-{r}", heldout[t])

@@ -42,9 +42,9 @@ from mint_core.engine.base import load_base
 from mint_core.engine.chat import prompt_ids
 from mint_core.engine.engine import Engine, EngineConfig, Request
 from mint_core.engine.sampling import SamplingParams
+from mint_core.rl.constants import BUILTIN_RECIPE
 from mint_core.rl.evaluate import heldout_correct
 from mint_core.rl.policy import PolicySpec
-from mint_core.rl.recipe import BUILTIN_RECIPE
 
 KS = (1, 4, 8, 16, 32)
 

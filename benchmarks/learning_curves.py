@@ -64,20 +64,15 @@ from flows.retrain import RETRAIN_STEPS
 from mint_core.data.generators import Example
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
 from mint_core.data.spec import TASK_DIRS_ENV, prompt_text, registry
+from mint_core.eval.early_stop import EarlyStop, Plateau, probe_gain
 from mint_core.eval.gate import GatePolicy, SuiteScore, decide
 from mint_core.eval.results import EVAL_LIMIT
 from mint_core.eval.suites import SUITES_DIR
 from mint_core.lifecycle.prompts import round_seed, with_replay
+from mint_core.rl.builder import Continuation, load_trainer, recipe_spec
+from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
 from mint_core.rl.evaluate import heldout_correct
-from mint_core.rl.recipe import (
-    BUILTIN_PROMPTS_PER_STEP,
-    BUILTIN_RECIPE,
-    Continuation,
-    TrainingRun,
-    load_trainer,
-    recipe_spec,
-)
-from tasks.training import EarlyStop, Plateau, freeze, probe_gain
+from mint_core.rl.recipe import TrainingRun
 
 DEFAULTS = EarlyStop()
 CONTINUATION = Continuation()
@@ -390,7 +385,7 @@ def _train(
             if not p.stopped and p.add(run.trainer.steps, _mean(got), got):
                 stopping.append(t)
         if stop_early:
-            freeze(run, stopping)
+            run.freeze(stopping)
         spent[0] += time.perf_counter() - t0
 
     def step() -> None:
@@ -399,7 +394,7 @@ def _train(
             take_probe()
 
     take_probe()
-    run.run(step, stop=lambda: not run.prompts)
+    run.train(step, stop=lambda: not run.prompts)
     return seen, spent[0]
 
 

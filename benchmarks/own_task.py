@@ -32,15 +32,10 @@ from _common import add_device, checked_device, report
 from mint_core.data.spec import TASK_DIRS_ENV, registry
 from mint_core.eval.gate import GatePolicy, SuiteScore, decide, discordant, mcnemar_p
 from mint_core.lifecycle.prompts import load_prompts, with_replay
+from mint_core.rl.builder import load_trainer, recipe_spec
+from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, BUILTIN_STEPS
 from mint_core.rl.evaluate import heldout_correct
-from mint_core.rl.recipe import (
-    BUILTIN_PROMPTS_PER_STEP,
-    BUILTIN_RECIPE,
-    BUILTIN_STEPS,
-    TrainingRun,
-    load_trainer,
-    recipe_spec,
-)
+from mint_core.rl.recipe import TrainingRun
 
 
 def _mean(xs: list[bool]) -> float:
@@ -79,7 +74,7 @@ def main() -> None:
         run = TrainingRun.start(
             trainer, {task.name: prompts}, args.steps, BUILTIN_PROMPTS_PER_STEP, Path(ckpt), 0, resume=False
         )
-        run.run()
+        run.train()
     seconds = time.perf_counter() - t0
     after = heldout_correct(trainer.engine, task.name, heldout)
     b, c = discordant(after, before)

@@ -11,13 +11,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from flows.canary import CanaryOutcome
 from mint_core.data.spec import registry_in
+from mint_core.eval.early_stop import EarlyStop, ProbePoint
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.registry.address import NAME_RE
+from mint_core.rl.builder import Continuation
+from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, Continuation
 from tasks.canary import CanaryConfig
-from tasks.training import EarlyStop, ProbePoint
 
 # ---- parameters (the dashboard's form) ---------------------------------------------------------------------
 

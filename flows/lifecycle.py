@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 from uuid import UUID
@@ -33,7 +34,6 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel, Field
 
 from flows.canary import run_canary
 from flows.forms import (
@@ -49,6 +49,7 @@ from flows.forms import (
 from flows.promotion import promote_and_refresh
 from mint_core.data.checks import CheckParams
 from mint_core.data.spec import registry as task_registry
+from mint_core.eval.early_stop import EarlyStopping, Trained
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
@@ -57,21 +58,16 @@ from mint_core.lifecycle.leases import held_run, run_lease
 from mint_core.lifecycle.prompts import data_revision, round_seed
 from mint_core.lifecycle.revisions import idempotency_key
 from mint_core.lifecycle.workspace import Workspace
+from mint_core.rl.builder import spec_changes
 from mint_core.rl.checkpoints import drop_mirror
-from mint_core.rl.recipe import spec_changes
+from mint_core.rl.recipe import RecipeConfig, TrainingRun
 from tasks.common import RevisionRef, cached_in
 from tasks.evaluation import BaseScores, evaluate, evaluate_base
 from tasks.registry import current_champion, export, find_revision, gate, note_no_gain
 from tasks.training import (
-    Plateau,
-    ProbeLog,
-    ProbePoint,
-    ProbeResult,
     PromptSet,
-    freeze,
     grpo_update,
     probe,
-    probe_gain,
     rollout,
     start_training,
     validate_data,
@@ -129,6 +125,19 @@ def run_held(ws: Workspace) -> Iterator[None]:
         yield
 
 
+@dataclass
+class _Wave:
+    """What every part of one wave reads: its settings, its workspace, the clock of its task calls and its
+    progress artifact."""
+
+    training: Training
+    evaluation: EvalConfig
+    checks: CheckParams
+    ws: Workspace
+    clock: Clock
+    progress: UUID
+
+
 def run_wave(
     policies: list[PolicyRun],
     training: Training,
@@ -139,105 +148,129 @@ def run_wave(
     """The recipe behind both flows; raises `WaveFailed` naming the policies that failed (after finishing the
     others)."""
     log = get_run_logger()
-    clock = Clock()
-    n = training.steps * training.prompts_per_step
     progress = cast(UUID, create_progress_artifact(0.0, key="wave-progress", description="wave: starting"))
+    w = _Wave(training, evaluation, checks, ws, Clock(), progress)
     names = [p.name for p in policies]
 
     # what each policy starts from, its prompts, and the identity of this run
-    champions = {p.name: clock(current_champion, ws, p.name) for p in policies}
-    early = training.early_stop
-    prompts = {
-        p.name: clock(
-            validate_data,
-            p.spec,
-            n,
-            training.seed,
-            training.data_dir,
-            checks.prompts,
-            training.round_name(),
-            training.draw == "fresh",
-            evaluation.suites_dir / "data",
-            early.probe_items if early else 0,
-        )
-        for p in policies
-    }
+    champions = {p.name: w.clock(current_champion, ws=ws, policy=p.name) for p in policies}
+    prompts = {p.name: _validate_prompts(w, p) for p in policies}
     data_rev = data_revision(training.data_dir, [ps.source for ps in prompts.values()])
-    keys = {
-        p.name: idempotency_key(
-            p.spec,
-            data_rev,
-            training.grpo,
-            training.steps,
-            training.prompts_per_step,
-            training.seed,
-            str(Path(ws.base).resolve()),
-            training.key_round(),
-        )
-        for p in policies
-    }
-    candidates: dict[str, RevisionRef | None] = {p: clock(find_revision, ws, p, keys[p]) for p in names}
+    keys = {p.name: _key(w, p, data_rev) for p in policies}
+    candidates = {p: w.clock(find_revision, ws=ws, policy=p, key=keys[p]) for p in names}
     to_train = [p for p in policies if candidates[p.name] is None]
-    log.info(
-        "data %s; reused: %s; to train: %s",
-        data_rev,
-        [p for p in names if candidates[p]],
-        [p.name for p in to_train],
-    )
+    reused = [p for p in names if candidates[p]]
+    log.info("data %s; reused: %s; to train: %s", data_rev, reused, [p.name for p in to_train])
 
     # training: every step is one batched rollout, its check, one batched update, for all policies at once
     curve: list[dict[str, Any]] = []
     resumed = 0
     trained: dict[str, Trained] = {}
     if to_train:
-        made, curve, resumed, trained = train(
-            to_train, prompts, champions, keys, data_rev, training, checks, ws, clock, progress
-        )
+        made, curve, resumed, trained = train(w, to_train, prompts, champions, keys, data_rev)
         candidates.update(made)
 
-    # the bare base is revision 0: a policy without a champion is gated against it, on the same suites; every
-    # report shows it (evaluated once per base and suites, then read from the cache)
-    gated = [p for p in policies if candidates[p.name] is not None]
-    suites = sorted({s for p in gated for s in evaluated_suites(p.gate_policy(), evaluation)})
-    base = None
-    if gated:
-        base = clock(
-            cached_in(evaluate_base, ws), ws, evaluation.model_copy(update={"suites": suites}), checks.eval
-        )
-
     # per policy: evaluate the candidate against the champion (or the base), gate, promote
+    base = _base_scores(w, [p for p in policies if candidates[p.name] is not None])
     outcomes = []
     for i, p in enumerate(policies):
-        cand = candidates[p.name]
-        t = trained.get(p.name)
-        try:
-            if cand is None:  # early stopping ended its training without a gain: nothing to gate
-                assert t is not None
-                outcome = _stopped(p, champions[p.name], t)
-                if champions[p.name] is not None:  # retraining counts it with the rejected candidates
-                    clock(note_no_gain, ws, champions[p.name], t.reason)
-            else:
-                outcome = _evaluate_gate_promote(
-                    p, cand, champions[p.name], keys[p.name], evaluation, checks, ws, clock, base
-                )
-        except Exception as e:
-            log.error("%s: %s: %s", p.name, type(e).__name__, e)
-            champ = champions[p.name]
-            outcome = PolicyOutcome(
-                policy=p.name,
-                status="failed",
-                candidate=cand.address if cand else None,
-                champion_before=champ.address if champ else None,
-                champion_after=champ.address if champ else None,
-                reasons=[f"{type(e).__name__}: {e}"],
-            )
+        outcome = _outcome(
+            w, p, candidates[p.name], champions[p.name], trained.get(p.name), keys[p.name], base
+        )
         outcome.reused = p.name not in {q.name for q in to_train}
-        _account(outcome, p, t)
+        _account(outcome, p, trained.get(p.name))
         outcomes.append(outcome)
         update_progress_artifact(
             progress, 80.0 + 20.0 * (i + 1) / len(policies), description=f"{p.name}: {outcome.status}"
         )
 
+    _wave_artifacts(outcomes, w.clock)
+    report = WaveReport(outcomes=outcomes, curve=curve, timings=w.clock.timings, resumed_from=resumed)
+    failed = [o for o in outcomes if o.status == "failed"]
+    if failed:
+        raise WaveFailed("; ".join(f"{o.policy}: {' '.join(o.reasons)}" for o in failed))
+    return report
+
+
+def _validate_prompts(w: _Wave, p: PolicyRun) -> PromptSet:
+    """The policy's training prompts, checked, and its probe items when early stopping probes it."""
+    t = w.training
+    return w.clock(
+        validate_data,
+        spec=p.spec,
+        n=t.steps * t.prompts_per_step,
+        seed=t.seed,
+        data_dir=t.data_dir,
+        bounds=w.checks.prompts,
+        round_name=t.round_name(),
+        fresh=t.draw == "fresh",
+        suites_data=w.evaluation.suites_dir / "data",
+        probe=t.early_stop.probe_items if t.early_stop else 0,
+    )
+
+
+def _key(w: _Wave, p: PolicyRun, data_rev: str) -> str:
+    """The idempotency key of the policy's run in this wave (`mint_core.lifecycle.revisions.idempotency_key`)."""
+    t = w.training
+    return idempotency_key(
+        p.spec,
+        data_rev,
+        t.grpo,
+        t.steps,
+        t.prompts_per_step,
+        t.seed,
+        str(Path(w.ws.base).resolve()),
+        t.key_round(),
+    )
+
+
+def _base_scores(w: _Wave, gated: list[PolicyRun]) -> BaseScores | None:
+    """The bare base is revision 0: a policy without a champion is gated against it, on the same suites; every
+    report shows it (evaluated once per base and suites, then read from the cache). None: nothing to gate."""
+    if not gated:
+        return None
+    suites = sorted({s for p in gated for s in evaluated_suites(p.gate_policy(), w.evaluation)})
+    return w.clock(
+        cached_in(evaluate_base, w.ws),
+        ws=w.ws,
+        config=w.evaluation.model_copy(update={"suites": suites}),
+        bounds=w.checks.eval,
+    )
+
+
+def _outcome(
+    w: _Wave,
+    p: PolicyRun,
+    cand: RevisionRef | None,
+    champ: RevisionRef | None,
+    t: Trained | None,
+    key: str,
+    base: BaseScores | None,
+) -> PolicyOutcome:
+    """What became of one policy: stopped without a gain, or its candidate evaluated, gated and promoted; a
+    failure is its outcome ("failed"), not the wave's end."""
+    log = get_run_logger()
+    try:
+        if cand is None:  # early stopping ended its training without a gain: nothing to gate
+            assert t is not None
+            if champ is not None:  # retraining counts it with the rejected candidates
+                w.clock(note_no_gain, ws=w.ws, champ=champ, reason=t.reason)
+            return _stopped(p, champ, t)
+        return _evaluate_gate_promote(w, p, cand, champ, key, base)
+    except Exception as e:
+        log.error("%s: %s: %s", p.name, type(e).__name__, e)
+        return PolicyOutcome(
+            policy=p.name,
+            status="failed",
+            candidate=cand.address if cand else None,
+            champion_before=champ.address if champ else None,
+            champion_after=champ.address if champ else None,
+            reasons=[f"{type(e).__name__}: {e}"],
+        )
+
+
+def _wave_artifacts(outcomes: list[PolicyOutcome], clock: Clock) -> None:
+    """The wave's tables on the flow run: the per-policy summary and outcomes, and each task call's timing."""
     create_table_artifact(
         [o.summary() for o in outcomes],
         key="wave-summary",
@@ -253,235 +286,253 @@ def run_wave(
         key="wave-timings",
         description="each task call: wall time in the flow, mint_core work inside, Prefect overhead",
     )
-    report = WaveReport(outcomes=outcomes, curve=curve, timings=clock.timings, resumed_from=resumed)
-    failed = [o for o in outcomes if o.status == "failed"]
-    if failed:
-        raise WaveFailed("; ".join(f"{o.policy}: {' '.join(o.reasons)}" for o in failed))
-    return report
 
 
-class Trained(BaseModel):
-    """How one policy's training in this run went."""
-
-    steps: int
-    """GRPO steps it trained (the run's, or fewer where early stopping stopped it)."""
-    reason: str
-    """Why its training ended (`Plateau.reason`, or "finished: all N steps")."""
-    exported: bool
-    """False: stopped without a gain on the probe, so nothing was exported."""
-    probe: list[ProbePoint] = Field(default_factory=list)
-    probe_gain: float | None = None
-    """The probe's paired change from its first probe to its last (None: not probed)."""
-    probe_p: float | None = None
+# ---- training ------------------------------------------------------------------------------------------------
 
 
 def train(
+    w: _Wave,
     to_train: list[PolicyRun],
     prompts: dict[str, PromptSet],
     champions: dict[str, RevisionRef | None],
     keys: dict[str, str],
     data_rev: str,
-    training: Training,
-    checks: CheckParams,
-    ws: Workspace,
-    clock: Clock,
-    progress: UUID,
 ) -> tuple[dict[str, RevisionRef | None], list[dict[str, Any]], int, dict[str, Trained]]:
     """k x (one batched rollout -> its check -> one batched GRPO update) for all policies at once, with early
     stopping every few steps a probe of the policies still training, then export each that is worth gating:
     its candidate revisions (None: stopped without gain), the reward curve, the steps restored from a
     checkpoint, and how each policy's training went."""
     log = get_run_logger()
-    names = [p.name for p in to_train]
-    candidates: dict[str, RevisionRef | None] = {}
+    training = w.training
     parents = {p.name: _digest(champions[p.name]) for p in to_train}
-    run_dir = ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
+    run_dir = w.ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
     # the same run's checkpoints for the other hosts: an attempt that another worker resumes starts from them
-    mirror = f"{ws.checkpoint_url.rstrip('/')}/{run_dir.name}" if ws.checkpoint_url else None
-    run_seed = round_seed(training.seed, training.round_name())
-    run = clock(
+    mirror = f"{w.ws.checkpoint_url.rstrip('/')}/{run_dir.name}" if w.ws.checkpoint_url else None
+    recipe = RecipeConfig(
+        steps=training.steps,
+        prompts_per_step=training.prompts_per_step,
+        checkpoint_dir=run_dir / _parents_tag(parents),
+        checkpoint_every=training.checkpoint_every,
+        mirror=f"{mirror}/{_parents_tag(parents)}" if mirror else None,
+        dry_run=training.dry_run,
+        policies=[p.spec for p in to_train],
+        grpo=training.grpo,
+        seed=round_seed(training.seed, training.round_name()),
+        continuation=training.continuation,
+    )
+    run = w.clock(
         start_training,
-        ws,
-        [p.spec for p in to_train],
-        parents,
-        training.grpo,
-        run_seed,
-        quote({p.name: prompts[p.name].examples for p in to_train}),
-        training.steps,
-        training.prompts_per_step,
-        training.checkpoint_every,
-        run_dir / _parents_tag(parents),
-        training.dry_run,
-        training.continuation,
-        f"{mirror}/{_parents_tag(parents)}" if mirror else None,
+        ws=w.ws,
+        recipe=recipe,
+        parents=parents,
+        prompts=quote({p.name: prompts[p.name].examples for p in to_train}),
     )
-    bounds = checks.rollouts.model_copy(
-        update={
-            "group_size": run.trainer.group_sizes(),
-            "max_completion_len": training.grpo.max_new_tokens + 1,
-        }
-    )
-
-    # early stopping: a probe of every policy still training before the first step, every `every` steps and
-    # after the last; the rule (`Plateau`) takes a policy out of the next steps (its log survives a restart)
-    early = training.early_stop
-    items = {p.name: prompts[p.name].probe for p in to_train} if early else {}
-    rejected = {p.name: p.rejected for p in to_train}
-    room = {n: training.continuation.has_room(run.trainer.policies[n].headroom) for n in items}
-    plateaus = {n: Plateau.of(early, rejected[n], room[n]) for n in items} if early else {}
-    probe_file = run.checkpoint_dir / "probes.json"
-    probes = ProbeLog.read(probe_file, items, run.trainer.steps)
-    first: dict[str, list[bool]] = {}
-    last: dict[str, list[bool]] = {}
-
-    def watch(result: ProbeResult) -> None:
-        stopping = []
-        for name, got in result.correct.items():
-            first.setdefault(name, got)
-            last[name] = got
-            if plateaus[name].add(result.step, result.score(name), got):
-                stopping.append(name)
-                log.info(
-                    "%s stops after step %d: %s", name, result.step, plateaus[name].reason(training.steps)
-                )
-        freeze(run, stopping)
-
-    def take_probe() -> None:
-        result = clock(probe, run, quote({n: items[n] for n in run.prompts}))  # the policies still training
-        probes.probes.append(result)
-        probes.write(probe_file)
-        log.info("probe after step %d: %s", result.step, _fmt({n: result.score(n) for n in result.correct}))
-        watch(result)
-
-    if early:
-        for result in probes.probes:  # a resumed run: where each policy stood at its checkpoint
-            watch(result)
-        if not probes.probes:
-            take_probe()
-
-    def step() -> None:
-        """One step of the recipe's loop as three tasks: the batched rollout, its check, the batched update."""
-        # quote: hundreds of rows need no walk for upstream futures (tens of ms per task otherwise)
-        batch = clock(rollout, run)
-        clock(validate_rollouts, quote(batch), bounds)
-        stats = clock(grpo_update, run, quote(batch))
-        log.info(
-            "step %d/%d: reward %s",
-            stats.step,
-            training.steps,
-            _fmt(stats.reward),
-            extra={STEP_RECORD: {"step": stats.step, "steps": training.steps, "reward": dict(stats.reward)}},
-        )
-        update_progress_artifact(
-            progress,
-            80.0 * stats.step / training.steps,
-            description=f"GRPO step {stats.step}/{training.steps}",
-        )
-        if early and (stats.step % early.every == 0 or stats.step == training.steps):
-            take_probe()
-
-    # a policy continues from its champion with the champion's rank, alpha and targets, whatever the form says
-    trained_specs = {p.name: run.trainer.policies[p.name].spec for p in to_train}
-    overridden = {p.name: spec_changes(p.spec, trained_specs[p.name]) for p in to_train}
-    for p in to_train:
-        if overridden[p.name]:
-            champ = champions[p.name]
-            log.warning(
-                "%s continues from its champion %s, which overrides the form: %s",
-                p.name,
-                champ.address if champ else None,
-                "; ".join(overridden[p.name]),
-            )
-
+    _warn_overridden(to_train, champions, run)
+    early = _early_stopping(w, run, to_train, prompts)
     if run.prompts:  # else early stopping had stopped every policy before the run was resumed
-        run.run(step, stop=lambda: not run.prompts)
-    curve = run.history
+        step = _Step(w, run, early)
+        run.train(step, stop=lambda: not run.prompts)
+
+    candidates: dict[str, RevisionRef | None] = {}
     went: dict[str, Trained] = {}
     for p in to_train:
-        plateau = plateaus.get(p.name)
-        done = run.trainer.steps
-        if plateau is not None and plateau.stopped_at is not None:
-            done = min(done, plateau.stopped_at)
-        reason = plateau.reason(training.steps) if plateau else f"finished: all {training.steps} steps"
-        if early and plateau is not None and plateau.stopped and rejected[p.name] >= early.after_rejections:
-            reason = (
-                f"its last {rejected[p.name]} candidates were rejected, so one probe to show a gain: {reason}"
-            )
-        gain, p_value = probe_gain(first[p.name], last[p.name]) if p.name in first else (None, None)
-        went[p.name] = Trained(
-            steps=done,
-            reason=reason,
-            exported=plateau is None or plateau.exportable,
-            probe=plateau.points if plateau else [],
-            probe_gain=gain,
-            probe_p=p_value,
+        went[p.name] = (
+            early.trained(p.name, run.trainer.steps, training.steps)
+            if early
+            else Trained.finished(run.trainer.steps, training.steps)
         )
         if not went[p.name].exported:
-            log.info("%s: not exported or gated (%s)", p.name, reason)
+            log.info("%s: not exported or gated (%s)", p.name, went[p.name].reason)
             candidates[p.name] = None
             continue
-        # a step where the policy took no update has no loss; steps after it stopped are not its own
-        rows = [c for c in curve if c["policy"] == p.name and c["step"] <= done]
-        own = [_curve_point(c) for c in rows]
-        times = [c["time"] for c in rows] if rows and all(c.get("time") for c in rows) else None
-        started = times[0] - float(rows[0]["seconds"]) if times else None
-        params = {
-            "policy": trained_specs[p.name].model_dump_json(),
-            "grpo": training.grpo.model_dump_json(),
-            "steps": str(training.steps),
-            "prompts_per_step": str(training.prompts_per_step),
-            "seed": str(training.seed),
-            "round_seed": str(run_seed),
-            "round": training.round_name(),
-            "data_rev": data_rev,
-            "resumed_from_step": str(run.resumed_step),
-            "draw": training.draw,
-            "prompts_source": prompts[p.name].source,
-            "steps_trained": str(done),
-            "stop_reason": reason,
-        }
-        task = task_registry().get(trained_specs[p.name].task)
-        params |= {"task": task.name, "task_spec": task.digest(), "reward": task.reward_digest()}
-        if prompts[p.name].fresh_seed is not None:
-            params["fresh_seed"] = str(prompts[p.name].fresh_seed)
-        if early is not None:
-            params["early_stop"] = early.model_dump_json()
-            params["probe"] = json.dumps([[q.step, q.score] for q in went[p.name].probe])
-        if parents[p.name] is not None:
-            # how it continued from its champion (also in `policy`: rate_scale, warmup_steps)
-            params["continuation"] = training.continuation.model_dump_json()
-        if overridden[p.name]:
-            # `policy` is what trained (what retraining reads back); the form asked for this
-            params["form_policy"] = p.spec.model_dump_json()
-            params["overridden_by_champion"] = "; ".join(overridden[p.name])
-        candidates[p.name] = clock(
-            cached_in(export, ws),
-            ws,
-            run,
-            p.name,
-            trained_specs[p.name].rank,
-            champions[p.name],
-            data_rev,
-            keys[p.name],
-            own,
-            params,
-            times,
-            started,
+        candidates[p.name] = _export(
+            w, p, run, went[p.name], champions[p.name], prompts[p.name], keys, data_rev
         )
     shutil.rmtree(run_dir, ignore_errors=True)  # exported: the checkpoints have done their job
     if mirror:
         drop_mirror(mirror)
-    if curve:
-        create_table_artifact(
-            curve, key="reward-curve", description=f"GRPO reward per step ({', '.join(names)})"
+    _training_artifacts(run, to_train, early)
+    return candidates, run.history, run.resumed_step, went
+
+
+def _warn_overridden(
+    to_train: list[PolicyRun], champions: dict[str, RevisionRef | None], run: TrainingRun
+) -> None:
+    """A policy continues from its champion with the champion's rank, alpha and targets, whatever the form
+    says: a warning names what the champion overrode."""
+    for p in to_train:
+        overridden = spec_changes(p.spec, run.trainer.policies[p.name].spec)
+        if overridden:
+            champ = champions[p.name]
+            get_run_logger().warning(
+                "%s continues from its champion %s, which overrides the form: %s",
+                p.name,
+                champ.address if champ else None,
+                "; ".join(overridden),
+            )
+
+
+def _early_stopping(
+    w: _Wave, run: TrainingRun, to_train: list[PolicyRun], prompts: dict[str, PromptSet]
+) -> EarlyStopping | None:
+    """With `training.early_stop`, each policy's rule (`mint_core.eval.early_stop`), where it stood at the
+    checkpoint the run resumed from (its probe log survives a restart), or its probe before the first step."""
+    config = w.training.early_stop
+    if config is None:
+        return None
+    early = EarlyStopping(
+        config,
+        {p.name: prompts[p.name].probe for p in to_train},
+        run.checkpoint_dir / "probes.json",
+        run.trainer.steps,
+        rejected={p.name: p.rejected for p in to_train},
+        room={
+            p.name: w.training.continuation.has_room(run.trainer.policies[p.name].headroom) for p in to_train
+        },
+    )
+    _stop(run, early.replay(), early, w.training.steps)
+    if not early.log.probes:
+        _take_probe(w, run, early)
+    return early
+
+
+def _take_probe(w: _Wave, run: TrainingRun, early: EarlyStopping) -> None:
+    """A probe of the policies still training, as a task; those whose rule it stops leave the run."""
+    result = w.clock(probe, run=run, items=quote({n: early.items[n] for n in run.prompts}))
+    get_run_logger().info(
+        "probe after step %d: %s", result.step, _fmt({n: result.score(n) for n in result.correct})
+    )
+    _stop(run, early.record(result), early, w.training.steps)
+
+
+def _stop(run: TrainingRun, names: list[str], early: EarlyStopping, steps: int) -> None:
+    log = get_run_logger()
+    for name in names:
+        plateau = early.plateaus[name]
+        log.info("%s stops after step %d: %s", name, plateau.stopped_at, plateau.reason(steps))
+    run.freeze(names)
+
+
+class _Step:
+    """One step of the recipe's loop as three tasks: the batched rollout, its check, the batched update; then
+    the progress artifact, and a probe when early stopping takes one."""
+
+    def __init__(self, w: _Wave, run: TrainingRun, early: EarlyStopping | None):
+        self.w, self.run, self.early = w, run, early
+        self.bounds = w.checks.rollouts.model_copy(
+            update={
+                "group_size": run.trainer.group_sizes(),
+                "max_completion_len": w.training.grpo.max_new_tokens + 1,
+            }
         )
-    if early is not None and probes.probes:
+
+    def __call__(self) -> None:
+        w, steps = self.w, self.w.training.steps
+        # quote: hundreds of rows need no walk for upstream futures (tens of ms per task otherwise)
+        batch = w.clock(rollout, run=self.run)
+        w.clock(validate_rollouts, batch=quote(batch), bounds=self.bounds)
+        stats = w.clock(grpo_update, run=self.run, batch=quote(batch))
+        get_run_logger().info(
+            "step %d/%d: reward %s",
+            stats.step,
+            steps,
+            _fmt(stats.reward),
+            extra={STEP_RECORD: {"step": stats.step, "steps": steps, "reward": dict(stats.reward)}},
+        )
+        update_progress_artifact(
+            w.progress, 80.0 * stats.step / steps, description=f"GRPO step {stats.step}/{steps}"
+        )
+        if self.early is not None and self.early.due(stats.step, steps):
+            _take_probe(w, self.run, self.early)
+
+
+def _export(
+    w: _Wave,
+    p: PolicyRun,
+    run: TrainingRun,
+    went: Trained,
+    champ: RevisionRef | None,
+    prompts: PromptSet,
+    keys: dict[str, str],
+    data_rev: str,
+) -> RevisionRef:
+    """The policy's candidate: its adapter in the store and an MLflow version with its training run (its curve
+    up to where it stopped, and what it trained with)."""
+    # a step where the policy took no update has no loss; steps after it stopped are not its own
+    rows = [c for c in run.history if c["policy"] == p.name and c["step"] <= went.steps]
+    times = [c["time"] for c in rows] if rows and all(c.get("time") for c in rows) else None
+    return w.clock(
+        cached_in(export, w.ws),
+        ws=w.ws,
+        session=run,
+        policy=p.name,
+        rank=run.trainer.policies[p.name].spec.rank,
+        parent=champ,
+        data_rev=data_rev,
+        key=keys[p.name],
+        curve=[_curve_point(c) for c in rows],
+        params=_run_params(w.training, p, run, went, prompts, data_rev, continued=champ is not None),
+        times=times,
+        started=times[0] - float(rows[0]["seconds"]) if times else None,
+    )
+
+
+def _run_params(
+    training: Training,
+    p: PolicyRun,
+    run: TrainingRun,
+    went: Trained,
+    prompts: PromptSet,
+    data_rev: str,
+    continued: bool,
+) -> dict[str, str]:
+    """The MLflow training run's parameters: what the policy trained with, on what, and how it ended."""
+    trained = run.trainer.policies[p.name].spec
+    params = {
+        "policy": trained.model_dump_json(),
+        "grpo": training.grpo.model_dump_json(),
+        "steps": str(training.steps),
+        "prompts_per_step": str(training.prompts_per_step),
+        "seed": str(training.seed),
+        "round_seed": str(run.config.seed),
+        "round": training.round_name(),
+        "data_rev": data_rev,
+        "resumed_from_step": str(run.resumed_step),
+        "draw": training.draw,
+        "prompts_source": prompts.source,
+        "steps_trained": str(went.steps),
+        "stop_reason": went.reason,
+    }
+    task = task_registry().get(trained.task)
+    params |= {"task": task.name, "task_spec": task.digest(), "reward": task.reward_digest()}
+    if prompts.fresh_seed is not None:
+        params["fresh_seed"] = str(prompts.fresh_seed)
+    if training.early_stop is not None:
+        params["early_stop"] = training.early_stop.model_dump_json()
+        params["probe"] = json.dumps([[q.step, q.score] for q in went.probe])
+    if continued:
+        # how it continued from its champion (also in `policy`: rate_scale, warmup_steps)
+        params["continuation"] = training.continuation.model_dump_json()
+    overridden = spec_changes(p.spec, trained)
+    if overridden:
+        # `policy` is what trained (what retraining reads back); the form asked for this
+        params["form_policy"] = p.spec.model_dump_json()
+        params["overridden_by_champion"] = "; ".join(overridden)
+    return params
+
+
+def _training_artifacts(run: TrainingRun, to_train: list[PolicyRun], early: EarlyStopping | None) -> None:
+    """The run's reward curve and, with early stopping, its probes, as tables on the flow run."""
+    names = ", ".join(p.name for p in to_train)
+    if run.history:
+        create_table_artifact(run.history, key="reward-curve", description=f"GRPO reward per step ({names})")
+    if early is not None and early.log.probes:
         create_table_artifact(
-            [{"step": r.step} | {n: round(r.score(n), 4) for n in r.correct} for r in probes.probes],
+            [{"step": r.step} | {n: round(r.score(n), 4) for n in r.correct} for r in early.log.probes],
             key="probe-curve",
-            description=f"early stopping: greedy exact match on {early.probe_items} probe items per policy",
+            description=f"early stopping: greedy exact match on {early.config.probe_items} probe items per policy",
         )
-    return candidates, curve, run.resumed_step, went
 
 
 def _stopped(p: PolicyRun, champ: RevisionRef | None, t: Trained) -> PolicyOutcome:
@@ -513,16 +564,15 @@ def _account(outcome: PolicyOutcome, p: PolicyRun, t: Trained | None) -> None:
 
 
 def _evaluate_gate_promote(
+    w: _Wave,
     p: PolicyRun,
     cand: RevisionRef,
     champ: RevisionRef | None,
     key: str,
-    evaluation: EvalConfig,
-    checks: CheckParams,
-    ws: Workspace,
-    clock: Clock,
     base: BaseScores | None = None,
 ) -> PolicyOutcome:
+    """The candidate scored beside its champion (or the base), gated, and promoted: at once, or after a canary
+    when the policy asks for one."""
     log = get_run_logger()
     before = champ.address if champ else None
     decision: GateDecision | None = None
@@ -546,32 +596,26 @@ def _evaluate_gate_promote(
         # an earlier attempt of this run gated and promoted it, and may have died before serving it
         restore = int(cand.parent.rsplit("/v", 1)[1]) if cand.parent else None
         log.info("%s is already champion (an earlier attempt promoted it): refreshing serving", cand.address)
-        clock(promote_and_refresh, ws, p.name, p.served, cand.version, cand.digest, cand.version, restore)
+        _promote(w, p, cand, expect=cand.version, restore=restore)
         return outcome(
             "promoted", cand.address, ["promoted by an earlier attempt of this run; serving refreshed"]
         )
 
-    gate_policy = p.gate_policy()
-    config = evaluation.model_copy(update={"suites": evaluated_suites(gate_policy, evaluation)})
-    scored = cached_in(evaluate, ws)
-    cand_scores = clock(scored, ws, cand, "candidate", config, checks.eval)
-    scores["candidate"] = cand_scores.scores
-    if base is not None:
-        scores["base"] = {s: base.scores[s] for s in config.suite_names() if s in base.scores}
-    if champ is not None:
-        champ_scores = clock(scored, ws, champ, "champion", config, checks.eval)
-        scores["champion"] = champ_scores.scores
-        decision = clock(gate, ws, cand, gate_policy, cand_scores.scores, champ_scores.scores)
-    elif base is not None:
-        decision = clock(gate, ws, cand, gate_policy, cand_scores.scores, scores["base"], "base")
-    else:
-        decision = clock(gate, ws, cand, gate_policy, cand_scores.scores, None)
+    decision = _score_and_gate(w, p, cand, champ, base, scores)
     if not decision.passed:
         log.info("%s rejected: %s", cand.address, "; ".join(decision.reasons))
         return outcome("rejected", before, decision.reasons)
     if p.canary is not None:
         # the gate passed it offline; live traffic decides whether it replaces the champion
-        done = clock(run_canary, ws, p.name, cand.version, p.served, p.canary, f"{key}-canary")
+        done = w.clock(
+            run_canary,
+            ws=w.ws,
+            policy=p.name,
+            version=cand.version,
+            served=p.served,
+            config=p.canary,
+            key=f"{key}-canary",
+        )
         promoted = done.decision == "promoted"
         out = outcome(
             "promoted" if promoted else "rejected",
@@ -581,9 +625,59 @@ def _evaluate_gate_promote(
         out.canary = done
         return out
     expect = champ.version if champ else None
-    clock(promote_and_refresh, ws, p.name, p.served, cand.version, cand.digest, expect, expect)
+    _promote(w, p, cand, expect=expect, restore=expect)
     log.info("%s promoted (champion was %s), served as %s", cand.address, before, p.served)
     return outcome("promoted", cand.address, decision.reasons)
+
+
+def _score_and_gate(
+    w: _Wave,
+    p: PolicyRun,
+    cand: RevisionRef,
+    champ: RevisionRef | None,
+    base: BaseScores | None,
+    scores: dict[str, dict[str, SuiteScore]],
+) -> GateDecision:
+    """The candidate's scores and its champion's (into `scores`, beside the base's), and the gate's decision:
+    against the champion, else the base, else on the gate's own rules."""
+    gate_policy = p.gate_policy()
+    config = w.evaluation.model_copy(update={"suites": evaluated_suites(gate_policy, w.evaluation)})
+    scored = cached_in(evaluate, w.ws)
+    bounds = w.checks.eval
+    cand_scores = w.clock(scored, ws=w.ws, revision=cand, role="candidate", config=config, bounds=bounds)
+    scores["candidate"] = cand_scores.scores
+    if base is not None:
+        scores["base"] = {s: base.scores[s] for s in config.suite_names() if s in base.scores}
+    if champ is not None:
+        champ_scores = w.clock(scored, ws=w.ws, revision=champ, role="champion", config=config, bounds=bounds)
+        scores["champion"] = champ_scores.scores
+    against, baseline = scores.get("champion"), "champion"
+    if champ is None and base is not None:
+        against, baseline = scores["base"], "base"
+    return w.clock(
+        gate,
+        ws=w.ws,
+        candidate=cand,
+        policy=gate_policy,
+        candidate_scores=cand_scores.scores,
+        champion_scores=against,
+        baseline=baseline,
+    )
+
+
+def _promote(w: _Wave, p: PolicyRun, cand: RevisionRef, expect: int | None, restore: int | None) -> None:
+    """champion := the candidate (only if it still is `expect`), served and smoke-checked; the undo restores
+    `restore` (`flows.promotion.promote_and_refresh`)."""
+    w.clock(
+        promote_and_refresh,
+        ws=w.ws,
+        policy=p.name,
+        served_name=p.served,
+        version=cand.version,
+        digest=cand.digest,
+        expect=expect,
+        restore=restore,
+    )
 
 
 # ---- small helpers ------------------------------------------------------------------------------------------
@@ -604,9 +698,10 @@ class Clock:
     def __init__(self) -> None:
         self.timings: list[StepTiming] = []
 
-    def __call__(self, fn: Callable[..., R], *args: Any) -> R:
+    def __call__(self, fn: Callable[..., R], /, **kwargs: Any) -> R:
+        """`fn(**kwargs)`, timed: keyword arguments only, so a call names what it passes."""
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(**kwargs)
         wall = time.perf_counter() - t0
         work = getattr(out, "work_s", None)
         name = getattr(fn, "name", None) or getattr(fn, "__name__", "step")

@@ -41,6 +41,7 @@ from pydantic import BaseModel, Field
 from flows.forms import PolicyRun, Training, WaveReport
 from flows.lifecycle import run_held, wave
 from mint_core.data.checks import CheckParams
+from mint_core.eval.early_stop import EarlyStop
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
@@ -51,10 +52,9 @@ from mint_core.registry.reader import Revision
 from mint_core.rl.policy import PolicySpec
 from tasks.common import RETRY_DELAYS, transient
 from tasks.registry import NO_GAIN_TAG
-from tasks.training import EarlyStop
 
 RETRAIN_STEPS = 200
-"""Most GRPO steps a nightly wave gives each policy. A saturated champion's continuation (`rl.recipe.Continuation`:
+"""Most GRPO steps a nightly wave gives each policy. A saturated champion's continuation (`rl.builder.Continuation`:
 a quarter of the rate, warmed up) keeps it, within noise, and early stopping ends most such waves after 30 steps (3
 probes without a rise) whatever this budget (`benchmarks/learning_curves.py`, `add`, `sort` and `reverse`, 3 seeds;
 docs/training.md, "The continuation recipe"). A champion with headroom (its pass@G well above its greedy score on

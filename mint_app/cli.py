@@ -218,9 +218,10 @@ def train(
     from mint_core.data.spec import SpecError
     from mint_core.data.spec import registry as task_registry
     from mint_core.lifecycle.prompts import train_and_heldout
+    from mint_core.rl.builder import load_trainer, recipe_spec
     from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.recipe import ResumeError, TrainingRun, load_trainer, recipe_spec
+    from mint_core.rl.recipe import ResumeError, TrainingRun
 
     _check_device(device)  # before any work, as an unknown task below
     if not lr > 0:  # NaN too
@@ -306,7 +307,7 @@ def train(
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        finished = run.run(step, stop=lambda: stop_asked)
+        finished = run.train(step, stop=lambda: stop_asked)
     except KeyboardInterrupt:  # the second Ctrl-C
         bar.close()
         if lead:

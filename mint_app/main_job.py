@@ -71,7 +71,8 @@ from mint_core.eval.gate import GatePolicy
 from mint_core.eval.lm_eval_runner import EvalConfig
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import initial_adapter, save_adapter
-from mint_core.rl.recipe import BUILTIN_RECIPE, recipe_spec
+from mint_core.rl.builder import recipe_spec
+from mint_core.rl.constants import BUILTIN_RECIPE
 from mint_core.serving.base_check import check_base
 from mint_core.serving.traffic import Traffic
 from tasks.canary import CanaryConfig

@@ -32,7 +32,7 @@ class PolicySpec(BaseModel):
     them for this policy: exact_match, char_overlap, well_formed, match_and_format (`mint_core.data.rewards`)."""
     rank: int = Field(8, ge=1, le=MAX_RANK)
     """LoRA rank (at most `MAX_RANK`). A policy that continues from its champion takes the champion's rank
-    (`mint_core.rl.recipe.continue_spec`)."""
+    (`mint_core.rl.builder.continue_spec`)."""
     alpha: float = Field(16.0, gt=0)
     """LoRA alpha (scale = alpha / rank)."""
     learning_rate: float | None = Field(None, gt=0)
@@ -52,7 +52,7 @@ class PolicySpec(BaseModel):
     `reverse` 16 (its spec's `recipe.group_size`)."""
     rate_scale: float = Field(1.0, gt=0.0, le=1.0)
     """Multiplier on its learning rate (its own, else the run's). 1 for a first revision; a continuation from a
-    champion trains at the continuation recipe's share of the rate (`mint_core.rl.recipe.Continuation`)."""
+    champion trains at the continuation recipe's share of the rate (`mint_core.rl.builder.Continuation`)."""
     warmup_steps: int = Field(0, ge=0)
     """Its learning rate ramps up linearly over its first this many AdamW steps of the run, (k + 1) / (w + 1) at
     step k, while its moments are new: AdamW's first steps move every weight by about the full rate whatever the
@@ -80,7 +80,7 @@ class PolicyState:
     optimizer_steps: int = 0
     """AdamW steps this policy has taken (none in an update where it had no kept token)."""
     headroom: Headroom | None = None
-    """What its champion measured on the round's own prompts before a continuation (`recipe.load_trainer`): what
+    """What its champion measured on the round's own prompts before a continuation (`builder.load_trainer`): what
     set its rate share, and how long early stopping waits for it. None: a first revision, or not measured."""
 
     @property

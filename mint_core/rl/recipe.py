@@ -5,6 +5,11 @@ list of prompts per policy taken `prompts_per_step` at a time. A step is one bat
 prompts (`MultiPolicyTrainer.rollout`, seeded by the step count) and one batched GRPO update; each step adds a
 row per policy to the run's curve.
 
+The recipe is one class in torchtune's shape, configured by `RecipeConfig`: `setup` loads the trainer
+(`_setup_model`), takes the prompts (`_setup_data`), starts each policy's AdamW afresh or from the newest
+checkpoint (`_setup_optimizer`); `train` runs the steps; `save_checkpoint` writes one. What it trains is built
+by `builder`, with the built-in recipe's numbers from `constants`.
+
 Checkpoints go to one directory: every `checkpoint_every` steps, at the end, and when a stop is asked for after
 a step, kept two deep. Each holds the trainer's state and run.json: the run's identity (what a checkpoint must
 have been made with to be continued: policies, GRPO config, seed, schedule, base, the adapters it started
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -26,15 +30,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.data.generators import Example
-from mint_core.data.rewards import dry_run, override_spec
-from mint_core.data.spec import registry as task_registry
-from mint_core.engine.base import load_base
-from mint_core.engine.chat import prompt_ids
-from mint_core.engine.engine import Engine, EngineConfig, Request
-from mint_core.engine.sampling import SamplingParams
 from mint_core.errors import MintError
-from mint_core.lora.adapter import CONFIG_FILE, AdapterWeights, adapter_bytes, digest_files
-from mint_core.lora.validate import read_adapter
+from mint_core.lora.adapter import adapter_bytes, digest_files
+from mint_core.rl.builder import Continuation, dry_run_rewards, load_trainer
 from mint_core.rl.checkpoints import (
     is_lead_process,
     latest_checkpoint,
@@ -42,92 +40,17 @@ from mint_core.rl.checkpoints import (
     push_checkpoint,
     write_checkpoint,
 )
-from mint_core.rl.evaluate import Headroom, headroom, heldout_scores
+from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
+from mint_core.rl.evaluate import heldout_scores
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.policy import PolicySpec
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, StepStats
-from mint_core.types import Site
 
 logger = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2
 """A run resumes from its newest checkpoint; the one before it is kept in case the newest is damaged."""
-
-
-BUILTIN_RECIPE = GRPOConfig(group_size=8, learning_rate=1e-3, lr_decay="linear", temperature=0.7)
-"""The GRPO settings that measurably train the built-in base (`make run`, `mint train`, the flows' default), with
-`BUILTIN_PROMPTS_PER_STEP` prompts per step and each task's recipe hints (`recipe_spec`). Chosen by greedy exact match on
-200 held-out items against the bare base (paired McNemar), `add` and `sort` trained at once (the experiments are
-in the closing notes of issue #16): at a constant 1e-3 the gain peaks near step 50 and then decays, the rollout
-reward falling with it; at 2e-3 it collapses; a linear decay to 0 keeps the early gain. Sampling at 0.7 rather
-than 1.0 wastes fewer samples (pass@1 0.50 against 0.42 on `add`, the same pass@8) and 16 prompts per step rather
-than 8 halve each update's noise. GRPO sharpens what the base can already sample: on `add` and `sort` it samples a
-right answer that it does not answer greedily on 25% and 17% of the items (pass@8 - greedy); on `reverse`, `copy`
-and `upper` on 3-8%, and there it gains little. The learning rate is for rank `DEFAULT_RANK`."""
-
-DEFAULT_RANK = 8
-"""LoRA rank of a policy whose task's spec sets none (`recipe.rank`); alpha = 2 x rank."""
-
-
-def recipe_spec(
-    name: str, task: str, rank: int | None = None, learning_rate: float = BUILTIN_RECIPE.learning_rate
-) -> PolicySpec:
-    """A policy of the recipe for a registered task: the rank, group size and replay its spec's `recipe:`
-    section asks for (`mint_core.data.spec.RecipeSpec`; a rank given here wins), alpha = 2 x rank, and
-    `learning_rate` (the rate for rank `DEFAULT_RANK`) scaled by sqrt(DEFAULT_RANK / rank). AdamW moves each of
-    the rank's directions by about the rate, so the product B A moves about sqrt(rank) times as far per step; the
-    scaling keeps that per-step change about the same (rank 16 at 1e-3 gained less than rank 8; rank 32 at 5e-4
-    more). At `DEFAULT_RANK` the policy has no rate of its own and trains at the run's."""
-    hints = task_registry().get(task).recipe
-    r = rank if rank is not None else hints.rank or DEFAULT_RANK
-    lr = None if r == DEFAULT_RANK else learning_rate * math.sqrt(DEFAULT_RANK / r)
-    return PolicySpec(
-        name=name,
-        task=task,
-        rank=r,
-        alpha=2.0 * r,
-        learning_rate=lr,
-        replay=hints.replay,
-        group_size=hints.group_size,
-    )
-
-
-BUILTIN_PROMPTS_PER_STEP = 16
-
-BUILTIN_STEPS = 300
-"""Steps of a policy's first revision with the built-in recipe (the main job's first wave, `mint train`). On the
-AVX2-pinned built-in base (`mint_core.engine.cpu_pin`: `add` 0.495, `sort` 0.76), `add` and `sort` trained at
-once, gains on 200 held-out items (`benchmarks/grpo_learning.py`), both at rank 8:
-- 100 steps: `add` +0.08 and +0.10, `sort` +0.07 and +0.075;
-- 200 steps: `add` +0.095 to +0.115, `sort` +0.095 to +0.11 (four rounds);
-- 300 steps: `add` +0.095 and +0.115, `sort` +0.135 and +0.15 (p < 1e-6).
-The linear decay spreads over more updates, so the late small steps keep the early gain and add to it; `sort`
-keeps gaining, `add` does not (its spec's `recipe.rank` says why it trains at 32). About 0.5 s a step for the two policies on this 2-core
-machine."""
-
-
-CONTINUE_RATE_SCALE = 0.25
-"""A continuation's share of its first revision's rate (`Continuation.rate_scale`)."""
-
-CONTINUE_WARMUP = 10
-"""A continuation's warmup, in steps (`Continuation.warmup_steps`)."""
-
-HEADROOM_GAP = 0.10
-"""The headroom (pass@G - greedy on the round's prompts) from which a continuation trains at
-`HEADROOM_RATE_SCALE` instead of `CONTINUE_RATE_SCALE` (`Continuation.min_headroom`)."""
-
-HEADROOM_RATE_SCALE = 1.0
-"""A continuation's share of the rate when its champion has headroom (`Continuation.headroom_rate_scale`)."""
-
-HEADROOM_WARMUP = 50
-"""A continuation's warmup when its champion has headroom (`Continuation.headroom_warmup_steps`): at the full rate
-a 10-step warmup dipped the fresh clone's `shout` champion (0.419) by 0.10-0.125 by step 20-50 in two seeds of
-three; over 50 steps, one of three, and the others ended +0.031 and +0.047 (p 0.02) after 200 steps."""
-
-HEADROOM_ITEMS = 128
-"""Own-task prompts of a continuation's round on which its champion's headroom is measured (`Continuation`)."""
-
 
 STEP_METRICS = ("reward_std", "no_signal", "pg_objective", "kl", "entropy", "clip_frac", "grad_norm")
 """What a step adds to the curve per policy beside its reward and loss (None where it took no update):
@@ -136,197 +59,63 @@ surrogate objective, the k3 KL to the base, the mean -logprob of its sampled tok
 the share of clipped tokens and its gradient's norm before clipping (mint_core.rl.grpo, .trainer)."""
 
 
-class Continuation(BaseModel):
-    """How a policy trains when it continues from its champion rather than from a fresh adapter (issue #33).
-
-    A continuation starts from the exported adapter alone: a PEFT revision carries no optimizer state, so AdamW's
-    moments start again, and its first steps move every weight by about the full rate whatever the gradient
-    (`benchmarks/continuation_diagnosis.py`: at the first revision's rate, the first continuation updates were
-    larger than the first wave's, a quarter to a third of the champion's greedy answers changed within 10 steps,
-    and the probe fell 0.628 -> 0.566). So a continuation trains at `rate_scale` of the rate, warmed up over its
-    first `warmup_steps` steps, and decays linearly as a first revision does. Recorded on the MLflow run (the
-    `policy` parameter's `rate_scale` and `warmup_steps`, and `continuation`)."""
+class RecipeConfig(BaseModel):
+    """A run of the recipe: its schedule and checkpoints, and what `_setup_model` loads when `setup` is given no
+    trainer (the base, the policies, the GRPO settings, the parents they continue from)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rate_scale: float = Field(CONTINUE_RATE_SCALE, gt=0.0, le=1.0)
-    """Share of the policy's rate a continuation trains at (`PolicySpec.rate_scale`), when its champion has no
-    headroom (below `min_headroom`) or none was measured."""
-    warmup_steps: int = Field(CONTINUE_WARMUP, ge=0)
-    """Steps over which a continuation's rate ramps up from 1/(w+1) of it (`PolicySpec.warmup_steps`)."""
-    min_headroom: float | None = Field(HEADROOM_GAP, ge=0.0, le=1.0)
-    """A champion whose pass@G exceeds its greedy exact match by at least this much on the round's own prompts
-    (`mint_core.rl.evaluate.headroom`, G the group size) has room to grow, and continues at
-    `headroom_rate_scale`; below it, it is saturated and continues at `rate_scale`. None: never measured."""
-    headroom_rate_scale: float = Field(HEADROOM_RATE_SCALE, gt=0.0, le=1.0)
-    """Share of the rate a continuation of a champion with headroom trains at."""
-    headroom_warmup_steps: int = Field(HEADROOM_WARMUP, ge=0)
-    """Its warmup, in steps: longer than `warmup_steps`, since it ramps up to the full rate."""
-
-    def has_room(self, room: Headroom | None) -> bool:
-        """Whether a champion that measured `room` has room to grow (None: not measured, so no)."""
-        return room is not None and self.min_headroom is not None and room.gap >= self.min_headroom - 1e-9
-
-    def rate_for(self, room: Headroom | None) -> float:
-        """The rate share of a continuation whose champion measured `room` (None: not measured)."""
-        return self.headroom_rate_scale if self.has_room(room) else self.rate_scale
+    steps: int
+    """GRPO steps of the run (a resumed run may have more than its checkpoint was made with)."""
+    prompts_per_step: int = BUILTIN_PROMPTS_PER_STEP
+    checkpoint_dir: Path
+    checkpoint_every: int = 10
+    """Steps between checkpoints (0: only at the end and when a stop is asked for)."""
+    resume: bool = True
+    """Continue from the newest checkpoint in `checkpoint_dir` (it must be of this run, `ResumeError`
+    otherwise); False: start afresh, removing the checkpoints there."""
+    mirror: str | None = None
+    """A directory or fsspec URL every host reaches where each checkpoint is also copied (None: none); a newer
+    checkpoint there (an attempt on another host got further) is pulled into `checkpoint_dir` first."""
+    dry_run: int = 0
+    """Before a first step, the reward's dry run on this many prompts per policy (`dry_run_rewards`; 0: none)."""
+    base: Path | None = None
+    """The base model's directory (None: `setup` is given the trainer)."""
+    policies: list[PolicySpec] = Field(default_factory=list)
+    grpo: GRPOConfig = BUILTIN_RECIPE
+    seed: int = 0
+    parents: dict[str, Path | None] = Field(default_factory=dict)
+    """Each policy's parent revision (a directory; None or absent: a fresh adapter)."""
+    device: str = "cpu"
+    deepspeed: Path | None = None
+    """A DeepSpeed config: the run trains under DeepSpeed (`load_trainer`)."""
+    continuation: Continuation | None = None
+    """How a policy with a parent continues from it (None: `Continuation()`)."""
 
 
 class ResumeError(MintError):
     """A checkpoint this run cannot continue from; names the checkpoint and what differs."""
 
 
-def parent_rank(parent: Path) -> int | None:
-    """The rank a parent revision's adapter_config.json (PEFT's `r`) names, read before any engine is sized for
-    it; None when it names none (`read_adapter` then says what is wrong with the revision)."""
-    try:
-        rank = json.loads((parent / CONFIG_FILE).read_text()).get("r")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1 else None
-
-
-def continue_spec(
-    spec: PolicySpec,
-    parent: AdapterWeights,
-    sites: dict[str, Site],
-    learning_rate: float,
-    continuation: Continuation | None = None,
-    room: Headroom | None = None,
-) -> PolicySpec:
-    """The spec a policy trains with when it continues from its parent revision: the parent's rank, alpha and
-    targets (its tensors fix them), whatever `spec` asks for, and the continuation recipe's rate share and
-    warmup (`Continuation`; set, not compounded, so a spec read back from a continued champion gets the same).
-    Where the rank changes, the policy's rate (its own, else the run's `learning_rate`) is scaled by
-    sqrt(spec.rank / parent.rank), as `recipe_spec` scales the rate for a rank: a form at rank 8 and the run's
-    rate continues a rank-32 champion at half that rate, the rate `recipe_spec` gives rank 32."""
-    targets = list(dict.fromkeys(sites[n].short for n in sites if n in parent.tensors))
-    cont = continuation or Continuation()
-    update: dict[str, Any] = {}
-    rate_scale = cont.rate_for(room)
-    warmup = cont.headroom_warmup_steps if cont.has_room(room) else cont.warmup_steps
-    if spec.rate_scale != rate_scale:
-        update["rate_scale"] = rate_scale
-    if spec.warmup_steps != warmup:
-        update["warmup_steps"] = warmup
-    if set(targets) != set(spec.targets):
-        update["targets"] = targets
-    if parent.alpha != spec.alpha:
-        update["alpha"] = parent.alpha
-    if parent.rank != spec.rank:
-        rate = spec.learning_rate if spec.learning_rate is not None else learning_rate
-        update["rank"] = parent.rank
-        update["learning_rate"] = rate * math.sqrt(spec.rank / parent.rank)
-    return spec.model_copy(update=update)
-
-
-CONTINUATION_FIELDS = ("rate_scale", "warmup_steps")
-"""The spec fields a continuation sets from its recipe (`Continuation`), whatever a form asked."""
-
-
-def spec_changes(asked: PolicySpec, trained: PolicySpec) -> list[str]:
-    """What its parent made a policy train with that its spec did not ask for, one "field: asked -> trained"
-    each; not the continuation recipe's fields (`CONTINUATION_FIELDS`), which every continuation sets."""
-    a, t = asked.model_dump(), trained.model_dump()
-    return [f"{k}: {a[k]} -> {t[k]}" for k in a if a[k] != t[k] and k not in CONTINUATION_FIELDS]
-
-
-def load_trainer(
-    base_dir: Path,
-    specs: list[PolicySpec],
-    grpo: GRPOConfig,
-    seed: int = 0,
-    parents: dict[str, Path | None] | None = None,
-    deepspeed: Path | None = None,
-    device: str = "cpu",
-    continuation: Continuation | None = None,
-    headroom_items: dict[str, list[Example]] | None = None,
-) -> MultiPolicyTrainer:
-    """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
-    parent revision (a directory) continues from it with the parent's rank, alpha and targets, whatever its spec
-    says, at the `continuation` recipe's rate share and warmup (`continue_spec`; a warning names what the parent
-    and the recipe overrode), the share set by its champion's headroom on the first `HEADROOM_ITEMS` of its
-    `headroom_items` (the round's own prompts; none given: not measured); the engine's slots are sized for the
-    largest rank of the parents and the fresh policies' specs. With a DeepSpeed config the process joins
-    DeepSpeed's group, loads the base where its rank trains (its own GPU; `device` is not used), and the trainer
-    is a `DeepSpeedTrainer`."""
-    found = {name: path for name, path in (parents or {}).items() if path is not None}
-    ranks = [parent_rank(found[s.name]) or s.rank if s.name in found else s.rank for s in specs]
-    if deepspeed is None:
-        base = load_base(base_dir, device=device)
-    else:
-        # only a DeepSpeed run imports deepspeed: seconds to import, and it picks an accelerator when it does
-        from mint_core.rl import distributed
-
-        distributed.init_distributed()
-        base = load_base(base_dir, *distributed.rank_placement())
-    # prompts up to the base's own positions (the engine's default, clamped by the base)
-    engine = Engine(base, EngineConfig(max_loras=len(specs), max_lora_rank=max(ranks)))
-    trained = []
-    rooms: dict[str, Headroom | None] = {}
-    for spec in specs:
-        parent = found.get(spec.name)
-        if parent is None:
-            trained.append(spec)
-            continue
-        weights = read_adapter(parent, engine.spec, name=spec.name)
-        engine.add_adapter(spec.name, weights)
-        room = None
-        items = [e for e in (headroom_items or {}).get(spec.name, []) if e.answer][:HEADROOM_ITEMS]
-        if items and (continuation or Continuation()).min_headroom is not None:
-            group = spec.group_size or grpo.group_size
-            room = headroom(engine, spec.name, items, group, grpo.temperature, grpo.max_new_tokens, seed)
-            logger.info(
-                "%s's champion on %d of its round's prompts: greedy %.3f, pass@%d %.3f (headroom %+.3f)",
-                spec.name,
-                room.items,
-                room.greedy,
-                group,
-                room.pass_k,
-                room.gap,
-            )
-        cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate, continuation, room)
-        changed = spec_changes(spec, cont)
-        if changed:
-            logger.warning("%s continues from its parent at %s: %s", spec.name, parent, "; ".join(changed))
-        trained.append(cont)
-        rooms[spec.name] = room
-    if deepspeed is None:
-        trainer: MultiPolicyTrainer = MultiPolicyTrainer(engine, grpo, trained, seed=seed)
-    else:
-        trainer = distributed.DeepSpeedTrainer(engine, grpo, trained, deepspeed, seed=seed)
-    for name, room in rooms.items():
-        trainer.policies[name].headroom = room
-    return trainer
-
-
 class TrainingRun:
-    """A trainer, the prompts it trains on, its schedule, its curve and its checkpoints (see the module doc).
+    """The recipe: a trainer, the prompts it trains on, its schedule, its curve and its checkpoints (see the
+    module doc).
 
     A plain class, not a dataclass: the flows pass it to Prefect tasks, which would walk a dataclass's fields.
     """
 
-    def __init__(
-        self,
-        trainer: MultiPolicyTrainer,
-        prompts: dict[str, list[Example]],
-        steps: int,
-        prompts_per_step: int,
-        checkpoint_dir: Path,
-        checkpoint_every: int,
-        heldout: dict[str, list[Example]] | None,
-        mirror: str | None = None,
-    ):
-        self.trainer = trainer
-        self.mirror = mirror
-        """A directory or fsspec URL every host reaches where each checkpoint is also copied (None: none)."""
-        self.prompts = prompts
-        self.steps = steps
-        self.prompts_per_step = prompts_per_step
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
-        self.heldout = heldout
-        self.identity = self._identity()
+    def __init__(self, config: RecipeConfig):
+        self.config = config
+        self.steps = config.steps
+        self.prompts_per_step = config.prompts_per_step
+        self.checkpoint_dir = config.checkpoint_dir
+        self.checkpoint_every = config.checkpoint_every
+        self.mirror = config.mirror
+        self.trainer: MultiPolicyTrainer
+        self.prompts: dict[str, list[Example]] = {}
+        """Each policy's prompts, the next step's taken from them by `batch` (a frozen policy has none)."""
+        self.heldout: dict[str, list[Example]] | None = None
+        self.identity: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         """One row per step and policy: step, policy, reward, loss (None: no update), kept_groups, seconds,
         time (when the step ended, epoch seconds) and the `STEP_METRICS`."""
@@ -350,39 +139,95 @@ class TrainingRun:
         heldout: dict[str, list[Example]] | None = None,
         mirror: str | None = None,
     ) -> TrainingRun:
-        """A run of `steps` steps. `resume`: continue from the newest checkpoint in `checkpoint_dir` when there is
-        one (it must be of this run, `ResumeError` otherwise); False: start afresh, removing the checkpoints
-        there. `heldout`: examples per policy scored greedily before training (and by `heldout_scores`).
-        `mirror`: where every checkpoint is also copied for other hosts; a newer checkpoint there (an attempt on
-        another host got further) is pulled into `checkpoint_dir` first."""
-        if steps < 1 or prompts_per_step < 1 or checkpoint_every < 0:
-            raise ValueError(
-                f"steps {steps} and prompts_per_step {prompts_per_step} must be >= 1, "
-                f"checkpoint_every {checkpoint_every} >= 0"
-            )
-        short = {p: len(v) for p, v in prompts.items() if len(v) < steps * prompts_per_step}
-        if set(prompts) != set(trainer.policies) or short:
-            raise ValueError(
-                f"a run of {steps} steps x {prompts_per_step} prompts needs {steps * prompts_per_step} prompts "
-                f"for each of {sorted(trainer.policies)}; got {sorted(prompts)}, too few for {short}"
-            )
-        run = cls(
-            trainer, prompts, steps, prompts_per_step, checkpoint_dir, checkpoint_every, heldout, mirror
+        """A run of `steps` steps of a trainer already loaded, set up (see `RecipeConfig` for the rest)."""
+        config = RecipeConfig(
+            steps=steps,
+            prompts_per_step=prompts_per_step,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            mirror=mirror,
         )
-        if resume and mirror is not None and is_lead_process():
-            pulled = pull_checkpoint(mirror, checkpoint_dir)
-            if pulled is not None:
-                logger.info("pulled %s from the mirror %s", pulled.name, mirror)
-        ckpt = latest_checkpoint(checkpoint_dir)
-        if resume and ckpt is not None:
-            run._resume(ckpt)
-            return run
-        if ckpt is not None and is_lead_process():
-            logger.info("starting afresh: removing the checkpoints in %s", checkpoint_dir)
-            shutil.rmtree(checkpoint_dir)
-        if heldout is not None:
-            run.heldout_before = run.heldout_scores()
+        run = cls(config)
+        run.setup(prompts, heldout, trainer)
         return run
+
+    # ---- setup ---------------------------------------------------------------------------------------
+
+    def setup(
+        self,
+        prompts: dict[str, list[Example]],
+        heldout: dict[str, list[Example]] | None = None,
+        trainer: MultiPolicyTrainer | None = None,
+    ) -> None:
+        """Everything before the first step: the trainer (`trainer`, else `_setup_model`), the prompts, each
+        policy's adapter and AdamW afresh or from the newest checkpoint, then for a fresh run the held-out
+        scores before training (`heldout`: examples per policy, scored greedily) and the reward's dry run."""
+        c = self.config
+        if c.steps < 1 or c.prompts_per_step < 1 or c.checkpoint_every < 0:
+            raise ValueError(
+                f"steps {c.steps} and prompts_per_step {c.prompts_per_step} must be >= 1, "
+                f"checkpoint_every {c.checkpoint_every} >= 0"
+            )
+        self.trainer = trainer if trainer is not None else self._setup_model(prompts)
+        self._setup_data(prompts, heldout)
+        self.identity = self._identity()
+        if self._setup_optimizer():
+            return
+        if heldout is not None:
+            self.heldout_before = self.heldout_scores()
+        if c.dry_run and self.trainer.steps == 0:
+            dry_run_rewards(self.trainer, prompts, c.dry_run)
+
+    def _setup_model(self, prompts: dict[str, list[Example]]) -> MultiPolicyTrainer:
+        """The base and a trainer of the config's policies over it (`load_trainer`), a continuing champion's
+        headroom measured on its own task's prompts (not the replayed rows of other tasks)."""
+        c = self.config
+        if c.base is None:
+            raise ValueError("a recipe with no base to load needs a trainer")
+        own = {s.name: [e for e in prompts[s.name] if e.task == s.task] for s in c.policies}
+        return load_trainer(
+            c.base,
+            c.policies,
+            c.grpo,
+            c.seed,
+            c.parents,
+            deepspeed=c.deepspeed,
+            device=c.device,
+            continuation=c.continuation,
+            headroom_items=own,
+        )
+
+    def _setup_data(
+        self, prompts: dict[str, list[Example]], heldout: dict[str, list[Example]] | None
+    ) -> None:
+        """Take each policy's prompts, enough of them for every step."""
+        steps, k = self.steps, self.prompts_per_step
+        short = {p: len(v) for p, v in prompts.items() if len(v) < steps * k}
+        if set(prompts) != set(self.trainer.policies) or short:
+            raise ValueError(
+                f"a run of {steps} steps x {k} prompts needs {steps * k} prompts "
+                f"for each of {sorted(self.trainer.policies)}; got {sorted(prompts)}, too few for {short}"
+            )
+        self.prompts = prompts
+        self.heldout = heldout
+
+    def _setup_optimizer(self) -> bool:
+        """Each policy's adapter and AdamW moments from the newest checkpoint (`resume`; pulled from the mirror
+        first when the mirror has a newer one), or afresh, removing the checkpoints there; True: resumed."""
+        c = self.config
+        if c.resume and c.mirror is not None and is_lead_process():
+            pulled = pull_checkpoint(c.mirror, c.checkpoint_dir)
+            if pulled is not None:
+                logger.info("pulled %s from the mirror %s", pulled.name, c.mirror)
+        ckpt = latest_checkpoint(c.checkpoint_dir)
+        if c.resume and ckpt is not None:
+            self._resume(ckpt)
+            return True
+        if ckpt is not None and is_lead_process():
+            logger.info("starting afresh: removing the checkpoints in %s", c.checkpoint_dir)
+            shutil.rmtree(c.checkpoint_dir)
+        return False
 
     # ---- one step ------------------------------------------------------------------------------------
 
@@ -432,7 +277,9 @@ class TrainingRun:
 
     # ---- the loop ------------------------------------------------------------------------------------
 
-    def run(self, step: Callable[[], object] | None = None, stop: Callable[[], bool] = lambda: False) -> bool:
+    def train(
+        self, step: Callable[[], object] | None = None, stop: Callable[[], bool] = lambda: False
+    ) -> bool:
         """Step until `steps` are done, checkpointing every `checkpoint_every` steps and at the end. `step` runs
         one step (default `self.step`; the flows run it as tasks). When `stop()` is true after a step, the run
         is checkpointed there and this returns False (True: finished). Every rank calls it under DeepSpeed."""
@@ -441,16 +288,16 @@ class TrainingRun:
         while not self.done:
             one()
             if stop():
-                self.checkpoint()
+                self.save_checkpoint()
                 return False
             every = self.checkpoint_every
             if every and self.trainer.steps % every == 0 and not self.done:
-                self.checkpoint()
+                self.save_checkpoint()
         if self.trainer.steps > first:
-            self.checkpoint()
+            self.save_checkpoint()
         return True
 
-    def checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path:
         """The run as its newest checkpoint, written whole or not at all; the older ones beyond
         `KEEP_CHECKPOINTS` are removed."""
         record = {"args": self.identity, "before": self.heldout_before, "history": self.history}
@@ -463,6 +310,12 @@ class TrainingRun:
         """Each policy's greedy exact match on its held-out examples now."""
         assert self.heldout is not None, "a run started without held-out examples"
         return {name: heldout_scores(self.trainer.engine, name, self.heldout[name]) for name in self.prompts}
+
+    def freeze(self, names: list[str]) -> None:
+        """Leave policies out of the next rollouts, and so out of the updates: their adapters stay as they are
+        (`batch` takes the prompts of the policies in `prompts`)."""
+        for name in names:
+            self.prompts.pop(name, None)
 
     # ---- resume ----------------------------------------------------------------------------------------
 
@@ -509,41 +362,3 @@ class TrainingRun:
         self.resumed_step = self.trainer.steps
         self.resumed_checkpoint = ckpt
         logger.info("resumed from %s (step %d of %d)", ckpt, self.trainer.steps, self.steps)
-
-
-def dry_run_rewards(
-    trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]], k: int
-) -> dict[str, float]:
-    """Before the first step: the bare base's own completions of each policy's first `k` prompts of its own task
-    (`group_size` samples each, as the rollouts sample), scored by the policy's reward; `NoRewardSignal` names the
-    task whose reward gives them all one score (GRPO would learn nothing). Returns each policy's mean reward."""
-    cfg = trainer.config
-    out = {}
-    for name, examples in prompts.items():
-        own = trainer.policies[
-            name
-        ].spec.task  # not the replayed rows of other tasks: they have their own rewards
-        exs = [e for e in [x for x in examples if x.task == own][:k] for _ in range(trainer.group_size(name))]
-        params = [
-            SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
-            for i in range(len(exs))
-        ]
-        eng = trainer.engine
-        done = eng.generate(
-            [Request(prompt_ids(eng.tokenizer, e.prompt), None, p) for e, p in zip(exs, params, strict=True)]
-        )
-        texts = [c.text for c in done]
-        spec = trainer.policies[name].spec
-        task = trainer.rewarder.tasks.get(spec.task)
-        if spec.reward is not None:
-            task = override_spec(task, spec.reward)
-        scores = dry_run(trainer.rewarder, task, exs, texts)
-        out[name] = sum(scores) / len(scores)
-        logger.info(
-            "dry run of %s (task %s): mean reward %.3f on %d base completions",
-            name,
-            task.name,
-            out[name],
-            len(scores),
-        )
-    return out

@@ -41,7 +41,7 @@ from mint_core.eval.suites import standalone_suites
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.runs import log_training_run
-from mint_core.rl.recipe import recipe_spec
+from mint_core.rl.builder import recipe_spec
 from tasks.registry import EXPERIMENT
 from tests.fault_points import FAULT_ENV
 from tests.integration.conftest import (

@@ -23,6 +23,7 @@ from flows.lifecycle import wave
 from flows.retrain import retrain
 from mint_core.data.build import write_task_data
 from mint_core.engine.base import load_base
+from mint_core.eval.early_stop import EarlyStop
 from mint_core.eval.gate import GATE_TAG, GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites
@@ -31,11 +32,10 @@ from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.registry.runs import log_training_run, tag_version
+from mint_core.rl.builder import Continuation
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from mint_core.rl.recipe import Continuation
 from tasks.registry import EXPERIMENT, NO_GAIN_TAG
-from tasks.training import EarlyStop
 from tests.fault_points import FAULT_ENV
 from tests.integration.conftest import save_tiny_base, start_server, stop_server
 

@@ -72,8 +72,10 @@ def test_the_builtin_recipe_beats_the_base_significantly(builtin_base: Path, tmp
     (`benchmarks/grpo_learning.py` measured add +0.13 to +0.15 and sort +0.135 to +0.17 over rounds)."""
     from mint_app.job_config import MainJobConfig
     from mint_core.eval.gate import discordant, mcnemar_p
+    from mint_core.rl.builder import recipe_spec
+    from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
     from mint_core.rl.evaluate import heldout_correct
-    from mint_core.rl.recipe import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE, TrainingRun, recipe_spec
+    from mint_core.rl.recipe import TrainingRun
 
     cfg = MainJobConfig()
     tasks = ["add", "sort"]
@@ -89,7 +91,7 @@ def test_the_builtin_recipe_beats_the_base_significantly(builtin_base: Path, tmp
     run = TrainingRun.start(
         trainer, {t: data[t][0] for t in tasks}, steps, k, tmp_path / "ckpt", checkpoint_every=0
     )
-    run.run()
+    run.train()
     for t in tasks:
         after = heldout_correct(engine, t, data[t][1])
         gained, lost = discordant(after, base[t])

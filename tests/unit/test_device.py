@@ -126,7 +126,8 @@ def test_the_server_mint_up_starts_accepts_the_builtin_recipes_rank(
     """The main job trains `add` at rank 32 (`recipe_spec`); the server `mint up` starts must load it, though the
     serving default (vLLM's) is 16. A serving config or the environment that sets a rank keeps its own."""
     from mint_core.data.spec import BUILTIN_DIR, TaskRegistry
-    from mint_core.rl.recipe import DEFAULT_RANK, recipe_spec
+    from mint_core.rl.builder import recipe_spec
+    from mint_core.rl.constants import DEFAULT_RANK
 
     monkeypatch.delenv("MINT_SERVE_MAX_LORA_RANK", raising=False)
     assert job_config.MainJobConfig().rank is None  # each task's own
@@ -148,7 +149,8 @@ def test_the_server_mint_up_starts_accepts_the_builtin_recipes_rank(
 
 
 def test_recipe_spec_scales_the_rate_to_the_rank() -> None:
-    from mint_core.rl.recipe import BUILTIN_RECIPE, recipe_spec
+    from mint_core.rl.builder import recipe_spec
+    from mint_core.rl.constants import BUILTIN_RECIPE
 
     add, sort = recipe_spec("a", "add"), recipe_spec("s", "sort")
     assert (add.rank, add.alpha, add.learning_rate) == (

@@ -102,7 +102,7 @@ def test_the_curve_carries_every_step_metric(make_engine, tmp_path: Path) -> Non
     trainer = _trainer(make_engine)
     prompts = {"adder": split("add", 4, 1, 0)[0]}
     run = TrainingRun.start(trainer, prompts, 2, 2, tmp_path / "ckpt", checkpoint_every=0)
-    run.run()
+    run.train()
     assert [row["step"] for row in run.history] == [1, 2]
     for row in run.history:
         assert set(STEP_METRICS) <= set(row) and row["time"] > 0

@@ -17,18 +17,12 @@ from mint_core.data.generators import split
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.rl.builder import Continuation, continue_spec, load_trainer, spec_changes
 from mint_core.rl.checkpoints import checkpoints
 from mint_core.rl.evaluate import Headroom, headroom
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from mint_core.rl.recipe import (
-    Continuation,
-    ResumeError,
-    TrainingRun,
-    continue_spec,
-    load_trainer,
-    spec_changes,
-)
+from mint_core.rl.recipe import ResumeError, TrainingRun
 
 GRPO = GRPOConfig(
     group_size=2, max_new_tokens=4, learning_rate=1e-2, weight_decay=0.5, drop_zero_variance=False
@@ -63,10 +57,10 @@ def revisions(run: TrainingRun, where: Path) -> dict[str, bytes]:
 
 def test_stopped_and_resumed_ends_where_an_uninterrupted_run_does(base_dir: Path, tmp_path: Path) -> None:
     straight = start(base_dir, tmp_path / "straight")
-    assert straight.run() and straight.trainer.steps == 4
+    assert straight.train() and straight.trainer.steps == 4
 
     stopped = start(base_dir, tmp_path / "stopped")
-    assert not stopped.run(stop=lambda: stopped.trainer.steps == 2)  # stop asked during step 2
+    assert not stopped.train(stop=lambda: stopped.trainer.steps == 2)  # stop asked during step 2
     assert [p.name for p in checkpoints(tmp_path / "stopped")] == ["step-00001", "step-00002"]  # two deep
 
     # the flows' way: the same step as separate rollout and update calls
@@ -76,7 +70,7 @@ def test_stopped_and_resumed_ends_where_an_uninterrupted_run_does(base_dir: Path
     def rollout_then_update() -> None:
         resumed.update(resumed.rollout())
 
-    assert resumed.run(rollout_then_update)
+    assert resumed.train(rollout_then_update)
     assert revisions(resumed, tmp_path / "a") == revisions(straight, tmp_path / "b")
     assert [(h["step"], h["policy"]) for h in resumed.history] == [
         (s, t) for s in range(1, 5) for t in PROMPTS
@@ -100,7 +94,7 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(
     base_dir: Path, tmp_path: Path, case: str, change: dict[str, int], expected: str
 ) -> None:
     first = start(base_dir, tmp_path)
-    first.run(stop=lambda: first.trainer.steps == 2)
+    first.train(stop=lambda: first.trainer.steps == 2)
     with pytest.raises(ResumeError, match=expected):
         start(base_dir, tmp_path, **change)
     assert [p.name for p in checkpoints(tmp_path)] == ["step-00001", "step-00002"], case
@@ -108,7 +102,7 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(
 
 def test_a_fresh_start_replaces_old_checkpoints_and_scores_heldout(base_dir: Path, tmp_path: Path) -> None:
     first = start(base_dir, tmp_path)
-    first.run(stop=lambda: True)
+    first.train(stop=lambda: True)
     heldout = {t: split(t, 0, 3, 0)[1] for t in PROMPTS}
     fresh = start(base_dir, tmp_path, resume=False, heldout=heldout)
     assert fresh.resumed_step == 0 and not checkpoints(tmp_path)
@@ -267,7 +261,8 @@ def test_load_trainer_measures_each_continuing_champion_on_its_prompts(
 
 
 def test_a_tasks_recipe_section_sets_its_policies_hints(tmp_path: Path, register_tasks: Any) -> None:
-    from mint_core.rl.recipe import DEFAULT_RANK, recipe_spec
+    from mint_core.rl.builder import recipe_spec
+    from mint_core.rl.constants import DEFAULT_RANK
 
     task = tmp_path / "hinted"
     task.mkdir()

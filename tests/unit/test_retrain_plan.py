@@ -29,12 +29,13 @@ from mint_core.data.build import write_task_data
 from mint_core.data.checks import PromptBounds
 from mint_core.data.generators import Example, read_jsonl
 from mint_core.data.revision import evaluated_prompts, fresh_examples, probe_examples, train_prompts
+from mint_core.eval.early_stop import EarlyStop, Plateau, Probe, ProbeLog, probe_gain
 from mint_core.eval.gate import GATE_TAG
 from mint_core.eval.suites import build_suite_data
 from mint_core.lifecycle.prompts import round_seed
 from mint_core.rl.policy import PolicySpec
 from tasks.registry import NO_GAIN_TAG
-from tasks.training import EarlyStop, Plateau, ProbeLog, ProbeResult, probe_gain, validate_data
+from tasks.training import validate_data
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -259,7 +260,7 @@ def test_probe_log_keeps_the_probes_up_to_the_checkpoint_and_only_for_its_items(
     log = ProbeLog.read(path, items, upto=0)
     assert log.probes == []
     for step in (0, 10, 20):
-        log.probes.append(ProbeResult(step=step, correct={"a": [step >= 10]}))
+        log.probes.append(Probe(step=step, correct={"a": [step >= 10]}))
     log.write(path)
     assert [p.step for p in ProbeLog.read(path, items, upto=10).probes] == [0, 10]
     other = {"a": [Example("a-1", "add", "add: 2+2 =", "4")]}
