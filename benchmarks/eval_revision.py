@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import add_device, checked_device, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +98,7 @@ def main() -> None:
     from mint_core.eval.lm_eval_runner import evaluate_served
     from mint_core.eval.results import EvalConfig, EvalResult, LocalModel, ServedModel, differences
     from mint_core.eval.suites import SUITES_DIR, standalone_suites
-    from tests.integration.conftest import start_server, stop_server
+    from mint_testkit.harness import start_server, stop_server
 
     torch.set_num_threads(args.threads)
     tasks = list(GENERATORS)

@@ -68,7 +68,6 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
 from _common import SHAPES, peak_rss_bytes, report, shape_config
 
 from mint_core.engine.base import Base, discover_sites, fingerprint, load_base
@@ -76,10 +75,9 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
 from mint_core.serving.client import ServingClient
 from mint_core.types import Site
-from tests.integration.conftest import free_port, server_log, start_server, stop_server
+from mint_testkit.harness import ADMIN_TOKEN, free_port, server_log, start_server, stop_server
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADMIN_TOKEN = "admin-secret"  # the token tests.integration.conftest.start_server sets
 PROMPT = "hand"  # 4 byte tokens
 RECEIVER = Path(__file__).resolve().parent / "_handoff_server.py"
 

@@ -2,7 +2,7 @@
 loads with 1 and with 2 replicas under each routing policy, promotion time, and what the front and the router cost
 against one bare vLLM, on one load.
 
-Setup: the tiny dense Llama with head_dim 32 that vLLM's CPU attention runs (tests.integration.conftest
+Setup: the tiny dense Llama with head_dim 32 that vLLM's CPU attention runs (mint_testkit.harness
 `save_tiny_base(vllm=True)`), float32. Two vLLM replicas (`.venv-vllm`, MINT_VLLM_PYTHON) started as `mint up
 --replicas 2` starts them (VLLMConfig with `replica=True`: sealed, GET /health open for the router, the routed key,
 each answer naming its replica), `--max-loras` (4) slots each, max_cpu_loras 4 x that, as `mint up`. Then
@@ -83,7 +83,6 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
 from _common import add_device, checked, checked_device, load_avg, pct, report
 
 from mint_core.engine.base import Base, load_base
@@ -94,7 +93,8 @@ from mint_core.serving.fleet import REPLICA_HEADER
 from mint_core.serving.gateway import BASE_ADAPTER
 from mint_core.serving.vllm_process import VLLMConfig, replica_cpus
 from mint_core.serving.vllm_router import RouterConfig
-from tests.integration.conftest import (
+from mint_testkit.harness import (
+    ADMIN_TOKEN,
     VLLM_BASE_NAME,
     VLLM_KEY,
     VLLM_PYTHON,
@@ -108,7 +108,7 @@ from tests.integration.conftest import (
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK = 8
-ADMIN = {"Authorization": "Bearer admin-secret"}  # the token conftest.start_server sets
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 KEY = {"Authorization": f"Bearer {VLLM_KEY}"}
 ROUTED_KEY = "routed-key-for-the-benchmark"
 ROUTER = VLLM_PYTHON.parent / "vllm-router"

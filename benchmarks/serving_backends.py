@@ -1,10 +1,10 @@
 """The two serving backends side by side: mint serve against vLLM behind mint's front, one base, 4 figures.
 
-Both serve the same base: the tiny dense Llama with head_dim 32 (tests.integration.conftest
+Both serve the same base: the tiny dense Llama with head_dim 32 (mint_testkit.harness
 `save_tiny_base(vllm=True)`; vLLM's CPU attention needs head_dim >= 32), float32, written once to a temporary
 Hugging Face directory. mint: `mint serve --base <dir>`. vLLM: the interpreter MINT_VLLM_PYTHON names (default
-.venv-vllm/bin/python), started by conftest `start_vllm` (loopback, its own key, max_loras 4, max rank 16),
-behind `mint serve --backend vllm` (the front, conftest `start_front`). Each backend has its own adapter
+.venv-vllm/bin/python), started by mint_testkit's `start_vllm` (loopback, its own key, max_loras 4, max rank 16),
+behind `mint serve --backend vllm` (the front, `start_front`). Each backend has its own adapter
 store; every adapter is rank 8 on q,k,v,o with random weights, written into both. Every server computes on one
 CPU thread: on a 2-core machine vLLM binds its worker to one core (and keeps the other for its scheduler), and
 mint serve gets MINT_SERVE_TORCH_THREADS=1. mint serve and the front log at warning (no access log); vLLM runs
@@ -77,14 +77,14 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
 from _common import checked, load_avg, pct, report
 from handoff import merge, unique_state
 from hot_swap import ask
 
 from mint_core.engine.base import Base, load_base
 from mint_core.lora.adapter import WEIGHTS_FILE, AdapterWeights, random_adapter, save_adapter
-from tests.integration.conftest import (
+from mint_testkit.harness import (
+    ADMIN_TOKEN,
     VLLM_BASE_NAME,
     VLLM_KEY,
     VLLM_PYTHON,
@@ -99,8 +99,8 @@ from tests.integration.conftest import (
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK = 8
-# the admin token conftest.start_server sets, on mint serve and on the front alike
-ADMIN = {"Authorization": "Bearer admin-secret"}
+# the admin token start_server sets, on mint serve and on the front alike
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PROMPT = "Which backend answers this one?"
 # This script's own connections: uvicorn (mint serve, the front, vLLM) closes one idle for 5 s, and httpx's pool
 # keeps one 5 s by default; a request sent on one as the server closes it would fail here, not in the server.

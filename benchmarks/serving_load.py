@@ -42,16 +42,15 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
 from _common import add_device, checked_device, pct, report
 
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
-from tests.integration.conftest import server_log, start_server, stop_server
+from mint_testkit.harness import ADMIN_TOKEN, server_log, start_server, stop_server
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ADMIN = {"Authorization": "Bearer admin-secret"}  # the token tests.integration.conftest.start_server sets
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 class Server:

@@ -34,11 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
-import random
 import shutil
 import signal
-import struct
 import sys
 import tempfile
 import threading
@@ -48,23 +45,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.integration.conftest
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import report
 
-from benchmarks._common import report
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
-from mint_core.lora.adapter import (
-    CONFIG_FILE,
-    FINGERPRINT_KEY,
-    WEIGHTS_FILE,
-    random_adapter,
-    save_adapter,
-)
-from tests.integration.conftest import (
+from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_testkit import bad_adapters as bad
+from mint_testkit.bad_adapters import RANK, TARGETS
+from mint_testkit.harness import (
+    ADMIN_TOKEN,
     VLLM_BASE_NAME,
     VLLM_KEY,
     free_port,
@@ -76,155 +67,28 @@ from tests.integration.conftest import (
 
 PROMPTS = ["Once upon a time", "2+3=", "The capital of France is", "def main():"]
 MAX_TOKENS = 16
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-RANK = 8
-Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 HEALTHY = {"good-a": 11, "good-b": 12}  # co-tenants: name -> seed
-ADMIN = "admin-secret"  # the front's admin token (tests.integration.conftest.start_server sets it)
 MARKER = "UNPICKLED"
 HTTP_TIMEOUT_S = 120.0
 
 
-# ---- the cases: a healthy adapter directory corrupted one way ------------------------------------------------
-
-
-class _Payload:
-    """Unpickling this creates a file: proof that a server unpickled the adapter."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Path.touch, (self.marker,))
-
-
-def _edit_weights(
-    d: Path, edit: Callable[[dict[str, torch.Tensor]], None], metadata: dict[str, str] | None = None
-) -> None:
-    with safe_open(str(d / WEIGHTS_FILE), "pt") as f:
-        meta = dict(f.metadata() or {})
-    state = {k: v.clone() for k, v in load_file(str(d / WEIGHTS_FILE)).items()}
-    edit(state)
-    save_file(state, str(d / WEIGHTS_FILE), metadata={**meta, **(metadata or {})})
-
-
-def _edit_config(d: Path, **changes: object) -> None:
-    config = json.loads((d / CONFIG_FILE).read_text())
-    config.update(changes)
-    (d / CONFIG_FILE).write_text(json.dumps(config))
-
-
-def healthy(d: Path, ctx: dict[str, Any]) -> None:
-    """The control: nothing wrong with it."""
-
-
-def nan_lora_b_only(d: Path, ctx: dict[str, Any]) -> None:
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        state[f"{Q0}.lora_B.weight"][0, 0] = float("nan")
-
-    _edit_weights(d, edit)
-
-
-def nan_lora_a_only(d: Path, ctx: dict[str, Any]) -> None:  # the contract test's "NaN values"
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        state[f"{Q0}.lora_A.weight"][0, 0] = float("nan")
-
-    _edit_weights(d, edit)
-
-
-def nan_everywhere(d: Path, ctx: dict[str, Any]) -> None:
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        for t in state.values():
-            t.fill_(float("nan"))
-
-    _edit_weights(d, edit)
-
-
-def shape_mismatch(d: Path, ctx: dict[str, Any]) -> None:
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        state[f"{Q0}.lora_A.weight"] = state[f"{Q0}.lora_A.weight"][:, :-1].contiguous()
-
-    _edit_weights(d, edit)
-
-
-def rank_above_max(d: Path, ctx: dict[str, Any]) -> None:
-    # config and tensors agree on r=32: the only problem is the server's max rank (16)
-    g = torch.Generator().manual_seed(5)
-
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        for k, t in state.items():
-            shape = (32, t.shape[1]) if ".lora_A." in k else (t.shape[0], 32)
-            state[k] = torch.randn(*shape, generator=g) * 0.3
-
-    _edit_weights(d, edit)
-    _edit_config(d, r=32, lora_alpha=64)
-
-
-def other_base(d: Path, ctx: dict[str, Any]) -> None:
-    # same shapes, recorded (in the safetensors metadata, as mint writes it) as made for another base
-    _edit_weights(d, lambda state: None, {FINGERPRINT_KEY: ctx["other_fingerprint"]})
-
-
-def pickle_bin(d: Path, ctx: dict[str, Any]) -> None:
-    (d / WEIGHTS_FILE).unlink()
-    (d / "adapter_model.bin").write_bytes(pickle.dumps(_Payload(ctx["marker"])))
-
-
-def truncated(d: Path, ctx: dict[str, Any]) -> None:
-    data = (d / WEIGHTS_FILE).read_bytes()
-    (d / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
-
-
-def garbage_header(d: Path, ctx: dict[str, Any]) -> None:
-    data = (d / WEIGHTS_FILE).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    (d / WEIGHTS_FILE).write_bytes(data[:8] + random.Random(0).randbytes(n) + data[8 + n :])
-
-
-def target_layer_not_in_base(d: Path, ctx: dict[str, Any]) -> None:
-    # the base has 2 layers: layer 9's q_proj does not exist (a module type the base has, at a place it lacks)
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        layer9 = "base_model.model.model.layers.9.self_attn.q_proj"
-        state[f"{layer9}.lora_A.weight"] = torch.full((RANK, 64), 0.3)
-        state[f"{layer9}.lora_B.weight"] = torch.full((64, RANK), 0.3)
-
-    _edit_weights(d, edit)
-
-
-def target_module_unknown(d: Path, ctx: dict[str, Any]) -> None:
-    # a module type the base does not have at all
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        bogus = "base_model.model.model.layers.0.self_attn.x_proj"
-        state[f"{bogus}.lora_A.weight"] = torch.full((RANK, 64), 0.3)
-        state[f"{bogus}.lora_B.weight"] = torch.full((64, RANK), 0.3)
-
-    _edit_weights(d, edit)
-    _edit_config(d, target_modules=[*TARGETS, "x_proj"])
-
-
-def missing_config(d: Path, ctx: dict[str, Any]) -> None:
-    (d / CONFIG_FILE).unlink()
-
-
-def dora_config(d: Path, ctx: dict[str, Any]) -> None:
-    _edit_config(d, use_dora=True)
-
+# ---- the cases: a healthy adapter directory corrupted one way (mint_testkit.bad_adapters) ------------------
 
 CASES: dict[str, Callable[[Path, dict[str, Any]], None]] = {
-    "control_healthy": healthy,
-    "nan_lora_B_only": nan_lora_b_only,
-    "nan_lora_A_only": nan_lora_a_only,
-    "nan_everywhere": nan_everywhere,
-    "shape_mismatch": shape_mismatch,
-    "rank_32_above_max_16": rank_above_max,
-    "other_base_fingerprint": other_base,
-    "pickle_bin_weights": pickle_bin,
-    "truncated_safetensors": truncated,
-    "garbage_header": garbage_header,
-    "target_layer_not_in_base": target_layer_not_in_base,
-    "target_module_unknown": target_module_unknown,
-    "missing_adapter_config": missing_config,
-    "dora_config": dora_config,
+    "control_healthy": lambda d, ctx: None,  # the control: nothing wrong with it
+    "nan_lora_B_only": lambda d, ctx: bad.nan_value(d, "lora_B"),
+    "nan_lora_A_only": lambda d, ctx: bad.nan_value(d, "lora_A"),  # the contract test's "NaN values"
+    "nan_everywhere": lambda d, ctx: bad.nan_everywhere(d),
+    "shape_mismatch": lambda d, ctx: bad.shape_mismatch(d),
+    "rank_32_above_max_16": lambda d, ctx: bad.rank_above_max(d, 32),
+    "other_base_fingerprint": lambda d, ctx: bad.other_base(d, ctx["other_fingerprint"]),
+    "pickle_bin_weights": lambda d, ctx: bad.pickle_weights(d, ctx["marker"]),
+    "truncated_safetensors": lambda d, ctx: bad.truncated(d),
+    "garbage_header": lambda d, ctx: bad.garbage_header(d),
+    "target_layer_not_in_base": lambda d, ctx: bad.layer_not_in_base(d),
+    "target_module_unknown": lambda d, ctx: bad.module_unknown(d),
+    "missing_adapter_config": lambda d, ctx: bad.missing_config(d),
+    "dora_config": lambda d, ctx: bad.dora_config(d),
 }
 
 
@@ -640,7 +504,7 @@ def main() -> None:
             t0 = time.monotonic()
             front, furl = start_front(f"http://127.0.0.1:{vport}", store, base_dir, fport, None)
             summary["front_start_s"] = round(time.monotonic() - t0, 1)
-            f = Target(furl, None, ADMIN)
+            f = Target(furl, None, ADMIN_TOKEN)
             v = Target(f"http://127.0.0.1:{vport}", VLLM_KEY, VLLM_KEY)
             for name in HEALTHY:
                 r = f.load(name, name)

@@ -21,7 +21,7 @@ from mint_core.lifecycle.smoke import served_revision
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import free_port
+from mint_testkit.harness import free_port
 
 SERVICES: list[ServiceName] = ["mlflow", "serve", "hooks"]
 BOUND_S = 3.0

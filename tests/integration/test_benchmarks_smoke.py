@@ -158,7 +158,8 @@ def test_replicas_runs_quick(run_benchmark: Callable[..., dict[str, Any]]) -> No
     """Two real vLLM replicas behind vllm-router and mint's fronts (minutes: two vLLM starts, the `slow` tier):
     every target answers the load, a promotion reaches every replica, and the summary carries every ratio."""
     from mint_core.serving.vllm_process import vllm_available
-    from tests.integration.conftest import VLLM_PYTHON, require
+    from mint_testkit.harness import VLLM_PYTHON
+    from mint_testkit.skips import require
 
     router = VLLM_PYTHON.parent / "vllm-router"
     require(vllm_available(VLLM_PYTHON) and router.is_file(), f"vLLM's environment with {router}")

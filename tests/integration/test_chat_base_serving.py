@@ -21,15 +21,8 @@ from mint_core.engine.chat import render_prompt
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.serving.base_check import check_base
 from mint_core.serving.vllm_process import vllm_available
-from tests.integration.conftest import (
-    VLLM_KEY,
-    VLLM_PYTHON,
-    free_port,
-    require,
-    start_server,
-    start_vllm,
-    stop_server,
-)
+from mint_testkit.harness import VLLM_KEY, VLLM_PYTHON, free_port, start_server, start_vllm, stop_server
+from mint_testkit.skips import require
 
 pytestmark = pytest.mark.integration
 

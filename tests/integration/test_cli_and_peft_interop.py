@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from mint_core.engine.base import load_base
 from mint_core.engine.engine import Engine, EngineConfig
-from tests.integration.conftest import cli_env, mint_cli
+from mint_testkit.harness import cli_env, mint_cli
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 
 from mint_app.service_config import ServicesConfig
 from mint_app.services import start, stop
-from tests.integration.conftest import cli_env, free_port
+from mint_testkit.harness import cli_env, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -39,7 +39,7 @@ from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.mlflow_registry import UnknownRevision
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from tests.integration.conftest import free_port, save_tiny_base, start_server, stop_server
+from mint_testkit.harness import free_port, save_tiny_base, start_server, stop_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

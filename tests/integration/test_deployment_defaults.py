@@ -42,17 +42,11 @@ from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter
 from mint_core.registry.runs import log_training_run
 from mint_core.rl.builder import recipe_spec
+from mint_testkit.harness import free_port, mint_cli, save_tiny_base, start_server, stop_server
+from mint_testkit.skips import require
 from tasks.registry import EXPERIMENT
 from tests.fault_points import FAULT_ENV
-from tests.integration.conftest import (
-    free_port,
-    mint_cli,
-    require,
-    running_service,
-    save_tiny_base,
-    start_server,
-    stop_server,
-)
+from tests.integration.conftest import running_service
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from mint_core.data.build import DataParams
 from mint_core.data.checks import CheckParams
 from mint_core.data.revision import data_rev
 from mint_core.engine.pretrain import PretrainParams
-from tests.integration.conftest import cli_env
+from mint_testkit.harness import cli_env
 
 pytestmark = pytest.mark.integration
 

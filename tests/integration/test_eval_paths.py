@@ -33,7 +33,7 @@ from mint_core.eval.results import (
 )
 from mint_core.eval.suites import SuiteError, standalone_suites
 from mint_core.lora.adapter import random_adapter, save_adapter
-from tests.integration.conftest import free_port, start_server, stop_server
+from mint_testkit.harness import free_port, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import run_fault_suite
+from mint_testkit.harness import run_fault_suite
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(3600)]
 

@@ -45,17 +45,10 @@ from mint_core.registry.mlflow_registry import AliasConflict, Registry, Registry
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.serving.client import ServingError
+from mint_testkit.harness import free_port, save_tiny_base, start_front, start_server, stop_server, unload_all
 from tasks.common import is_transient
 from tests.fault_points import FAULT_ENV, installed
-from tests.integration.conftest import (
-    VLLMServer,
-    free_port,
-    save_tiny_base,
-    start_front,
-    start_server,
-    stop_server,
-    unload_all,
-)
+from tests.integration.conftest import VLLMServer
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from mint_app.service_config import SERVICES
-from tests.integration.conftest import free_port, mint_cli, require
+from mint_testkit.harness import free_port, mint_cli
+from mint_testkit.skips import require
 
 # a fresh main job trains 300 steps per policy and evaluates 320-item suites: minutes, more beside other work
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
-from tests.integration.conftest import VLLMServer, start_server, stop_server
+from mint_testkit.harness import start_server, stop_server
+from tests.integration.conftest import VLLMServer
 
 pytestmark = pytest.mark.integration
 ADMIN = {"Authorization": "Bearer admin-secret"}

@@ -52,14 +52,9 @@ from mint_core.lifecycle.leases import run_lease
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
-from tests.integration.conftest import (
-    PG_ADMIN_URL,
-    free_port,
-    require,
-    save_tiny_base,
-    start_server,
-    stop_server,
-)
+from mint_testkit.harness import free_port, save_tiny_base, start_server, stop_server
+from mint_testkit.skips import require
+from tests.integration.conftest import PG_ADMIN_URL
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600)]
 

@@ -33,16 +33,9 @@ from mint_core.lifecycle.workspace import Workspace
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.serving.vllm_process import vllm_available
+from mint_testkit.harness import VLLM_PYTHON, free_port, start_front, start_server, start_vllm, stop_server
+from mint_testkit.skips import require
 from tests.fault_points import FAULT_ENV
-from tests.integration.conftest import (
-    VLLM_PYTHON,
-    free_port,
-    require,
-    start_front,
-    start_server,
-    start_vllm,
-    stop_server,
-)
 
 pytestmark = pytest.mark.integration
 

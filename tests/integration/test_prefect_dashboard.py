@@ -24,7 +24,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from mint_app.deployments import register_deployments
 from mint_app.service_config import ServicesConfig
-from tests.integration.conftest import require
+from mint_testkit.skips import require
 
 pytestmark = pytest.mark.integration
 

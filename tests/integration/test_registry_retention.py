@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from mint_core.registry.catalog import Catalog, CatalogConfig, UnknownAddress
 from mint_core.registry.mlflow_registry import Registry, RegistryConfig
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import mint_cli
+from mint_testkit.harness import mint_cli
 
 pytestmark = pytest.mark.integration
 

@@ -35,9 +35,9 @@ from mint_core.registry.runs import log_training_run, tag_version
 from mint_core.rl.builder import Continuation
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
+from mint_testkit.harness import save_tiny_base, start_server, stop_server
 from tasks.registry import EXPERIMENT, NO_GAIN_TAG
 from tests.fault_points import FAULT_ENV
-from tests.integration.conftest import save_tiny_base, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 

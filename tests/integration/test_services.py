@@ -24,7 +24,8 @@ from mint_app import service_config, services
 from mint_app.main_job import redis_up
 from mint_app.service_config import SERVICES, ServicesConfig
 from mint_app.services import REDIS_PIDFILE, stop, stop_started_redis
-from tests.integration.conftest import PG_ADMIN_URL, free_port, mint_cli
+from mint_testkit.harness import free_port, mint_cli
+from tests.integration.conftest import PG_ADMIN_URL
 
 pytestmark = pytest.mark.integration
 FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary")

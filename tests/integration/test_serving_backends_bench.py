@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from mint_core.serving.vllm_process import vllm_available
-from tests.integration.conftest import VLLM_PYTHON, require
+from mint_testkit.harness import VLLM_PYTHON
+from mint_testkit.skips import require
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import random
 import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,27 +22,21 @@ import httpx
 import openai
 import psutil
 import pytest
-import torch
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from mint_core.lora.adapter import (
-    CONFIG_FILE,
     FINGERPRINT_KEY,
     WEIGHTS_FILE,
     digest_dir,
 )
-from tests.integration.conftest import (
-    Endpoint,
-    VLLMServer,
-    free_port,
-    server_log,
-    start_front,
-    start_server,
-    stop_server,
-)
+from mint_testkit import bad_adapters as bad
+from mint_testkit.bad_adapters import Q0
+from mint_testkit.bad_adapters import edit_config as _edit_config
+from mint_testkit.bad_adapters import edit_weights as _edit_weights
+from mint_testkit.bad_adapters import without_fingerprint as _without_fingerprint
+from mint_testkit.harness import free_port, server_log, start_front, start_server, stop_server
+from tests.integration.conftest import Endpoint, VLLMServer
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +45,6 @@ MAX_MODEL_LEN = 512  # the tiny dense base's max_position_embeddings caps the se
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 RANK = 8
 PROMPT = "Once upon a time"
-Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
 
 embedded_only = pytest.mark.skipif(
     bool(os.environ.get("MINT_SERVING_URL")), reason="checks mint's embedded server specifically"
@@ -1059,96 +1049,33 @@ def test_a_body_over_the_limit_is_a_413_and_a_prompt_over_the_context_a_400(
 MARKER = "pwned"
 
 
-class _Payload:
-    """Unpickling this creates a file: proof that a pickle was (or, as asserted, was not) loaded."""
+def in_place(corrupt: Callable[[Path], None]) -> Callable[[Path, Path], str]:
+    """A corruption of mint_testkit.bad_adapters as a case of INVALID: the adapter broken where it lies."""
 
-    def __init__(self, marker: Path):
-        self.marker = marker
+    def case(d: Path, tmp: Path) -> str:
+        corrupt(d)
+        return d.name
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Path.touch, (self.marker,))
-
-
-def _edit_weights(
-    d: Path, edit: Callable[[dict[str, torch.Tensor]], None], metadata: dict[str, str] | None = None
-) -> None:
-    with safe_open(str(d / WEIGHTS_FILE), "pt") as f:
-        meta = dict(f.metadata() or {})
-    state = {k: v.clone() for k, v in load_file(str(d / WEIGHTS_FILE)).items()}
-    edit(state)
-    save_file(state, str(d / WEIGHTS_FILE), metadata={**meta, **(metadata or {})})
+    return case
 
 
-def _edit_config(d: Path, **changes: object) -> None:
-    config = json.loads((d / CONFIG_FILE).read_text())
-    config.update(changes)
-    (d / CONFIG_FILE).write_text(json.dumps(config))
+_truncated = in_place(bad.truncated)
+_garbage_header = in_place(bad.garbage_header)
+_nan = in_place(bad.nan_value)
+_shape_mismatch = in_place(bad.shape_mismatch)
+_rank_32 = in_place(bad.rank_above_max)
+_target_not_in_base = in_place(bad.layer_not_in_base)
+_other_base = in_place(lambda d: bad.other_base(d, "0" * 64))
 
 
 def _pickle_only(d: Path, tmp: Path) -> str:
-    (d / WEIGHTS_FILE).unlink()
-    (d / "adapter_model.bin").write_bytes(pickle.dumps(_Payload(tmp / MARKER)))
+    bad.pickle_weights(d, tmp / MARKER)
     return d.name
 
 
 def _pt_file(d: Path, tmp: Path) -> str:
-    (d / "adapter.pt").write_bytes(pickle.dumps(_Payload(tmp / MARKER)))
+    bad.pickle_beside(d, tmp / MARKER, "adapter.pt")
     return f"{d.name}/adapter.pt"
-
-
-def _truncated(d: Path, tmp: Path) -> str:
-    data = (d / WEIGHTS_FILE).read_bytes()
-    (d / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])
-    return d.name
-
-
-def _garbage_header(d: Path, tmp: Path) -> str:
-    data = (d / WEIGHTS_FILE).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    (d / WEIGHTS_FILE).write_bytes(data[:8] + random.Random(0).randbytes(n) + data[8 + n :])
-    return d.name
-
-
-def _nan(d: Path, tmp: Path) -> str:
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        state[f"{Q0}.lora_A.weight"][0, 0] = float("nan")
-
-    _edit_weights(d, edit)
-    return d.name
-
-
-def _shape_mismatch(d: Path, tmp: Path) -> str:
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        state[f"{Q0}.lora_A.weight"] = state[f"{Q0}.lora_A.weight"][:, :-1].contiguous()
-
-    _edit_weights(d, edit)
-    return d.name
-
-
-def _rank_32(d: Path, tmp: Path) -> str:
-    # config and tensors agree on r=32: the only problem is the server's max_lora_rank (16)
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        for k, t in state.items():
-            state[k] = torch.randn(32, t.shape[1]) if ".lora_A." in k else torch.randn(t.shape[0], 32)
-
-    _edit_weights(d, edit)
-    _edit_config(d, r=32, lora_alpha=64)
-    return d.name
-
-
-def _target_not_in_base(d: Path, tmp: Path) -> str:
-    def edit(state: dict[str, torch.Tensor]) -> None:
-        layer9 = "base_model.model.model.layers.9.self_attn.q_proj"
-        state[f"{layer9}.lora_A.weight"] = torch.zeros(RANK, 64)
-        state[f"{layer9}.lora_B.weight"] = torch.zeros(64, RANK)
-
-    _edit_weights(d, edit)
-    return d.name
-
-
-def _other_base(d: Path, tmp: Path) -> str:
-    _edit_weights(d, lambda state: None, {FINGERPRINT_KEY: "0" * 64})
-    return d.name
 
 
 def _outside(d: Path, tmp: Path) -> Path:
@@ -1251,13 +1178,6 @@ def test_invalid_adapter_is_refused(
         404,
         "NotFoundError",
     )
-
-
-def _without_fingerprint(d: Path) -> None:
-    """The adapter as PEFT writes it: no base fingerprint in the safetensors header."""
-    with safe_open(str(d / WEIGHTS_FILE), "pt") as f:
-        meta = {k: v for k, v in (f.metadata() or {}).items() if k != FINGERPRINT_KEY}
-    save_file(load_file(str(d / WEIGHTS_FILE)), str(d / WEIGHTS_FILE), metadata=meta)
 
 
 OTHER_BASE: list[tuple[str, str, bool, str | None, int, str | None]] = [

@@ -12,7 +12,8 @@ from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.catalog_schema import Registration
 from mint_core.registry.packs import write_pack
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import Endpoint, start_server, stop_server
+from mint_testkit.harness import start_server, stop_server
+from tests.integration.conftest import Endpoint
 
 pytestmark = pytest.mark.integration
 ADMIN = {"Authorization": "Bearer admin-secret"}

@@ -24,7 +24,7 @@ from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import free_port, mint_cli, save_tiny_base
+from mint_testkit.harness import free_port, mint_cli, save_tiny_base
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 POLICY = "sv-pol"

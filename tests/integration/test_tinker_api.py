@@ -34,7 +34,7 @@ from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import AdapterWeights
 from mint_core.lora.validate import BaseSpec, read_adapter
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import start_server, stop_server
+from mint_testkit.harness import start_server, stop_server
 
 pytestmark = pytest.mark.integration
 os.environ["TINKER_TELEMETRY"] = "0"

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from tinker import types
 
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import mint_cli, start_server, stop_server
+from mint_testkit.harness import mint_cli, start_server, stop_server
 from tests.integration.test_tinker_api import ALICE, BOB, RANK, base_dir  # noqa: F401 (base_dir: a fixture)
 
 pytestmark = pytest.mark.integration

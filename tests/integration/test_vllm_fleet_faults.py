@@ -19,7 +19,8 @@ import json
 import pytest
 
 from mint_core.serving.vllm_process import vllm_available
-from tests.integration.conftest import VLLM_PYTHON, require, run_fault_suite
+from mint_testkit.harness import VLLM_PYTHON, run_fault_suite
+from mint_testkit.skips import require
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.timeout(3600)]
 ROWS = ["fleet-poison", "fleet-kill", "fleet-promote", "fleet-unreadable"]

@@ -22,15 +22,9 @@ import pytest
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.serving.vllm_process import vllm_available
-from tests.integration.conftest import (
-    VLLM_PYTHON,
-    VLLMServer,
-    free_port,
-    require,
-    server_log,
-    start_front,
-    stop_server,
-)
+from mint_testkit.harness import VLLM_PYTHON, free_port, server_log, start_front, stop_server
+from mint_testkit.skips import require
+from tests.integration.conftest import VLLMServer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ from mint_core.registry.mlflow_registry import Registry
 from mint_core.serving.fleet import replica_name
 from mint_core.serving.vllm_process import VLLMConfig, replica_cpus, vllm_available
 from mint_core.serving.vllm_router import RouterConfig
-from tests.integration.conftest import (
+from mint_testkit.harness import (
     LOGS,
     RESOLVER_TOKEN,
     VLLM_BASE_NAME,
@@ -37,12 +37,12 @@ from tests.integration.conftest import (
     VLLM_PYTHON,
     free_port,
     launch,
-    require,
     save_tiny_base,
     server_log,
     start_server,
     stop_server,
 )
+from mint_testkit.skips import require
 
 pytestmark = pytest.mark.integration
 # The promotion and the rollback everywhere, and the refused load undone everywhere, run in the default tier; the

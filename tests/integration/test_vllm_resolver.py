@@ -19,15 +19,8 @@ from mint_core.lora.adapter import WEIGHTS_FILE, random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.catalog_schema import Registration
 from mint_core.registry.store import AdapterStore
-from tests.integration.conftest import (
-    VLLM_KEY,
-    VLLMServer,
-    free_port,
-    save_tiny_base,
-    start_front,
-    start_vllm,
-    stop_server,
-)
+from mint_testkit.harness import VLLM_KEY, free_port, save_tiny_base, start_front, start_vllm, stop_server
+from tests.integration.conftest import VLLMServer
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,8 @@ import pytest
 
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
-from tests.integration.conftest import VLLM_KEY, VLLM_PYTHON, VLLMServer, vllm_command
+from mint_testkit.harness import VLLM_KEY, VLLM_PYTHON, vllm_command
+from tests.integration.conftest import VLLMServer
 
 pytestmark = pytest.mark.integration
 

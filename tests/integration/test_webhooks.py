@@ -23,8 +23,8 @@ from mint_app.services import start, status
 from mint_app.webhooks import WEBHOOK_PATH
 from mint_core.lifecycle.leases import policy_lock
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
+from mint_testkit.harness import mint_cli
 from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
-from tests.integration.conftest import mint_cli
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import require
+from mint_testkit.skips import require
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
