@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.lora.adapter import random_adapter, save_adapter
+from mint_core.registry import leases as leases_module
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.catalog_schema import locks
 from mint_core.registry.index import registry_lock
@@ -41,6 +42,8 @@ from mint_core.registry.leases import (
     leases_for,
 )
 from mint_core.types import Site
+from mint_testkit.skips import require
+from mint_testkit.waiting import wait_until
 from tasks.common import LeaseLocks
 
 pytestmark = pytest.mark.integration
@@ -48,13 +51,9 @@ pytestmark = pytest.mark.integration
 PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("MINT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 SITES = {"model.layers.0.self_attn.q_proj": Site("model.layers.0.self_attn.q_proj", 16, 16)}
-
-
-def unreachable(what: str) -> None:
-    """A server the tests need does not answer: a failure in CI (which runs it), a skip elsewhere."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} (CI=true: CI runs this server, so its tests must not skip)")
-    pytest.skip(what)
+FIRST_HOLD_S = 1.0
+"""A hold long enough for a loaded host to renew it before it runs out."""
+RENEWED_HOLD_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         try:
             client.ping()
         except (redis.RedisError, OSError) as e:
-            unreachable(f"Redis not reachable at {REDIS_URL}: {e}")
+            require(False, f"Redis not reachable at {REDIS_URL}: {e}")
         yield Backend("redis", sqlite_url, REDIS_URL, tag)
         for key in client.scan_iter(match=f"mint:lease:*{tag}*"):
             client.delete(key)
@@ -102,7 +101,7 @@ def _postgres(tag: str) -> Iterator[Backend]:
         with admin.connect() as conn:
             conn.exec_driver_sql("SELECT 1")
     except sa.exc.OperationalError as e:
-        unreachable(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(e.orig).strip().splitlines()[0]}")
+        require(False, f"PostgreSQL not reachable at {PG_ADMIN_URL}: {str(e.orig).strip().splitlines()[0]}")
     db = f"mint_test_{tag}"
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{db}"')
@@ -164,13 +163,18 @@ def test_a_released_lease_leaves_no_row(backend: Backend) -> None:
 
 
 def test_renewal_extends_the_hold(backend: Backend) -> None:
-    leases, name = backend.open(), backend.name("promote-p")
-    assert leases.acquire(name, "a", hold_timeout=0.3)
-    time.sleep(0.2)
-    assert leases.acquire(name, "a", acquire_timeout=0, hold_timeout=1.0)
-    time.sleep(0.2)  # past the first hold, within the renewed one
+    leases, other, name = backend.open(), backend.open(), backend.name("promote-p")
+    t0 = time.monotonic()
+    assert leases.acquire(name, "a", hold_timeout=FIRST_HOLD_S)
+    assert not other.acquire(name, "b", acquire_timeout=0)
+    assert leases.acquire(name, "a", acquire_timeout=0, hold_timeout=RENEWED_HOLD_S)
+    # renewed within the first hold: later, `a` would have taken a free lease, and passed with renewal broken
+    assert time.monotonic() - t0 < FIRST_HOLD_S, "the host took longer than the first hold to renew it"
+    time.sleep(max(0.0, t0 + FIRST_HOLD_S + 0.1 - time.monotonic()))  # past the first hold: its deadline
+    assert not other.acquire(name, "b", acquire_timeout=0)  # within the renewed one
     assert leases.holder(name) == "a"
-    _close(leases)
+    assert time.monotonic() - t0 < RENEWED_HOLD_S, "the checks ran past the renewed hold"
+    _close(leases, other)
 
 
 def test_lease_of_a_dead_holder_expires(backend: Backend) -> None:
@@ -191,8 +195,7 @@ def test_an_expired_lease_still_names_its_last_holder_until_released_or_taken(ba
     assert leases.last_holder(name) is None
     assert leases.acquire(name, "host-a@1", hold_timeout=0.05)
     assert leases.last_holder(name) == "host-a@1"
-    time.sleep(0.2)
-    assert leases.holder(name) is None
+    wait_until(lambda: leases.holder(name) is None, 10, "the 50 ms lease expired")
     assert leases.last_holder(name) == (None if backend.kind == "redis" else "host-a@1")
     assert leases.acquire(name, "host-b@2", acquire_timeout=0)  # taken over: the new holder is the last
     assert leases.last_holder(name) == "host-b@2"
@@ -248,7 +251,7 @@ def test_threads_over_two_handles_hold_it_one_at_a_time(backend: Backend) -> Non
                 with guard:
                     inside.append(t)
                     most[0] = max(most[0], len(inside))
-                time.sleep(0.002)
+                time.sleep(0.002)  # the test's input: a holder that takes a while, so the others overlap it
                 with guard:
                     inside.remove(t)
 
@@ -307,7 +310,7 @@ def test_serializable_transactions_of_one_policy_run_one_at_a_time(backend: Back
             with guard:
                 inside.append(policy)
                 most[0] = max(most[0], inside.count(policy))
-            time.sleep(0.05)
+            time.sleep(0.05)  # the test's input: a promotion that takes a while, so the others overlap it
             with guard:
                 inside.remove(policy)
 
@@ -359,7 +362,7 @@ def test_prefect_and_registry_leases_are_one_mechanism(backend: Backend) -> None
 
 
 def test_registry_writes_wait_for_the_lease_where_lock_url_says(
-    backend: Backend, mlflow_server: str, tmp_path: Path
+    backend: Backend, mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The workspace's registry takes `registry/<policy>` from the backend `lock_url` names: a write waits while
     another holder has it there, and goes on once it is released."""
@@ -381,9 +384,10 @@ def test_registry_writes_wait_for_the_lease_where_lock_url_says(
     writer = threading.Thread(
         target=lambda: done.append(reg.create_revision(policy, digest, base="f" * 64, rank=2).version)
     )
+    refused = count_refusals(monkeypatch, writer)
     writer.start()
-    time.sleep(1.0)
-    assert writer.is_alive() and not done  # waiting for the lease
+    wait_until(lambda: refused[0] >= 2, 30, "the writer tried the held lease twice")
+    assert writer.is_alive() and not done  # refused, and waiting for the lease
     with reg.catalog.engine.connect() as conn:  # one mechanism: with Redis named, the catalog holds no lease
         rows = conn.execute(sa.select(sa.func.count()).select_from(locks)).scalar_one()
     assert rows == (0 if backend.kind == "redis" else 1)
@@ -392,6 +396,25 @@ def test_registry_writes_wait_for_the_lease_where_lock_url_says(
     assert done == [1]
     assert other.holder(registry_lock(policy)) is None
     _close(other)
+
+
+def count_refusals(monkeypatch: pytest.MonkeyPatch, thread: threading.Thread) -> list[int]:
+    """How many times `thread` has tried a lease and been refused, on either backend: the event that shows a
+    writer waiting (both backends' `acquire` poll their `take` through `leases._poll`)."""
+    refused = [0]
+    poll = leases_module._poll
+
+    def counted(take: Callable[[], bool], acquire_timeout: float | None) -> bool:
+        def counted_take() -> bool:
+            took = take()
+            if not took and threading.current_thread() is thread:
+                refused[0] += 1
+            return took
+
+        return poll(counted_take, acquire_timeout)
+
+    monkeypatch.setattr(leases_module, "_poll", counted)
+    return refused
 
 
 # ---- the workspace setting ----

@@ -9,6 +9,7 @@ receiver has nothing to do for is logged and answered 2xx.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from mint_app.webhooks import WEBHOOK_PATH
 from mint_core.lifecycle.leases import policy_lock
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
 from mint_testkit.harness import mint_cli
+from mint_testkit.waiting import wait_until
 from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
 
 pytestmark = pytest.mark.integration
@@ -173,11 +175,12 @@ class TestABadSignature:
             r = deliver(stack, body, ts="yesterday")
         assert r.status_code == 401, (case, r.text)
         assert expected in r.json()["error"], case
-        time.sleep(0.3)
         assert stack.served() == before, f"{case}: serving changed"
-        # the same event, properly signed, is acted on
+        # the same event, properly signed, is acted on; the receiver reconciles a policy's deliveries one at a
+        # time, so what it found served then is what the refused delivery left, however late it had acted
         ok = deliver(stack, body)
         assert ok.status_code == 200, ok.text
+        assert ok.json()["served_before"] == before, f"{case}: serving changed"
         assert ok.json()["reloaded"] is True
         assert stack.served() == stack.digests[target]
 
@@ -212,10 +215,41 @@ def test_the_receiver_waits_for_a_promotion_holding_the_policy_s_lease(stack: St
     before = stack.served()
     current = next(v for v, d in stack.digests.items() if d == before)
     target = next(v for v in stack.digests if v != current)
+    logged = len(hooks_log(stack))
     with policy_lock(stack.ws, stack.policy, "a-promotion"):  # what a promote/rollback/reconcile flow holds
         client.set_registered_model_alias(stack.policy, "champion", str(target))
-        time.sleep(1.5)
-        assert stack.served() == before  # the delivery waits for the lease
-        held_until = time.perf_counter()
+        # held for as long as an alias move takes to be served without a lease (the test above)
+        held = time.monotonic() + BOUND_S
+        while time.monotonic() < held:
+            assert stack.served() == before  # the delivery waits for the lease
+            time.sleep(0.05)
+        held_until, released_at = time.perf_counter(), time.time()
     stack.wait_served(target)
     assert time.perf_counter() - held_until < BOUND_S
+    # the receiver's log: the delivery that served it began before the release and ended after it, so the checks
+    # above ran while it waited for the lease (not before it came)
+    started, finished = wait_until(
+        lambda: handled(stack, target, logged), 10, f"the receiver logged v{target} served"
+    )
+    assert started < released_at < finished, (started, released_at, finished)
+
+
+def hooks_log(stack: Stack) -> str:
+    return (stack.config.state_dir / "hooks.log").read_text()
+
+
+def handled(stack: Stack, version: int, since: int) -> tuple[float, float] | None:
+    """When the receiver began and finished the delivery that served `version`, logged after the first `since`
+    characters of hooks.log (Unix times), or None before it has logged one."""
+    line = re.compile(
+        rf"^(\S+ \S+) INFO mint\.hooks: \S+ {re.escape(stack.policy)} v{version} \(delivery [^)]*\): "
+        rf"serving \S+ -> \S+ in (\d+) ms$",
+        re.M,
+    )
+    found = line.findall(hooks_log(stack)[since:])
+    if not found:
+        return None
+    stamp, ms = found[-1]
+    # local time, as logging writes it
+    finished = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return finished - int(ms) / 1000, finished

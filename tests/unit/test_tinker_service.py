@@ -34,6 +34,7 @@ from mint_core.tinker.wire import (
     write_forward_backward_output,
     write_sample_response,
 )
+from mint_testkit.waiting import wait_until
 
 VOCAB = 300
 KEYS = {"tml-alice-key-0000": "alice", "tml-bob-key-00000": "bob"}
@@ -191,7 +192,7 @@ def test_a_forward_backward_waits_the_window_only_while_another_model_is_trainin
 
 
 def test_a_forward_backward_waits_for_the_training_models_only_until_they_have_all_called(
-    svc: TinkerService,
+    svc: TinkerService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = new_model(svc, seed=1), new_model(svc, seed=2)
     data = [datum(4, 5)]
@@ -199,9 +200,19 @@ def test_a_forward_backward_waits_for_the_training_models_only_until_they_have_a
     svc.forward_backward(b, data, "cross_entropy", {}, False).result(30)
     svc.window_s = 30.0  # a window no test waits out: the round must start as soon as both models have called
     before = len(svc.batches)
+    # the worker's waits for a window: the event that shows it has seen b's call and chose to wait
+    windows: list[float] = []
+    wait = svc._cv.wait
+
+    def recorded(timeout: float | None = None) -> bool:
+        if timeout is not None:
+            windows.append(timeout)
+        return wait(timeout)
+
+    monkeypatch.setattr(svc._cv, "wait", recorded)
     t0 = time.monotonic()
     fb = svc.forward_backward(b, data, "cross_entropy", {}, False)
-    time.sleep(0.2)
+    wait_until(lambda: windows, 10, "the worker waited out a window for b's call")
     assert not fb.done()  # a is training and has not called yet: b's call waits for it
     fa = svc.forward_backward(a, data, "cross_entropy", {}, False)
     fb.result(10), fa.result(10)
