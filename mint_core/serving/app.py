@@ -28,9 +28,7 @@ from types import FrameType
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.engine.base import FAMILIES, Base, build_tiny_base, load_base
@@ -41,7 +39,7 @@ from mint_core.serving.base_check import check_base
 from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.config import ServingConfig
-from mint_core.serving.protocol import APIError, invalid_request
+from mint_core.serving.http_errors import install_error_handlers, is_completion
 from mint_core.serving.routes import canary, completions, extensions, health, models
 from mint_core.serving.server import PromptLimits, Server
 
@@ -123,9 +121,10 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     app = FastAPI(title="mint", lifespan=lifespan)
     app.state.server = server
     app.state.on_close = []  # callables run at shutdown, before the server closes (a mounted API's own close)
-    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _invalid_request)  # type: ignore[arg-type]
-    app.state.canary, app.state.auth = CanaryState(), server
+    # each refusal reaches exactly one of the error handlers or the body limit (a body over it is never read, so
+    # its model is unknown), and a route counts only what it answers itself: each is counted once
+    install_error_handlers(app, lambda path, model, status: _count(server, path, model, status))
+    app.state.canary, app.state.auth = CanaryState(), server.auth
     app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
     app.add_middleware(  # outermost: a body over the limit is refused before anything reads it
         BodyLimit,
@@ -137,38 +136,9 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     return app
 
 
-async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    if e.status >= 400:
-        _count_refusal(request, getattr(request.state, "model", None), e.status)
-    return JSONResponse(e.response().model_dump(), status_code=e.status)
-
-
-async def _invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
-    """A body that does not parse or fit the protocol: 400 (vLLM's answer; FastAPI's own is 422), naming the
-    first few fields, what is wrong with each and the value sent (`protocol.invalid_request`)."""
-    errs = e.errors()
-    if any(err.get("type") == "json_invalid" for err in errs):
-        error = APIError(
-            400,
-            f"malformed JSON body: {errs[0].get('ctx', {}).get('error', 'cannot be parsed')}",
-            "BadRequestError",
-        )
-    else:
-        error = invalid_request(errs)
-    # the route never ran, so the model is read from the body, where it parsed
-    _count_refusal(request, e.body.get("model") if isinstance(e.body, dict) else None, 400)
-    return JSONResponse(error.response().model_dump(), status_code=400)
-
-
-def _count_refusal(request: Request, model: object, status: int) -> None:
-    """Count a completion request answered with an error, once: each refusal reaches exactly one of the two
-    handlers above or the body limit (a body over it is never read, so its model is unknown), and a route counts
-    only what it answers itself."""
-    _count(request.app.state.server, request.url.path, model, status)
-
-
 def _count(server: Server, path: str, model: object, status: int) -> None:
-    if path.startswith("/v1/") and path.endswith("completions"):
+    """Count a completion request answered with an error."""
+    if is_completion(path):
         server.metrics.refused(server.model_label(model), status)
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from mint_core.serving.protocol import APIError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 REPLICA_HEADER = "x-mint-replica"
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 # vLLM's scheduler gauges, per replica: what "load" means in `mint status` and the front's metrics
@@ -75,6 +76,29 @@ async def routed(
         logger.warning("vllm-router could not reach a replica (%s); sending again", r.content[:200])
         await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
     raise APIError(503, "every try was answered by a replica out of rotation", "ServiceUnavailableError")
+
+
+async def load_lora(
+    post: Callable[[str, dict[str, Any]], Awaitable[T]],
+    ok: Callable[[T], bool],
+    name: str,
+    path: Path,
+    inplace: bool,
+) -> tuple[T, str]:
+    """`path` under `name` on one vLLM through `post(route, body)`, in place when `inplace`: the answer of the
+    last step taken, and that step ("load", "unload" or "reload"; the first not `ok` ends it). vLLM 0.32 keeps
+    `load_inplace` on the request it stores for the name and so reads the adapter from disk again at every engine
+    step of every request under it (vllm-project/vllm#33791; benchmarks/replicas.py counted one disk load per
+    generated token). After an in-place load, vLLM has read and checked the new files: the name is unloaded and
+    loaded again from the same path without the flag. Nothing runs under the name meanwhile (the swap lock)."""
+    body = {"lora_name": name, "lora_path": str(path), "load_inplace": inplace}
+    answer = await post("/v1/load_lora_adapter", body)
+    if not ok(answer) or not inplace:
+        return answer, "load"
+    answer = await post("/v1/unload_lora_adapter", {"lora_name": name})
+    if not ok(answer):
+        return answer, "unload"
+    return await post("/v1/load_lora_adapter", {**body, "load_inplace": False}), "reload"
 
 
 def replica_name(url: str) -> str:
@@ -279,19 +303,13 @@ class Fleet:
         return resp.status_code, message
 
     async def _load(self, r: Replica, name: str, path: Path, inplace: bool) -> tuple[int, str]:
-        """`path` under `name` on `r`, in place where `r` holds the name. vLLM 0.32 keeps `load_inplace` on the
-        request it stores for the name and so reads the adapter from disk again at every engine step of every
-        request under it (vllm-project/vllm#33791; benchmarks/replicas.py counted one disk load per generated
-        token). After an in-place load, vLLM has read and checked the new files: the name is unloaded and loaded
-        again from the same path without the flag. Nothing runs under the name meanwhile (the swap lock)."""
-        body = {"lora_name": name, "lora_path": str(path), "load_inplace": inplace}
-        status, message = await self._post(r, "/v1/load_lora_adapter", body)
-        if status != 200 or not inplace:
-            return status, message
-        status, message = await self._post(r, "/v1/unload_lora_adapter", {"lora_name": name})
-        if status != 200:
-            return status, f"unload after the in-place load: {message}"
-        return await self._post(r, "/v1/load_lora_adapter", {**body, "load_inplace": False})
+        """`path` under `name` on `r`, in place where `r` holds the name (`load_lora`)."""
+
+        async def post(route: str, body: dict[str, Any]) -> tuple[int, str]:
+            return await self._post(r, route, body)
+
+        (status, message), step = await load_lora(post, lambda a: a[0] == 200, name, path, inplace)
+        return status, f"unload after the in-place load: {message}" if step == "unload" else message
 
     async def _smoke(self, r: Replica, name: str, digest: str) -> tuple[int, str]:
         """`r` lists `name` as `digest` and answers a one-token completion under it."""

@@ -1,4 +1,5 @@
-"""The golden probe: the front notices a poisoned vLLM replica, takes it out of rotation and has it restarted.
+"""The golden probe: the front notices a poisoned vLLM replica and takes it out of rotation (detection; what is done
+to the replica then, kill, restart and router membership, is serving/replica_control.py's).
 
 One NaN adapter inside vLLM poisons every tenant of the server: from the next batch on, the base and every policy
 answer garbage, with status 200, until vLLM restarts (benchmarks/vllm_bad_adapters.py). The seal
@@ -18,7 +19,7 @@ poisoned:
   already under way) is not passed on: the front sends the request again (fleet.routed); the other replicas go on
   serving, and the front answers 503 only when every replica is out;
 - the event is logged at ERROR with the evidence (the replica, each prompt, the answer recorded, the answer got);
-- its process (the one listening at its URL) is killed, and its supervisor (`mint_app.supervise`, as `mint up`
+- replica control kills its process (the one listening at its URL), and its supervisor (`mint_app.supervise`, as `mint up`
   runs vLLM) starts a fresh one; the front asks it the golden prompts alone, with mint's key, once it answers
   /health, and puts it back into rotation when every answer is the recorded one (a replica: added to the router
   again, `POST /add_worker`; killing it again otherwise, at most MAX_KILLS times).
@@ -38,33 +39,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
 
 import httpx
-import psutil
 from prometheus_client import Counter, Gauge
 
 from mint_core.serving.fleet import replica_name
 from mint_core.serving.protocol import APIError
+from mint_core.serving.replica_control import Event, Membership, Mismatch, Restart
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from mint_core.serving.config import ServingConfig
-    from mint_core.serving.fleet import Fleet, Replica
     from mint_core.serving.swap_lock import SwapLock
 
 logger = logging.getLogger(__name__)
-MAX_KILLS = (
-    3  # restarts in a row that still answer differently: then the replica stays out and an operator looks
-)
-RESTART_TIMEOUT_S = 900.0  # vLLM loads and profiles the base after a restart (30-100 s on 2 CPU cores)
 
 
 @dataclass
@@ -77,67 +69,22 @@ class Golden:
     answers: list[str]
 
 
-@dataclass
-class Mismatch:
-    label: str
-    prompt: str
-    expected: str
-    got: str
-
-    def __str__(self) -> str:
-        return f"{self.label}: {self.prompt!r} expected {self.expected!r}, got {self.got!r}"
-
-
-@dataclass
-class Event:
-    """One poisoning as the front saw it (times in epoch s)."""
-
-    detected: float
-    reason: str
-    evidence: list[Mismatch]
-    killed_pid: int | None = None
-    back: float | None = None
-    kills: int = 0
-    clean: bool | None = None
-    notes: list[str] = field(default_factory=list)
-    replica: str = ""  # host:port of the replica found poisoned
-
-
-def listening_pid(url: str) -> int | None:
-    """The process that listens on `url`'s port on this host (vLLM's API server), if this user may see it. A
-    child that inherited the socket (an engine process) is passed over for the parent that opened it."""
-    port = urlsplit(url).port
-    try:
-        pids = {
-            int(c.pid)
-            for c in psutil.net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
-        }
-        for pid in sorted(pids):
-            with contextlib.suppress(psutil.Error):
-                if psutil.Process(pid).ppid() not in pids:
-                    return pid
-    except psutil.Error:
-        return None
-    return min(pids) if pids else None
-
-
 class Front(Protocol):
-    """What the probe uses of the front of a vLLM server (`gateway.Gateway` is one; the probe names what it uses
-    rather than importing the gateway that holds it)."""
+    """What the probe uses of the front of a vLLM server (`front.state.Gateway` is one; the probe names what it
+    uses rather than importing the gateway that holds it)."""
 
-    config: ServingConfig
     registry: CollectorRegistry
-    vllm: httpx.AsyncClient  # the single vLLM with mint's key; with a fleet, the router
-    fleet: Fleet | None
     batch: SwapLock  # requests read, a probe that must run alone writes
-    served: dict[str, str]  # adapter name -> hex digest vLLM serves under it
     base_adapter: str
     base_digest: str
 
     def lock(self, name: str) -> SwapLock: ...
 
     async def ensure_base(self) -> None: ...
+
+
+async def _nothing() -> None:
+    return None
 
 
 @dataclass
@@ -149,6 +96,9 @@ class Target:
     served: Callable[
         [], dict[str, str]
     ]  # what it serves (adapter name -> hex digest), as last read or loaded
+    labels: tuple[str, ...] = ()  # its metric labels: (its name,) in a fleet; one vLLM's series have none
+    read: Callable[[], Awaitable[None]] = _nothing  # what it serves, read again before a probe
+    prepare: Callable[[], Awaitable[None]] = _nothing  # before a restarted one is asked (one vLLM: the base)
     base: Golden | None = None
     champion: Golden | None = None
     out: str | None = None  # why it is out of rotation, while it is
@@ -159,29 +109,35 @@ class Target:
         return replica_name(self.url)
 
 
-def _served_by(r: Replica) -> Callable[[], dict[str, str]]:
-    return lambda: r.served  # read when asked: a read of the replica replaces the dict
+def _child(metric: Any, labels: tuple[str, ...]) -> Any:
+    """The series of `metric` with `labels` (a metric without label names is its own series)."""
+    return metric.labels(*labels) if labels else metric
 
 
 class GoldenProbe:
-    """The golden probe of the replicas behind one front (see the module docstring)."""
+    """The golden probe of the replicas behind one front (see the module docstring); what happens to a replica
+    found poisoned is replica control's (serving/replica_control.py), with `membership` in the router."""
 
-    def __init__(self, gw: Front, prompts: list[str], max_tokens: int, interval_s: float):
+    def __init__(
+        self,
+        gw: Front,
+        targets: list[Target],
+        membership: Membership,
+        prompts: list[str],
+        max_tokens: int,
+        interval_s: float,
+    ):
         self.gw = gw
+        self.targets = targets
+        self.membership = membership
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
         self.interval_s = interval_s
-        fleet = gw.fleet
-        self.targets = (
-            [Target(r.url, r.http, _served_by(r)) for r in fleet.replicas]
-            if fleet is not None
-            else [Target(gw.config.vllm_url.rstrip("/"), gw.vllm, lambda: gw.served)]
-        )
         self.champion_name: str | None = None  # the policy whose answers are (to be) recorded
         self.events: list[Event] = []
         self._probing = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
-        per = ["replica"] if fleet is not None else []  # one vLLM: the series as before fleets
+        per = ["replica"] if any(t.labels for t in targets) else []  # one vLLM: the series as before fleets
         self.in_rotation = Gauge(
             "mint_replica_in_rotation",
             "1 while the vLLM replica is in rotation; 0 while it is out (its golden answers changed)",
@@ -236,14 +192,7 @@ class GoldenProbe:
         }
 
     def _rotation(self, t: Target, on: bool) -> None:
-        (self.in_rotation.labels(t.name) if self.gw.fleet is not None else self.in_rotation).set(
-            1 if on else 0
-        )
-
-    def _recorded(self, t: Target, label: str) -> Any:
-        return (
-            self.recorded.labels(label, t.name) if self.gw.fleet is not None else self.recorded.labels(label)
-        )
+        _child(self.in_rotation, t.labels).set(1 if on else 0)
 
     # -- scheduling ---------------------------------------------------------------------------------------------
 
@@ -288,15 +237,18 @@ class GoldenProbe:
     def check_rotation(self) -> None:
         """503 while no replica is in rotation (the one vLLM, or every replica of a fleet)."""
         why = self.out_of_rotation
-        if why is not None:
-            where = "every vLLM replica" if self.gw.fleet is not None else "the vLLM replica at"
-            what = "" if self.gw.fleet is not None else f" {self.gw.config.vllm_url}"
-            raise APIError(
-                503,
-                f"{where}{what} is out of rotation: "
-                f"{why if self.gw.fleet is not None else self.targets[0].out}; its supervisor is restarting it",
-                "ServiceUnavailableError",
-            )
+        if why is None:
+            return
+        if len(self.targets) == 1:
+            t = self.targets[0]
+            where, why = f"the vLLM replica at {t.url}", str(t.out)
+        else:
+            where = "every vLLM replica"
+        raise APIError(
+            503,
+            f"{where} is out of rotation: {why}; its supervisor is restarting it",
+            "ServiceUnavailableError",
+        )
 
     # -- the probe ------------------------------------------------------------------------------------------------
 
@@ -364,7 +316,7 @@ class GoldenProbe:
             got = await self.answers(t, gw.base_adapter, alone=True)
             if got is not None:
                 t.base = Golden(gw.base_adapter, "base", gw.base_digest, got)
-                self._recorded(t, "base").set(len(got))
+                _child(self.recorded, ("base", *t.labels)).set(len(got))
                 logger.info("golden probe: the base's answers on %s recorded: %s", t.name, got)
                 others = {tuple(o.base.answers) for o in self.targets if o.base is not None}
                 if len(others) > 1:  # not poison by itself (another card, another kernel): worth a look
@@ -375,9 +327,9 @@ class GoldenProbe:
             got = await self.answers(t, name, alone=True)
             if got is not None:
                 if t.champion is not None:
-                    self.recorded.remove(*self._labels(t, t.champion.label))
+                    self.recorded.remove(t.champion.label, *t.labels)
                 t.champion = Golden(name, f"champion {name}", digest, got)
-                self._recorded(t, t.champion.label).set(len(got))
+                _child(self.recorded, (t.champion.label, *t.labels)).set(len(got))
                 logger.info(
                     "golden probe: %s's answers on %s recorded (sha256:%s): %s",
                     name,
@@ -385,9 +337,6 @@ class GoldenProbe:
                     digest[:12],
                     got,
                 )
-
-    def _labels(self, t: Target, label: str) -> tuple[str, ...]:
-        return (label, t.name) if self.gw.fleet is not None else (label,)
 
     async def probe(self, reason: str) -> bool | None:
         """True: every answer as recorded on every replica asked; False: a replica is poisoned (out of rotation,
@@ -401,13 +350,11 @@ class GoldenProbe:
                 self.probes.labels("skipped").inc()
                 logger.info("golden probe (%s) skipped: %s", reason, e.message)
                 return None
-            if self.gw.fleet is not None:
-                await asyncio.gather(*(self.gw.fleet.read(r) for r in self.gw.fleet.replicas))
+            await asyncio.gather(*(t.read() for t in self.targets))
             # a replica out of rotation is its restart's business (`_restart` admits it back), not the probe's
             asked = [t for t in self.targets if t.out is None]
             results = [await self._probe(t, reason) for t in asked]
-        if self.gw.fleet is not None:
-            await self._admit([t for t, ok in zip(asked, results, strict=True) if ok])
+        await self.membership.admit([t for t, ok in zip(asked, results, strict=True) if ok])
         if any(r is False for r in results):
             return False
         return True if any(r is True for r in results) else None
@@ -429,47 +376,6 @@ class GoldenProbe:
         self.probes.labels("pass" if found is not None else "skipped").inc()
         return True if found is not None else None
 
-    # -- the router (a fleet) -------------------------------------------------------------------------------------
-
-    async def _router(self, path: str, t: Target) -> bool:
-        """vllm-router's worker route `path` (`/remove_worker`, `/add_worker`) for `t`: True when it answered 200,
-        or, for an add, that the worker is there already (vllm-router 0.1.17: 400 "... already exists")."""
-        try:
-            r = await self.gw.vllm.post(path, params={"url": t.url}, timeout=30)
-        except httpx.HTTPError as e:
-            logger.error("golden probe: vllm-router did not answer %s for %s: %s", path, t.name, e)
-            return False
-        if path == "/add_worker" and r.status_code == 400 and "already exists" in r.text:
-            return True
-        if r.status_code != 200:
-            logger.warning(
-                "golden probe: vllm-router answered %s for %s with %d: %s",
-                path,
-                t.name,
-                r.status_code,
-                r.text[:200],
-            )
-        return r.status_code == 200
-
-    async def _admit(self, passed: list[Target]) -> None:
-        """Replicas whose answers held, put (back) before the router where it is not sending to them."""
-        try:
-            r = await self.gw.vllm.get("/list_workers", timeout=10)
-            workers = {u.rstrip("/") for u in r.json().get("urls", [])}
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return
-        for t in passed:
-            if t.down or t.url not in workers:
-                if t.url in workers:  # a restart: the router's circuit breaker for it is still open
-                    await self._router("/remove_worker", t)
-                if await self._router("/add_worker", t):
-                    logger.warning(
-                        "golden probe: %s answers as recorded after %s: the router sends to it again",
-                        t.name,
-                        "a restart" if t.down else "it was missing from the router's workers",
-                    )
-                    t.down = False
-
     # -- out of rotation, restart, back ---------------------------------------------------------------------------
 
     async def _poisoned(self, t: Target, found: list[Mismatch], reason: str) -> None:
@@ -478,8 +384,8 @@ class GoldenProbe:
         self.probes.labels("fail").inc()
         event = Event(time.time(), reason, found, replica=t.name)
         self.events.append(event)
-        if self.gw.fleet is not None:  # the router stops sending to it before anything else happens
-            removed = await self._router("/remove_worker", t)
+        removed = await self.membership.remove(t.url)  # the router stops sending to it before anything else
+        if removed is not None:
             event.notes.append(f"removed from the router: {removed}")
         logger.error(
             "golden probe (%s): the vLLM replica at %s is poisoned: %d answer(s) differ from the recorded ones; "
@@ -499,77 +405,22 @@ class GoldenProbe:
             )
         self._spawn(self._restart(t, event))
 
-    def _kill(self, t: Target, event: Event) -> int | None:
-        pid = listening_pid(t.url)
-        if pid is None:
-            event.notes.append(f"no process found listening at {t.url}")
-            logger.error(
-                "golden probe: no process of this user listens at %s: restart vLLM by hand; the replica stays "
-                "out of rotation until its golden answers hold again",
-                t.url,
-            )
-            return None
-        with contextlib.suppress(ProcessLookupError):
-            # SIGKILL: its answers are garbage, nothing in flight is worth a graceful end; its supervisor
-            # (a subreaper) also ends the engine processes it leaves behind, then starts a fresh vLLM
-            os.kill(pid, signal.SIGKILL)
-        event.kills += 1
-        event.killed_pid = pid
-        logger.warning(
-            "golden probe: killed vLLM at %s (pid %d); its supervisor starts a fresh one", t.url, pid
-        )
-        return pid
-
     async def _restart(self, t: Target, event: Event) -> None:
-        gw = self.gw
-        if gw.fleet is not None:  # the requests under way end first: none is routed to it now, and one it
-            await gw.batch.acquire_write()  # answers is sent again (fleet.routed); a kill would fail them
-            await gw.batch.release_write()
-        killed = self._kill(t, event)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < RESTART_TIMEOUT_S:
-            await asyncio.sleep(1.0)
-            if killed is not None and listening_pid(t.url) in (None, killed):
-                continue  # the killed process still holds the port, or none listens yet
-            try:
-                r = await t.http.get("/health", timeout=5)
-                if r.status_code != 200:
-                    continue
-                if gw.fleet is None:
-                    await gw.ensure_base()  # a fresh vLLM serves nothing: its listing is read again first
-                # (a replica of a fleet asks the front for the base's zero adapter on the first request for it)
-                assert t.base is not None
-                got = await self.answers(t, gw.base_adapter, alone=True)
-            except Exception as e:  # restarting: anything may fail for a while
-                logger.debug("golden probe: replica %s not back yet: %s", t.name, e)
-                continue
-            if got is None:
-                continue
-            if got == t.base.answers:
-                if gw.fleet is not None and not await self._router("/add_worker", t):
-                    continue
-                event.back, event.clean = time.time(), True
-                t.out, t.down = None, False
-                self._rotation(t, True)
-                logger.warning(
-                    "golden probe: the vLLM replica at %s is back in rotation %.1f s after it was found "
-                    "poisoned; its golden answers are the recorded ones",
-                    t.url,
-                    event.back - event.detected,
-                )
-                return
-            event.clean = False
-            logger.error(
-                "golden probe: the restarted replica %s still answers %r, not %r", t.name, got, t.base.answers
-            )
-            if event.kills >= MAX_KILLS:
-                logger.error(
-                    "golden probe: %d restarts did not bring back the recorded answers: the replica stays out "
-                    "of rotation",
-                    event.kills,
-                )
-                return
-            killed = self._kill(t, event)
-        logger.error(
-            "golden probe: the replica %s did not come back within %.0f s", t.name, RESTART_TIMEOUT_S
+        assert t.base is not None  # found poisoned: its base's answers were recorded and compared
+        base = self.gw.base_adapter
+
+        async def ask() -> list[str] | None:
+            await t.prepare()  # one vLLM, fresh, serves nothing: its listing is read again first
+            return await self.answers(t, base, alone=True)
+
+        restart = Restart(t.url, t.name, t.http, ask, t.base.answers, self.membership)
+        if not await restart.run(event, self.gw.batch):
+            return
+        t.out, t.down = None, False
+        self._rotation(t, True)
+        logger.warning(
+            "golden probe: the vLLM replica at %s is back in rotation %.1f s after it was found poisoned; its "
+            "golden answers are the recorded ones",
+            t.url,
+            (event.back or time.time()) - event.detected,
         )

@@ -21,10 +21,12 @@ from mint_core.engine.loader import AdapterManager
 from mint_core.engine.sampling import SamplingParams
 from mint_core.engine.sequence import Request as GenRequest
 from mint_core.engine.sequence import RequestError, Sequence
-from mint_core.errors import AdapterError, MintError, UnknownAdapter
-from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, UnknownAddress
-from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
+from mint_core.errors import MintError, UnknownAdapter
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.store import AdapterStore
+from mint_core.serving.admin import Auth
 from mint_core.serving.config import ServingConfig
+from mint_core.serving.http_errors import model_error, unknown_model
 from mint_core.serving.loop import EngineLoop
 from mint_core.serving.metrics import Metrics
 from mint_core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -75,7 +77,7 @@ class PromptLimits:
 
 
 class Server:
-    """State shared by the routes: the engine, its loop, the adapter manager, config, metrics."""
+    """State shared by the routes: the engine, its loop, the adapter manager, config, auth, metrics."""
 
     def __init__(self, engine: Engine, config: ServingConfig, base_name: str):
         self.engine = engine
@@ -92,26 +94,12 @@ class Server:
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.limits = PromptLimits(engine._encode, engine.base.config.vocab_size, engine.max_model_len)
         self.created = int(time.time())
+        self.auth = Auth(config)
 
     def close(self) -> None:
         """Finish what is queued and running, then stop the loaders."""
         self.loop.stop()
         self.adapters.close()
-
-    # -- auth ------------------------------------------------------------------------------------------
-
-    def check_api_key(self, request: Request) -> None:
-        if self.config.api_key is not None:
-            self._bearer(request, self.config.api_key.get_secret_value(), "api key")
-
-    def check_admin(self, request: Request) -> None:
-        self._bearer(request, self.config.admin_secret(), "admin token")
-
-    @staticmethod
-    def _bearer(request: Request, secret: str, what: str) -> None:
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {secret}":
-            raise APIError(401, f"missing or wrong {what} (Authorization: Bearer ...)", "Unauthorized")
 
     # -- adapters ------------------------------------------------------------------------------------------
 
@@ -125,26 +113,16 @@ class Server:
         if self.catalog is None or (loaded and not ws.is_ephemeral(model)):
             if loaded:
                 return model
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            raise unknown_model(model)
         return await self._ensure(model, hold=False)
 
     async def _ensure(self, model: str, hold: bool) -> str:
         try:
             return await asyncio.wrap_future(self.adapters.ensure(model, hold=hold))
-        except AddressError:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model") from None
-        except (UnknownAddress, UnknownRevision) as e:
-            raise APIError(
-                404, f"The model `{model}` does not exist: {e}", "NotFoundError", "model"
-            ) from None
-        except AdapterError as e:
-            raise APIError(
-                400, f"The model `{model}` cannot be loaded: {e}", "BadRequestError", "model"
-            ) from None
-        except (StoreError, MintError) as e:
-            raise APIError(
-                503, f"The model `{model}` cannot be loaded now: {e}", "ServiceUnavailableError"
-            ) from None
+        except (
+            MintError
+        ) as e:  # an address that does not resolve, a revision refused, a store not readable now
+            raise model_error(model, e) from None
 
     # -- requests ------------------------------------------------------------------------------------------
 

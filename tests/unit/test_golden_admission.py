@@ -1,4 +1,5 @@
-"""The golden probe's admission of replicas to vllm-router (serving/golden.py), on a fleet of two.
+"""The golden probe's admission of replicas to vllm-router (serving/golden.py, with replica_control.Router), on a
+fleet of two.
 
 A replica out of rotation (found poisoned, being restarted) is its restart's business: a periodic probe that asks
 only the replicas in rotation must not put the one out of rotation back before the router. In a fleet-poison row
@@ -18,6 +19,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from mint_core.serving.golden import GoldenProbe, Target
+from mint_core.serving.replica_control import Router as Membership
 
 URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
 
@@ -47,11 +49,10 @@ def probe_of(router: Router) -> GoldenProbe:
     async def nothing(*_: Any) -> None:
         return None
 
-    replicas = [SimpleNamespace(url=u, http=None, served={}) for u in URLS]
-    fleet = SimpleNamespace(replicas=replicas, read=nothing)
     vllm = httpx.AsyncClient(base_url="http://router", transport=httpx.MockTransport(router))
-    front = SimpleNamespace(fleet=fleet, registry=CollectorRegistry(), vllm=vllm, ensure_base=nothing)
-    return GoldenProbe(front, ["a"], max_tokens=2, interval_s=1.0)  # type: ignore[arg-type]
+    targets = [Target(u, vllm, dict, labels=(u.rsplit("/", 1)[1],), read=nothing) for u in URLS]
+    front = SimpleNamespace(registry=CollectorRegistry(), ensure_base=nothing)
+    return GoldenProbe(front, targets, Membership(vllm), ["a"], max_tokens=2, interval_s=1.0)  # type: ignore[arg-type]
 
 
 def test_a_probe_never_admits_the_replica_out_of_rotation() -> None:
@@ -81,5 +82,5 @@ def test_a_replica_missing_from_the_router_is_added_and_an_add_of_one_there_alre
     probe._probe = passes  # type: ignore[method-assign]
     assert asyncio.run(probe.probe("interval")) is True
     assert router.calls == [("/add_worker", URLS[0])]
-    assert asyncio.run(probe._router("/add_worker", probe.targets[0])) is True  # 400 "already exists"
-    assert asyncio.run(probe._router("/remove_worker", probe.targets[1])) is True
+    assert asyncio.run(probe.membership.add(probe.targets[0].url)) is True  # 400 "already exists"
+    assert asyncio.run(probe.membership.remove(probe.targets[1].url)) is True

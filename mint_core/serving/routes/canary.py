@@ -9,10 +9,11 @@ POST   /v1/feedback            {"id", "score"}                    score an answe
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import cast
 
 from fastapi import APIRouter, Query, Request
 
+from mint_core.serving.admin import Auth
 from mint_core.serving.canary import (
     AlreadyScored,
     CanaryState,
@@ -25,11 +26,6 @@ from mint_core.serving.canary import (
 from mint_core.serving.protocol import APIError
 
 router = APIRouter(tags=["canary"])
-
-
-class Auth(Protocol):
-    def check_api_key(self, request: Request) -> None: ...
-    def check_admin(self, request: Request) -> None: ...
 
 
 def _state(request: Request) -> tuple[CanaryState, Auth]:

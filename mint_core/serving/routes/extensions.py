@@ -6,8 +6,8 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from mint_core.registry.catalog import AddressError, parse_address
-from mint_core.serving.protocol import APIError, PrefetchRequest, PrefetchResponse
+from mint_core.serving.admin import check_prefetch
+from mint_core.serving.protocol import PrefetchRequest, PrefetchResponse
 from mint_core.serving.server import ServerDep
 
 router = APIRouter(tags=["mint"])
@@ -17,17 +17,8 @@ router = APIRouter(tags=["mint"])
 async def prefetch(request: Request, body: PrefetchRequest, server: ServerDep) -> PrefetchResponse:
     """Schedule cold loads of catalog addresses ahead of need. With `wait`, answer once they are loaded, with
     each address's outcome."""
-    server.check_admin(request)
-    if server.catalog is None:
-        raise APIError(400, "this server has no catalog (set catalog_url)", "BadRequestError")
-    bad = []
-    for a in body.addresses:
-        try:
-            parse_address(a)
-        except AddressError as e:
-            bad.append(str(e))
-    if bad:
-        raise APIError(400, "; ".join(bad[:5]), "BadRequestError", "addresses")
+    server.auth.check_admin(request)
+    check_prefetch(body.addresses, server.catalog)
     futures = server.adapters.prefetch(body.addresses)
     if not body.wait:
         return PrefetchResponse(scheduled=len(futures))

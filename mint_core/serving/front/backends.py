@@ -1,0 +1,302 @@
+"""What serves behind the vLLM front: one vLLM (`OneVLLM`), or a fleet of replicas behind vllm-router (`Replicas`),
+both behind one protocol (`Backend`), so the front's routes never ask which.
+
+Two implementations rather than one vLLM as a fleet of one: a fleet differs in what it answers, not only in how
+many it asks. One vLLM's `/metrics` passes vLLM's own series through (N replicas' series would collide); its failed
+load is vLLM's own error, relayed as vLLM gave it (a fleet's names the replica that refused and puts every replica
+back); a fleet smoke-checks each replica after a load (one more request on vLLM, which tests that count vLLM's
+requests would see); and only a fleet has a router whose membership the golden probe keeps (`replica_control`).
+Each difference is a method here, chosen once when the front starts (`backend_for`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+from fastapi import Response
+from prometheus_client import CollectorRegistry, generate_latest
+
+from mint_core.serving.config import ServingConfig
+from mint_core.serving.fleet import Fleet, Replica, digest_of_path, load_lora, routed
+from mint_core.serving.golden import Target
+from mint_core.serving.protocol import APIError
+from mint_core.serving.relay import relayed
+from mint_core.serving.replica_control import Alone, Membership, Router
+from mint_core.serving.swap_lock import SwapLock
+from mint_core.serving.vllm_router import SESSION_HEADER
+
+logger = logging.getLogger(__name__)
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Backend(Protocol):
+    """What the front needs of the vLLM server(s) behind it."""
+
+    http: httpx.AsyncClient  # requests go here: the one vLLM, or the router
+    membership: Membership  # who routes to the replicas (the golden probe keeps it)
+
+    def targets(
+        self, served: Callable[[], dict[str, str]], prepare: Callable[[], Awaitable[None]]
+    ) -> list[Target]:
+        """What the golden probe asks (`served`: what the front serves; `prepare`: makes the base servable)."""
+        ...
+
+    async def send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request (503 when unreachable)."""
+        ...
+
+    async def stream(self, request: httpx.Request) -> httpx.Response:
+        """One streamed request (503 when unreachable)."""
+        ...
+
+    def headers(self, model: str) -> dict[str, str]:
+        """The headers a request under `model` is sent with."""
+        ...
+
+    async def models(self) -> list[dict[str, Any]]:
+        """vLLM's model cards."""
+        ...
+
+    async def served(self) -> dict[str, str]:
+        """Adapter name -> hex digest of what vLLM serves now."""
+        ...
+
+    def digest(self, replica: str | None, model: str) -> str | None:
+        """The digest `replica` serves under `model`, when known per replica."""
+        ...
+
+    def beside(self, name: str, served: dict[str, str]) -> str | None:
+        """The revision a restarted vLLM asking for `name` must take to agree with those serving beside it."""
+        ...
+
+    async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
+        """Revision `digest` (its verified directory `path`) under `name`, in place when `inplace`."""
+        ...
+
+    async def unload(self, name: str) -> None: ...
+
+    async def metrics(self, registry: CollectorRegistry) -> Response:
+        """vLLM's series and the front's own (`registry`)."""
+        ...
+
+    async def replicas(self, state: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        """Each replica behind the router, with the golden probe's `state` of it."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def client(url: str, key: str) -> httpx.AsyncClient:
+    """A client of a vLLM (or the router) at `url`, with `key`."""
+    return httpx.AsyncClient(
+        base_url=url.rstrip("/"),
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=httpx.Timeout(600.0, connect=5.0),
+        # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default pool keeps
+        # one 5 s: a request sent on it as vLLM closes it fails ("Server disconnected without sending a
+        # response", a 503 here). Idle connections are dropped well before vLLM drops them.
+        limits=httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0),
+        trust_env=False,  # loopback: no proxy from the environment in between
+    )
+
+
+def unreachable(where: str, e: Exception) -> APIError:
+    return APIError(503, f"the vLLM backend{where} is unreachable: {e}", "ServiceUnavailableError")
+
+
+class OneVLLM:
+    """One vLLM at `config.vllm_url`, reached with mint's key."""
+
+    def __init__(self, config: ServingConfig, key: str):
+        self.url = config.vllm_url
+        self.http = client(config.vllm_url, key)
+        self.membership: Membership = Alone()
+
+    def targets(
+        self, served: Callable[[], dict[str, str]], prepare: Callable[[], Awaitable[None]]
+    ) -> list[Target]:
+        return [Target(self.url.rstrip("/"), self.http, served, prepare=prepare)]
+
+    async def send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return await self.http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise unreachable(f" at {self.url}", e) from None
+
+    async def stream(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.http.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise unreachable("", e) from None
+
+    def headers(self, model: str) -> dict[str, str]:
+        return {}
+
+    async def models(self) -> list[dict[str, Any]]:
+        r = await self.send("GET", "/v1/models")
+        return list(r.json().get("data", []))
+
+    async def served(self) -> dict[str, str]:
+        served = {}
+        for c in await self.models():
+            if c.get("parent") and (digest := digest_of_path(c.get("root"))):
+                served[c["id"]] = digest
+        return served
+
+    def digest(self, replica: str | None, model: str) -> str | None:
+        return None
+
+    def beside(self, name: str, served: dict[str, str]) -> str | None:
+        return None  # nothing serves beside it: the name is resolved afresh
+
+    async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
+        async def post(route: str, body: dict[str, Any]) -> httpx.Response:
+            return await self.send("POST", route, json=body)
+
+        r, _ = await load_lora(post, lambda r: r.status_code == 200, name, path, inplace)
+        if r.status_code != 200:
+            raise relayed(r)
+        logger.info("vLLM serves %s as sha256:%s", name, digest[:12])
+
+    async def unload(self, name: str) -> None:
+        r = await self.send("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        if r.status_code != 200:
+            raise relayed(r)
+
+    async def metrics(self, registry: CollectorRegistry) -> Response:
+        r = await self.send("GET", "/metrics")
+        if r.status_code != 200:
+            raise relayed(r)
+        return Response(r.content + generate_latest(registry), media_type=r.headers.get("content-type"))
+
+    async def replicas(self, state: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        raise APIError(404, "this front has one vLLM, no replicas", "NotFoundError")
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+class Replicas:
+    """N vLLM replicas behind vllm-router at `config.vllm_url` (serving/fleet.py): requests through the router,
+    keyed on the served name; loads and unloads on every replica directly, all or nothing."""
+
+    def __init__(
+        self,
+        config: ServingConfig,
+        key: str,
+        registry: CollectorRegistry,
+        batch: SwapLock,
+        out: Callable[[str | None], bool],
+        hidden: str,
+        dir_of: Callable[[str], Path],
+    ):
+        self.url = config.vllm_url
+        # through the router: the narrower key, which opens no adapter route on the replicas
+        routed_key = config.vllm_routed_key.get_secret_value() if config.vllm_routed_key else key
+        self.http = client(config.vllm_url, routed_key)
+        self.fleet = Fleet(config.vllm_replicas, key, registry, hidden=hidden)
+        self.membership: Membership = Router(self.http)
+        self.batch = batch
+        self.out = out  # whether a replica is out of rotation (its answers are not passed on)
+        self.dir_of = dir_of  # a revision's verified directory in the store: what a failed load puts back
+
+    def targets(
+        self, served: Callable[[], dict[str, str]], prepare: Callable[[], Awaitable[None]]
+    ) -> list[Target]:
+        # each replica at its own URL, never through the router; a restarted one asks the front for the base
+        return [
+            Target(r.url, r.http, _served_by(r), labels=(r.name,), read=partial(self.fleet.read, r))
+            for r in self.fleet.replicas
+        ]
+
+    async def send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return await routed(lambda: self.http.request(method, path, **kw), self.out)
+        except httpx.HTTPError as e:
+            raise unreachable(f" at {self.url}", e) from None
+
+    async def stream(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await routed(lambda: self.http.send(request, stream=True), self.out)
+        except httpx.HTTPError as e:
+            raise unreachable("", e) from None
+
+    def headers(self, model: str) -> dict[str, str]:
+        # the router keys its consistent hash on the served name, so one adapter stays on one replica
+        return {SESSION_HEADER: model}
+
+    async def models(self) -> list[dict[str, Any]]:
+        # every replica's own listing (through the router: one, maybe a dead one)
+        return await self.fleet.models()
+
+    async def served(self) -> dict[str, str]:
+        return await self.fleet.refresh()
+
+    def digest(self, replica: str | None, model: str) -> str | None:
+        return self.fleet.digest(replica, model)
+
+    def beside(self, name: str, served: dict[str, str]) -> str | None:
+        # the fleet's revision, whatever loaded it (a promotion, or an admin load by path no address names)
+        return served.get(name)
+
+    async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
+        await self.batch.acquire_read()  # the per-replica smoke check shares vLLM's batch as a request does
+        try:
+            held = await self.fleet.load(name, digest, path, self.dir_of)
+        finally:
+            await self.batch.release_read()
+        logger.info("vLLM replicas %s serve %s as sha256:%s", ", ".join(held), name, digest[:12])
+
+    async def unload(self, name: str) -> None:
+        status, message = await self.fleet.unload(name)  # from every replica: the router would pick one
+        if status != 200:
+            raise APIError(status, message, "NotFoundError" if status == 404 else "BackendError")
+
+    async def metrics(self, registry: CollectorRegistry) -> Response:
+        await self.fleet.report()  # N replicas' series would collide: the front's own, with each replica's
+        return Response(generate_latest(registry), media_type=PROMETHEUS)
+
+    async def replicas(self, state: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        report = await self.fleet.report()
+        for row in report:  # out of rotation (its golden answers changed), and when it last was
+            row.update(state(row["replica"]))
+        workers: list[str] | None = None
+        try:
+            r = await self.http.get("/list_workers", timeout=5)
+            workers = sorted(r.json().get("urls", [])) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            workers = None
+        foreign = sorted(set(workers or []) - {row["url"] for row in report})
+        if foreign:
+            logger.error("vllm-router at %s routes to workers mint did not start: %s", self.url, foreign)
+        return {"router": self.url, "router_workers": workers, "foreign_workers": foreign, "replicas": report}
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.fleet.close()
+
+
+def _served_by(r: Replica) -> Callable[[], dict[str, str]]:
+    return lambda: r.served  # read when asked: a read of the replica replaces the dict
+
+
+def backend_for(
+    config: ServingConfig,
+    registry: CollectorRegistry,
+    batch: SwapLock,
+    out: Callable[[str | None], bool],
+    hidden: str,
+    dir_of: Callable[[str], Path],
+) -> Backend:
+    """The backend `config` names: a fleet when it lists replicas (`vllm_replicas`), else one vLLM."""
+    if config.vllm_api_key is None:
+        raise ValueError("backend vllm needs vllm_api_key: the key vLLM was started with")
+    key = config.vllm_api_key.get_secret_value()
+    if config.vllm_replicas:
+        return Replicas(config, key, registry, batch, out, hidden, dir_of)
+    return OneVLLM(config, key)
