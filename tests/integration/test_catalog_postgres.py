@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from mint_core.registry.catalog import AddressError, Catalog, CatalogConfig, CatalogError, UnknownAddress
 from mint_core.registry.catalog_schema import Registration, versions
 from mint_core.registry.index import reindex_rows
+from mint_testkit.skips import require
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +42,9 @@ def admin() -> Iterator[sa.Engine]:
         with engine.connect() as conn:
             conn.exec_driver_sql("SELECT 1")
     except ImportError as e:
-        pytest.skip(f"no PostgreSQL driver ({e}); pip install 'psycopg[binary]>=3'")
+        require(False, f"no PostgreSQL driver ({e}); pip install 'psycopg[binary]>=3'")
     except sa.exc.OperationalError as e:
-        pytest.skip(f"PostgreSQL not reachable at {ADMIN_URL}: {str(e.orig).strip().splitlines()[0]}")
+        require(False, f"PostgreSQL not reachable at {ADMIN_URL}: {str(e.orig).strip().splitlines()[0]}")
     yield engine
     engine.dispose()
 

@@ -9,7 +9,6 @@ skips, except under CI=true, where it fails.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import time
@@ -28,6 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from mint_app.job_report import training_runs_url
 from mint_core.registry.runs import log_training_run
+from mint_testkit.skips import require
 from tasks.registry import EXPERIMENT
 from tests.integration.alias_stack import BOUND_S, Stack, alias_stack
 
@@ -55,10 +55,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium and chromium-driver are missing (scripts/bootstrap.sh installs them)")
-        pytest.skip("chromium / chromedriver not installed (apt-get install chromium chromium-driver)")
+    require(
+        CHROMIUM is not None and CHROMEDRIVER is not None,
+        "chromium / chromedriver not installed (scripts/bootstrap.sh installs them: apt-get install chromium "
+        "chromium-driver)",
+    )
+    assert CHROMIUM is not None and CHROMEDRIVER is not None
     options = Options()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):

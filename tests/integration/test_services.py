@@ -25,6 +25,7 @@ from mint_app.main_job import redis_up
 from mint_app.service_config import SERVICES, ServicesConfig
 from mint_app.services import REDIS_PIDFILE, stop, stop_started_redis
 from mint_testkit.harness import free_port, mint_cli
+from mint_testkit.skips import require
 from tests.integration.conftest import PG_ADMIN_URL
 
 pytestmark = pytest.mark.integration
@@ -247,8 +248,8 @@ def test_down_stops_the_redis_that_an_earlier_mint_run_started(tmp_path: Path) -
     """`mint run` used to start a redis-server for its promotion locks (they are in the catalog now): `mint down`
     still stops one left running, found by its pid file in the state dir."""
     server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed")
+    require(server is not None, "redis-server is not installed")
+    assert server is not None
     port, run_dir = free_port(), tmp_path / "run"
     run_dir.mkdir()
     cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--daemonize", "yes"]

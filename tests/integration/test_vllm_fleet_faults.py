@@ -80,5 +80,7 @@ def test_a_replica_that_cannot_read_the_revision_rolls_the_promotion_back_everyw
 ) -> None:
     row = rows["fleet-unreadable"]
     if str(row["result"]).startswith("not run"):
-        pytest.skip(str(row["result"]))  # mounting in a replica's namespace needs root (CAP_SYS_ADMIN)
+        # mounting in a replica's namespace needs CAP_SYS_ADMIN; a row not run still lost nothing
+        check(row)
+        pytest.skip(str(row["result"]))
     check(row, "naming 127.0.0.1:", ": True", "champion v1")

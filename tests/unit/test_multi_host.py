@@ -23,6 +23,7 @@ from mint_core.rl.checkpoints import (
     pull_checkpoint,
     push_checkpoint,
 )
+from mint_testkit.waiting import wait_until
 
 
 def fake_checkpoint(where: Path, step: int, body: str) -> Path:
@@ -176,7 +177,7 @@ def test_a_run_lease_reads_as_its_last_holder_and_whether_it_is_held(tmp_path: P
     assert holder("r1") == (None, False)
     assert leases.acquire(run_lease("r1"), "c@h:1:x", 0, 60)
     assert leases.acquire(run_lease("r2"), "c@h:1:y", 0, 0.2)
-    time.sleep(0.3)
+    wait_until(lambda: leases.holder(run_lease("r2")) is None, 10, "r2's 0.2 s lease expired")
     assert holder("r1") == ("c@h:1:x", True)
     assert holder("r2") == ("c@h:1:y", False)  # expired, never released: its host died
     assert leases.release(run_lease("r1"), "c@h:1:x")
