@@ -13,6 +13,8 @@ import typer
 from rich.table import Table
 
 from mint_app.console import make_console
+from mint_app.help import default_of
+from mint_app.service_config import ServicesConfig
 from mint_app.stack import tracking_uri as resolve_tracking
 from mint_core.errors import MintError
 from mint_core.registry.reader import RegistryConfig, RegistryReader
@@ -38,19 +40,20 @@ CatalogOpt = Annotated[
 StoreOpt = Annotated[
     str, typer.Option("--store", envvar="MINT_STORE", help="Adapter store root (a folder or fsspec URL).")
 ]
+DEFAULT_TRACKING = f"http://{default_of(ServicesConfig, 'host')}:{default_of(ServicesConfig, 'mlflow_port')}"
+"""The MLflow server `mint up` starts with its default settings."""
 TrackingOpt = Annotated[
     str | None,
     typer.Option(
         "--tracking-uri",
         envvar="MLFLOW_TRACKING_URI",
         help="The MLflow tracking server \\[default: the one `mint up` runs for this workspace, else "
-        "http://127.0.0.1:5000].",
+        f"{DEFAULT_TRACKING}].",
         show_default=False,
     ),
 ]
 DEFAULT_CATALOG = "sqlite:///.mint/catalog.db"
 DEFAULT_STORE = ".mint/store"
-DEFAULT_TRACKING = "http://127.0.0.1:5000"
 
 
 def _fail(e: Exception) -> typer.Exit:
