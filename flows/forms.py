@@ -15,9 +15,10 @@ from mint_core.eval.early_stop import EarlyStop, ProbePoint
 from mint_core.eval.gate import GateDecision, GatePolicy, SuiteScore
 from mint_core.registry.address import NAME_RE
 from mint_core.rl.builder import Continuation
-from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
+from mint_core.rl.constants import BUILTIN_RECIPE
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
+from mint_core.rl.recipe_defaults import RECIPE
 from tasks.canary import CanaryConfig
 
 # ---- parameters (the dashboard's form) ---------------------------------------------------------------------
@@ -90,11 +91,11 @@ class Training(BaseModel):
 
     steps: int = Field(8, ge=1)
     """GRPO steps (k): rollout -> check -> update, for every policy at once (mint_core.rl.recipe)."""
-    prompts_per_step: int = Field(BUILTIN_PROMPTS_PER_STEP, ge=1)
+    prompts_per_step: int = Field(RECIPE.prompts_per_step, ge=1)
     """Prompts per policy per step (each sampled `grpo.group_size` times)."""
     grpo: GRPOConfig = BUILTIN_RECIPE
-    """Sampling, loss and optimiser settings (default: what trains the built-in base, `rl.recipe.BUILTIN_RECIPE`)."""
-    seed: int = 0
+    """Sampling, loss and optimiser settings (default: what trains the built-in base, `rl.constants.BUILTIN_RECIPE`)."""
+    seed: int = RECIPE.seed
     """With the round, seeds the draw of the prompts, the adapters' initialisation and the rollouts
     (`mint_core.lifecycle.prompts.round_seed`): each round trains on new prompts and samples."""
     data_dir: Path | None = Path("data/tasks")
