@@ -29,7 +29,11 @@ from mint_core.lora.adapter import (
     FINGERPRINT_KEY,
     WEIGHTS_FILE,
     digest_dir,
+    random_adapter,
+    save_adapter,
 )
+from mint_core.registry.catalog import Catalog, CatalogConfig
+from mint_core.registry.store import AdapterStore
 from mint_testkit import bad_adapters as bad
 from mint_testkit.bad_adapters import Q0
 from mint_testkit.bad_adapters import edit_config as _edit_config
@@ -1240,6 +1244,173 @@ def test_symlink_inside_the_store_is_allowed(endpoint: Endpoint, http: httpx.Cli
     assert r.status_code == 200, r.text
     assert model_ids(http)["zeta"]["revision"] == f"sha256:{digest_dir(d)}"
     assert unload(http, "zeta").status_code == 200
+
+
+# ---- 6b. catalog addresses: the same answer on both backends --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def catalog_server(
+    endpoint: Endpoint, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, str]]:
+    """A server of the module's backend with a catalog: (its URL, its store, the catalog's URL). On vLLM the
+    session's front (it has one); on mint serve one of this module's own (the module's server has none)."""
+    if endpoint.backend == "vllm":
+        server: VLLMServer = request.getfixturevalue("vllm_server")
+        yield server.url, server.store, server.catalog_url
+        return
+    if endpoint.backend != "mint":
+        pytest.skip("starts a server of its own, with a catalog")
+    root = tmp_path_factory.mktemp("catalog-mint")
+    store = root / "store"
+    store.mkdir()
+    catalog_url = f"sqlite:///{root / 'catalog.db'}"
+    proc, url = start_server(store, env={"MINT_SERVE_CATALOG_URL": catalog_url})
+    try:
+        yield url, store, catalog_url
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def policies(
+    endpoint: Endpoint, catalog_server: tuple[str, Path, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    """Two policies in the catalog, each with its champion: `contract-good`'s valid, `contract-nan`'s with one NaN
+    (the store takes any bytes; the server must refuse it). Policy -> its champion's digest."""
+    _, store_dir, catalog_url = catalog_server
+    tmp = tmp_path_factory.mktemp("contract-policies")
+    store = AdapterStore(store_dir)
+    cat = Catalog(CatalogConfig(url=catalog_url))
+    fp = endpoint.base.fingerprint
+    out = {}
+    for policy, seed in (("contract-good", 61), ("contract-nan", 62)):
+        d = tmp / policy
+        save_adapter(
+            random_adapter(endpoint.sites, TARGETS, RANK, seed=seed, std=0.3, base_fingerprint=fp),
+            d,
+            endpoint.sites,
+        )
+        if policy == "contract-nan":
+            bad.nan_value(d)
+        digest = str(store.put_dir(d))
+        cat.register(digest, fp, RANK, str(store.local_dir(digest)), policy=policy)
+        cat.set_alias(policy, "champion", 1)
+        out[policy] = digest
+    cat.close()
+    return out
+
+
+def _ask(model: str) -> dict[str, Any]:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 2}
+
+
+# the bad input that names the catalog, and the one answer both backends give it: a name that cannot be served is a
+# 404 whatever is wrong with it (vLLM's own answer for a name its resolver refuses), a load of a corrupt revision a
+# 400 naming the problem, a prefetch of a malformed address a 400 before anything is scheduled
+CATALOG_BAD: list[tuple[str, str, dict[str, Any], int, str, str]] = [
+    # (case, route, body, status, error type, message substring)
+    ("a corrupt champion", "/v1/completions", _ask("contract-nan"), 404, "NotFoundError", "non-finite"),
+    (
+        "a corrupt champion in chat",
+        "/v1/chat/completions",
+        {"model": "contract-nan@champion", "messages": MSG},
+        404,
+        "NotFoundError",
+        "non-finite",
+    ),
+    ("a corrupt version", "/v1/completions", _ask("contract-nan/v1"), 404, "NotFoundError", "non-finite"),
+    ("a version the policy lacks", "/v1/completions", _ask("contract-good/v9"), 404, "NotFoundError", "v9"),
+    (
+        "an alias the policy lacks",
+        "/v1/completions",
+        _ask("contract-good@nope"),
+        404,
+        "NotFoundError",
+        "@nope",
+    ),
+    (
+        "a policy the catalog lacks",
+        "/v1/completions",
+        _ask("contract-none"),
+        404,
+        "NotFoundError",
+        "contract-none",
+    ),
+    (
+        "a malformed address",
+        "/v1/completions",
+        _ask("contract bad//"),
+        404,
+        "NotFoundError",
+        "malformed address",
+    ),
+    (
+        "a load of a corrupt champion",
+        "/v1/load_lora_adapter",
+        {"lora_name": "contract-x", "lora_path": "contract-nan@champion"},
+        400,
+        "BadRequestError",
+        "non-finite",
+    ),
+    (
+        "a load of a version the policy lacks",
+        "/v1/load_lora_adapter",
+        {"lora_name": "contract-x", "lora_path": "contract-good/v9"},
+        404,
+        "NotFoundError",
+        "contract-good/v9",
+    ),
+    (
+        "a prefetch of a malformed address",
+        "/v1/mint/prefetch",
+        {"addresses": ["contract-good", "contract bad//"], "wait": True},
+        400,
+        "BadRequestError",
+        "malformed address 'contract bad//'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "route", "body", "status", "type_", "message"), CATALOG_BAD, ids=[c[0] for c in CATALOG_BAD]
+)
+def test_bad_catalog_input_gets_the_same_answer_on_both_backends(
+    case: str,
+    route: str,
+    body: dict[str, Any],
+    status: int,
+    type_: str,
+    message: str,
+    endpoint: Endpoint,
+    catalog_server: tuple[str, Path, str],
+    policies: dict[str, str],
+) -> None:
+    admin = admin_headers() if "lora" in route or "/mint/" in route else None
+    with httpx.Client(base_url=catalog_server[0], timeout=120) as h:
+        expect_error(h.post(route, json=body, headers=admin), status, type_, message)
+        listed = model_ids(h)
+        assert "contract-x" not in listed, listed
+        assert f"sha256:{policies['contract-nan']}" not in {m.get("revision") for m in listed.values()}, (
+            listed
+        )
+    if endpoint.vllm_url is not None:  # refused in front: vLLM itself never saw it
+        assert policies["contract-nan"] not in json.dumps(endpoint.vllm_models())
+
+
+def test_a_catalog_address_is_served_and_a_corrupt_one_is_never_loaded(
+    catalog_server: tuple[str, Path, str], policies: dict[str, str]
+) -> None:
+    with httpx.Client(base_url=catalog_server[0], timeout=120) as h:
+        r = h.post("/v1/completions", json={**_ask("contract-good"), "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["system_fingerprint"] == policies["contract-good"]
+        body = {"addresses": ["contract-nan"], "wait": True}
+        r = h.post("/v1/mint/prefetch", json=body, headers=admin_headers())
+        assert r.status_code == 200, r.text
+        result = r.json()["results"]["contract-nan"]
+        assert result.startswith("error: ") and "non-finite" in result, result
+        assert "contract-nan" not in model_ids(h)
 
 
 # ---- 7. graceful shutdown -------------------------------------------------------------------------------
