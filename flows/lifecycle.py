@@ -309,18 +309,8 @@ def train(
     run_dir = w.ws.work_dir / "checkpoints" / "-".join(sorted(keys[p.name][:12] for p in to_train))
     # the same run's checkpoints for the other hosts: an attempt that another worker resumes starts from them
     mirror = f"{w.ws.checkpoint_url.rstrip('/')}/{run_dir.name}" if w.ws.checkpoint_url else None
-    recipe = RecipeConfig(
-        steps=training.steps,
-        prompts_per_step=training.prompts_per_step,
-        checkpoint_dir=run_dir / _parents_tag(parents),
-        checkpoint_every=training.checkpoint_every,
-        mirror=f"{mirror}/{_parents_tag(parents)}" if mirror else None,
-        dry_run=training.dry_run,
-        policies=[p.spec for p in to_train],
-        grpo=training.grpo,
-        seed=round_seed(training.seed, training.round_name()),
-        continuation=training.continuation,
-    )
+    tag = _parents_tag(parents)
+    recipe = _recipe(training, to_train, run_dir / tag, f"{mirror}/{tag}" if mirror else None)
     run = w.clock(
         start_training,
         ws=w.ws,
@@ -354,6 +344,25 @@ def train(
         drop_mirror(mirror)
     _training_artifacts(run, to_train, early)
     return candidates, run.history, run.resumed_step, went
+
+
+def _recipe(
+    training: Training, to_train: list[PolicyRun], checkpoint_dir: Path, mirror: str | None
+) -> RecipeConfig:
+    """The recipe the wave's form asks for (`mint_core.rl.recipe`), seeded by its round; the base, the device
+    and the parents are the workspace's (`start_training`)."""
+    return RecipeConfig(
+        steps=training.steps,
+        prompts_per_step=training.prompts_per_step,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=training.checkpoint_every,
+        mirror=mirror,
+        dry_run=training.dry_run,
+        policies=[p.spec for p in to_train],
+        grpo=training.grpo,
+        seed=round_seed(training.seed, training.round_name()),
+        continuation=training.continuation,
+    )
 
 
 def _warn_overridden(

@@ -198,17 +198,7 @@ def load_trainer(
         room = None
         items = [e for e in (headroom_items or {}).get(spec.name, []) if e.answer][:HEADROOM_ITEMS]
         if items and (continuation or Continuation()).min_headroom is not None:
-            group = spec.group_size or grpo.group_size
-            room = headroom(engine, spec.name, items, group, grpo.temperature, grpo.max_new_tokens, seed)
-            logger.info(
-                "%s's champion on %d of its round's prompts: greedy %.3f, pass@%d %.3f (headroom %+.3f)",
-                spec.name,
-                room.items,
-                room.greedy,
-                group,
-                room.pass_k,
-                room.gap,
-            )
+            room = _champion_headroom(engine, spec, items, grpo, seed)
         cont = continue_spec(spec, weights, engine.sites, grpo.learning_rate, continuation, room)
         changed = spec_changes(spec, cont)
         if changed:
@@ -222,6 +212,24 @@ def load_trainer(
     for name, room in rooms.items():
         trainer.policies[name].headroom = room
     return trainer
+
+
+def _champion_headroom(
+    engine: Engine, spec: PolicySpec, items: list[Example], grpo: GRPOConfig, seed: int
+) -> Headroom:
+    """What the champion in the policy's slot measures on `items` (`evaluate.headroom`), logged."""
+    group = spec.group_size or grpo.group_size
+    room = headroom(engine, spec.name, items, group, grpo.temperature, grpo.max_new_tokens, seed)
+    logger.info(
+        "%s's champion on %d of its round's prompts: greedy %.3f, pass@%d %.3f (headroom %+.3f)",
+        spec.name,
+        room.items,
+        room.greedy,
+        group,
+        room.pass_k,
+        room.gap,
+    )
+    return room
 
 
 def dry_run_rewards(
