@@ -209,7 +209,7 @@ def test_the_guard_can_hold_more_items_than_a_task_suite(tmp_path: Path) -> None
     with pytest.raises(
         SuiteError, match=r"limit 100 with guard limit 255 needs 202 held-out items .*--guard-limit"
     ):
-        build_suite_data(tmp_path, limit=100, guard_limit=255)
+        build_suite_data(tmp_path, limit=100, guard_limit=255, n_heldout=200)
     with pytest.raises(SuiteError, match="guard_limit must be at least 1, got 0"):
         build_suite_data(tmp_path, limit=10, guard_limit=0)
 
@@ -265,7 +265,7 @@ ERRORS: list[tuple[str, Callable[[Path], object], str]] = [
     ("unknown task", lambda tmp: build_suite_data(tmp, tasks=["mul"]), r"unknown tasks \['mul'\]"),
     (
         "limit above the held-out set",
-        lambda tmp: build_suite_data(tmp, limit=150),
+        lambda tmp: build_suite_data(tmp, limit=150, n_heldout=200),
         "needs 210 held-out items",
     ),
     ("tasks dir is not task data", lambda tmp: build_suite_data(tmp, tasks_dir=tmp), "is not task data"),
