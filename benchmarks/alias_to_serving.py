@@ -1,6 +1,6 @@
 """MLflow alias -> serving: how long after `set_registered_model_alias` the server answers with that revision.
 
-Setup: what `mint up` runs, started through `mint_app.services` on free ports in a temporary state dir (or the
+Setup: what `mint up` runs, started through `mint_app.services.control` on free ports in a temporary state dir (or the
 services of `--state-dir` when they run there already): MLflow (SQLite store, the webhook settings), `mint serve`
 on the tiny built-in base, and the `hooks` receiver, with MLflow's alias webhook registered to it. `--versions`
 random rank-4 adapter revisions of one policy are put in the store and registered (not timed); `champion` starts
@@ -37,9 +37,9 @@ from mlflow import MlflowClient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, report
 
-from mint_app.service_commands import hooks_workspace
-from mint_app.service_config import ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.commands import hooks_workspace
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lifecycle.leases import policy_lock

@@ -3,7 +3,7 @@ in-process (what `mint wave --params FILE` does), on the tiny setup: one policy,
 
 Starts its own servers in a temporary state dir on free ports (MLflow, Prefect, `mint serve` on the built-in tiny
 dense base, and the Prefect worker with infra/prefect.yaml's deployments on a pool of its own, without their
-schedules), through mint_app.services as `mint up` does. Prints, per round: seconds from the run's creation to
+schedules), through mint_app.services.control as `mint up` does. Prints, per round: seconds from the run's creation to
 Completed, the states in between (Scheduled -> Pending: the worker's poll; Pending -> Running: the flow run's
 process start and imports; Running -> Completed: the flow), the in-process wall time of the same wave, and
 Prefect's overhead (the difference). Last line: one JSON object.
@@ -53,8 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     checked_device(ap, args.device)
 
-    from mint_app.service_config import ServicesConfig
-    from mint_app.services import start, stop
+    from mint_app.services.config import ServicesConfig
+    from mint_app.services.control import start, stop
 
     tmp = Path(tempfile.mkdtemp(prefix="mint-dashboard-bench-"))
     spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
@@ -125,7 +125,7 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
 
     from flows.forms import PolicyRun, Training
     from flows.lifecycle import wave
-    from mint_app.deployments import workspace_defaults
+    from mint_app.services.deployments import workspace_defaults
     from mint_core.eval.gate import GatePolicy
     from mint_core.eval.results import EvalConfig
     from mint_core.eval.suites import standalone_suites

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see mint_app/cli.py train
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see mint_app/cli/app.py train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, report

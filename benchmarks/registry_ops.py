@@ -1,6 +1,6 @@
 """Registry operation latency against a real MLflow server: create a version, move an alias, resolve champion.
 
-Setup: an MLflow tracking server started by `mint_app.services` on a free port (SQLite store by default, or
+Setup: an MLflow tracking server started by `mint_app.services.control` on a free port (SQLite store by default, or
 `--backend-url postgresql+psycopg://postgres@127.0.0.1:5432/<db>`), a local adapter store and a SQLite catalog in
 a temporary directory. `--ops` rank-1 adapter revisions of a tiny base are put in the store first (not timed).
 
@@ -43,8 +43,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report
 
-from mint_app.service_config import ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
@@ -67,7 +67,7 @@ def ms(xs: list[float], q: float) -> float:
 HEAVY_CHECK = """
 import json, sys
 from typer.testing import CliRunner
-from mint_app.cli import app
+from mint_app.cli.app import app
 codes = [CliRunner().invoke(app, a).exit_code for a in json.loads(sys.argv[1])]
 print(json.dumps([codes, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'mlflow'})]))
 """
@@ -76,7 +76,7 @@ print(json.dumps([codes, sorted({m.split('.')[0] for m in sys.modules} & {'torch
 def cli_figures(commands: dict[str, list[str]], env: dict[str, str]) -> dict[str, object]:
     """Median wall seconds of each read command in a fresh process, and the heavy modules they import."""
     out: dict[str, object] = {}
-    mint = [sys.executable, "-m", "mint_app.cli"]
+    mint = [sys.executable, "-m", "mint_app.cli.app"]
     for name, args in commands.items():
         walls = []
         for _ in range(3):

@@ -68,7 +68,7 @@ def start(
     }
     if threads:
         env["MINT_SERVE_TORCH_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--base", base, "--port", str(port)]
+    cmd = [sys.executable, "-m", "mint_app.cli.app", "serve", "--base", base, "--port", str(port)]
     cmd += ["--adapter-root", str(tmp / "store"), "--max-loras", str(clients + 2)]
     log = open(tmp / "serve.log", "wb")  # noqa: SIM115 (the server owns it)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

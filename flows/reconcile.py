@@ -4,7 +4,7 @@ A person may move an alias anywhere MLflow lets them (the UI, `MlflowClient`): t
 promotion by hand. `reconcile` re-indexes the policy in the catalog from MLflow (the truth) and brings the
 served revision in line with MLflow's alias, policy by policy, under the same per-policy catalog lock as
 promotions (so it never interleaves with one). MLflow's alias webhook reaches mint's receiver
-(`mint_app.webhooks`), which runs the same `mint_core.lifecycle.reconcile` for the one policy within seconds; this
+(`mint_app.services.webhooks`), which runs the same `mint_core.lifecycle.reconcile` for the one policy within seconds; this
 flow, deployed on an interval of 30 s (infra/prefect.yaml), is the safety net for an event that was missed.
 """
 

@@ -8,7 +8,7 @@ so a group is the unit a host trains; more groups than workers queue in the pool
 group's run is created with an idempotency key made of this run's id and the group, so a rerun of this flow run
 (its worker died and another requeued it) finds the runs it had made instead of making them twice. A group run
 whose worker dies is requeued by a worker (its run lease expired, or its worker starts again:
-`mint_app.deployments.reclaim_runs`) and resumes from its checkpoint (mirrored at `workspace.checkpoint_url`,
+`mint_app.services.deployments.reclaim_runs`) and resumes from its checkpoint (mirrored at `workspace.checkpoint_url`,
 so any host can resume it); its policies' versions are keyed by their idempotency keys, so none is made twice.
 """
 

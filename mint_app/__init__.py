@@ -1,4 +1,4 @@
-"""The mint application: the `mint` CLI, the main job (`mint run`) and the service supervisor (`mint up`).
+"""The mint application: the `mint` CLI (cli/), the main job (`mint run`, job/) and the local services (`mint up`, services/).
 
 It sits above `flows/` and `tasks/` and is the only package that knows every part; `mint_core` (the library)
 never imports it.

@@ -58,7 +58,7 @@ def mint_cli(
 ) -> subprocess.CompletedProcess[str]:
     """`mint <args>` in a subprocess of this interpreter, in `cli_env(unset)`."""
     return subprocess.run(
-        [sys.executable, "-m", "mint_app.cli", *args],
+        [sys.executable, "-m", "mint_app.cli.app", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -128,7 +128,7 @@ def start_server(
         [
             sys.executable,
             "-m",
-            "mint_app.cli",
+            "mint_app.cli.app",
             "serve",
             "--port",
             str(port),

@@ -37,9 +37,9 @@ from fault_stack import (
     tiny_vllm_base,
 )
 
-from mint_app.processes import service_log
-from mint_app.service_config import ServiceName, ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.config import ServiceName, ServicesConfig
+from mint_app.services.control import start, stop
+from mint_app.services.processes import service_log
 from mint_core.engine.base import load_base
 from mint_core.lifecycle.smoke import served_revision
 from mint_core.lifecycle.workspace import Workspace

@@ -23,9 +23,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mint_app.processes import service_log  # noqa: E402
-from mint_app.service_config import ServiceName, ServicesConfig  # noqa: E402
-from mint_app.services import start, status, stop  # noqa: E402
+from mint_app.services.config import ServiceName, ServicesConfig  # noqa: E402
+from mint_app.services.control import start, status, stop  # noqa: E402
+from mint_app.services.processes import service_log  # noqa: E402
 from mint_core.engine.base import Base, build_tiny_base, load_base  # noqa: E402
 from mint_core.engine.tokenizer import byte_tokenizer  # noqa: E402
 from mint_core.eval.suites import standalone_suites  # noqa: E402
@@ -196,7 +196,7 @@ class Faults:
         """`mint lifecycle --params FILE` in its own process, reporting to the Prefect server."""
         params = self.root / f"{policy}-{round}.json"
         params.write_text(json.dumps(self.flow_params(policy, steps, round)))
-        cmd = [sys.executable, "-m", "mint_app.cli", "lifecycle", "--params", str(params)]
+        cmd = [sys.executable, "-m", "mint_app.cli.app", "lifecycle", "--params", str(params)]
         return subprocess.Popen(
             cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

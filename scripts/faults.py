@@ -74,9 +74,9 @@ from fault_stack import (  # noqa: E402
     workdir,
 )
 
-from mint_app.processes import service_log  # noqa: E402
-from mint_app.service_config import ServiceName, ServicesConfig  # noqa: E402
-from mint_app.services import start, stop  # noqa: E402
+from mint_app.services.config import ServiceName, ServicesConfig  # noqa: E402
+from mint_app.services.control import start, stop  # noqa: E402
+from mint_app.services.processes import service_log  # noqa: E402
 from mint_core.engine.base import load_base  # noqa: E402
 from mint_core.lora.adapter import random_adapter  # noqa: E402
 
@@ -318,7 +318,7 @@ def scenario_race(f: Faults) -> Row:
             [
                 sys.executable,
                 "-m",
-                "mint_app.cli",
+                "mint_app.cli.app",
                 "registry",
                 "promote",
                 policy,
@@ -378,7 +378,7 @@ def scenario_poison(f: Faults) -> Row:
     from the poisoning requests to the front taking the replica out of rotation, bad answers served in between
     (none may follow detection), seconds out of rotation, and whether every answer after it came back equals the
     one before the attack."""
-    from mint_app.service_commands import hooks_workspace
+    from mint_app.services.commands import hooks_workspace
     from mint_core.registry.catalog import Catalog, CatalogConfig
     from mint_core.registry.store import AdapterStore
     from mint_core.serving.config import ServingConfig

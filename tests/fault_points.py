@@ -59,6 +59,6 @@ def installed() -> Iterator[EnvFaults]:
 
 
 if __name__ == "__main__":
-    # `mint <args>` with the hook installed: what `python -m mint_app.cli <args>` runs, in this process
+    # `mint <args>` with the hook installed: what `python -m mint_app.cli.app <args>` runs, in this process
     install_fault_hook(EnvFaults())
-    runpy.run_module("mint_app.cli", run_name="__main__", alter_sys=True)
+    runpy.run_module("mint_app.cli.app", run_name="__main__", alter_sys=True)

@@ -36,6 +36,6 @@ def pin_cpu_kernels() -> None:
     torch computes anything; after that the kernels are chosen and the pin has no effect.
 
     Where the pin cannot hold (a CPU vendor's own rounding in a kernel the variables do not reach), the main job
-    does not rebuild the base: it takes the published one, checked against dvc.lock's md5 (mint_app/job_build.py).
+    does not rebuild the base: it takes the published one, checked against dvc.lock's md5 (mint_app/job/build.py).
     """
     os.environ.update(REPRODUCIBLE_CPU_ENV)

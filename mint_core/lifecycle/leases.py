@@ -57,7 +57,7 @@ def holder_worker(holder: str) -> str:
 def held_run(ws: Workspace, flow_run_id: str, wait_s: float | None = None) -> Iterator[str]:
     """Hold `run/<flow_run_id>` for the block, renewed every third of `ws.run_lease_s` by a thread, so the catalog
     says the run is alive while its process is; a run whose host died lets it expire, and a worker then requeues
-    it (`mint_app.deployments.reclaim_runs`). A run started again waits out its dead attempt's lease (`wait_s`,
+    it (`mint_app.services.deployments.reclaim_runs`). A run started again waits out its dead attempt's lease (`wait_s`,
     default three lease lengths); `LockTimeout` when another live process still holds it. Yields the holder."""
     # the catalog's leases (or Redis's) without the registry: holding a run's lease needs no MLflow
     catalog = Catalog(CatalogConfig(url=ws.catalog_url))

@@ -57,7 +57,7 @@ class Workspace(BaseModel):
     run_lease_s: float = Field(60.0, gt=0)
     """A training flow run holds the lease `run/<flow run id>` in the catalog while it runs, renewed every third
     of this; a worker that starts again requeues the runs whose lease it held, or whose lease a dead host let
-    expire (`mint_app.deployments.reclaim_runs`), and the resumed run waits out such a lease first."""
+    expire (`mint_app.services.deployments.reclaim_runs`), and the resumed run waits out such a lease first."""
     device: Device = "cpu"
     """Where training loads the base and runs its updates: cpu, cuda or cuda:N."""
     lock_url: str | None = Field(

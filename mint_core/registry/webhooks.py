@@ -1,4 +1,4 @@
-"""MLflow's webhook for alias events, pointed at mint's receiver (`mint_app.webhooks`), and its signature.
+"""MLflow's webhook for alias events, pointed at mint's receiver (`mint_app.services.webhooks`), and its signature.
 
 MLflow (SQL store only) posts `model_version_alias.created` / `.deleted` to a webhook's URL, signed the Standard
 Webhooks way: `X-MLflow-Signature: v1,<base64 HMAC-SHA256 of "{delivery_id}.{timestamp}.{payload}">` with the
@@ -50,7 +50,7 @@ def ensure_alias_webhook(tracking_uri: str, url: str, secret: str, name: str = W
                 name,
                 url,
                 events,  # type: ignore[arg-type]  # MLflow's Literal of event strings
-                description="mint: serving follows the champion aliases (mint_app.webhooks)",
+                description="mint: serving follows the champion aliases (mint_app.services.webhooks)",
                 secret=secret,
             )
         else:

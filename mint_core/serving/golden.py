@@ -19,7 +19,7 @@ poisoned:
   already under way) is not passed on: the front sends the request again (fleet.routed); the other replicas go on
   serving, and the front answers 503 only when every replica is out;
 - the event is logged at ERROR with the evidence (the replica, each prompt, the answer recorded, the answer got);
-- replica control kills its process (the one listening at its URL), and its supervisor (`mint_app.supervise`, as `mint up`
+- replica control kills its process (the one listening at its URL), and its supervisor (`mint_app.services.supervise`, as `mint up`
   runs vLLM) starts a fresh one; the front asks it the golden prompts alone, with mint's key, once it answers
   /health, and puts it back into rotation when every answer is the recorded one (a replica: added to the router
   again, `POST /add_worker`; killing it again otherwise, at most MAX_KILLS times).

@@ -1,7 +1,7 @@
 """Replica control: what the golden probe (serving/golden.py) does to a replica it found poisoned.
 
 It finds the process listening at the replica's URL and kills it (SIGKILL: its answers are garbage), waits for its
-supervisor (`mint_app.supervise`, as `mint up` runs vLLM) to start a fresh one, asks that one the golden prompts and
+supervisor (`mint_app.services.supervise`, as `mint up` runs vLLM) to start a fresh one, asks that one the golden prompts and
 puts it back when its answers are the recorded ones (killing it again otherwise, at most MAX_KILLS times). With a
 fleet, membership in vllm-router's workers goes with it (`Router`): a replica found poisoned is removed at once,
 added again once its answers hold, and one the router is not sending to is admitted; one vLLM has no router

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from mint_app.service_commands import hooks_workspace
-from mint_app.service_config import Service, ServiceName, ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.commands import hooks_workspace
+from mint_app.services.config import Service, ServiceName, ServicesConfig
+from mint_app.services.control import start, stop
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lifecycle.leases import policy_lock

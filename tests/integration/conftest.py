@@ -25,8 +25,8 @@ import pytest
 import sqlalchemy as sa
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from mint_app.service_config import Service, ServiceName, ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.config import Service, ServiceName, ServicesConfig
+from mint_app.services.control import start, stop
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
@@ -171,7 +171,7 @@ def endpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Real MLflow and Prefect servers, one of each per test session, started through mint_app.services (what
+# Real MLflow and Prefect servers, one of each per test session, started through mint_app.services.control (what
 # `mint up` runs) on free loopback ports with their state in temporary directories.
 
 PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -179,7 +179,7 @@ PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres
 
 @contextmanager
 def running_service(name: ServiceName, state_dir: Path, **settings: object) -> Iterator[Service]:
-    """One service from mint_app.services, started in `state_dir` on a free port, stopped afterwards."""
+    """One service from mint_app.services.control, started in `state_dir` on a free port, stopped afterwards."""
     config = ServicesConfig.model_validate({"state_dir": state_dir, f"{name}_port": free_port(), **settings})
     service = start(config, [name])[0]
     try:

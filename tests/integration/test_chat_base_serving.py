@@ -13,9 +13,9 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from mint_app.service_config import ServicesConfig
-from mint_app.services import start, stop
-from mint_app.stack import find_stack
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import start, stop
+from mint_app.services.stack import find_stack
 from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import render_prompt
 from mint_core.lora.adapter import random_adapter, save_adapter

@@ -177,7 +177,7 @@ def test_mint_train_interrupted_and_resumed_ends_where_an_uninterrupted_run_does
 
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mint_app.cli", *common, "--steps", "1000", "--checkpoint-every", "1",
+        [sys.executable, "-m", "mint_app.cli.app", *common, "--steps", "1000", "--checkpoint-every", "1",
          "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
     )  # fmt: skip

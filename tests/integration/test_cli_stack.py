@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_app.service_config import ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import start, stop
 from mint_testkit.harness import cli_env, free_port
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def test_flow_command_runs_on_the_workspace_stack(case: str, workspace: tuple[Pa
     (home / "bad.yaml").write_text("training: {steps: 1}\nworkspace: {base: no-such-base}\n")
     env_home = home / f"prefect-home-{flow_name}"  # a user who never configured Prefect
     out = subprocess.run(
-        [sys.executable, "-m", "mint_app.cli", *args],
+        [sys.executable, "-m", "mint_app.cli.app", *args],
         cwd=home,
         capture_output=True,
         text=True,
@@ -111,7 +111,7 @@ def test_registry_commands_use_the_workspace_mlflow(workspace: tuple[Path, Servi
 
     def mint(*args: str) -> str:
         out = subprocess.run(
-            [sys.executable, "-m", "mint_app.cli", *args],
+            [sys.executable, "-m", "mint_app.cli.app", *args],
             cwd=home,
             capture_output=True,
             text=True,

@@ -1,5 +1,5 @@
 """The control plane as a data scientist and the nightly schedule meet it: deployments of infra/prefect.yaml
-registered and a worker started by mint_app.services (what `mint up` runs), runs created the way the dashboard's
+registered and a worker started by mint_app.services.control (what `mint up` runs), runs created the way the dashboard's
 Run button creates them (POST /deployments/{id}/create_flow_run, `run_deployment`), run on that worker in a
 process of their own, to completion, with their artifacts and MLflow versions; parameters that fail validation;
 two retraining runs fired together (concurrency limit 1, CANCEL_NEW); a policy being trained skipped by retrain.
@@ -30,8 +30,8 @@ from prefect.states import Cancelled, Running
 from flows.forms import PolicyRun, Training
 from flows.promotion import promote_flow
 from flows.retrain import being_trained, retrain
-from mint_app.service_config import ServicesConfig
-from mint_app.services import start, status, stop
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import start, status, stop
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites

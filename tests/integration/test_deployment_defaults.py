@@ -109,7 +109,7 @@ def _champions_as_the_main_job_leaves_them(ws: Workspace, base_dir: Path) -> dic
     base = load_base(base_dir)
     versions = {}
     for i, name in enumerate(POLICIES):
-        spec = recipe_spec(name, name)  # what mint_app.main_job trains: `add` at rank 32
+        spec = recipe_spec(name, name)  # what mint_app.job.main trains: `add` at rank 32
         weights = random_adapter(
             base.sites,
             spec.targets,

@@ -292,7 +292,7 @@ def test_served_errors_name_what_was_wrong(setup: Setup, case: str, change: dict
 def test_eval_commands_write_the_same_scores(setup: Setup, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     common = ["--suites", "add,guard", "--limit", "3", "--suites-dir", str(setup.suites)]
     at_server = ["--url", setup.url, "--tokenizer", str(setup.base_dir), "--admin-token", "admin-secret"]

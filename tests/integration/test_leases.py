@@ -189,7 +189,7 @@ def test_lease_of_a_dead_holder_expires(backend: Backend) -> None:
 
 
 def test_an_expired_lease_still_names_its_last_holder_until_released_or_taken(backend: Backend) -> None:
-    """What a worker starting again reads to find the runs its dead host left (mint_app.deployments.reclaim_runs):
+    """What a worker starting again reads to find the runs its dead host left (mint_app.services.deployments.reclaim_runs):
     on the catalog the row keeps the holder after expiry; Redis drops the key, so there only a live holder shows."""
     leases, name = backend.open(), backend.name("run/r1")
     assert leases.last_holder(name) is None

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_app.service_config import SERVICES
+from mint_app.services.config import SERVICES
 from mint_testkit.harness import free_port, mint_cli
 from mint_testkit.skips import require
 

@@ -25,7 +25,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
-from mint_app.job_report import training_runs_url
+from mint_app.job.report import training_runs_url
 from mint_core.registry.runs import log_training_run
 from mint_testkit.skips import require
 from tasks.registry import EXPERIMENT

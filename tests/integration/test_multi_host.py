@@ -42,9 +42,9 @@ from prefect.client.schemas.objects import FlowRun, StateType
 
 from flows.forms import PolicyRun, Training
 from flows.spread import SpreadReport, spread
-from mint_app.processes import read_record, state_files
-from mint_app.service_config import ServicesConfig
-from mint_app.services import start, stop
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import start, stop
+from mint_app.services.processes import read_record, state_files
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
 from mint_core.eval.suites import standalone_suites

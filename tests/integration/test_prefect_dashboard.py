@@ -22,8 +22,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
-from mint_app.deployments import register_deployments
-from mint_app.service_config import ServicesConfig
+from mint_app.services.config import ServicesConfig
+from mint_app.services.deployments import register_deployments
 from mint_testkit.skips import require
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 @pytest.fixture(scope="module")
 def registered(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """infra/prefect.yaml registered on the session's Prefect server through mint_app.services (a pool of this
+    """infra/prefect.yaml registered on the session's Prefect server through mint_app.services.control (a pool of this
     module's own, no schedules, no worker); the dashboard's root URL."""
     root = tmp_path_factory.mktemp("dashboard")
     spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())

@@ -227,7 +227,7 @@ def test_postgres_backend(mlflow_server_pg: str, tmp_path: Path) -> None:
 def test_command_line(reg: Registry, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     p = _policy()
     d1, d2 = _put(reg.store, tmp_path, 1), _put(reg.store, tmp_path, 2)
@@ -278,7 +278,7 @@ def test_catalog_rebuild_restores_what_mlflow_says(reg: Registry, tmp_path: Path
     import sqlalchemy as sa
     from typer.testing import CliRunner
 
-    from mint_app.cli import app
+    from mint_app.cli.app import app
     from mint_core.registry.catalog_schema import aliases, revisions, versions
     from mint_core.registry.index import rebuild_catalog
 
@@ -347,7 +347,7 @@ def test_read_commands_import_no_mlflow_torch_or_transformers(reg: Registry, tmp
     script = (
         "import json, sys\n"
         "from typer.testing import CliRunner\n"
-        "from mint_app.cli import app\n"
+        "from mint_app.cli.app import app\n"
         "codes = [CliRunner().invoke(app, a).exit_code for a in json.loads(sys.argv[1])]\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'mlflow'})\n"
         "print(json.dumps([codes, heavy]))\n"

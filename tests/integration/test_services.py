@@ -20,10 +20,11 @@ import sqlalchemy as sa
 from mlflow import MlflowClient
 from prefect import flow
 
-from mint_app import service_config, services
-from mint_app.main_job import redis_up
-from mint_app.service_config import SERVICES, ServicesConfig
-from mint_app.services import REDIS_PIDFILE, stop, stop_started_redis
+from mint_app.job.main import redis_up
+from mint_app.services import config as service_config
+from mint_app.services import control as services
+from mint_app.services.config import SERVICES, ServicesConfig
+from mint_app.services.control import REDIS_PIDFILE, stop, stop_started_redis
 from mint_testkit.harness import free_port, mint_cli
 from mint_testkit.skips import require
 from tests.integration.conftest import PG_ADMIN_URL

@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 from rich.console import Console
 
 from flows.lifecycle import STEP_RECORD
-from mint_app.progress import step_bar
+from mint_app.job.progress import step_bar
 
 pytestmark = pytest.mark.integration
 

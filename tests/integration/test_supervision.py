@@ -1,4 +1,4 @@
-"""Services under supervision (`mint_app.supervise`), through `mint_app.services` as `mint up` runs them: a served
+"""Services under supervision (`mint_app.services.supervise`), through `mint_app.services.control` as `mint up` runs them: a served
 policy is answered by its champion from the first request after any restart (a kill -9 brought back by supervision,
 `mint down` then `mint up`), with no 404 while it comes back; logs are appended across restarts and rolled over
 by size, never truncated; `mint logs` shows them."""
@@ -17,9 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from mint_app.processes import rolled_logs, service_log
-from mint_app.service_config import ServiceName, ServicesConfig
-from mint_app.services import start, status, stop
+from mint_app.services.config import ServiceName, ServicesConfig
+from mint_app.services.control import start, status, stop
+from mint_app.services.processes import rolled_logs, service_log
 from mint_core.engine.base import load_base
 from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig

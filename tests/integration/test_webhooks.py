@@ -20,8 +20,8 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from mint_app.services import start, status
-from mint_app.webhooks import WEBHOOK_PATH
+from mint_app.services.control import start, status
+from mint_app.services.webhooks import WEBHOOK_PATH
 from mint_core.lifecycle.leases import policy_lock
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
 from mint_testkit.harness import mint_cli

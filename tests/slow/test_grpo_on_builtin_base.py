@@ -27,7 +27,7 @@ def builtin_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (ROOT / "data" / "base" / "config.json").is_file():
         return ROOT / "data" / "base"
     tmp = tmp_path_factory.mktemp("builtin")
-    mint = [sys.executable, "-m", "mint_app.cli"]
+    mint = [sys.executable, "-m", "mint_app.cli.app"]
     params = str(ROOT / "params.yaml")
     subprocess.run([*mint, "data", "build", "--out", str(tmp / "tasks"), "--params", params], check=True)
     subprocess.run(
@@ -70,7 +70,7 @@ def test_the_builtin_recipe_beats_the_base_significantly(builtin_base: Path, tmp
     task's rank, `recipe_spec`), on `add` and `sort` at once from fresh adapters: greedy exact match on 200
     held-out prompts of each must beat the bare base by issue #16's bar, +0.10 with exact McNemar p < 0.01
     (`benchmarks/grpo_learning.py` measured add +0.13 to +0.15 and sort +0.135 to +0.17 over rounds)."""
-    from mint_app.job_config import MainJobConfig
+    from mint_app.job.config import MainJobConfig
     from mint_core.eval.gate import discordant, mcnemar_p
     from mint_core.rl.builder import recipe_spec
     from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE

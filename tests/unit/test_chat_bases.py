@@ -17,10 +17,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from mint_app import services
-from mint_app.cli import app
-from mint_app.service_config import ServiceError, ServicesConfig
-from mint_app.services import start
+from mint_app.cli.app import app
+from mint_app.services import control as services
+from mint_app.services.config import ServiceError, ServicesConfig
+from mint_app.services.control import start
 from mint_core.engine.base import build_tiny_chat_base, load_base
 from mint_core.engine.chat import prompt_ids, render_prompt
 from mint_core.engine.chat_tokenizer import CHAT_FAMILIES, CHAT_TOKENS, ChatFamily

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from mint_app.cli import app
+from mint_app.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "command-line.md"

@@ -329,7 +329,7 @@ def test_good_eval_results_pass(tmp_path: Path) -> None:
 
 
 def test_cli_checks_a_directory_and_writes_its_report(tmp_path: Path, rows: list[dict[str, Any]]) -> None:
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     _write(tmp_path / "tasks" / "train" / "add.jsonl", rows)
     params = _write(tmp_path / "params.yaml", yaml.safe_dump({"checks": {"prompts": {"min_rows": 10}}}))

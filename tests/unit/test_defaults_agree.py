@@ -17,11 +17,11 @@ import typer
 import yaml
 from pydantic import BaseModel
 
-from mint_app.cli import app
-from mint_app.help import default_of, shown
-from mint_app.job_config import MainJobConfig
-from mint_app.registry_cli import DEFAULT_TRACKING
-from mint_app.service_config import ServicesConfig
+from mint_app.cli.app import app
+from mint_app.cli.help import default_of, shown
+from mint_app.cli.registry import DEFAULT_TRACKING
+from mint_app.job.config import MainJobConfig
+from mint_app.services.config import ServicesConfig
 from mint_core.data.build import DataParams
 from mint_core.engine.pretrain import PretrainParams
 from mint_core.eval.results import EVAL_LIMIT, GUARD_LIMIT
@@ -154,7 +154,9 @@ def _field_quotes() -> Iterator[tuple[str, str, str]]:
 
 def test_docs_quote_the_settings_defaults_the_code_has() -> None:
     quotes = list(_field_quotes())
-    assert len(quotes) >= 4  # the Tinker API's window, saves kept and result lifetime, the body limit at least
+    assert (
+        len(quotes) >= 4
+    )  # the Tinker API's window, saves kept and result lifetime, the body limit at least
     wrong = []
     for page, field, stated in quotes:
         values = [default_of(m, field) for m in SETTINGS if field in m.model_fields]

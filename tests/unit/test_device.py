@@ -12,11 +12,12 @@ from pydantic import ValidationError
 from rich.console import Console
 from typer.testing import CliRunner
 
-from mint_app import job_config, main_job
-from mint_app.cli import app
-from mint_app.deployments import workspace_defaults
-from mint_app.service_commands import command
-from mint_app.service_config import ServicesConfig
+from mint_app.cli.app import app
+from mint_app.job import config as job_config
+from mint_app.job import main as main_job
+from mint_app.services.commands import command
+from mint_app.services.config import ServicesConfig
+from mint_app.services.deployments import workspace_defaults
 from mint_core.engine.device import DeviceError, check_device
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.serving.config import ServingConfig

@@ -215,7 +215,7 @@ def test_the_guard_can_hold_more_items_than_a_task_suite(tmp_path: Path) -> None
 
 
 def test_build_suites_command(suites: Path, tmp_path: Path) -> None:
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     out = tmp_path / "suites"
     result = CliRunner().invoke(app, ["eval", "build-suites", "--out", str(out), "--limit", "10"])

@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
     real_client = httpx.Client
     httpx.Client = lambda *a, **k: real_client(*a, transport=httpx.MockTransport(answer), **k)
 
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     runner = CliRunner()
     outputs = {}

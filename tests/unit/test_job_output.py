@@ -19,8 +19,8 @@ from rich.console import Console
 from flows.canary import CanaryOutcome
 from flows.forms import PolicyOutcome, WaveReport
 from flows.lifecycle import STEP_RECORD
-from mint_app.job_report import what_happened
-from mint_app.progress import step_bar
+from mint_app.job.progress import step_bar
+from mint_app.job.report import what_happened
 
 STEPS = 300
 
@@ -211,7 +211,7 @@ def test_library_tqdm_bars_are_off_in_mint(process: str) -> None:
 def test_the_wave_table_shows_what_an_adapter_forgot_beside_its_guards() -> None:
     """The job's per-policy table: a user's policy (no guards) shows each built-in task's change marked "not a
     guard"; a built-in policy shows its guards' changes; the gate's reasons say the same in words."""
-    from mint_app.job_report import print_outcomes
+    from mint_app.job.report import print_outcomes
     from mint_core.eval.gate import GatePolicy, SuiteScore, decide
 
     def paired(name: str, n: int, both: int, b: int, c: int) -> tuple[SuiteScore, SuiteScore]:

@@ -229,7 +229,7 @@ def test_each_policy_samples_its_own_group_size(make_engine) -> None:  # type: i
 def test_mint_train_refuses_an_unknown_task_before_any_work(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     out = CliRunner().invoke(app, ["train", "--policies", "add,nope", "--out", str(tmp_path / "run")])
     assert out.exit_code == 2, out.output
@@ -240,7 +240,7 @@ def test_mint_train_refuses_an_unknown_task_before_any_work(tmp_path: Path) -> N
 def test_mint_train_refuses_a_learning_rate_at_or_below_zero(tmp_path: Path, lr: str) -> None:
     from typer.testing import CliRunner
 
-    from mint_app.cli import app
+    from mint_app.cli.app import app
 
     out = CliRunner().invoke(app, ["train", "--lr", lr, "--out", str(tmp_path / "run")])
     assert out.exit_code == 2, out.output

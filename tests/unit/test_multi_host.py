@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from mint_app import deployments, service_config
-from mint_app.deployments import _orphaned
+from mint_app.services import config as service_config
+from mint_app.services import deployments
+from mint_app.services.deployments import _orphaned
 from mint_core.lifecycle.leases import RUN_LEASE_PREFIX, WORKER_ENV, held_run, holder_worker, run_lease
 from mint_core.lifecycle.workspace import WORK_DIR_ENV, Workspace
 from mint_core.registry.catalog import Catalog, CatalogConfig

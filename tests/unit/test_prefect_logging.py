@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy.exc
 
-from mint_app.prefect_logging import (
+from mint_app.services.prefect_logging import (
     HARMLESS,
     HEARTBEAT_LOGGER,
     RETRIED,

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mint_app import job_config, main_job
-from mint_app.cli import app
-from mint_app.service_config import ServicesConfig
+from mint_app.cli.app import app
+from mint_app.job import config as job_config
+from mint_app.job import main as main_job
+from mint_app.services.config import ServicesConfig
 from mint_core.serving.config import ServingConfig
 from mint_core.settings import read_mapping
 

@@ -1,4 +1,4 @@
-"""How a flow command picks its servers (`mint_app.stack`): what the user gave wins (a --params field, an exported
+"""How a flow command picks its servers (`mint_app.services.stack`): what the user gave wins (a --params field, an exported
 variable), the running stack fills the rest; with nothing running, nothing is filled in."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mint_app.service_config import ServicesConfig
-from mint_app.stack import Stack, find_stack, flow_run_url, flow_workspace
+from mint_app.services.config import ServicesConfig
+from mint_app.services.stack import Stack, find_stack, flow_run_url, flow_workspace
 
 STACK = Stack(
     Path(".mint/run"),

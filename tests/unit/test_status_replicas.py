@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mint_app import services_cli
-from mint_app.service_config import ServicesConfig
+from mint_app.cli import services as services_cli
+from mint_app.services.config import ServicesConfig
 
 REPORT = {
     "router": "http://127.0.0.1:8099",

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from mint_app.cli import app
+from mint_app.cli.app import app
 from tests.unit.test_task_specs import eval_doc
 
 REWARD_PY = """

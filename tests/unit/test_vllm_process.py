@@ -15,11 +15,13 @@ import pytest
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
-from mint_app import job_config, main_job, services
-from mint_app.cli import app
-from mint_app.service_commands import command, hooks_workspace
-from mint_app.service_config import SERVICES, ServiceError, ServicesConfig, parse_names, services_for
-from mint_app.services import start, status, stop
+from mint_app.cli.app import app
+from mint_app.job import config as job_config
+from mint_app.job import main as main_job
+from mint_app.services import control as services
+from mint_app.services.commands import command, hooks_workspace
+from mint_app.services.config import SERVICES, ServiceError, ServicesConfig, parse_names, services_for
+from mint_app.services.control import start, status, stop
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.vllm_process import (
     CPU_BIND_ENV,
@@ -191,7 +193,7 @@ def test_mint_serve_fronts_vllm_with_its_secrets_in_the_environment(vllm_service
     cfg.state_dir.mkdir(parents=True)
     _, vllm_env = command("vllm", cfg)
     cmd, env = command("serve", cfg)
-    assert cmd[:4] == [sys.executable, "-m", "mint_app.cli", "serve"]
+    assert cmd[:4] == [sys.executable, "-m", "mint_app.cli.app", "serve"]
     assert cmd[cmd.index("--base") + 1] == cfg.serve_base
     assert env["MINT_SERVE_BACKEND"] == "vllm"
     assert env["MINT_SERVE_VLLM_URL"] == "http://127.0.0.1:18125"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mint_app.deployments import _prefect_answers
-from mint_app.processes import port_free
-from mint_app.service_config import ServicesConfig
+from mint_app.services.config import ServicesConfig
+from mint_app.services.deployments import _prefect_answers
+from mint_app.services.processes import port_free
 
 
 @pytest.fixture

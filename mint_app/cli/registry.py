@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
+from mint_app.cli.help import default_of
 from mint_app.console import make_console
-from mint_app.help import default_of
-from mint_app.service_config import ServicesConfig
-from mint_app.stack import tracking_uri as resolve_tracking
+from mint_app.services.config import ServicesConfig
+from mint_app.services.stack import tracking_uri as resolve_tracking
 from mint_core.errors import MintError
 from mint_core.registry.reader import RegistryConfig, RegistryReader
 from mint_core.registry.store import AdapterStore
@@ -334,7 +334,7 @@ def run_canary_cmd(policy: str, version: int, doc: dict[str, Any]) -> None:
             f"--share/--canary {share:g}: a canary answers a share strictly between 0 and 1"
         )
     from flows.canary import canary_flow
-    from mint_app.stack import flow_run_url, flow_workspace, on_stack
+    from mint_app.services.stack import flow_run_url, flow_workspace, on_stack
 
     doc.update(policy=policy, version=version)
     with on_stack(console.print) as stack:

@@ -44,9 +44,10 @@ from flows.lifecycle import wave
 from flows.promotion import rollback_flow
 from flows.reconcile import reconcile
 from mint_app.console import quiet_libraries, rule
-from mint_app.job_build import build
-from mint_app.job_config import MainJobConfig, MainJobError
-from mint_app.job_report import (
+from mint_app.job.build import build
+from mint_app.job.config import MainJobConfig, MainJobError
+from mint_app.job.progress import step_bar
+from mint_app.job.report import (
     Timer,
     canaries_table,
     count_outcomes,
@@ -58,9 +59,8 @@ from mint_app.job_report import (
     what_happened,
     write_summary,
 )
-from mint_app.progress import step_bar
-from mint_app.service_config import Service, ServiceError, ServiceName, ServicesConfig, services_for
-from mint_app.services import start
+from mint_app.services.config import Service, ServiceError, ServiceName, ServicesConfig, services_for
+from mint_app.services.control import start
 from mint_core.data.generators import Prompt
 from mint_core.data.spec import SpecError, prompt_text
 from mint_core.data.spec import registry as task_registry

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mint_app.deployments import workspace_defaults
-from mint_app.service_config import ServicesConfig
-from mint_app.services import status
+from mint_app.services.config import ServicesConfig
+from mint_app.services.control import status
+from mint_app.services.deployments import workspace_defaults
 
 
 @dataclass(frozen=True)

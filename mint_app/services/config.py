@@ -175,7 +175,7 @@ class ServicesConfig(Settings):
     """Device of `mint serve` (`--device`: cpu, cuda or cuda:N), and of the training of the flows it registers.
     Default: the serving config's device (cpu)."""
     hooks_port: int = Field(8001, ge=1, le=65535)
-    """Port of the receiver of MLflow's alias webhook (`mint_app.webhooks`): serving follows `champion` moves."""
+    """Port of the receiver of MLflow's alias webhook (`mint_app.services.webhooks`): serving follows `champion` moves."""
     catalog_url: str | None = None
     """SQLAlchemy URL of the catalog the flows use (the receiver takes their promotion locks there). Default:
     sqlite:///<state_dir>/../catalog.db, the default Workspace's .mint/catalog.db."""
@@ -213,7 +213,7 @@ class ServicesConfig(Settings):
     stop_timeout: float = Field(30.0, gt=0)
     """Seconds between SIGTERM and SIGKILL when stopping (mint serve finishes requests in flight first)."""
     supervise: bool = True
-    """Bring a service that crashes after it was healthy back up (`mint_app.supervise`: backing off 1-30 s, at
+    """Bring a service that crashes after it was healthy back up (`mint_app.services.supervise`: backing off 1-30 s, at
     most `max_restarts` within 10 minutes). Off: a crashed service stays down until the next `mint up`."""
     max_restarts: int = Field(5, ge=0)
     """Restarts within 10 minutes after which supervision gives up and the service stays down (reported)."""

@@ -16,14 +16,14 @@ import typer
 from rich.table import Table
 from tqdm import tqdm
 
-from mint_app.base_cli import adapter_app, base_app, data_app
+from mint_app.cli.base import adapter_app, base_app, data_app
+from mint_app.cli.eval import eval_app
+from mint_app.cli.help import default_of, with_default
+from mint_app.cli.registry import _version, catalog_app, registry_app, run_canary_cmd
+from mint_app.cli.services import register as register_service_commands
+from mint_app.cli.task import TasksOption, add_task_dirs, task_app
 from mint_app.console import make_console
-from mint_app.eval_cli import eval_app
-from mint_app.help import default_of, with_default
-from mint_app.job_config import MainJobConfig
-from mint_app.registry_cli import _version, catalog_app, registry_app, run_canary_cmd
-from mint_app.services_cli import register as register_service_commands
-from mint_app.task_cli import TasksOption, add_task_dirs, task_app
+from mint_app.job.config import MainJobConfig
 from mint_core import __version__
 from mint_core.data.spec import demo_policies
 from mint_core.errors import BaseError, MintError
@@ -188,7 +188,7 @@ def train(
         Path | None,
         typer.Option(
             help="Train under DeepSpeed with this config (infra/deepspeed/zero2.json or zero3.json); for "
-            "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_app.cli train`."
+            "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_app.cli.app train`."
         ),
     ] = None,
     checkpoint_every: Annotated[
@@ -399,7 +399,7 @@ def demo(
     adapters: Annotated[int, typer.Option(min=1, max=32)] = 4,
 ) -> None:
     """Load a base once, load several adapters, and generate with all of them mixed in one batch."""
-    from mint_app.demo import run_demo
+    from mint_app.cli.demo import run_demo
 
     t0 = time.perf_counter()
     if workdir.exists():
@@ -490,8 +490,8 @@ def run_cmd(
     of policies, show a served completion from each and a rollback, and say where to look. The servers stay up
     (`mint down` stops them)."""
     # deferred: the main job imports torch, Prefect and MLflow, which `mint --help` need not load
-    from mint_app.job_config import MainJobConfig, MainJobError
-    from mint_app.main_job import run_main_job
+    from mint_app.job.config import MainJobConfig, MainJobError
+    from mint_app.job.main import run_main_job
 
     add_task_dirs(tasks)  # before anything starts: the servers and the worker inherit them
     try:
@@ -538,7 +538,7 @@ def _run_wave(one: bool, doc: dict[str, Any]) -> None:
     """Run the lifecycle (one policy) or wave flow in this process and print each policy's outcome."""
     from flows.forms import WaveFailed
     from flows.lifecycle import lifecycle, wave
-    from mint_app.stack import flow_run_url, flow_workspace, on_stack
+    from mint_app.services.stack import flow_run_url, flow_workspace, on_stack
 
     with on_stack(console.print) as stack:
         doc["workspace"] = flow_workspace(stack, doc.get("workspace"))
@@ -603,7 +603,7 @@ def wave_cmd(
 def _run_spread(doc: dict[str, Any], per_run: int) -> None:
     """Run the spread flow in this process (its groups run on the pool's workers) and print each group."""
     from flows.spread import spread
-    from mint_app.stack import flow_run_url, flow_workspace, on_stack
+    from mint_app.services.stack import flow_run_url, flow_workspace, on_stack
 
     with on_stack(console.print) as stack:
         doc["workspace"] = flow_workspace(stack, doc.get("workspace"))

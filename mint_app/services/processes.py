@@ -20,7 +20,7 @@ import psutil
 
 if TYPE_CHECKING:
     pass
-from mint_app.service_config import (
+from mint_app.services.config import (
     LOG_TAIL_LINES,
     ServiceName,
     ServicesConfig,

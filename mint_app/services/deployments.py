@@ -21,16 +21,16 @@ from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     pass
-from mint_app.processes import (
-    healthy,
-)
-from mint_app.service_commands import console_script, hooks_workspace, running_base, serve_base
-from mint_app.service_config import (
+from mint_app.services.commands import console_script, hooks_workspace, running_base, serve_base
+from mint_app.services.config import (
     HEALTH_PATH,
     ServiceError,
     ServicesConfig,
     deployments_file,
     work_pool,
+)
+from mint_app.services.processes import (
+    healthy,
 )
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def reclaim_runs(
     nobody has held for `RECLAIM_GRACE_S`, or, with no other worker of the pool online, whatever it is (one
     worker: every run it had is gone). With `crashed_since` (epoch s), runs that crashed since then (taken down
     with their worker) too, unless another worker's lease names them. The supervisor of the worker calls it
-    before it starts the worker again after a crash (`python -m mint_app.services requeue ...`)."""
+    before it starts the worker again after a crash (`python -m mint_app.services.control requeue ...`)."""
     types = ["PENDING", "RUNNING"] + (["CRASHED"] if crashed_since is not None else [])
     query = {
         "work_pools": {"name": {"any_": [pool]}},

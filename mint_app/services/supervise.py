@@ -1,4 +1,4 @@
-"""Supervision of one service: `python -m mint_app.supervise --log LOG [options] -- COMMAND...`.
+"""Supervision of one service: `python -m mint_app.services.supervise --log LOG [options] -- COMMAND...`.
 
 `mint up` starts each service under this small process (in a session of its own: stopping the service signals the
 group, this process and the service alike). It
@@ -226,7 +226,7 @@ class Supervisor:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mint_app.supervise", description=__doc__.split("\n\n")[0]
+        prog="python -m mint_app.services.supervise", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--log", type=Path, required=True, help="the service's log file (rotated)")
     parser.add_argument(

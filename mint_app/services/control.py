@@ -33,20 +33,7 @@ from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     pass
-from mint_app.deployments import reclaim_runs, register_deployments, requeue_orphaned_runs
-from mint_app.processes import (
-    CHILDREN,
-    alive,
-    healthy,
-    log_tail,
-    port_free,
-    read_record,
-    remove_record,
-    state_files,
-    terminate,
-    write_record,
-)
-from mint_app.service_commands import (
+from mint_app.services.commands import (
     command,
     health_key,
     hooks_workspace,
@@ -55,7 +42,7 @@ from mint_app.service_commands import (
     serve_base,
     vllm_config,
 )
-from mint_app.service_config import (
+from mint_app.services.config import (
     ALL_SERVICES,
     HEALTH_KEY_ENV,
     HEALTH_PATH,
@@ -69,6 +56,19 @@ from mint_app.service_config import (
     ensure_postgres_database,
     services_for,
     work_pool,
+)
+from mint_app.services.deployments import reclaim_runs, register_deployments, requeue_orphaned_runs
+from mint_app.services.processes import (
+    CHILDREN,
+    alive,
+    healthy,
+    log_tail,
+    port_free,
+    read_record,
+    remove_record,
+    state_files,
+    terminate,
+    write_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
             env.pop(key, None)
     if config.supervise:  # it copies the service's output into the rotating log and restarts it after a crash
         cmd = [
-            *(sys.executable, "-m", "mint_app.supervise", "--log", str(log)),
+            *(sys.executable, "-m", "mint_app.services.supervise", "--log", str(log)),
             *("--max-bytes", str(config.log_max_bytes), "--backups", str(config.log_backups)),
             *("--health-url", config.url(name) + HEALTH_PATH[name]),
             # the key the service itself was started with (in its environment, never on a command line)
@@ -135,7 +135,7 @@ def _requeue_command(config: ServicesConfig) -> str:
     api, pool = config.url("prefect") + "/api", work_pool(config)
     catalog = hooks_workspace(config)["catalog_url"]
     return shlex.join(
-        [sys.executable, "-m", "mint_app.services", "requeue", api, pool, config.worker_name, catalog]
+        [sys.executable, "-m", "mint_app.services.control", "requeue", api, pool, config.worker_name, catalog]
     )
 
 
@@ -354,10 +354,10 @@ def stop(config: ServicesConfig, names: list[ServiceName] | None = None) -> list
 
 if (
     __name__ == "__main__"
-):  # `python -m mint_app.services requeue API POOL WORKER CATALOG`: the worker's supervisor, after a crash
+):  # `python -m mint_app.services.control requeue API POOL WORKER CATALOG`: the worker's supervisor, after a crash
     if sys.argv[1:2] != ["requeue"] or len(sys.argv) != 6:
         sys.exit(
-            "usage: python -m mint_app.services requeue PREFECT_API_URL POOL WORKER CATALOG_URL  "
+            "usage: python -m mint_app.services.control requeue PREFECT_API_URL POOL WORKER CATALOG_URL  "
             "(MINT_SUPERVISE_LAST_START: since)"
         )
     logging.basicConfig(level=logging.INFO, format="%(message)s")

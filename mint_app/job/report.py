@@ -18,7 +18,7 @@ from rich.text import Text
 from flows.canary import CanaryOutcome
 from flows.forms import PolicyOutcome, WaveReport
 from mint_app.console import rule
-from mint_app.job_config import MainJobConfig
+from mint_app.job.config import MainJobConfig
 from mint_core.lifecycle.workspace import Workspace
 from tasks.registry import EXPERIMENT
 

@@ -13,7 +13,7 @@ Answers: 401 for a missing, wrong or stale signature (nothing changes); 200 with
 503 when MLflow, the server or the lock is not available right now, 500 when the reconcile failed otherwise:
 MLflow retries both (3 times, backing off), and the periodic `reconcile` deployment is the safety net.
 
-Run: `python -m mint_app.webhooks` (what `mint up` supervises), configured by MINT_HOOKS_<FIELD> variables.
+Run: `python -m mint_app.services.webhooks` (what `mint up` supervises), configured by MINT_HOOKS_<FIELD> variables.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _failed(status: int, policy: str, delivery: str | None, e: BaseException) ->
 
 
 def main() -> None:
-    """`python -m mint_app.webhooks`: serve the receiver with MINT_HOOKS_* settings until SIGTERM."""
+    """`python -m mint_app.services.webhooks`: serve the receiver with MINT_HOOKS_* settings until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = HooksConfig.load(None)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")

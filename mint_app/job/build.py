@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-from mint_app.job_config import MainJobError
+from mint_app.job.config import MainJobError
 
 STAGES = ("task_data", "builtin_base", "validate_data", "eval_sets")
 """The DVC stages the job needs, in pipeline order (the tiny random bases are for tests and are not built)."""

@@ -20,12 +20,7 @@ from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     from mint_core.serving.vllm_process import VLLMConfig
-from mint_app.processes import (
-    alive,
-    healthy,
-    read_record,
-)
-from mint_app.service_config import (
+from mint_app.services.config import (
     BUILTIN_BASE,
     HEALTH_KEY_ENV,
     HEALTH_PATH,
@@ -37,6 +32,11 @@ from mint_app.service_config import (
     ServiceName,
     ServicesConfig,
     work_pool,
+)
+from mint_app.services.processes import (
+    alive,
+    healthy,
+    read_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def register_webhook(config: ServicesConfig) -> str:
     if not healthy(config.url("mlflow"), HEALTH_PATH["mlflow"]):
         return "MLflow is not running here: no webhook registered (the reconcile deployment still runs)"
     # MLflow's client is only imported here: `mint --help` and the other services never load it
-    from mint_app.webhooks import WEBHOOK_PATH
+    from mint_app.services.webhooks import WEBHOOK_PATH
     from mint_core.registry.webhooks import ensure_alias_webhook
 
     url = config.url("hooks") + WEBHOOK_PATH
@@ -132,7 +132,7 @@ def serve_base(config: ServicesConfig) -> str:
         logger.info("data/base is not built (dvc repro): writing a tiny dense base to %s", out)
         tmp = out.with_name(out.name + ".tmp")
         # `mint base build-tiny` (the DVC tiny_base stage's command) in a child: the supervisor never loads torch
-        cmd = [sys.executable, "-m", "mint_app.cli", "base", "build-tiny", str(tmp), "--family", "dense"]
+        cmd = [sys.executable, "-m", "mint_app.cli.app", "base", "build-tiny", str(tmp), "--family", "dense"]
         made = subprocess.run([*cmd, "--seed", "0"], capture_output=True, text=True)
         if made.returncode != 0:
             raise ServiceError(f"could not write a tiny dense base to {tmp}:\n{made.stdout}{made.stderr}")
@@ -319,7 +319,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
         env["MINT_HOOKS_SECRET_FILE"] = str(_hooks_secret_file(config).resolve())
         env["MINT_HOOKS_WORKSPACE"] = json.dumps(hooks_workspace(config))
-        return [sys.executable, "-m", "mint_app.webhooks"], env
+        return [sys.executable, "-m", "mint_app.services.webhooks"], env
     if name == "worker":
         # flow runs inherit this environment (and the job variables of infra/prefect.yaml): the servers of this
         # state dir, so a deployment's default Workspace reaches them
@@ -354,7 +354,7 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
     if name == "router":
         cmd, router_env = router_command(config)
         return cmd, {**env, **router_env}
-    cmd = [sys.executable, "-m", "mint_app.cli", "serve", "--host", host, "--port", port]
+    cmd = [sys.executable, "-m", "mint_app.cli.app", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:
         cmd += ["--config", str(config.serve_config.resolve())]
@@ -396,8 +396,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
 
 
 def _prefect_logging(config: ServicesConfig) -> Path:
-    """The Prefect server's logging config (`mint_app.prefect_logging`), written into the state dir."""
-    from mint_app.prefect_logging import write_config
+    """The Prefect server's logging config (`mint_app.services.prefect_logging`), written into the state dir."""
+    from mint_app.services.prefect_logging import write_config
 
     default = Path(
         console_script("prefect")

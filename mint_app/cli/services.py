@@ -10,10 +10,10 @@ import httpx
 import typer
 from rich.table import Table
 
+from mint_app.cli.help import with_default
+from mint_app.cli.task import TasksOption, add_task_dirs
 from mint_app.console import make_console, rule
-from mint_app.help import with_default
-from mint_app.processes import follow_log, log_tail, rolled_logs, service_log
-from mint_app.service_config import (
+from mint_app.services.config import (
     ALL_SERVICES,
     Service,
     ServiceError,
@@ -22,8 +22,8 @@ from mint_app.service_config import (
     parse_names,
     services_for,
 )
-from mint_app.services import start, status, stop, stop_started_redis
-from mint_app.task_cli import TasksOption, add_task_dirs
+from mint_app.services.control import start, status, stop, stop_started_redis
+from mint_app.services.processes import follow_log, log_tail, rolled_logs, service_log
 
 console = make_console()  # a kept log's tables keep their width
 
