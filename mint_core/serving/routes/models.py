@@ -5,7 +5,7 @@ the base's name, a duplicate name without `load_inplace`, a path outside the ada
 (one whose recorded base fingerprint is another base's included); 404 for nothing at that path. An adapter that
 records no fingerprint but names another base is loaded with a warning (`other_base_warning`). A promote refresh
 is this route with `load_inplace`. POST /v1/unload_lora_adapter {"lora_name"}: 200; 404 for a name not loaded.
-Both go through the server's AdapterManager.
+Both go through the server's AdapterManager, after the checks the vLLM front makes too (serving/admin.py).
 """
 
 from __future__ import annotations
