@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from mlflow import MlflowClient
 from selenium import webdriver
@@ -28,6 +30,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from mint_app.job.report import training_runs_url
 from mint_core.registry.runs import log_training_run
 from mint_testkit.skips import require
+from mint_testkit.waiting import wait_until
 from tasks.registry import EXPERIMENT
 from tests.integration.alias_stack import BOUND_S, Stack, alias_stack
 
@@ -36,6 +39,21 @@ pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 HTTP_5XX = re.compile(r'"[A-Z]+ (\S+) HTTP/[\d.]+" (5\d\d)')
 UI_WAIT_S = 30.0
+COUNT_REQUESTS = """
+window.__inflight = 0;
+const fetch0 = window.fetch;
+window.fetch = function (...args) {
+  window.__inflight++;
+  return fetch0.apply(this, args).finally(() => { window.__inflight--; });
+};
+const send0 = XMLHttpRequest.prototype.send;
+XMLHttpRequest.prototype.send = function (...args) {
+  window.__inflight++;
+  this.addEventListener("loadend", () => { window.__inflight--; });
+  return send0.apply(this, args);
+};
+"""
+"""Counts the page's requests in flight (`window.__inflight`), in every document the browser opens."""
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +84,7 @@ def browser() -> Iterator[WebDriver]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=ChromeService(CHROMEDRIVER), options=options)
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": COUNT_REQUESTS})
     try:
         yield driver
     finally:
@@ -84,6 +103,20 @@ def wait_for(driver: WebDriver, what: str, find: object, timeout: float = UI_WAI
 def version_row(driver: WebDriver, version: int) -> WebElement | None:
     rows = driver.find_elements(By.CSS_SELECTOR, '[data-testid="model-version-table"] [role="row"]')
     return next((r for r in rows if r.text.startswith(f"Version {version}\n")), None)
+
+
+def logged_settled(browser: WebDriver, stack: Stack) -> None:
+    """Until the page has no request in flight and MLflow's log holds every answer it sent: a marker request,
+    sent after the page's were answered, is in the log."""
+    wait_until(
+        lambda: browser.execute_script("return window.__inflight") == 0, UI_WAIT_S, "the page's requests"
+    )
+    marker = f"/health?after-page={uuid.uuid4().hex}"
+    httpx.get(stack.mlflow + marker, timeout=30)
+    log = stack.config.state_dir / "mlflow.log"
+    wait_until(
+        lambda: marker in log.read_text(errors="replace"), UI_WAIT_S, "the marker request in mlflow.log"
+    )
 
 
 def server_errors(stack: Stack) -> list[str]:
@@ -141,7 +174,7 @@ def test_a_version_page_loads(stack: Stack, browser: WebDriver) -> None:
     )
     body = browser.find_element(By.TAG_NAME, "body").text
     assert f"Version {version}" in body and "mint.base" in body
-    time.sleep(1.0)  # the page's last requests (the version's artifacts) land in the log
+    logged_settled(browser, stack)  # the page's last requests (the version's artifacts) are in the log
     assert server_errors(stack) == []
 
 
@@ -154,5 +187,5 @@ def test_the_training_runs_link_opens_the_runs_view(stack: Stack, browser: WebDr
     body = browser.find_element(By.TAG_NAME, "body").text
     assert EXPERIMENT in body and "Training runs" in body
     assert "/overview" not in browser.current_url  # not MLflow 3's GenAI overview ("Traces 0")
-    time.sleep(1.0)
+    logged_settled(browser, stack)
     assert server_errors(stack) == []
