@@ -46,6 +46,7 @@ from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
 from mint_core.serving.client import ServingError
 from mint_testkit.harness import free_port, save_tiny_base, start_front, start_server, stop_server, unload_all
+from mint_testkit.waiting import wait_until
 from tasks.common import is_transient
 from tests.fault_points import FAULT_ENV, installed
 from tests.integration.conftest import VLLMServer
@@ -436,9 +437,8 @@ def test_reconcile_serves_an_alias_moved_in_mlflow(stack: Stack) -> None:
     t0 = time.perf_counter()
     MlflowClient(stack.ws.tracking_uri).set_registered_model_alias(name, "champion", str(v2.version))
     done = reconcile([name], workspace=stack.ws)
-    while stack.answered_by(name) != v2.digest:  # reconcile returned after its smoke check: no wait expected
-        assert time.perf_counter() - t0 < 30
-        time.sleep(0.05)
+    # reconcile returned after its smoke check: no wait expected
+    wait_until(lambda: stack.answered_by(name) == v2.digest, 30 - (time.perf_counter() - t0), "v2 answers")
     elapsed = time.perf_counter() - t0
     assert done[0].reloaded and done[0].alias_synced
     assert reg.catalog.alias_version(name, "champion") == v2.version

@@ -25,6 +25,7 @@ from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.store import AdapterStore
 from mint_testkit.harness import free_port, mint_cli, save_tiny_base
+from mint_testkit.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 POLICY = "sv-pol"
@@ -66,10 +67,11 @@ class Load:
     def wait_for(self, n_ok: int, timeout: float = 120) -> None:
         """Until `n_ok` more requests were answered 200."""
         want = self.outcomes["200"] + n_ok
-        deadline = time.monotonic() + timeout
-        while self.outcomes["200"] < want:
-            assert time.monotonic() < deadline, f"only {self.outcomes} within {timeout} s"
-            time.sleep(0.1)
+        wait_until(
+            lambda: self.outcomes["200"] >= want,
+            timeout,
+            lambda: f"{n_ok} more answered 200: {self.outcomes}",
+        )
 
 
 # vLLM takes 1-2 minutes to start on 2 cores, twice per test: the slow tier
@@ -121,10 +123,11 @@ def engine_of(config: ServicesConfig) -> ServiceName:
 
 def supervised_healthy(config: ServicesConfig, name: ServiceName, timeout: float = 60) -> None:
     """Until the service's supervisor has seen it healthy (a crash before that is not restarted, by design)."""
-    deadline = time.monotonic() + timeout
-    while "healthy after" not in service_log(config, name).read_text():
-        assert time.monotonic() < deadline, f"{name}'s supervisor never saw it healthy"
-        time.sleep(0.1)
+    wait_until(
+        lambda: "healthy after" in service_log(config, name).read_text(),
+        timeout,
+        f"{name}'s supervisor saw it healthy",
+    )
 
 
 def serve_child(config: ServicesConfig, name: ServiceName = "serve") -> psutil.Process:
