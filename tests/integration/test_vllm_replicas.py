@@ -43,6 +43,7 @@ from mint_testkit.harness import (
     stop_server,
 )
 from mint_testkit.skips import require
+from mint_testkit.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 # The promotion and the rollback everywhere, and the refused load undone everywhere, run in the default tier; the
@@ -424,10 +425,7 @@ def test_a_promotion_with_a_replica_down_completes_and_the_replica_returns_on_th
     # router's circuit breaker, which left alone sends a restarted worker nothing for a minute or two)
     front = fleet.started[3]
     said = f"golden probe: {replica_name(back)} answers as recorded after a restart: the router sends to it again"
-    deadline = time.monotonic() + 30
-    while said not in server_log(front):
-        assert time.monotonic() < deadline, server_log(front)[-3000:]
-        time.sleep(1)
+    wait_until(lambda: said in server_log(front), 30, lambda: server_log(front)[-3000:])
     assert sorted(httpx.get(fleet.router + "/list_workers", timeout=10).json()["urls"]) == sorted(
         fleet.replicas
     )
