@@ -32,6 +32,7 @@ from mint_core.serving.config import ServingConfig
 
 if TYPE_CHECKING:
     from mint_core.rl.recipe import TrainingRun
+    from mint_core.rl.trainer import MultiPolicyTrainer
 
 app = typer.Typer(help="mint: many LoRA policies over one resident base model.", no_args_is_help=True)
 app.add_typer(adapter_app, name="adapter")
@@ -138,14 +139,49 @@ def serve(
         raise typer.Exit(1) from None
 
 
+_TrainLr = Annotated[
+    float,
+    typer.Option(
+        help=f"Learning rate at rank {RECIPE.rank} (scaled by sqrt({RECIPE.rank} / rank); "
+        f"{RECIPE.lr_decay} decay to 0)."
+    ),
+]
+_TrainRank = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help=f"LoRA rank (alpha = 2 x rank). Default: each task's spec's recipe.rank, else {RECIPE.rank}.",
+    ),
+]
+_TrainDeepSpeed = Annotated[
+    Path | None,
+    typer.Option(
+        help="Train under DeepSpeed with this config (infra/deepspeed/zero2.json or zero3.json); for "
+        "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_app.cli.app train`."
+    ),
+]
+_TrainCheckpointEvery = Annotated[
+    int,
+    typer.Option(min=0, help="Save the trainer's state every N steps (0: only at the end and on Ctrl-C)."),
+]
+_TrainResume = Annotated[
+    bool,
+    typer.Option(
+        help="Continue the run whose newest checkpoint is in OUT/checkpoints (same policies, prompts, "
+        "group, lr, rank, seed and base; --steps may be larger)."
+    ),
+]
+_TrainPolicies = Annotated[
+    str,
+    typer.Option(
+        help="Comma-separated registered tasks, one policy per task (`mint task list`; a user's with --tasks)."
+    ),
+]
+
+
 @app.command()
 def train(
-    policies: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated registered tasks, one policy per task (`mint task list`; a user's with --tasks)."
-        ),
-    ] = ",".join(demo_policies()),
+    policies: _TrainPolicies = ",".join(demo_policies()),
     tasks: TasksOption = None,
     base: Annotated[
         Path, typer.Option(help="Base model directory (the default is the built-in base).")
@@ -156,23 +192,11 @@ def train(
         int, typer.Option(min=1, help="Prompts per policy per step.")
     ] = RECIPE.prompts_per_step,
     group: Annotated[int, typer.Option(min=2, help="Samples per prompt (G).")] = RECIPE.group_size,
-    lr: Annotated[
-        float,
-        typer.Option(
-            help=f"Learning rate at rank {RECIPE.rank} (scaled by sqrt({RECIPE.rank} / rank); "
-            f"{RECIPE.lr_decay} decay to 0)."
-        ),
-    ] = RECIPE.learning_rate,
+    lr: _TrainLr = RECIPE.learning_rate,
     temperature: Annotated[
         float, typer.Option(min=0.01, help="Sampling temperature of the rollouts.")
     ] = RECIPE.temperature,
-    rank: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            help=f"LoRA rank (alpha = 2 x rank). Default: each task's spec's recipe.rank, else {RECIPE.rank}.",
-        ),
-    ] = None,
+    rank: _TrainRank = None,
     out: Annotated[Path, typer.Option(help="Where revisions and trainer state are written.")] = Path(
         "runs/train"
     ),
@@ -184,26 +208,9 @@ def train(
         str,
         typer.Option(help="cpu, cuda or cuda:N: where the base, the adapters and the update run."),
     ] = default_of(MainJobConfig, "device"),
-    deepspeed: Annotated[
-        Path | None,
-        typer.Option(
-            help="Train under DeepSpeed with this config (infra/deepspeed/zero2.json or zero3.json); for "
-            "several GPUs launch with `deepspeed --no_local_rank --num_gpus N --module mint_app.cli.app train`."
-        ),
-    ] = None,
-    checkpoint_every: Annotated[
-        int,
-        typer.Option(
-            min=0, help="Save the trainer's state every N steps (0: only at the end and on Ctrl-C)."
-        ),
-    ] = 10,
-    resume: Annotated[
-        bool,
-        typer.Option(
-            help="Continue the run whose newest checkpoint is in OUT/checkpoints (same policies, prompts, "
-            "group, lr, rank, seed and base; --steps may be larger)."
-        ),
-    ] = False,
+    deepspeed: _TrainDeepSpeed = None,
+    checkpoint_every: _TrainCheckpointEvery = 10,
+    resume: _TrainResume = False,
 ) -> None:
     """Train several policies with GRPO at once on one base; print held-out reward before and after.
 
@@ -215,41 +222,17 @@ def train(
     # thread and 2.9 s with two passive ones (set before torch loads; the environment wins)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # deferred: torch and transformers load for this command only, so `mint --help` stays fast
-    from mint_core.data.spec import SpecError
-    from mint_core.data.spec import registry as task_registry
-    from mint_core.lifecycle.prompts import train_and_heldout
     from mint_core.rl.builder import load_trainer, recipe_spec
-    from mint_core.rl.checkpoints import checkpoints, is_lead_process, latest_checkpoint
+    from mint_core.rl.checkpoints import is_lead_process
     from mint_core.rl.grpo import GRPOConfig
-    from mint_core.rl.recipe import ResumeError, TrainingRun
 
     _check_device(device)  # before any work, as an unknown task below
     if not lr > 0:  # NaN too
         raise typer.BadParameter(f"{lr} is not a learning rate: it must be above 0", param_hint="--lr")
     names = [t.strip() for t in policies.split(",") if t.strip()]
     add_task_dirs(tasks)
-    for t in names:
-        try:
-            task_registry().get(t)  # unknown task: a clear error before any work
-        except SpecError as e:
-            raise typer.BadParameter(str(e), param_hint="--policies") from None
-    if not (base / "config.json").is_file():
-        raise typer.BadParameter(
-            f"{base} is not a model directory (build the built-in base with `dvc repro`)"
-        )
     ckpt_dir = out / "checkpoints"
-    if resume and latest_checkpoint(ckpt_dir) is None:
-        raise typer.BadParameter(f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume")
-    try:
-        data = {t: train_and_heldout(t, prompts * steps, heldout, seed) for t in names}
-    except SpecError as e:
-        raise typer.BadParameter(str(e), param_hint="--policies") from None
-    except ValueError as e:  # a task with fewer distinct prompts than the run asks for
-        raise typer.BadParameter(
-            f"{e}: --steps {steps} x --prompts {prompts} asks for {steps * prompts} distinct train prompts per "
-            f"policy, and {heldout} more held out",
-            param_hint="--steps",
-        ) from None
+    data = _train_data(names, base, ckpt_dir, steps, prompts, heldout, seed, resume)
     specs = [recipe_spec(t, t, rank, lr) for t in names]
     trainer = load_trainer(
         base,
@@ -262,18 +245,78 @@ def train(
         device=device,
     )
     lead = is_lead_process()  # the process that prints and exports (rank 0 under DeepSpeed)
+    run = _start_run(trainer, data, steps, prompts, ckpt_dir, checkpoint_every, resume, lead)
+    _train_until_done_or_stopped(run, ckpt_dir, steps, lead)
+
+
+def _train_data(
+    names: list[str],
+    base: Path,
+    ckpt_dir: Path,
+    steps: int,
+    prompts: int,
+    heldout: int,
+    seed: int,
+    resume: bool,
+) -> dict[str, tuple[list[Any], list[Any]]]:
+    """`mint train`'s inputs checked before any work (each task registered, the base a model directory, a
+    checkpoint to resume), then each policy's train and held-out prompts; a problem is a usage error naming the
+    option."""
+    from mint_core.data.spec import SpecError
+    from mint_core.data.spec import registry as task_registry
+    from mint_core.lifecycle.prompts import train_and_heldout
+    from mint_core.rl.checkpoints import latest_checkpoint
+
+    for t in names:
+        try:
+            task_registry().get(t)  # unknown task: a clear error before any work
+        except SpecError as e:
+            raise typer.BadParameter(str(e), param_hint="--policies") from None
+    if not (base / "config.json").is_file():
+        raise typer.BadParameter(
+            f"{base} is not a model directory (build the built-in base with `dvc repro`)"
+        )
+    if resume and latest_checkpoint(ckpt_dir) is None:
+        raise typer.BadParameter(f"no checkpoint of a `mint train` run in {ckpt_dir}", param_hint="--resume")
+    try:
+        return {t: train_and_heldout(t, prompts * steps, heldout, seed) for t in names}
+    except SpecError as e:
+        raise typer.BadParameter(str(e), param_hint="--policies") from None
+    except ValueError as e:  # a task with fewer distinct prompts than the run asks for
+        raise typer.BadParameter(
+            f"{e}: --steps {steps} x --prompts {prompts} asks for {steps * prompts} distinct train prompts per "
+            f"policy, and {heldout} more held out",
+            param_hint="--steps",
+        ) from None
+
+
+def _start_run(
+    trainer: MultiPolicyTrainer,
+    data: dict[str, tuple[list[Any], list[Any]]],
+    steps: int,
+    prompts: int,
+    ckpt_dir: Path,
+    checkpoint_every: int,
+    resume: bool,
+    lead: bool,
+) -> TrainingRun:
+    """`mint train`'s run, afresh or from the newest checkpoint (--resume): a checkpoint of another run, or one
+    already at --steps, is a usage error naming --resume."""
+    from mint_core.rl.checkpoints import checkpoints
+    from mint_core.rl.recipe import ResumeError, TrainingRun
+
     if not resume and checkpoints(ckpt_dir) and lead:
         console.print(f"starting afresh: the checkpoints of an earlier run in {ckpt_dir} will be replaced")
     try:
         run = TrainingRun.start(
             trainer,
-            {t: data[t][0] for t in names},
+            {t: d[0] for t, d in data.items()},
             steps,
             prompts,
             ckpt_dir,
             checkpoint_every,
             resume=resume,
-            heldout={t: data[t][1] for t in names},
+            heldout={t: d[1] for t, d in data.items()},
         )
     except ResumeError as e:
         raise typer.BadParameter(str(e), param_hint="--resume") from None
@@ -286,9 +329,15 @@ def train(
             )
         if lead:
             console.print(f"resuming from {run.resumed_checkpoint} at step {run.resumed_step} of {steps}")
+    return run
 
-    # Ctrl-C stops after the step under way (a step cut short would leave some policies updated and others not);
-    # a second Ctrl-C stops at once, without saving.
+
+def _train_until_done_or_stopped(run: TrainingRun, ckpt_dir: Path, steps: int, lead: bool) -> None:
+    """Run `mint train`'s steps with a progress bar, then print its results. Ctrl-C stops after the step under
+    way (a step cut short would leave some policies updated and others not), saved; a second Ctrl-C stops at
+    once, without saving. Either exits 130."""
+    from mint_core.rl.checkpoints import latest_checkpoint
+
     stop_asked = False
 
     def on_sigint(_signum: int, _frame: object) -> None:
@@ -328,7 +377,7 @@ def train(
             )
         raise typer.Exit(130)
     if lead:
-        _train_results(run, out)
+        _train_results(run, ckpt_dir.parent)
 
 
 def _train_results(run: TrainingRun, out: Path) -> None:
@@ -413,6 +462,58 @@ def _job(text: str, field: str) -> str:
     return with_default(text, MainJobConfig, field)
 
 
+_RunStateDir = Annotated[
+    Path | None,
+    typer.Option(
+        help=_job("Where everything is kept: run/ (services), store/, catalog.db, lifecycle/", "state_dir")
+    ),
+]
+_RunServing = Annotated[
+    Literal["mint", "vllm"] | None,
+    typer.Option(
+        help=_job(
+            "Who serves the policies: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
+            "vllm-venv`) behind mint serve",
+            "serving",
+        )
+    ),
+]
+_RunReplicas = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=8,
+        help=_job(
+            "vLLM replicas behind vllm-router (with --serving vllm), loaded all or nothing", "replicas"
+        ),
+    ),
+]
+_RunDevice = Annotated[
+    str | None,
+    typer.Option(help=_job("cpu, cuda or cuda:N: where the waves train and mint serve serves", "device")),
+]
+_RunBase = Annotated[
+    Path | None,
+    typer.Option(
+        help=_job(
+            "The base: a Hugging Face causal-LM directory with its tokenizer (and chat template), which the "
+            "waves train and mint serve (or vLLM) serves; checked before anything starts",
+            "base",
+        )
+    ),
+]
+_RunConfig = Annotated[
+    Path | None,
+    typer.Option(help="YAML/JSON of MainJobConfig fields; then MINT_RUN_<FIELD> variables, then flags."),
+]
+_RunFirstSteps = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help=_job("GRPO steps of the first wave, for policies with no champion", "first_steps")
+    ),
+]
+
+
 @app.command("run")
 def run_cmd(
     policies: Annotated[
@@ -422,23 +523,11 @@ def run_cmd(
     steps: Annotated[
         int | None, typer.Option(min=1, help=_job("GRPO steps of the wave from the champions", "steps"))
     ] = None,
-    first_steps: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help=_job("GRPO steps of the first wave, for policies with no champion", "first_steps")
-        ),
-    ] = None,
+    first_steps: _RunFirstSteps = None,
     eval_limit: Annotated[
         int | None, typer.Option(min=20, help=_job("Items per lm-eval task the gate reads", "eval_limit"))
     ] = None,
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help=_job(
-                "Where everything is kept: run/ (services), store/, catalog.db, lifecycle/", "state_dir"
-            )
-        ),
-    ] = None,
+    state_dir: _RunStateDir = None,
     build: Annotated[bool, typer.Option(help="Build what is missing with DVC first.")] = True,
     round: Annotated[
         str | None, typer.Option(help="Training round name \\[default: a timestamp, so every run trains].")
@@ -446,44 +535,11 @@ def run_cmd(
     mlflow_port: Annotated[int | None, typer.Option(help=_job("", "mlflow_port"))] = None,
     prefect_port: Annotated[int | None, typer.Option(help=_job("", "prefect_port"))] = None,
     serve_port: Annotated[int | None, typer.Option(help=_job("", "serve_port"))] = None,
-    serving: Annotated[
-        Literal["mint", "vllm"] | None,
-        typer.Option(
-            help=_job(
-                "Who serves the policies: mint's embedded engine, or a vLLM server (from .venv-vllm, `make "
-                "vllm-venv`) behind mint serve",
-                "serving",
-            )
-        ),
-    ] = None,
-    replicas: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            max=8,
-            help=_job(
-                "vLLM replicas behind vllm-router (with --serving vllm), loaded all or nothing", "replicas"
-            ),
-        ),
-    ] = None,
-    device: Annotated[
-        str | None,
-        typer.Option(help=_job("cpu, cuda or cuda:N: where the waves train and mint serve serves", "device")),
-    ] = None,
-    base: Annotated[
-        Path | None,
-        typer.Option(
-            help=_job(
-                "The base: a Hugging Face causal-LM directory with its tokenizer (and chat template), which the "
-                "waves train and mint serve (or vLLM) serves; checked before anything starts",
-                "base",
-            )
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="YAML/JSON of MainJobConfig fields; then MINT_RUN_<FIELD> variables, then flags."),
-    ] = None,
+    serving: _RunServing = None,
+    replicas: _RunReplicas = None,
+    device: _RunDevice = None,
+    base: _RunBase = None,
+    config: _RunConfig = None,
     tasks: TasksOption = None,
 ) -> None:
     """The main job: build what is missing (DVC), start the servers, train/evaluate/gate/promote/serve a wave

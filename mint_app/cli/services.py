@@ -192,6 +192,11 @@ def up(
         except ServiceError as e:
             console.print(f"[red]{e}[/]")
             raise typer.Exit(1) from None
+    _say_up(cfg, names, started)
+
+
+def _say_up(cfg: ServicesConfig, names: list[ServiceName], started: list[Service]) -> None:
+    """What `mint up` started or reused, the services' status table, and how other tools reach them."""
     for s in started:
         how = "already running" if s.reused else f"started in {s.startup_s:.1f} s"
         console.print(f"{TITLES[s.name]}: {how} at {s.api_url} (pid {s.pid})")

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -408,180 +409,239 @@ def run_main_job(cfg: MainJobConfig, console: Console) -> None:
         _run(cfg, console)
 
 
+@dataclass
+class _Job:
+    """What the main job's steps share: its config and console, the step timer, the round's name, and what the
+    steps produced (the servers, the workspace, the runs, waves and canaries the report names)."""
+
+    cfg: MainJobConfig
+    console: Console
+    timer: Timer
+    round_name: str
+    started: dict[ServiceName, Service] = field(default_factory=dict)
+    runs: list[tuple[str, str]] = field(default_factory=list)
+    waves: list[tuple[str, WaveReport]] = field(default_factory=list)
+    canaries: list[tuple[str, CanaryOutcome]] = field(default_factory=list)
+    summary_file: Path | None = None
+
+
 def _run(cfg: MainJobConfig, console: Console) -> None:
     check_device(cfg.device, "device")  # before anything is built or started
-    timer = Timer(console)
-    round_name = cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")
+    job = _Job(
+        cfg, console, Timer(console), cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")
+    )
+    _build_step(job)
+    worker, ws = _start_step(job)
+    # live traffic for the canaries: users asking task prompts of every policy while it has a canary split
+    traffic = Traffic(
+        ws.serving_url, api_key=os.environ.get("MINT_SERVE_API_KEY"), concurrency=cfg.traffic_concurrency
+    )
+    with _prefect_api(job.started["prefect"].api_url), traffic:
+        fresh = [t for t in cfg.policies if ws.registry().alias_version(t, "champion") is None]
+        if fresh:
+            _first_wave_step(job, ws, fresh)
+        main = _main_wave_step(job, ws)
+        _completions_step(job, ws)
+        _rollback_step(job, ws, main)
+        if cfg.canary_demo:
+            _canary_step(job, ws)
+        sent = traffic.stats
+        console.print(
+            f"  traffic: {sent.answered:,} requests answered, {sent.failed:,} failed"
+            + (f" ({sent.errors})" if sent.errors else "")
+        )
+    with job.timer.step("7. the Prefect worker (started beside the waves)") as note:
+        job.started["worker"] = worker.result()
+        _say_started(job.started["worker"], console)
+        note.append(job.started["worker"].detail or "running")
+    _report(job, ws)
 
-    with timer.step("1. build what is missing (DVC)") as note:
+
+def _build_step(job: _Job) -> None:
+    """Build what is missing (DVC), then check, before anything starts or trains, the policies' tasks, the
+    base's tokenizer and its template on their prompts, and what the serving backend runs."""
+    cfg = job.cfg
+    with job.timer.step("1. build what is missing (DVC)") as note:
         if cfg.build:
-            built = build(console)
+            built = build(job.console)
             note.append(", ".join(built) if built else "all up to date")
         else:
             note.append("skipped (--no-build)")
         for need in (cfg.base / "config.json", cfg.data_dir / "train"):
             if not need.exists():
                 raise MainJobError(f"{need} is missing: run `dvc repro` (or drop --no-build)")
-        try:  # before anything starts or trains: the policies' tasks, the base's tokenizer and its template on
-            # their prompts, and what the serving backend runs
+        try:
             tasks = [task_registry().get(p) for p in cfg.policies]
             samples = [t.train_rows()[0].prompt for t in tasks]
             check_base(cfg.base, sample_messages=samples, serving=cfg.serving, device=cfg.device)
         except (BaseError, SpecError) as e:
             raise MainJobError(str(e)) from None
 
+
+def _start_step(job: _Job) -> tuple[WorkerStart, Workspace]:
+    """Start (or reuse) MLflow, Prefect and the serving backend; the worker registers the deployments and
+    starts beside the waves (the job's own flows run in this process), and the job waits for it at the end."""
+    cfg, console = job.cfg, job.console
     serving = "vLLM behind mint serve" if cfg.serving == "vllm" else "mint serve"
-    with timer.step(f"2. start the servers (MLflow, Prefect, {serving})") as note:
+    with job.timer.step(f"2. start the servers (MLflow, Prefect, {serving})") as note:
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
             os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
         svc_cfg = services_config(cfg)
         try:
             names: list[ServiceName] = [n for n in services_for(svc_cfg) if n != "worker"]
-            started = {s.name: s for s in start(svc_cfg, names, progress=lambda m: console.print(f"  {m}"))}
+            started = start(svc_cfg, names, progress=lambda m: console.print(f"  {m}"))
         except ServiceError as e:
             raise MainJobError(f"a service did not start:\n{e}") from None
-        for s in started.values():
+        job.started.update({s.name: s for s in started})
+        for s in started:
             _say_started(s, console)
-        # the job's own flows run in this process: the worker (dashboard runs, nightly retraining) registers
-        # the deployments and starts while the first wave trains, and the job waits for it at the end
         worker = WorkerStart(svc_cfg)
         console.print("  worker: registering the deployments and starting, beside the waves")
-        reused = [n for n, s in started.items() if s.reused]
+        reused = [s.name for s in started if s.reused]
         note.append(f"reused {', '.join(reused)}" if reused else "all started")
-        ws = workspace(cfg, started)
+        return worker, workspace(cfg, job.started)
 
-    prefect_url = started["prefect"].url
-    runs: list[tuple[str, str]] = []
-    waves: list[tuple[str, WaveReport]] = []
-    canaries: list[tuple[str, CanaryOutcome]] = []
-    # live traffic for the canaries: users asking task prompts of every policy while it has a canary split
-    traffic = Traffic(
-        ws.serving_url, api_key=os.environ.get("MINT_SERVE_API_KEY"), concurrency=cfg.traffic_concurrency
-    )
-    with _prefect_api(started["prefect"].api_url), traffic:
-        reg = ws.registry()
-        fresh = [t for t in cfg.policies if reg.alias_version(t, "champion") is None]
-        if fresh:
-            with timer.step(f"3a. wave: first revisions of {', '.join(fresh)}") as note:
-                console.print(
-                    f"  no champion yet for {', '.join(fresh)}: {cfg.first_steps} GRPO steps from the base, "
-                    "evaluate the candidate and the bare base (revision 0) on the same suites, gate (paired "
-                    "test against the base), promote, serve"
-                )
-                by_canary = [t for t in fresh if t in cfg.canaried()]
-                if by_canary:
-                    console.print(
-                        f"  {', '.join(by_canary)}: once the gate passes it, the candidate answers "
-                        f"{cfg.canary_share:.0%} of the users (live traffic: simulated users asking its task's held-out prompts) and the "
-                        "online test (always-valid, on the task's reward of each answer) promotes or rolls it back"
-                    )
-                with step_bar(console, f"GRPO {', '.join(fresh)}"):
-                    first, run_id = run_wave(
-                        cfg, ws, fresh, cfg.first_steps, round_name + "-first", canary=by_canary
-                    )
-                waves.append(("first", first))
-                for o in first.outcomes:
-                    if o.canary is not None:
-                        canaries.append(("first revision", o.canary))
-                        note.append(
-                            f"{o.policy} canary {o.canary.decision} after {o.canary.requests:,} requests"
-                        )
-                runs.append(("wave (first revisions)", run_id))
-                print_outcomes(first, "first revisions (gated against the base)", console)
-                console.print(f"  mean rollout reward, first -> last step: {rewards_line(first)}")
-                console.print(timings_table(first, "inside the wave"))
-                note.append(count_outcomes(first))
 
-        with timer.step(f"3b. wave: {', '.join(cfg.policies)} trained from their champions") as note:
-            console.print(
-                f"  {cfg.steps} GRPO steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per policy, "
-                "all policies in one batched rollout and update per step; then per policy: evaluate the "
-                "candidate and the champion (lm-eval through the server), gate (paired tests), promote + refresh "
-                "serving + smoke check in one transaction"
-            )
-            for t in cfg.policies:
-                console.print(f"  gate of {t}: {GatePolicy(suite=t).describe()}", soft_wrap=True)
-            with step_bar(console, f"GRPO {', '.join(cfg.policies)}"):
-                main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, round_name)
-            waves.append(("main", main))
-            summary_file = write_summary(cfg, round_name, waves)
-            console.print(f"  summary: {summary_file}")
-            runs.append(("wave", run_id))
-            print_outcomes(main, "the wave", console)
-            console.print(f"  mean rollout reward, first -> last step: {rewards_line(main)}")
-            console.print(timings_table(main, "inside the wave"))
-            note.append(count_outcomes(main))
+def _wave_lines(job: _Job, report: WaveReport) -> None:
+    job.console.print(f"  mean rollout reward, first -> last step: {rewards_line(report)}")
+    job.console.print(timings_table(report, "inside the wave"))
 
-        with timer.step("4. a served completion from each policy's champion") as note:
-            # a champion the wave did not replace may not be loaded yet (a server restarted since the last run):
-            # serving follows the registry first, as the reconcile deployment keeps it doing
-            reconciled = reconcile(policies=list(cfg.policies), workspace=ws)
-            reloaded = [r for r in reconciled if r.reloaded]
-            if reloaded:
-                console.print(f"  reconcile loaded {len(reloaded)} champion(s) the server did not hold yet")
-            table, n = completions_table(cfg, ws)
-            console.print(table)
-            note.append(f"{n} policies answered through {ws.serving_url}/v1/completions")
 
-        with timer.step("5. rollback") as note:
-            policy = pick_rollback(main)
-            if policy is None:
-                console.print(
-                    "[yellow]the wave promoted no policy over an earlier champion, so there is nothing to "
-                    "roll back to this time (the gate kept every champion)[/]"
-                )
-                note.append("nothing to roll back")
-            else:
-                summary, run_id = show_rollback(cfg, ws, policy, console)
-                runs.append(("rollback", run_id))
-                note.append(summary)
-
-        reg = ws.registry()
-        champions = [t for t in cfg.policies if reg.alias_version(t, "champion") is not None]
-        if cfg.canary_demo and not champions:
-            with timer.step("6. canary: a deliberately worse candidate") as note:
-                console.print("[yellow]no policy has a champion to compare a candidate with: no canary[/]")
-                note.append("no champion")
-        elif cfg.canary_demo:
-            policy = champions[0]
-            with timer.step(f"6. canary: a deliberately worse candidate of {policy}") as note:
-                version = step0_checkpoint(cfg, ws, policy)
-                console.print(
-                    f"  {policy}/v{version} is {policy}'s step-0 checkpoint (PEFT's init: it answers as the base); "
-                    f"it answers {cfg.canary_share:.0%} of {policy}'s users beside the champion until the online "
-                    "test decides"
-                )
-                state = canary_flow(
-                    policy=policy, version=version, canary=canary_config(cfg), workspace=ws, return_state=True
-                )
-                out = state.result()
-                assert out is not None
-                canaries.append(("step-0", out))
-                runs.append(("canary", str(state.state_details.flow_run_id)))
-                console.print(Text(f"  {policy}/v{version} {out.decision}: {out.reason}"))
-                note.append(f"{policy}/v{version} {out.decision} after {out.requests:,} requests")
-        sent = traffic.stats
+def _first_wave_step(job: _Job, ws: Workspace, fresh: list[str]) -> None:
+    """Policies without a champion: their first revisions, trained from the base and gated against it (and,
+    for the canaried ones, decided on live traffic)."""
+    cfg, console = job.cfg, job.console
+    with job.timer.step(f"3a. wave: first revisions of {', '.join(fresh)}") as note:
         console.print(
-            f"  traffic: {sent.answered:,} requests answered, {sent.failed:,} failed"
-            + (f" ({sent.errors})" if sent.errors else "")
+            f"  no champion yet for {', '.join(fresh)}: {cfg.first_steps} GRPO steps from the base, "
+            "evaluate the candidate and the bare base (revision 0) on the same suites, gate (paired "
+            "test against the base), promote, serve"
         )
+        by_canary = [t for t in fresh if t in cfg.canaried()]
+        if by_canary:
+            console.print(
+                f"  {', '.join(by_canary)}: once the gate passes it, the candidate answers "
+                f"{cfg.canary_share:.0%} of the users (live traffic: simulated users asking its task's held-out "
+                "prompts) and the online test (always-valid, on the task's reward of each answer) promotes or "
+                "rolls it back"
+            )
+        with step_bar(console, f"GRPO {', '.join(fresh)}"):
+            first, run_id = run_wave(
+                cfg, ws, fresh, cfg.first_steps, job.round_name + "-first", canary=by_canary
+            )
+        job.waves.append(("first", first))
+        for o in first.outcomes:
+            if o.canary is not None:
+                job.canaries.append(("first revision", o.canary))
+                note.append(f"{o.policy} canary {o.canary.decision} after {o.canary.requests:,} requests")
+        job.runs.append(("wave (first revisions)", run_id))
+        print_outcomes(first, "first revisions (gated against the base)", console)
+        _wave_lines(job, first)
+        note.append(count_outcomes(first))
 
-    with timer.step("7. the Prefect worker (started beside the waves)") as note:
-        started["worker"] = worker.result()
-        _say_started(started["worker"], console)
-        note.append(started["worker"].detail or "running")
 
-    console.print(final_table(waves))
-    if canaries:
-        console.print(canaries_table(canaries))
-    console.print(f"  (every number, with n and each check's effect, CI and p-value: {summary_file})")
-    console.print(timer.table())
+def _main_wave_step(job: _Job, ws: Workspace) -> WaveReport:
+    """Every policy trained from its champion in one batched wave, each gated against its champion."""
+    cfg, console = job.cfg, job.console
+    with job.timer.step(f"3b. wave: {', '.join(cfg.policies)} trained from their champions") as note:
+        console.print(
+            f"  {cfg.steps} GRPO steps x {cfg.prompts_per_step} prompts x G={cfg.group_size} per policy, "
+            "all policies in one batched rollout and update per step; then per policy: evaluate the "
+            "candidate and the champion (lm-eval through the server), gate (paired tests), promote + refresh "
+            "serving + smoke check in one transaction"
+        )
+        for t in cfg.policies:
+            console.print(f"  gate of {t}: {GatePolicy(suite=t).describe()}", soft_wrap=True)
+        with step_bar(console, f"GRPO {', '.join(cfg.policies)}"):
+            main, run_id = run_wave(cfg, ws, list(cfg.policies), cfg.steps, job.round_name)
+        job.waves.append(("main", main))
+        job.summary_file = write_summary(cfg, job.round_name, job.waves)
+        console.print(f"  summary: {job.summary_file}")
+        job.runs.append(("wave", run_id))
+        print_outcomes(main, "the wave", console)
+        _wave_lines(job, main)
+        note.append(count_outcomes(main))
+    return main
+
+
+def _completions_step(job: _Job, ws: Workspace) -> None:
+    with job.timer.step("4. a served completion from each policy's champion") as note:
+        # a champion the wave did not replace may not be loaded yet (a server restarted since the last run):
+        # serving follows the registry first, as the reconcile deployment keeps it doing
+        reconciled = reconcile(policies=list(job.cfg.policies), workspace=ws)
+        reloaded = [r for r in reconciled if r.reloaded]
+        if reloaded:
+            job.console.print(f"  reconcile loaded {len(reloaded)} champion(s) the server did not hold yet")
+        table, n = completions_table(job.cfg, ws)
+        job.console.print(table)
+        note.append(f"{n} policies answered through {ws.serving_url}/v1/completions")
+
+
+def _rollback_step(job: _Job, ws: Workspace, main: WaveReport) -> None:
+    with job.timer.step("5. rollback") as note:
+        policy = pick_rollback(main)
+        if policy is None:
+            job.console.print(
+                "[yellow]the wave promoted no policy over an earlier champion, so there is nothing to "
+                "roll back to this time (the gate kept every champion)[/]"
+            )
+            note.append("nothing to roll back")
+        else:
+            summary, run_id = show_rollback(job.cfg, ws, policy, job.console)
+            job.runs.append(("rollback", run_id))
+            note.append(summary)
+
+
+def _canary_step(job: _Job, ws: Workspace) -> None:
+    """A deliberately worse candidate (a champion's step-0 checkpoint) on a canary split, decided online."""
+    cfg, console = job.cfg, job.console
+    reg = ws.registry()
+    champions = [t for t in cfg.policies if reg.alias_version(t, "champion") is not None]
+    if not champions:
+        with job.timer.step("6. canary: a deliberately worse candidate") as note:
+            console.print("[yellow]no policy has a champion to compare a candidate with: no canary[/]")
+            note.append("no champion")
+        return
+    policy = champions[0]
+    with job.timer.step(f"6. canary: a deliberately worse candidate of {policy}") as note:
+        version = step0_checkpoint(cfg, ws, policy)
+        console.print(
+            f"  {policy}/v{version} is {policy}'s step-0 checkpoint (PEFT's init: it answers as the base); "
+            f"it answers {cfg.canary_share:.0%} of {policy}'s users beside the champion until the online "
+            "test decides"
+        )
+        state = canary_flow(
+            policy=policy, version=version, canary=canary_config(cfg), workspace=ws, return_state=True
+        )
+        out = state.result()
+        assert out is not None
+        job.canaries.append(("step-0", out))
+        job.runs.append(("canary", str(state.state_details.flow_run_id)))
+        console.print(Text(f"  {policy}/v{version} {out.decision}: {out.reason}"))
+        note.append(f"{policy}/v{version} {out.decision} after {out.requests:,} requests")
+
+
+def _report(job: _Job, ws: Workspace) -> None:
+    """The job's closing report: the waves, the canaries, the step times, what happened, and where to look."""
+    console = job.console
+    console.print(final_table(job.waves))
+    if job.canaries:
+        console.print(canaries_table(job.canaries))
+    console.print(f"  (every number, with n and each check's effect, CI and p-value: {job.summary_file})")
+    console.print(job.timer.table())
     rule(console, "[bold]what happened")
-    rolled_back = next((note for name, _, note in timer.rows if name.startswith("5.")), "-")
-    for line in what_happened(waves, canaries, rolled_back, time.perf_counter() - timer.t0):
+    rolled_back = next((note for name, _, note in job.timer.rows if name.startswith("5.")), "-")
+    for line in what_happened(job.waves, job.canaries, rolled_back, time.perf_counter() - job.timer.t0):
         console.print(Text(line), soft_wrap=True)
-    where(cfg, started, prefect_url, runs, console, training_runs_url(ws, started["mlflow"].url))
+    where(
+        job.cfg,
+        job.started,
+        job.started["prefect"].url,
+        job.runs,
+        console,
+        training_runs_url(ws, job.started["mlflow"].url),
+    )
 
 
 def _say_started(s: Service, console: Console) -> None:

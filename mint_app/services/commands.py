@@ -273,87 +273,132 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"),
         "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
     }
-    if name == "mlflow":
-        artifacts = config.mlflow_artifacts or str((config.state_dir / "mlflow-artifacts").resolve())
-        # the store URL may hold a password: passed in the environment, not on the command line `ps` shows
-        env["MLFLOW_BACKEND_STORE_URI"] = config.mlflow_backend()
-        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "true" if config.mlflow_jobs else "false"
-        # alias webhooks to the receiver on this machine (http, a private address); the webhook list is cached
-        # for a few seconds only, so a webhook registered by `mint up` fires at once; one key encrypts the stored
-        # secret across restarts and uvicorn workers (MLflow makes one per process if none is given)
-        env["MLFLOW_WEBHOOK_ALLOWED_SCHEMES"] = "http,https"
-        env["MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS"] = "true"
-        env["MLFLOW_WEBHOOK_CACHE_TTL"] = "2"
-        env["MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY"] = os.environ.get(
-            "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY"
-        ) or _state_secret(
-            config, "mlflow-webhook.key", lambda: base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
-        )
-        cmd = [console_script("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
-        cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers)]
-        if config.mlflow_allowed_hosts:
-            cmd += ["--allowed-hosts", config.mlflow_allowed_hosts]
-        return cmd, env
-    if name == "prefect":
-        env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
-        # the dashboard's API calls go here: left unset, the UI calls port 4200 whatever port the server is on
-        env["PREFECT_UI_API_URL"] = config.url("prefect") + "/api"
-        database = config.prefect_database()
-        if database is not None:
-            env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
-        if database is None or database.startswith(
-            "sqlite"
-        ):  # Prefect's busy-heartbeat ERROR, said as harmless
-            env["PREFECT_LOGGING_SETTINGS_PATH"] = str(_prefect_logging(config))
-        return [
-            console_script("prefect"),
-            "server",
-            "start",
-            "--host",
-            host,
-            "--port",
-            port,
-            "--analytics-off",
-        ], env
-    if name == "hooks":
-        env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
-        env["MINT_HOOKS_SECRET_FILE"] = str(_hooks_secret_file(config).resolve())
-        env["MINT_HOOKS_WORKSPACE"] = json.dumps(hooks_workspace(config))
-        return [sys.executable, "-m", "mint_app.services.webhooks"], env
-    if name == "worker":
-        # flow runs inherit this environment (and the job variables of infra/prefect.yaml): the servers of this
-        # state dir, so a deployment's default Workspace reaches them
-        env["PREFECT_API_URL"] = config.url("prefect") + "/api"
-        env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
-        env["PREFECT_WORKER_WEBSERVER_HOST"] = host
-        env["PREFECT_WORKER_WEBSERVER_PORT"] = port
-        # a run created from the dashboard waits for the worker's next poll: every 2 s, not Prefect's 10
-        env.setdefault("PREFECT_WORKER_QUERY_SECONDS", os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"))
-        env["MLFLOW_TRACKING_URI"] = config.url("mlflow")
-        token = config.state_dir / "serve.token"
-        if token.is_file() and "MINT_SERVE_ADMIN_TOKEN" not in os.environ:
-            env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
-        # the runs it starts keep their work on this host (checkpoints, cached results) and name their worker in
-        # their run lease, so this worker, started again, knows which runs were its own (docs/multi-host.md)
-        env[WORK_DIR_ENV] = str((config.state_dir.parent / "lifecycle").resolve())
-        env[WORKER_ENV] = config.worker_name
-        cmd = [console_script("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
-        cmd += ["--name", config.worker_name, "--with-healthcheck", "--install-policy", "never"]
-        return cmd + (["--limit", str(config.worker_limit)] if config.worker_limit else []), env
     if name in REPLICA_NAMES:
-        vllm = vllm_config(config, name)
-        cmd, vllm_env = vllm.command()
-        env.update(vllm_env)
-        device = config.serve_device or ServingConfig.load(config.serve_config).device
-        if config.replicas > 1 and device.startswith("cuda"):  # replica i on GPU i (from cuda:N: N + i)
-            first = int(device.removeprefix("cuda:")) if device.startswith("cuda:") else 0
-            env["CUDA_VISIBLE_DEVICES"] = str(first + REPLICA_NAMES.index(name))
-        elif device.startswith("cuda:"):  # vLLM takes the first GPU it sees
-            env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
-        return cmd, env
-    if name == "router":
-        cmd, router_env = router_command(config)
-        return cmd, {**env, **router_env}
+        return _replica_command(name, config, env)
+    by_name = {
+        "mlflow": _mlflow_command,
+        "prefect": _prefect_command,
+        "hooks": _hooks_command,
+        "worker": _worker_command,
+        "router": _router_command,
+    }
+    build = by_name.get(name, _serve_command)
+    return build(config, host, port, env)
+
+
+def _mlflow_command(
+    config: ServicesConfig, host: str, port: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """The MLflow server: its store URL (which may hold a password) and webhook settings in the environment."""
+    artifacts = config.mlflow_artifacts or str((config.state_dir / "mlflow-artifacts").resolve())
+    # the store URL may hold a password: passed in the environment, not on the command line `ps` shows
+    env["MLFLOW_BACKEND_STORE_URI"] = config.mlflow_backend()
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "true" if config.mlflow_jobs else "false"
+    # alias webhooks to the receiver on this machine (http, a private address); the webhook list is cached
+    # for a few seconds only, so a webhook registered by `mint up` fires at once; one key encrypts the stored
+    # secret across restarts and uvicorn workers (MLflow makes one per process if none is given)
+    env["MLFLOW_WEBHOOK_ALLOWED_SCHEMES"] = "http,https"
+    env["MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS"] = "true"
+    env["MLFLOW_WEBHOOK_CACHE_TTL"] = "2"
+    env["MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY"] = os.environ.get(
+        "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY"
+    ) or _state_secret(
+        config, "mlflow-webhook.key", lambda: base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
+    )
+    cmd = [console_script("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
+    cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers)]
+    if config.mlflow_allowed_hosts:
+        cmd += ["--allowed-hosts", config.mlflow_allowed_hosts]
+    return cmd, env
+
+
+def _prefect_command(
+    config: ServicesConfig, host: str, port: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """The Prefect server, its state in the state dir and its dashboard calling its own port."""
+    env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
+    # the dashboard's API calls go here: left unset, the UI calls port 4200 whatever port the server is on
+    env["PREFECT_UI_API_URL"] = config.url("prefect") + "/api"
+    database = config.prefect_database()
+    if database is not None:
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database
+    if database is None or database.startswith("sqlite"):  # Prefect's busy-heartbeat ERROR, said as harmless
+        env["PREFECT_LOGGING_SETTINGS_PATH"] = str(_prefect_logging(config))
+    return [
+        console_script("prefect"),
+        "server",
+        "start",
+        "--host",
+        host,
+        "--port",
+        port,
+        "--analytics-off",
+    ], env
+
+
+def _hooks_command(
+    config: ServicesConfig, host: str, port: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """mint's alias-webhook receiver."""
+    env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
+    env["MINT_HOOKS_SECRET_FILE"] = str(_hooks_secret_file(config).resolve())
+    env["MINT_HOOKS_WORKSPACE"] = json.dumps(hooks_workspace(config))
+    return [sys.executable, "-m", "mint_app.services.webhooks"], env
+
+
+def _worker_command(
+    config: ServicesConfig, host: str, port: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """The Prefect process worker that runs the deployments' flows against this state dir's servers."""
+    # flow runs inherit this environment (and the job variables of infra/prefect.yaml): the servers of this
+    # state dir, so a deployment's default Workspace reaches them
+    env["PREFECT_API_URL"] = config.url("prefect") + "/api"
+    env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
+    env["PREFECT_WORKER_WEBSERVER_HOST"] = host
+    env["PREFECT_WORKER_WEBSERVER_PORT"] = port
+    # a run created from the dashboard waits for the worker's next poll: every 2 s, not Prefect's 10
+    env.setdefault("PREFECT_WORKER_QUERY_SECONDS", os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"))
+    env["MLFLOW_TRACKING_URI"] = config.url("mlflow")
+    token = config.state_dir / "serve.token"
+    if token.is_file() and "MINT_SERVE_ADMIN_TOKEN" not in os.environ:
+        env["MINT_SERVE_ADMIN_TOKEN"] = token.read_text().strip()
+    # the runs it starts keep their work on this host (checkpoints, cached results) and name their worker in
+    # their run lease, so this worker, started again, knows which runs were its own (docs/multi-host.md)
+    env[WORK_DIR_ENV] = str((config.state_dir.parent / "lifecycle").resolve())
+    env[WORKER_ENV] = config.worker_name
+    cmd = [console_script("prefect"), "worker", "start", "--pool", work_pool(config), "--type", "process"]
+    cmd += ["--name", config.worker_name, "--with-healthcheck", "--install-policy", "never"]
+    return cmd + (["--limit", str(config.worker_limit)] if config.worker_limit else []), env
+
+
+def _replica_command(
+    name: ServiceName, config: ServicesConfig, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """One vLLM replica, on its own GPU where there are several."""
+    vllm = vllm_config(config, name)
+    cmd, vllm_env = vllm.command()
+    env.update(vllm_env)
+    device = config.serve_device or ServingConfig.load(config.serve_config).device
+    if config.replicas > 1 and device.startswith("cuda"):  # replica i on GPU i (from cuda:N: N + i)
+        first = int(device.removeprefix("cuda:")) if device.startswith("cuda:") else 0
+        env["CUDA_VISIBLE_DEVICES"] = str(first + REPLICA_NAMES.index(name))
+    elif device.startswith("cuda:"):  # vLLM takes the first GPU it sees
+        env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
+    return cmd, env
+
+
+def _router_command(
+    config: ServicesConfig, host: str, port: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """vllm-router before the replicas."""
+    cmd, router_env = router_command(config)
+    return cmd, {**env, **router_env}
+
+
+def _serve_command(
+    config: ServicesConfig, host: str, port: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """mint serve: the embedded engine with the Tinker training API, or the front of the vLLM service."""
     cmd = [sys.executable, "-m", "mint_app.cli.app", "serve", "--host", host, "--port", port]
     cmd += ["--base", serve_base(config)]
     if config.serve_config is not None:

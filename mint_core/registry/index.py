@@ -109,6 +109,48 @@ def reindex_policy(
     report.moves += moves
 
 
+def _reindex_revisions(
+    conn: Connection,
+    rows: Mapping[int, Registration | None],
+    now: float,
+    dry_run: bool,
+    changes: list[str],
+) -> None:
+    """The revision rows of a reindex: a revision the catalog lacks is added, one whose base, rank or location
+    disagrees is overwritten (each change appended to `changes`; with `dry_run`, only appended)."""
+    for reg in rows.values():
+        assert reg is not None
+        have = conn.execute(
+            sa.select(revisions.c.base, revisions.c.rank, revisions.c.location).where(
+                revisions.c.digest == reg.digest
+            )
+        ).first()
+        if have is None:
+            changes.append(f"revision {Digest(reg.digest).prefixed}: added")
+            if not dry_run:
+                conn.execute(
+                    revisions.insert().values(
+                        digest=reg.digest,
+                        base=reg.base,
+                        rank=reg.rank,
+                        location=reg.location,
+                        tags=reg.tags,
+                        created=now,
+                    )
+                )
+        elif tuple(have) != (reg.base, reg.rank, reg.location):
+            changes.append(
+                f"revision {Digest(reg.digest).prefixed}: base/rank/location {tuple(have)} -> "
+                f"{(reg.base, reg.rank, reg.location)}"
+            )
+            if not dry_run:
+                conn.execute(
+                    revisions.update()
+                    .where(revisions.c.digest == reg.digest)
+                    .values(base=reg.base, rank=reg.rank, location=reg.location)
+                )
+
+
 def reindex_rows(
     catalog: Catalog,
     policy: str,
@@ -132,37 +174,7 @@ def reindex_rows(
         changes: list[str] = []
         moves: list[AliasMove] = []
         now = time.time()
-        for reg in rows.values():
-            assert reg is not None
-            have = conn.execute(
-                sa.select(revisions.c.base, revisions.c.rank, revisions.c.location).where(
-                    revisions.c.digest == reg.digest
-                )
-            ).first()
-            if have is None:
-                changes.append(f"revision {Digest(reg.digest).prefixed}: added")
-                if not dry_run:
-                    conn.execute(
-                        revisions.insert().values(
-                            digest=reg.digest,
-                            base=reg.base,
-                            rank=reg.rank,
-                            location=reg.location,
-                            tags=reg.tags,
-                            created=now,
-                        )
-                    )
-            elif tuple(have) != (reg.base, reg.rank, reg.location):
-                changes.append(
-                    f"revision {Digest(reg.digest).prefixed}: base/rank/location {tuple(have)} -> "
-                    f"{(reg.base, reg.rank, reg.location)}"
-                )
-                if not dry_run:
-                    conn.execute(
-                        revisions.update()
-                        .where(revisions.c.digest == reg.digest)
-                        .values(base=reg.base, rank=reg.rank, location=reg.location)
-                    )
+        _reindex_revisions(conn, rows, now, dry_run, changes)
         indexed: dict[int, str] = {
             r.version: r.digest
             for r in conn.execute(

@@ -120,21 +120,39 @@ class Result:
     text: str
 
 
-def test_in_place_swaps_under_load_serve_wholly_old_or_wholly_new(ep: Endpoint, revisions: dict[str, Any]):
-    paths, digests, texts = revisions["paths"], revisions["digests"], revisions["texts"]
-    by_digest = {d: v for v, d in digests.items()}
-    with ep.client() as admin:
-        admin.load_adapter("p", paths["v1"].name, inplace=True)
+class Load:
+    """Six client threads asking `p` over the three client paths (mint's client, openai, openai streamed) until
+    stopped or 40 s have passed; each answer is recorded with when it was sent and done, each failure as a
+    finding (the other threads go on)."""
 
-    stop = threading.Event()
-    lock = threading.Lock()
-    results: list[Result] = []
-    failures: list[str] = []
-    deadline = time.monotonic() + 40
+    def __init__(self, ep: Endpoint) -> None:
+        self.ep = ep
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.results: list[Result] = []
+        self.failures: list[str] = []
+        self.deadline = time.monotonic() + 40
+        self.threads = [threading.Thread(target=self.worker, args=(i,), name=f"load-{i}") for i in range(6)]
 
-    def stream_once(client: openai.OpenAI) -> tuple[str, str]:
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def ask(self, kind: str, plain: ServingClient, oai: openai.OpenAI) -> tuple[str, str]:
+        if kind == "plain":
+            r = plain.complete("p", PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+            return r["system_fingerprint"], r["choices"][0]["text"]
+        if kind == "openai":
+            c = oai.completions.create(model="p", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+            return str(c.system_fingerprint), c.choices[0].text
         fps, parts = set(), []
-        for chunk in client.completions.create(
+        for chunk in oai.completions.create(
             model="p", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True
         ):
             fps.add(chunk.system_fingerprint)
@@ -142,67 +160,59 @@ def test_in_place_swaps_under_load_serve_wholly_old_or_wholly_new(ep: Endpoint, 
         assert len(fps) == 1, f"one stream carried several fingerprints: {fps}"
         return str(fps.pop()), "".join(parts)
 
-    def worker(i: int) -> None:
+    def worker(self, i: int) -> None:
         kind = ("plain", "openai-stream", "openai")[i % 3]
+        ep = self.ep
         plain = ServingClient(ep.url, api_key=ep.api_key, timeout=60)
         oai = openai.OpenAI(base_url=f"{ep.url}/v1", api_key=ep.api_key or "none", max_retries=0, timeout=60)
         try:
             for _ in range(1000):  # bounded in count and in time
-                if stop.is_set() or time.monotonic() > deadline:
+                if self.stop.is_set() or time.monotonic() > self.deadline:
                     return
                 sent = time.monotonic()
                 try:
-                    if kind == "plain":
-                        r = plain.complete("p", PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-                        fp, text = r["system_fingerprint"], r["choices"][0]["text"]
-                    elif kind == "openai":
-                        c = oai.completions.create(
-                            model="p", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
-                        )
-                        fp, text = str(c.system_fingerprint), c.choices[0].text
-                    else:
-                        fp, text = stream_once(oai)
+                    fp, text = self.ask(kind, plain, oai)
                 except Exception as e:  # a failure is a finding; the other threads go on
-                    with lock:
-                        failures.append(f"{kind}: {type(e).__name__}: {e}")
+                    with self.lock:
+                        self.failures.append(f"{kind}: {type(e).__name__}: {e}")
                     continue
-                with lock:
-                    results.append(Result(kind, sent, time.monotonic(), fp, text))
+                with self.lock:
+                    self.results.append(Result(kind, sent, time.monotonic(), fp, text))
         finally:
             plain.close()
             oai.close()
 
-    def wait_for_answers(after: float, n: int = 3, limit: float = 10.0) -> None:
+    def wait_for_answers(self, after: float, n: int = 3, limit: float = 10.0) -> None:
         """Until `n` requests sent after `after` were answered (or `limit` seconds passed): swaps go at the
         pace of the server, each revision serves whole requests between swaps, and others straddle them."""
-        end = min(time.monotonic() + limit, deadline)
-        while time.monotonic() < end and not stop.is_set():
-            with lock:
-                if sum(r.sent > after for r in results) >= n or failures:
+        end = min(time.monotonic() + limit, self.deadline)
+        while time.monotonic() < end and not self.stop.is_set():
+            with self.lock:
+                if sum(r.sent > after for r in self.results) >= n or self.failures:
                     return
             time.sleep(0.005)
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"load-{i}") for i in range(6)]
-    for t in threads:
-        t.start()
+
+def test_in_place_swaps_under_load_serve_wholly_old_or_wholly_new(ep: Endpoint, revisions: dict[str, Any]):
+    paths, digests, texts = revisions["paths"], revisions["digests"], revisions["texts"]
+    by_digest = {d: v for v, d in digests.items()}
+    with ep.client() as admin:
+        admin.load_adapter("p", paths["v1"].name, inplace=True)
+
     swaps: list[tuple[float, float, str]] = [(0.0, time.monotonic(), "v1")]  # (sent, returned, revision)
     swap_errors: list[str] = []
-    try:
-        with ep.client() as admin:
-            for n in range(20):
-                wait_for_answers(swaps[-1][1])
-                v = "v2" if n % 2 == 0 else "v1"
-                sent = time.monotonic()
-                try:
-                    admin.load_adapter("p", paths[v].name, inplace=True)
-                except Exception as e:
-                    swap_errors.append(f"swap {n} to {v}: {e}")
-                swaps.append((sent, time.monotonic(), v))
-            wait_for_answers(swaps[-1][1])
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    with Load(ep) as load, ep.client() as admin:
+        for n in range(20):
+            load.wait_for_answers(swaps[-1][1])
+            v = "v2" if n % 2 == 0 else "v1"
+            sent = time.monotonic()
+            try:
+                admin.load_adapter("p", paths[v].name, inplace=True)
+            except Exception as e:
+                swap_errors.append(f"swap {n} to {v}: {e}")
+            swaps.append((sent, time.monotonic(), v))
+        load.wait_for_answers(swaps[-1][1])
+    threads, results, failures = load.threads, load.results, load.failures
     assert not any(t.is_alive() for t in threads), "a client thread hung"
     assert not swap_errors, swap_errors
     assert not failures, f"{len(failures)} requests failed, e.g. {failures[:3]}"
