@@ -117,7 +117,7 @@ class Training(BaseModel):
     at the end."""
     continuation: Continuation = Continuation()
     """How a policy that continues from its champion trains: its share of the rate and its warmup (the
-    default keeps a continuation's first steps from undoing the champion: `rl.recipe.Continuation`)."""
+    default keeps a continuation's first steps from undoing the champion: `rl.builder.Continuation`)."""
     dry_run: int = Field(8, ge=0)
     """Before the first step, score the bare base's own completions of this many prompts per policy
     (`grpo.group_size` samples each) and refuse to train, naming the task, when its reward gives them all one

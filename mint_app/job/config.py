@@ -48,7 +48,7 @@ class MainJobConfig(Settings):
     """Sampling temperature of the rollouts."""
     rank: int | None = Field(None, ge=1)
     """LoRA rank of every policy (alpha = 2 x rank). Default: each task's spec's `recipe.rank`, else
-    `RecipeDefaults.rank` (`rl.recipe.recipe_spec`), with the learning rate scaled to it. The server the job starts accepts up to 32
+    `RecipeDefaults.rank` (`rl.builder.recipe_spec`), with the learning rate scaled to it. The server the job starts accepts up to 32
     unless its serving config says otherwise (`ServicesConfig.serve_max_lora_rank`)."""
     eval_limit: int = Field(EVAL_LIMIT, ge=20)
     """Items per lm-eval task in the evaluation the gate reads (the suites hold 320, params.yaml

@@ -175,7 +175,7 @@ class GateSpec(BaseModel):
 
 
 class RecipeSpec(BaseModel):
-    """What training this task needs beyond the run's recipe (`mint_core.rl.recipe.recipe_spec`): hints that
+    """What training this task needs beyond the run's recipe (`mint_core.rl.builder.recipe_spec`): hints that
     belong to the task, measured on it, so they travel with its folder. Unset fields take the recipe's
     defaults; a dashboard form or `mint run --rank` still overrides them."""
 

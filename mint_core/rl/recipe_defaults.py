@@ -2,8 +2,8 @@
 flows' forms and `mint_core.rl.recipe` all start from.
 
 Free of torch (pydantic only), so the command line can render its defaults and help from it without loading the
-trainer. Why each value is what it is (the measurements behind them) is written beside the recipe that runs them,
-`mint_core.rl.recipe` (`BUILTIN_RECIPE`, `BUILTIN_STEPS`, `DEFAULT_RANK`).
+trainer. Why each value is what it is (the measurements behind them) is written beside the constants read from them,
+`mint_core.rl.constants` (`BUILTIN_RECIPE`, `BUILTIN_STEPS`, `DEFAULT_RANK`).
 """
 
 from __future__ import annotations
