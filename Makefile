@@ -17,7 +17,7 @@ vllm-venv:
 	@bash scripts/bootstrap_vllm.sh
 
 # SERVING=vllm: policies served by a vLLM server behind mint serve (make run SERVING=vllm, make up SERVING=vllm);
-# REPLICAS=N with it: N vLLM replicas behind vllm-router, every revision loaded on each (make up SERVING=vllm REPLICAS=2)
+# REPLICAS=N with it: N vLLM replicas mint serve routes over, every revision loaded on each (make up SERVING=vllm REPLICAS=2)
 SERVING_DEPS := $(if $(filter vllm,$(SERVING)),vllm-venv)
 
 # the main job: build what is missing (DVC), start the servers, a wave of policies through training, evaluation,

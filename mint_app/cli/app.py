@@ -484,7 +484,7 @@ _RunReplicas = Annotated[
         min=1,
         max=8,
         help=_job(
-            "vLLM replicas behind vllm-router (with --serving vllm), loaded all or nothing", "replicas"
+            "vLLM replicas mint serve routes over (with --serving vllm), loaded all or nothing", "replicas"
         ),
     ),
 ]

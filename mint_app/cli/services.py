@@ -4,7 +4,7 @@ processes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import httpx
 import typer
@@ -43,7 +43,6 @@ TITLES = {
     "prefect": "Prefect server",
     "vllm": "vLLM (behind mint serve)",
     **{f"vllm-{i}": f"vLLM replica {i}" for i in range(1, 8)},
-    "router": "vllm-router (before the replicas)",
     "serve": "mint serve",
     "hooks": "MLflow webhook receiver",
     "worker": "Prefect worker",
@@ -53,7 +52,6 @@ OPEN = {
     "prefect": "Prefect dashboard",
     "vllm": "health",
     **{f"vllm-{i}": "health" for i in range(1, 8)},
-    "router": "health",
     "serve": "served models",
     "hooks": "health",
     "worker": "health",
@@ -124,15 +122,11 @@ def up(
             min=1,
             max=8,
             help=_up(
-                "vLLM replicas (with --serving vllm): N > 1 starts N vLLMs at vllm-port, vllm-port+1, ... and "
-                "vllm-router before them; mint serve loads every revision on every replica",
+                "vLLM replicas (with --serving vllm): N > 1 starts N vLLMs at vllm-port, vllm-port+1, ...; "
+                "mint serve routes each request to one (by served name) and loads every revision on every replica",
                 "replicas",
             ),
         ),
-    ] = None,
-    router_policy: Annotated[
-        Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin"] | None,
-        typer.Option(help=_up("How vllm-router picks a replica (replicas > 1)", "router_policy")),
     ] = None,
     hooks_port: Annotated[
         int | None, typer.Option(help=_up("Port of the receiver of MLflow's alias webhook", "hooks_port"))
@@ -175,7 +169,6 @@ def up(
         serving=serving,
         vllm_port=vllm_port,
         replicas=replicas,
-        router_policy=router_policy,
         hooks_port=hooks_port,
         mlflow_backend_url=mlflow_backend_url,
         prefect_database_url=prefect_database_url,
@@ -236,13 +229,14 @@ def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile
     found = status(cfg, _names(only))
     print_table(found)
     serve = next((s for s in found if s.name == "serve" and s.state == "running"), None)
-    if serve is not None and any(s.name == "router" for s in found):
+    if serve is not None and any(s.name == "vllm-1" for s in found):
         print_replicas(cfg, serve.url)
 
 
 def print_replicas(cfg: ServicesConfig, url: str) -> None:
     """mint serve's view of each replica (GET /v1/mint/replicas with its admin token): health, or why the golden
-    probe took it out of rotation, its load and the revisions it holds."""
+    probe took it out of rotation, its load, its share of the requests mint serve routed, and the revisions it
+    holds."""
     token = cfg.state_dir / "serve.token"
     headers = {"Authorization": f"Bearer {token.read_text().strip()}"} if token.is_file() else {}
     try:
@@ -252,7 +246,7 @@ def print_replicas(cfg: ServicesConfig, url: str) -> None:
     except (httpx.HTTPError, ValueError) as e:
         console.print(f"[yellow]the replicas: mint serve did not say ({e})[/]")
         return
-    table = Table("replica", "health", "running", "waiting", "revisions held")
+    table = Table("replica", "health", "running", "waiting", "requests (share)", "revisions held")
     for row in report["replicas"]:
         held = ", ".join(f"{n} {rev.removeprefix('sha256:')[:12]}" for n, rev in row["revisions"].items())
         out = row.get("out_of_rotation")  # the golden probe took it out (its answers changed)
@@ -262,13 +256,16 @@ def print_replicas(cfg: ServicesConfig, url: str) -> None:
             f"[red]out of rotation: {out}[/]" if out else health,
             "" if row["running"] is None else f"{row['running']:g}",
             "" if row["waiting"] is None else f"{row['waiting']:g}",
+            _share(row),
             held or "-",
         )
     console.print(table)
-    if report.get("foreign_workers"):
-        console.print(
-            f"[red]the router also routes to workers mint did not start: {report['foreign_workers']}[/]"
-        )
+
+
+def _share(row: dict[str, Any]) -> str:
+    """`120 (48%)`: requests mint serve routed to a replica since it started, and their share of all."""
+    share = row.get("share")
+    return f"{row.get('requests', 0)}" + ("" if share is None else f" ({share:.0%})")
 
 
 def logs_cmd(

@@ -100,7 +100,7 @@ class MainJobConfig(Settings):
     `vllm`, a vLLM server from .venv-vllm (`make vllm-venv`) with `mint serve` as its front
     (`ServicesConfig.serving`). Training runs in this process either way."""
     replicas: int = Field(1, ge=1, le=8)
-    """With serving vllm: vLLM replicas behind vllm-router, every revision loaded on each, all or nothing
+    """With serving vllm: vLLM replicas mint serve routes over, every revision loaded on each, all or nothing
     (`ServicesConfig.replicas`)."""
     worker_port: int = Field(4201, ge=1, le=65535)
     """Healthcheck of the Prefect worker that runs the deployments (dashboard runs, nightly retraining)."""

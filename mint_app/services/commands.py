@@ -173,7 +173,7 @@ def _vllm_base(config: ServicesConfig) -> Path:
 def vllm_config(config: ServicesConfig, name: ServiceName = "vllm") -> VLLMConfig:
     """The vLLM server behind `mint serve` (serving vllm): the same base, rank limit and model length as the
     serving config, on 127.0.0.1:vllm_port, its key and the resolver plugin's token kept in the state dir. `name`:
-    which replica of a fleet (`replicas` > 1: each at its own port, its /health open for the router).
+    which replica of a fleet (`replicas` > 1: each at its own port, on its own cores).
     ServiceError when vLLM's environment is missing or the base is one vLLM cannot run."""
     from mint_core.serving.vllm_process import (  # only here: it reaches torch
         CPU_BIND_ENV,
@@ -217,29 +217,8 @@ def vllm_config(config: ServicesConfig, name: ServiceName = "vllm") -> VLLMConfi
 
 
 def replica_urls(config: ServicesConfig) -> list[str]:
-    """The replicas of a fleet (replicas > 1), as mint serve and the router reach them."""
+    """The replicas of a fleet (replicas > 1), as mint serve reaches them."""
     return [config.url(n) for n in REPLICA_NAMES[: config.replicas]]
-
-
-def router_command(config: ServicesConfig) -> tuple[list[str], dict[str, str]]:
-    """`vllm-router` before the replicas (replicas > 1); ServiceError when vLLM's environment lacks it."""
-    from mint_core.serving.vllm_router import RouterConfig  # only here, as vllm_process
-
-    if not config.vllm_router.is_file():
-        raise ServiceError(
-            f"router: {config.vllm_router} is missing: run `make vllm-venv` (scripts/bootstrap_vllm.sh installs "
-            "vllm-router into vLLM's environment), or set vllm_router (MINT_SERVICES_VLLM_ROUTER)"
-        )
-    router = RouterConfig(
-        program=config.vllm_router.absolute(),
-        host=config.bind_host("router"),
-        port=config.router_port,
-        replicas=replica_urls(config),
-        policy=config.router_policy,
-        prometheus_port=config.router_port - 1,
-        startup_timeout_s=int(config.vllm_start_timeout_s) + 60,
-    )
-    return router.command(), router.env()
 
 
 def _vllm_key(config: ServicesConfig) -> str:
@@ -248,7 +227,7 @@ def _vllm_key(config: ServicesConfig) -> str:
 
 
 def _vllm_routed_key(config: ServicesConfig) -> str:
-    """The narrower key mint serve's requests carry through vllm-router: inference only on the replicas."""
+    """The narrower key the requests mint serve routes to the replicas carry: inference only on them."""
     return _state_secret(config, "vllm-routed.key", lambda: secrets.token_urlsafe(24))
 
 
@@ -280,7 +259,6 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         "prefect": _prefect_command,
         "hooks": _hooks_command,
         "worker": _worker_command,
-        "router": _router_command,
     }
     build = by_name.get(name, _serve_command)
     return build(config, host, port, env)
@@ -387,14 +365,6 @@ def _replica_command(
     return cmd, env
 
 
-def _router_command(
-    config: ServicesConfig, host: str, port: str, env: dict[str, str]
-) -> tuple[list[str], dict[str, str]]:
-    """vllm-router before the replicas."""
-    cmd, router_env = router_command(config)
-    return cmd, {**env, **router_env}
-
-
 def _serve_command(
     config: ServicesConfig, host: str, port: str, env: dict[str, str]
 ) -> tuple[list[str], dict[str, str]]:
@@ -423,8 +393,7 @@ def _serve_command(
         # training API is the embedded engine's: not here.
         env["MINT_SERVE_BACKEND"] = "vllm"
         env["MINT_SERVE_VLLM_URL"] = config.url("vllm")
-        if config.replicas > 1:  # the router before the replicas; loads go to each replica directly
-            env["MINT_SERVE_VLLM_URL"] = config.url("router")
+        if config.replicas > 1:  # the front routes over the replicas itself
             env["MINT_SERVE_VLLM_REPLICAS"] = json.dumps(replica_urls(config))
             env["MINT_SERVE_VLLM_ROUTED_KEY"] = _vllm_routed_key(config)
         env["MINT_SERVE_VLLM_API_KEY"] = _vllm_key(config)

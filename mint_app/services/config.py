@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# `vllm` is the one vLLM, or replica 0 of a fleet; vllm-1 ... vllm-7 the other replicas (`replicas`), `router`
-# the vllm-router before them
+# `vllm` is the one vLLM, or replica 0 of a fleet; vllm-1 ... vllm-7 the other replicas (`replicas`)
 ServiceName = Literal[
     "mlflow",
     "prefect",
@@ -35,7 +34,6 @@ ServiceName = Literal[
     "vllm-5",
     "vllm-6",
     "vllm-7",
-    "router",
     "serve",
     "hooks",
     "worker",
@@ -52,7 +50,7 @@ REPLICA_NAMES: tuple[ServiceName, ...] = (
     "vllm-7",
 )
 """The services of replica 0, 1, ... of a vLLM fleet (replica 0 is the `vllm` of a single vLLM)."""
-VLLM_SIDE: tuple[ServiceName, ...] = (*REPLICA_NAMES, "router")
+VLLM_SIDE: tuple[ServiceName, ...] = REPLICA_NAMES
 """What runs in vLLM's environment, on loopback, behind mint serve."""
 SERVICES: tuple[ServiceName, ...] = ("mlflow", "prefect", "serve", "hooks", "worker")
 """The services `mint up` starts by default (serving: mint); `services_for` adds vllm for serving: vllm."""
@@ -65,13 +63,15 @@ HEALTH_PATH: dict[ServiceName, str] = {
     **dict.fromkeys(
         REPLICA_NAMES, "/health"
     ),  # sealed: asked with vLLM's key (HEALTH_KEY_ENV), as every route
-    "router": "/health",
     "serve": "/health",
     "hooks": "/health",
     "worker": "/health",  # the worker's healthcheck server: 200 while it polls its work pool
 }
-# The variable holding the key a service demands on its health route (mint's seal on vLLM covers every route)
-HEALTH_KEY_ENV: dict[ServiceName, str] = dict.fromkeys(REPLICA_NAMES, "VLLM_API_KEY")
+# The variables that may hold the key a service demands on its health route, the first set wins (mint's seal on
+# vLLM covers every route; a replica given the routed key holds mint's full key in MINT_SEAL_KEY)
+HEALTH_KEY_ENV: dict[ServiceName, tuple[str, ...]] = dict.fromkeys(
+    REPLICA_NAMES, ("MINT_SEAL_KEY", "VLLM_API_KEY")
+)
 LOG_TAIL_LINES = 40
 # The directory `dvc repro` builds the built-in base into (relative to the working directory).
 BUILTIN_BASE = Path("data/base")
@@ -79,8 +79,6 @@ BUILTIN_BASE = Path("data/base")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vllm_process.DEFAULT_PYTHON, not imported: that module's imports reach torch, which `mint up` never loads
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
-# vllm_router.DEFAULT_ROUTER, not imported for the same reason
-VLLM_ROUTER = Path(".venv-vllm/bin/vllm-router")
 # mint_core.lifecycle's WORK_DIR_ENV (workspace) and WORKER_ENV (leases), not imported: they load MLflow, which
 # `mint up` does not (a unit test holds them equal)
 WORK_DIR_ENV = "MINT_WORK_DIR"
@@ -142,18 +140,9 @@ class ServicesConfig(Settings):
     replicas: int = Field(1, ge=1, le=MAX_REPLICAS)
     """With serving vllm: vLLM servers serving the same base (`mint up --replicas N`, `make up REPLICAS=N`).
     Replica i listens on 127.0.0.1:vllm_port+i (on a GPU host, on GPU i), each sealed with mint's key and
-    supervised on its own; with N > 1, `vllm-router` (the `router` service, on router_port) stands between mint
-    serve and them, and mint serve loads every revision on every replica, all or nothing. 1: one vLLM, no router,
-    exactly as before."""
-    router_port: int = Field(8099, ge=1, le=65535)
-    """Port of `vllm-router` (replicas > 1), on 127.0.0.1; its Prometheus endpoint is on router_port - 1."""
-    router_policy: Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin"] = (
-        "consistent_hash"
-    )
-    """How the router picks a replica (docs/serving.md, "A fleet of replicas"): consistent_hash on the served
-    name keeps one adapter on one replica; cache_aware routes on the prompt's prefix and the replicas' load."""
-    vllm_router: Path = VLLM_ROUTER
-    """The `vllm-router` program (installed into vLLM's environment by scripts/bootstrap_vllm.sh)."""
+    supervised on its own; with N > 1, mint serve routes each request to one of them itself (consistent hashing
+    on the served name: one adapter stays on one replica) and loads every revision on every replica, all or
+    nothing. 1: one vLLM."""
     vllm_python: Path = VLLM_PYTHON
     """The interpreter of vLLM's own environment (`make vllm-venv`, scripts/bootstrap_vllm.sh)."""
     vllm_start_timeout_s: float = Field(300.0, gt=0)
@@ -227,20 +216,15 @@ class ServicesConfig(Settings):
         if name in REPLICA_NAMES:
             return self.vllm_port + REPLICA_NAMES.index(name)
         ports = {"mlflow": self.mlflow_port, "prefect": self.prefect_port, "serve": self.serve_port}
-        return {**ports, "router": self.router_port, "hooks": self.hooks_port, "worker": self.worker_port}[
-            name
-        ]
+        return {**ports, "hooks": self.hooks_port, "worker": self.worker_port}[name]
 
     def bind_host(self, name: ServiceName) -> str:
-        """The address a service binds to: `host`, but loopback for vLLM and its router (users reach them through
-        the front)."""
+        """The address a service binds to: `host`, but loopback for vLLM (users reach it through the front)."""
         return "127.0.0.1" if name in VLLM_SIDE else self.host
 
     def vllm_services(self) -> list[ServiceName]:
-        """The vLLM side `mint up` starts with serving vllm: one vLLM, or the replicas and their router."""
-        if self.replicas == 1:
-            return ["vllm"]
-        return [*REPLICA_NAMES[: self.replicas], "router"]
+        """The vLLM side `mint up` starts with serving vllm: one vLLM, or the replicas."""
+        return list(REPLICA_NAMES[: self.replicas])
 
     def url(self, name: ServiceName) -> str:
         """The service's base URL (for Prefect the API is under /api): another host's where `prefect_url`,

@@ -38,7 +38,6 @@ from mint_app.services.commands import (
     health_key,
     hooks_workspace,
     register_webhook,
-    router_command,
     serve_base,
     vllm_config,
 )
@@ -105,7 +104,7 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
             *("--max-bytes", str(config.log_max_bytes), "--backups", str(config.log_backups)),
             *("--health-url", config.url(name) + HEALTH_PATH[name]),
             # the key the service itself was started with (in its environment, never on a command line)
-            *(("--health-key-env", HEALTH_KEY_ENV[name]) if env.get(HEALTH_KEY_ENV.get(name, "")) else ()),
+            *(("--health-key-env", key_env) if (key_env := _health_key_env(name, env)) else ()),
             *("--max-restarts", str(config.max_restarts)),
             # the worker's flow runs are given 30 s to report their own end after a crash of the worker
             *("--orphans", "wait 30" if name == "worker" else "kill"),
@@ -129,6 +128,11 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     write_record(config, name, proc.pid, config.url(name), serve_base(config) if name == "serve" else None)
     logger.info("started %s (pid %d), log %s", name, proc.pid, log)
     return proc
+
+
+def _health_key_env(name: ServiceName, env: dict[str, str]) -> str | None:
+    """The variable of `env` that holds the key `name` demands on its health route, if any."""
+    return next((k for k in HEALTH_KEY_ENV.get(name, ()) if env.get(k)), None)
 
 
 def _requeue_command(config: ServicesConfig) -> str:
@@ -155,7 +159,7 @@ def _check_serving(config: ServicesConfig, names: list[ServiceName]) -> None:
             )
     elif vllm_side:
         for name in vllm_side:  # raises ServiceError naming what is wrong
-            router_command(config) if name == "router" else vllm_config(config, name)
+            vllm_config(config, name)
     elif "serve" in names and status(config, ["vllm"])[0].state == "stopped":
         raise ServiceError(
             "serve: with serving vllm, mint serve fronts the vLLM server, which is not running "
@@ -227,9 +231,7 @@ def start(
         first["worker"] = start(config, ["worker"], progress)[0]
         return [first[n] for n in names]
     _check_serving(config, names)
-    if (
-        "vllm" in names and "serve" in names
-    ):  # the front answers its health check once vLLM does (the router too)
+    if "vllm" in names and "serve" in names:  # the front answers its health check once vLLM does
         first = {s.name: s for s in start(config, [n for n in names if n != "serve"], progress)}
         first["serve"] = start(config, ["serve"], progress)[0]
         return [first[n] for n in names]

@@ -68,13 +68,13 @@ class ServingConfig(Settings):
     vllm_api_key: SecretStr | None = None
     """With backend vllm: the key vLLM was started with (`--api-key`); users never see it."""
     vllm_routed_key: SecretStr | None = None
-    """With a fleet: the key of the requests sent through the router, which the replicas accept for inference only
-    (VLLMConfig.routed_key); loads go to each replica directly with vllm_api_key. Unset: vllm_api_key."""
+    """With a fleet: the key of the requests the front routes to the replicas, which they accept for inference only
+    (VLLMConfig.routed_key); loads go to each replica with vllm_api_key. Unset: vllm_api_key."""
     vllm_replicas: list[str] = Field(default_factory=list)
     """With backend vllm and a fleet: every replica's address (`http://127.0.0.1:8100`, ...; JSON list in
-    MINT_SERVE_VLLM_REPLICAS). `vllm_url` is then `vllm-router` before them: requests go through the router, while
-    loads and unloads go to each replica directly, all or nothing (serving/fleet.py). Empty: one vLLM at vllm_url.
-    The golden probe is per server and not yet per replica: it is off with a fleet."""
+    MINT_SERVE_VLLM_REPLICAS), in place of vllm_url. The front routes each request to one of them itself
+    (consistent hashing on the served name, serving/fleet.py), and loads and unloads on each, all or nothing.
+    Empty: one vLLM at vllm_url."""
     resolver_token: SecretStr | None = None
     """With backend vllm: the bearer token of mint's vLLM resolver plugin on `/v1/mint/resolve`."""
     golden_interval_s: float = Field(15.0, ge=0)

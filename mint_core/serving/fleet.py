@@ -1,9 +1,17 @@
-"""The replicas behind one front: N vLLM servers behind `vllm-router`, refreshed as one deployment.
+"""The replicas behind one front: N vLLM servers the front routes over itself, refreshed as one deployment.
 
-Requests go through the router (serving/vllm_router.py), which picks a replica. An admin load does not: vLLM's
-`/v1/load_lora_adapter` changes only the replica that answers it, so a load through the router would leave every
-other replica on the old revision with no error anywhere. The front sends loads and unloads to each replica
-directly, and a load is done only when every healthy replica took it and answers with it:
+Requests: the front picks the replica (`Fleet.route`). The key is the served name, and the order is rendezvous
+(highest random weight) hashing over the replicas' names (`rendezvous`): one adapter's requests stay on one
+replica, which holds it in its working set (a cold load once per adapter, not once per replica; one slot taken,
+not N), and when a replica drops out only the names it held move, each to the next replica in its own order. A
+replica is passed over while the golden probe has it out of rotation (serving/golden.py) or while it is down (a
+request or a read could not reach it; it is asked `GET /health` again, at most every RECHECK_S, as requests come,
+and routed to once it answers). A request that never reached a replica (its connection refused) goes to the next
+one; an answer from a replica taken out of rotation while the request ran is dropped and the request sent to the
+next. Requests carry the routed key, which a replica's seal accepts for inference only.
+
+Loads and unloads go to each replica directly, with mint's full key: vLLM's `/v1/load_lora_adapter` changes only
+the replica that answers it. A load is done only when every healthy replica took it and answers with it:
 
 1. the replicas that answer now are the ones to change (a replica that is down resolves a name on demand when it
    comes back: its resolver plugin asks the front, which names the revision the other replicas serve under it);
@@ -14,13 +22,13 @@ directly, and a load is done only when every healthy replica took it and answers
    what it served before (the old revision in place, or the name unloaded), and the load fails with an error that
    names the replica and its answer. The flows' transaction then moves the alias back (flows/promotion.py).
 
-Each replica names itself in an `x-mint-replica` header (its seal adds it), so the front can say which replica
-answered and with which revision.
+Each replica names itself in an `x-mint-replica` header (its seal adds it), so an answer says which replica gave it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -31,7 +39,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from mint_core.serving.protocol import APIError
 
@@ -44,38 +52,20 @@ _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$"
 _WAITING = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
-# vllm-router's answer when it could not send a request to the replica it picked (reqwest's error, router 0.1.17)
-UNREACHED = b"error sending request for url"
-ROUTER_RETRIES = 4
-ROUTER_RETRY_S = 0.5
+ROUTE_HEADER = "x-mint-route"
+"""The served name a request is routed on, set by the front (`Replicas.headers`); it never leaves the front."""
+RECHECK_S = 1.0  # a replica found down is asked GET /health again at most this often, as requests come
 
 
-async def routed(
-    send: Callable[[], Awaitable[httpx.Response]], out: Callable[[str | None], bool] | None = None
-) -> httpx.Response:
-    """A request through the router, sent again while the router could not reach the replica it picked: a replica
-    that died is routed to until the router's health check or its failures mark it down (seen: two requests over
-    5 s), and such a request never reached a replica, so another try is safe. Sent again too when the answer
-    names a replica `out` of rotation (the golden probe found it poisoned as the request ran there): its answer
-    is not passed on."""
-    for attempt in range(ROUTER_RETRIES):
-        r = await send()
-        if r.status_code == 200 and out is not None and out(r.headers.get(REPLICA_HEADER)):
-            await r.aclose()
-            logger.warning(
-                "an answer from %s, out of rotation, dropped; sending again", r.headers[REPLICA_HEADER]
-            )
-            await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
-            continue
-        if r.status_code != 500 or attempt == ROUTER_RETRIES - 1:
-            return r
-        await r.aread()
-        if UNREACHED not in r.content:
-            return r
-        await r.aclose()
-        logger.warning("vllm-router could not reach a replica (%s); sending again", r.content[:200])
-        await asyncio.sleep(ROUTER_RETRY_S * (attempt + 1))
-    raise APIError(503, "every try was answered by a replica out of rotation", "ServiceUnavailableError")
+def rendezvous(key: str, names: list[str]) -> list[str]:
+    """`names` in rendezvous (HRW) order for `key`: the first is the replica `key` goes to; with it gone, the
+    second, and so on. Each name's place depends on `key` and that name only, so removing a replica moves only the
+    keys it was first for, and adding one takes only the keys it now comes first for."""
+
+    def weight(name: str) -> bytes:
+        return hashlib.blake2b(f"{name}\x00{key}".encode(), digest_size=8).digest()
+
+    return sorted(names, key=weight, reverse=True)
 
 
 async def load_lora(
@@ -119,12 +109,18 @@ def digest_of_path(root: str | None) -> str | None:
 class Replica:
     url: str
     http: httpx.AsyncClient
+    """At `url` with mint's full key: loads, unloads, reads, the golden probe."""
+    routed: httpx.AsyncClient
+    """At `url` with the routed key: the requests the front routes to it."""
     served: dict[str, str] = field(default_factory=dict)
     """Adapter name -> hex digest, as last read off this replica or loaded on it."""
-    healthy: bool = False
+    healthy: bool = True
+    """False from a request or read that could not reach it until it answers again (`Fleet.check`)."""
     running: float | None = None
     waiting: float | None = None
     checked: float = 0.0
+    sent: int = 0
+    """Requests the front routed to it and passed its answer on (since the front started)."""
 
     @property
     def name(self) -> str:
@@ -136,16 +132,19 @@ class ReplicaRefused(APIError):
 
 
 class Fleet:
-    """The replicas behind one front, reached directly with mint's key (not through the router)."""
+    """The replicas behind one front: requests routed over them (`route`), loads made on each, all or nothing."""
 
     def __init__(
         self,
         urls: list[str],
         key: str,
         registry: CollectorRegistry,
+        connect: Callable[[str, str], httpx.AsyncClient],
+        routed_key: str,
         hidden: str = "",
         smoke_prompt: str = "a",
     ):
+        """`connect(url, key)`: a client of the vLLM at `url` with `key`."""
         self.hidden = hidden  # a name the front serves the base under: not listed as a revision
         labels = ["replica"]
         self.up = Gauge(
@@ -160,49 +159,108 @@ class Fleet:
         self.waiting = Gauge(
             "mint_replica_requests_waiting", "Requests waiting on the replica", labels, registry=registry
         )
-        headers = {"Authorization": f"Bearer {key}"}
+        self.routed = Counter(
+            "mint_replica_routed",
+            "Requests the front routed to the replica and answered from it",
+            labels,
+            registry=registry,
+        )
         self.replicas = [
-            Replica(
-                u.rstrip("/"),
-                httpx.AsyncClient(
-                    base_url=u.rstrip("/"),
-                    headers=headers,
-                    timeout=httpx.Timeout(600.0, connect=5.0),
-                    # as the front's client of the router: idle connections dropped before vLLM drops them
-                    limits=httpx.Limits(
-                        max_connections=20, max_keepalive_connections=4, keepalive_expiry=2.0
-                    ),
-                    trust_env=False,
-                ),
-            )
+            Replica(u.rstrip("/"), connect(u.rstrip("/"), key), connect(u.rstrip("/"), routed_key))
             for u in urls
         ]
         self.by_name = {r.name: r for r in self.replicas}
+        self.names = [r.name for r in self.replicas]
         self.smoke_prompt = smoke_prompt
+        self._checks: set[asyncio.Task[bool]] = set()
 
     async def close(self) -> None:
+        for task in list(self._checks):
+            task.cancel()
         for r in self.replicas:
             await r.http.aclose()
+            await r.routed.aclose()
+
+    # -- routing --------------------------------------------------------------------------------------------
+
+    def order(self, key: str, out: Callable[[str], bool]) -> list[Replica]:
+        """The replicas a request routed on `key` may go to, first choice first: rendezvous order, less those
+        out of rotation (`out`) and those down. A replica down is asked /health again in the background (at most
+        every RECHECK_S), so it is routed to again soon after it is back."""
+        now = time.monotonic()
+        usable = []
+        for name in rendezvous(key, self.names):
+            r = self.by_name[name]
+            if out(name):
+                continue
+            if r.healthy:
+                usable.append(r)
+            elif now - r.checked >= RECHECK_S and not any(t.get_name() == name for t in self._checks):
+                r.checked = now
+                task = asyncio.ensure_future(self.check(r))
+                task.set_name(name)
+                self._checks.add(task)  # held until done: the loop keeps only weak references to tasks
+                task.add_done_callback(self._checks.discard)
+        return usable
+
+    def down(self, r: Replica, e: Exception) -> None:
+        """`r` could not be reached: passed over until it answers /health again."""
+        if r.healthy:
+            logger.warning("replica %s is down (%s): routing around it until it answers /health", r.name, e)
+        r.healthy, r.checked = False, time.monotonic()
+
+    async def route(
+        self, key: str, send: Callable[[Replica], Awaitable[httpx.Response]], out: Callable[[str], bool]
+    ) -> httpx.Response:
+        """`send(replica)` to the first replica in `key`'s order that takes it: the next when a replica refuses
+        the connection (the request never reached it) or is taken out of rotation while the request ran there
+        (its answer is not passed on, whatever it was: it may be garbage). Any other transport error is
+        raised: the request may have run. 503 when no replica is left to try."""
+        tried: list[str] = []
+        for r in self.order(key, out):
+            tried.append(r.name)
+            try:
+                resp = await send(r)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self.down(r, e)
+                continue
+            except httpx.TransportError as e:
+                self.down(r, e)
+                if out(r.name):  # its answer would have been dropped: the request is sent again
+                    continue
+                raise
+            if out(r.name):
+                await resp.aclose()
+                logger.warning("an answer from %s, out of rotation, dropped; sending again", r.name)
+                continue
+            r.sent += 1
+            self.routed.labels(r.name).inc()
+            return resp
+        why = f"tried {', '.join(tried)}" if tried else "none is up and in rotation"
+        raise APIError(503, f"no vLLM replica could take the request ({why})", "ServiceUnavailableError")
 
     # -- what each replica serves ---------------------------------------------------------------------------
 
     async def check(self, r: Replica) -> bool:
+        """Whether `r` answers /health now (routed to again when it does)."""
         try:
-            r.healthy = (await r.http.get("/health", timeout=5)).status_code == 200
+            healthy = (await r.http.get("/health", timeout=5)).status_code == 200
         except httpx.HTTPError:
-            r.healthy = False
-        r.checked = time.monotonic()
+            healthy = False
+        if healthy and not r.healthy:
+            logger.warning("replica %s answers /health again: routed to", r.name)
+        r.healthy, r.checked = healthy, time.monotonic()
         return r.healthy
 
     async def read(self, r: Replica) -> None:
         """What `r` serves now (nothing when it does not answer)."""
         try:
             resp = await r.http.get("/v1/models", timeout=10)
-        except httpx.HTTPError:
-            r.healthy = False
+        except httpx.HTTPError as e:
+            self.down(r, e)
             return
         if resp.status_code != 200:
-            r.healthy = False
+            r.healthy, r.checked = False, time.monotonic()
             return
         r.healthy = True
         r.served = {
@@ -223,9 +281,8 @@ class Fleet:
         return out
 
     async def models(self) -> list[dict[str, Any]]:
-        """vLLM's model cards from every replica that answers (a name any of them holds). Not through the router:
-        it sends a GET /v1/models to one replica, which may be down (vllm-router 0.1.17 answered the front's with
-        a non-JSON 500 while the replica its hash picked was down) or hold less."""
+        """vLLM's model cards from every replica that answers (a name any of them holds), not from one routed to:
+        one replica may be down or hold less."""
 
         async def one(r: Replica) -> list[dict[str, Any]] | None:
             try:
@@ -255,10 +312,11 @@ class Fleet:
         r.waiting = sum(float(x) for x in _WAITING.findall(text)) if _WAITING.search(text) else None
 
     async def report(self) -> list[dict[str, Any]]:
-        """Each replica: its address, health, the revisions it holds and its load (for `mint status`); the
-        front's replica gauges are set from it."""
+        """Each replica: its address, health, the revisions it holds, its load and its share of the requests the
+        front routed (for `mint status`); the front's replica gauges are set from it."""
         await asyncio.gather(*(self.read(r) for r in self.replicas))
         await asyncio.gather(*(self.read_load(r) for r in self.replicas if r.healthy))
+        total = sum(r.sent for r in self.replicas)
         out = []
         for r in self.replicas:
             held = (
@@ -278,6 +336,8 @@ class Fleet:
                     "revisions": held,
                     "running": r.running if r.healthy else None,
                     "waiting": r.waiting if r.healthy else None,
+                    "requests": r.sent,
+                    "share": round(r.sent / total, 4) if total else None,
                 }
             )
         return out

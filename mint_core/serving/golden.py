@@ -1,5 +1,5 @@
 """The golden probe: the front notices a poisoned vLLM replica and takes it out of rotation (detection; what is done
-to the replica then, kill, restart and router membership, is serving/replica_control.py's).
+to the replica then, kill and restart, is serving/replica_control.py's).
 
 One NaN adapter inside vLLM poisons every tenant of the server: from the next batch on, the base and every policy
 answer garbage, with status 200, until vLLM restarts (benchmarks/vllm_bad_adapters.py). The seal
@@ -14,21 +14,16 @@ recorded), so a near-tie that batching tipped is not taken for poison. A replica
 poisoned:
 
 - it is taken out of rotation. One vLLM (no fleet): every completion and load through the front answers 503 naming
-  why, and /health answers 503, until it is back. A replica of a fleet: it is removed from vllm-router's workers
-  (`POST /remove_worker`), so the router stops sending to it at once, and an answer that still names it (a request
-  already under way) is not passed on: the front sends the request again (fleet.routed); the other replicas go on
-  serving, and the front answers 503 only when every replica is out;
+  why, and /health answers 503, until it is back. A replica of a fleet: the front routes nothing more to it, and an
+  answer from it to a request already under way is not passed on: the front sends the request to the next replica
+  (`Fleet.route`); the other replicas go on serving, and the front answers 503 only when every replica is out;
 - the event is logged at ERROR with the evidence (the replica, each prompt, the answer recorded, the answer got);
 - replica control kills its process (the one listening at its URL), and its supervisor (`mint_app.services.supervise`, as `mint up`
   runs vLLM) starts a fresh one; the front asks it the golden prompts alone, with mint's key, once it answers
-  /health, and puts it back into rotation when every answer is the recorded one (a replica: added to the router
-  again, `POST /add_worker`; killing it again otherwise, at most MAX_KILLS times).
+  /health, and puts it back into rotation when every answer is the recorded one (killing it again otherwise, at
+  most MAX_KILLS times); the front routes to it again from then on.
 
-A replica is asked directly at its own URL with mint's full key (as fleet loads are), never through the router.
-The probe also admits a replica the router is not sending to once its answers hold: one it found refusing
-connections (killed, crashed; its supervisor restarted it) is removed and added again, which clears the router's
-circuit breaker at once (vllm-router 0.1.17 keeps a restarted worker's breaker open for a minute or two, sending
-it nothing), and one missing from the router's workers (a front restarted while it was out) is added.
+A replica is asked directly at its own URL with mint's full key (as fleet loads are).
 
 Greedy decoding on one replica is deterministic for a request that runs alone, so a recorded answer changes only
 when the weights in use change. Costs: one request of len(prompts) sequences per probe, name and replica.
@@ -49,7 +44,7 @@ from prometheus_client import Counter, Gauge
 
 from mint_core.serving.fleet import replica_name
 from mint_core.serving.protocol import APIError
-from mint_core.serving.replica_control import Event, Membership, Mismatch, Restart
+from mint_core.serving.replica_control import Drain, Event, Mismatch, Restart
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -102,7 +97,6 @@ class Target:
     base: Golden | None = None
     champion: Golden | None = None
     out: str | None = None  # why it is out of rotation, while it is
-    down: bool = False  # it refused a connection: the router must be told again once it is back
 
     @property
     def name(self) -> str:
@@ -116,20 +110,20 @@ def _child(metric: Any, labels: tuple[str, ...]) -> Any:
 
 class GoldenProbe:
     """The golden probe of the replicas behind one front (see the module docstring); what happens to a replica
-    found poisoned is replica control's (serving/replica_control.py), with `membership` in the router."""
+    found poisoned is replica control's (serving/replica_control.py); `drain` runs before a kill."""
 
     def __init__(
         self,
         gw: Front,
         targets: list[Target],
-        membership: Membership,
+        drain: Drain,
         prompts: list[str],
         max_tokens: int,
         interval_s: float,
     ):
         self.gw = gw
         self.targets = targets
-        self.membership = membership
+        self.drain = drain
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
         self.interval_s = interval_s
@@ -270,9 +264,6 @@ class GoldenProbe:
                 await lock.acquire_read()
             try:
                 r = await t.http.post("/v1/completions", json=body)
-            except httpx.ConnectError as e:
-                t.down = True
-                raise APIError(503, f"{t.url} refuses connections: {e}", "ServiceUnavailableError") from None
             except httpx.HTTPError as e:
                 raise APIError(503, f"{t.url} is unreachable: {e}", "ServiceUnavailableError") from None
             finally:
@@ -354,7 +345,6 @@ class GoldenProbe:
             # a replica out of rotation is its restart's business (`_restart` admits it back), not the probe's
             asked = [t for t in self.targets if t.out is None]
             results = [await self._probe(t, reason) for t in asked]
-        await self.membership.admit([t for t, ok in zip(asked, results, strict=True) if ok])
         if any(r is False for r in results):
             return False
         return True if any(r is True for r in results) else None
@@ -384,9 +374,6 @@ class GoldenProbe:
         self.probes.labels("fail").inc()
         event = Event(time.time(), reason, found, replica=t.name)
         self.events.append(event)
-        removed = await self.membership.remove(t.url)  # the router stops sending to it before anything else
-        if removed is not None:
-            event.notes.append(f"removed from the router: {removed}")
         logger.error(
             "golden probe (%s): the vLLM replica at %s is poisoned: %d answer(s) differ from the recorded ones; "
             "out of rotation, restarting it",
@@ -413,10 +400,10 @@ class GoldenProbe:
             await t.prepare()  # one vLLM, fresh, serves nothing: its listing is read again first
             return await self.answers(t, base, alone=True)
 
-        restart = Restart(t.url, t.name, t.http, ask, t.base.answers, self.membership)
+        restart = Restart(t.url, t.name, t.http, ask, t.base.answers, self.drain)
         if not await restart.run(event, self.gw.batch):
             return
-        t.out, t.down = None, False
+        t.out = None
         self._rotation(t, True)
         logger.warning(
             "golden probe: the vLLM replica at %s is back in rotation %.1f s after it was found poisoned; its "

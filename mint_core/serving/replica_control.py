@@ -2,10 +2,11 @@
 
 It finds the process listening at the replica's URL and kills it (SIGKILL: its answers are garbage), waits for its
 supervisor (`mint_app.services.supervise`, as `mint up` runs vLLM) to start a fresh one, asks that one the golden prompts and
-puts it back when its answers are the recorded ones (killing it again otherwise, at most MAX_KILLS times). With a
-fleet, membership in vllm-router's workers goes with it (`Router`): a replica found poisoned is removed at once,
-added again once its answers hold, and one the router is not sending to is admitted; one vLLM has no router
-(`Alone`), so the same steps leave nothing to tell.
+puts it back when its answers are the recorded ones (killing it again otherwise, at most MAX_KILLS times). The
+front stops routing to a replica as soon as it is out of rotation (serving/fleet.py), and routes to it again once it
+is back in; before the kill, a fleet lets the requests under way end (`Drain`: the other replicas take new ones,
+and an answer from the poisoned one is sent again elsewhere), while one vLLM need not wait (every request fails
+over to 503).
 """
 
 from __future__ import annotations
@@ -63,110 +64,10 @@ class Event:
     replica: str = ""  # host:port of the replica found poisoned
 
 
-class Member(Protocol):
-    """A replica as its membership in the router sees it."""
+class Drain(Protocol):
+    """What happens before a poisoned replica is killed (`Replicas.drain`, `OneVLLM.drain`)."""
 
-    url: str
-    down: bool  # it refused a connection: the router must be told again once it is back
-
-    @property
-    def name(self) -> str: ...
-
-
-class Membership(Protocol):
-    """Who routes requests to the replicas: vllm-router (`Router`), or nobody (`Alone`: one vLLM)."""
-
-    async def remove(self, url: str) -> bool | None:
-        """Stop routing to `url`; None when there is nothing to stop."""
-        ...
-
-    async def add(self, url: str) -> bool:
-        """Route to `url` again; True when it is routed to."""
-        ...
-
-    async def admit(self, passed: list[Member]) -> None:
-        """Replicas whose answers held, routed to again where they are not."""
-        ...
-
-    async def drain(self, batch: SwapLock) -> None:
-        """Before a kill: the requests under way end first where the others can take new ones."""
-        ...
-
-
-class Alone:
-    """One vLLM behind the front: no router to tell; a kill need not wait (every request fails over to 503)."""
-
-    async def remove(self, url: str) -> bool | None:
-        return None
-
-    async def add(self, url: str) -> bool:
-        return True
-
-    async def admit(self, passed: list[Member]) -> None:
-        return None
-
-    async def drain(self, batch: SwapLock) -> None:
-        return None
-
-
-class Router:
-    """vllm-router's worker routes, asked through `http` (the router's address)."""
-
-    def __init__(self, http: httpx.AsyncClient):
-        self.http = http
-
-    async def _worker(self, path: str, url: str) -> bool:
-        """vllm-router's worker route `path` (`/remove_worker`, `/add_worker`) for `url`: True when it answered 200,
-        or, for an add, that the worker is there already (vllm-router 0.1.17: 400 "... already exists")."""
-        try:
-            r = await self.http.post(path, params={"url": url}, timeout=30)
-        except httpx.HTTPError as e:
-            logger.error("golden probe: vllm-router did not answer %s for %s: %s", path, url, e)
-            return False
-        if path == "/add_worker" and r.status_code == 400 and "already exists" in r.text:
-            return True
-        if r.status_code != 200:
-            logger.warning(
-                "golden probe: vllm-router answered %s for %s with %d: %s",
-                path,
-                url,
-                r.status_code,
-                r.text[:200],
-            )
-        return r.status_code == 200
-
-    async def remove(self, url: str) -> bool | None:
-        return await self._worker("/remove_worker", url)
-
-    async def add(self, url: str) -> bool:
-        return await self._worker("/add_worker", url)
-
-    async def admit(self, passed: list[Member]) -> None:
-        """A replica found refusing connections (killed, crashed; its supervisor restarted it) is removed and added
-        again, which clears the router's circuit breaker at once (vllm-router 0.1.17 keeps a restarted worker's
-        breaker open for a minute or two, sending it nothing); one missing from the router's workers (a front
-        restarted while it was out) is added."""
-        try:
-            r = await self.http.get("/list_workers", timeout=10)
-            workers = {u.rstrip("/") for u in r.json().get("urls", [])}
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return
-        for t in passed:
-            if t.down or t.url not in workers:
-                if t.url in workers:  # a restart: the router's circuit breaker for it is still open
-                    await self.remove(t.url)
-                if await self.add(t.url):
-                    logger.warning(
-                        "golden probe: %s answers as recorded after %s: the router sends to it again",
-                        t.name,
-                        "a restart" if t.down else "it was missing from the router's workers",
-                    )
-                    t.down = False
-
-    async def drain(self, batch: SwapLock) -> None:
-        # none is routed to it now, and one it answers is sent again (fleet.routed); a kill would fail them
-        await batch.acquire_write()
-        await batch.release_write()
+    async def __call__(self, batch: SwapLock) -> None: ...
 
 
 def listening_pid(url: str) -> int | None:
@@ -218,12 +119,12 @@ class Restart:
     http: httpx.AsyncClient  # at `url`, with mint's full key
     ask: Callable[[], Awaitable[list[str] | None]]  # its greedy answers to the golden prompts, asked alone
     expected: list[str]  # the base's recorded answers
-    membership: Membership
+    drain: Drain
 
     async def run(self, event: Event, batch: SwapLock) -> bool:
-        """Kill the replica, wait for a fresh one, and True once its answers hold and it is routed to again;
-        False when it stays out (MAX_KILLS restarts that still answer differently, or RESTART_TIMEOUT_S)."""
-        await self.membership.drain(batch)
+        """Kill the replica, wait for a fresh one, and True once its answers hold; False when it stays out
+        (MAX_KILLS restarts that still answer differently, or RESTART_TIMEOUT_S)."""
+        await self.drain(batch)
         killed = kill(self.url, event)
         t0 = time.monotonic()
         reported: set[type[BaseException]] = set()
@@ -244,8 +145,6 @@ class Restart:
             if got is None:
                 continue
             if got == self.expected:
-                if not await self.membership.add(self.url):
-                    continue
                 event.back, event.clean = time.time(), True
                 return True
             event.clean = False

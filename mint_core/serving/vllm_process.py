@@ -69,14 +69,13 @@ class VLLMConfig(BaseModel):
     """mint's seal middleware: every route (not only vLLM's /v1) refuses a request without `api_key`. Off only
     where vLLM's own unkeyed surface is what is measured (benchmarks/vllm_bad_adapters.py)."""
     replica: bool = False
-    """One replica of a fleet behind `vllm-router` (vllm_router.py): its answers name it (`x-mint-replica:
-    host:port`, added by the seal), and `GET /health` answers unkeyed, for the router's health checks, which send
-    no header. Every other route still demands the key."""
+    """One replica of a fleet that mint's front routes over (serving/fleet.py): its answers name it
+    (`x-mint-replica: host:port`, added by the seal). Every route demands the key, /health included."""
     routed_key: SecretStr | None = None
-    """With `replica`: the narrower key of the requests mint's front sends through the router, which opens
-    inference only (completions, chat, the model list), never an adapter route (vllm_plugin/mint_vllm_seal.py). The
-    full key (`api_key`) then reaches the seal alone (MINT_SEAL_KEY, not VLLM_API_KEY: vLLM's own check of /v1
-    holds one key and would refuse the routed one; the seal covers every route anyway)."""
+    """With `replica`: the narrower key of the requests mint's front routes to it, which opens inference only
+    (completions, chat, the model list), never an adapter route (vllm_plugin/mint_vllm_seal.py). The full key
+    (`api_key`) then reaches the seal alone (MINT_SEAL_KEY, not VLLM_API_KEY: vLLM's own check of /v1 holds one key
+    and would refuse the routed one; the seal covers every route anyway)."""
     cpus: list[int] | None = None
     """On CPU: the CPU ids its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND). None: vLLM's `auto`, which
     binds every vLLM on a host to the same first cores, so each replica of a fleet gets its own (`replica_cpus`)."""
@@ -120,7 +119,6 @@ class VLLMConfig(BaseModel):
                 env[CPU_BIND_ENV] = ",".join(str(c) for c in self.cpus)
         if self.replica:
             env["MINT_REPLICA"] = self.address
-            env["MINT_SEAL_OPEN_HEALTH"] = "1"
         if self.replica and self.seal and self.routed_key is not None:
             env["MINT_SEAL_KEY"] = env.pop("VLLM_API_KEY")
             env["MINT_SEAL_ROUTED_KEY"] = self.routed_key.get_secret_value()

@@ -1,8 +1,9 @@
-"""Two real vLLM replicas behind vllm-router and mint's front, refreshed as one deployment (issue #34, item 2).
+"""Two real vLLM replicas behind mint's front, which routes over them itself, refreshed as one deployment (issue
+#34, item 2; issue #45, item 1).
 
-The replicas are started as `mint up --replicas 2` starts them (VLLMConfig with `replica=True`: sealed, GET /health
-open for the router, each answer naming its replica), the router from RouterConfig, the front with the replicas'
-addresses. Replica 1 is started with a smaller `--max-lora-rank` (8) than the front and replica 0 accept (16), so a
+The replicas are started as `mint up --replicas 2` starts them (VLLMConfig with `replica=True`: sealed on every
+route, /health included, each answer naming its replica, the routed key for inference), the front with the
+replicas' addresses. Replica 1 is started with a smaller `--max-lora-rank` (8) than the front and replica 0 accept (16), so a
 rank-16 revision passes the front's validation and replica 0 but is refused by replica 1: the one-replica refusal
 the all-or-nothing promotion must undo everywhere. (The issue suggests an unreadable store path for one replica;
 these tests run as root here, for whom no path is unreadable: the fault suite's `fleet-unreadable` row hides the
@@ -28,7 +29,6 @@ from mint_core.lora.adapter import random_adapter
 from mint_core.registry.mlflow_registry import Registry
 from mint_core.serving.fleet import replica_name
 from mint_core.serving.vllm_process import VLLMConfig, replica_cpus, vllm_available
-from mint_core.serving.vllm_router import RouterConfig
 from mint_testkit.harness import (
     LOGS,
     RESOLVER_TOKEN,
@@ -48,14 +48,13 @@ from mint_testkit.waiting import wait_until
 pytestmark = pytest.mark.integration
 # The promotion and the rollback everywhere, and the refused load undone everywhere, run in the default tier; the
 # rest of the module (a lost policy, the routes, the golden probe, a killed replica) in the slow tier, beside the
-# fleet's fault rows: two more vLLM engines and a router beside the session's vLLM are minutes on 2 cores.
+# fleet's fault rows: two more vLLM engines beside the session's vLLM are minutes on 2 cores.
 SLOW = pytest.mark.slow
 
 ADMIN = "admin-secret"
 KEY = {"Authorization": f"Bearer {VLLM_KEY}"}
-ROUTED_KEY = "routed-key-for-tests"  # what the front's requests through the router carry
+ROUTED_KEY = "routed-key-for-tests"  # what the requests the front routes to a replica carry
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ROUTER = VLLM_PYTHON.parent / "vllm-router"
 
 
 @dataclass
@@ -63,7 +62,6 @@ class Fleet:
     ws: Workspace
     base_dir: Path
     front: str
-    router: str
     replicas: list[str]
     processes: list[subprocess.Popen[str]]
     """The replicas' vLLM processes."""
@@ -84,7 +82,7 @@ class Fleet:
         return self.ws.registry()
 
     def held(self, replica: str, name: str) -> str | None:
-        """The revision `replica` itself lists under `name` (asked past the front and the router)."""
+        """The revision `replica` itself lists under `name` (asked past the front)."""
         r = httpx.get(replica + "/v1/models", headers=KEY, timeout=30)
         r.raise_for_status()
         for card in r.json()["data"]:
@@ -110,9 +108,7 @@ def wait_for(procs: list[subprocess.Popen[str]], urls: list[str], timeout_s: flo
                     f"{url} exited with {proc.returncode}:\n{LOGS[proc.pid].read_text()[-4000:]}"
                 )
             try:
-                if (
-                    httpx.get(url + "/health", timeout=5).status_code == 200
-                ):  # open on a replica and the router
+                if httpx.get(url + "/health", headers=KEY, timeout=5).status_code == 200:
                     del pending[url]
             except httpx.HTTPError:
                 pass
@@ -124,16 +120,14 @@ def wait_for(procs: list[subprocess.Popen[str]], urls: list[str], timeout_s: flo
 def fleet(
     mlflow_server: str, prefect_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
-    require(
-        vllm_available(VLLM_PYTHON) and ROUTER.is_file(), f"vLLM's environment with vllm-router ({ROUTER})"
-    )
+    require(vllm_available(VLLM_PYTHON), f"vLLM's environment ({VLLM_PYTHON})")
     root = tmp_path_factory.mktemp("replicas")
     base_dir = save_tiny_base(root / VLLM_BASE_NAME, vllm=True)
     store = root / "store"
     store.mkdir()
     catalog_url = f"sqlite:///{root / 'catalog.db'}"
     ports = [free_port(), free_port()]
-    rport, fport = free_port(), free_port()
+    fport = free_port()
     replicas = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen[str]] = []
     commands: list[tuple[list[str], dict[str, str], Path]] = []
@@ -157,19 +151,8 @@ def fleet(
             commands.append((cmd, env, root / f"replica-{i}.log"))
             procs.append(launch(cmd, env, root / f"replica-{i}.log"))
         wait_for(procs, replicas)
-        router = RouterConfig(
-            program=ROUTER,
-            port=rport,
-            replicas=replicas,
-            prometheus_port=free_port(),
-            health_check_interval_s=2,
-        )
-        procs.append(launch(router.command(), router.env(), root / "router.log"))
-        router_url = f"http://127.0.0.1:{rport}"
-        wait_for(procs[-1:], [router_url], timeout_s=60)
         env = {
             "MINT_SERVE_BACKEND": "vllm",
-            "MINT_SERVE_VLLM_URL": router_url,
             "MINT_SERVE_VLLM_REPLICAS": f'["{replicas[0]}", "{replicas[1]}"]',
             "MINT_SERVE_VLLM_API_KEY": VLLM_KEY,
             "MINT_SERVE_VLLM_ROUTED_KEY": ROUTED_KEY,
@@ -193,7 +176,7 @@ def fleet(
         )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MINT_SERVE_ADMIN_TOKEN", ADMIN)
-            yield Fleet(ws, base_dir, url, router_url, replicas, procs[:2], procs, commands)
+            yield Fleet(ws, base_dir, url, replicas, procs[:2], procs, commands)
     finally:
         for proc in reversed(procs):
             stop_server(proc, timeout=60)
@@ -237,7 +220,9 @@ def test_a_promotion_and_a_rollback_reach_every_replica(fleet: Fleet) -> None:
     promote_flow(policy, v2, workspace=fleet.ws)
     assert fleet.champion(policy) == v2
     assert fleet.everywhere(policy) == [d2, d2]
-    for replica, rev, fp in answers(fleet, policy):
+    got = answers(fleet, policy)
+    assert len({replica for replica, _, _ in got}) == 1  # one policy's requests stay on one replica
+    for replica, rev, fp in got:
         assert replica in {replica_name(u) for u in fleet.replicas}
         assert rev == d2 and fp.removeprefix("sha256:") == d2.removeprefix("sha256:")
 
@@ -300,24 +285,20 @@ def test_a_replica_that_lost_a_policy_answers_with_its_champion(fleet: Fleet) ->
 @SLOW
 def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fleet: Fleet) -> None:
     body = {"model": VLLM_BASE_NAME, "prompt": "a", "max_tokens": 1, "name": "evil", "src": "/tmp"}
-    for url in [*fleet.replicas, fleet.router]:
-        assert httpx.get(url + "/health", timeout=10).status_code == 200  # open for the router's checks
+    for url in fleet.replicas:
         for method, path in [
+            ("GET", "/health"),
             ("POST", "/adapters"),
             ("POST", "/v1/load_lora_adapter"),
             ("POST", "/v1/completions"),
             ("GET", "/v1/models"),
             ("GET", "/metrics"),
         ]:
-            if url == fleet.router and path == "/metrics":
-                continue  # the router's own route (mint's front is the public door, the router is loopback)
             r = httpx.request(method, url + path, json=body, timeout=30)
             assert r.status_code == 401, (url, method, path, r.status_code, r.text[:200])
-        # the key the front's requests carry through the router opens inference, and no adapter route
+        # the key the front's requests to a replica carry opens inference, and no adapter route
         routed = {"Authorization": f"Bearer {ROUTED_KEY}"}
         for method, path in [("POST", "/adapters"), ("POST", "/v1/load_lora_adapter"), ("GET", "/metrics")]:
-            if url == fleet.router and path == "/metrics":
-                continue
             r = httpx.request(method, url + path, json=body, headers=routed, timeout=30)
             assert r.status_code == 401, (url, method, path, r.status_code, r.text[:200])
         r = httpx.post(url + "/v1/completions", json=body, headers=routed, timeout=120)
@@ -330,7 +311,8 @@ def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fl
     assert [row["replica"] for row in report["replicas"]] == [replica_name(u) for u in fleet.replicas]
     assert all(row["healthy"] and row["revisions"][policy] == d1 for row in report["replicas"])
     assert all(row["running"] is not None for row in report["replicas"])
-    assert report["foreign_workers"] == [] and sorted(report["router_workers"]) == sorted(fleet.replicas)
+    assert sum(row["requests"] for row in report["replicas"]) > 0  # each replica's share of what was routed
+    assert abs(sum(row["share"] or 0 for row in report["replicas"]) - 1) < 0.01
     metrics = httpx.get(fleet.front + "/metrics", timeout=60).text
     for u in fleet.replicas:
         assert f'mint_replica_healthy{{replica="{replica_name(u)}"}} 1.0' in metrics
@@ -368,8 +350,9 @@ def test_the_golden_probe_asks_each_replica_and_raises_no_false_alarm(fleet: Fle
 
 @SLOW
 def test_after_a_replica_is_killed_no_request_fails(fleet: Fleet) -> None:
-    """kill -9 of replica 1 (its API server and engine): the requests the router still sends it are sent again by
-    the front until the router stops choosing it. Last in this module: the replica stays dead."""
+    """kill -9 of replica 1 (its API server and engine): a request the front routes to it finds it refusing
+    connections and goes to the other; it is passed over from then on. Last in this module: the replica stays
+    dead."""
     with fleet.ws.client() as c:
         names = [m["id"] for m in c.models() if m.get("parent")]
     for i in range(
@@ -421,12 +404,18 @@ def test_a_promotion_with_a_replica_down_completes_and_the_replica_returns_on_th
     assert r.status_code == 200, r.text
     assert fleet.everywhere(policy) == [d3, d3]
 
-    # the golden probe admits it back into the router once its answers hold (a remove and an add clear the
-    # router's circuit breaker, which left alone sends a restarted worker nothing for a minute or two)
-    front = fleet.started[3]
-    said = f"golden probe: {replica_name(back)} answers as recorded after a restart: the router sends to it again"
-    wait_until(lambda: said in server_log(front), 30, lambda: server_log(front)[-3000:])
-    assert sorted(httpx.get(fleet.router + "/list_workers", timeout=10).json()["urls"]) == sorted(
-        fleet.replicas
-    )
+    # the front routes to it again once it answers /health: its names come back to it (rendezvous order)
+    front = fleet.started[2]
+    said = f"replica {replica_name(back)} answers /health again: routed to"
+    with fleet.ws.client() as c:
+        names = [m["id"] for m in c.models() if m.get("parent")]
+
+    def routed_back() -> bool:
+        with fleet.ws.client() as c:
+            for name in names:
+                c.complete(name, "a", max_tokens=1)
+        return said in server_log(front)
+
+    wait_until(routed_back, 60, lambda: server_log(front)[-3000:], interval=1.0)
+    assert replica_name(back) in {r for name in names for r, _, _ in answers(fleet, name, n=1)}
     assert "golden evidence" not in server_log(front)

@@ -16,9 +16,7 @@ from mint_app.cli import services as services_cli
 from mint_app.services.config import ServicesConfig
 
 REPORT = {
-    "router": "http://127.0.0.1:8099",
-    "router_workers": ["http://127.0.0.1:8100", "http://127.0.0.1:8101"],
-    "foreign_workers": [],
+    "routing": "consistent_hash on the served name",
     "replicas": [
         {
             "replica": "127.0.0.1:8100",
@@ -27,6 +25,8 @@ REPORT = {
             "running": 1.0,
             "waiting": 0.0,
             "revisions": {"add": "sha256:227a18a6d575aa"},
+            "requests": 30,
+            "share": 0.75,
             "out_of_rotation": None,
         },
         {
@@ -36,6 +36,8 @@ REPORT = {
             "running": 0.0,
             "waiting": 0.0,
             "revisions": {},
+            "requests": 10,
+            "share": 0.25,
             "out_of_rotation": "golden answers changed (base: '!!!!')",
         },
     ],
@@ -75,5 +77,5 @@ def test_a_replica_out_of_rotation_says_why(
     text = out.export_text()
     row0 = next(line for line in text.splitlines() if "127.0.0.1:8100" in line)
     row1 = next(line for line in text.splitlines() if "127.0.0.1:8101" in line)
-    assert "healthy" in row0 and "add 227a18a6d575" in row0
+    assert "healthy" in row0 and "add 227a18a6d575" in row0 and "30 (75%)" in row0
     assert "out of rotation: golden answers changed" in row1 and "healthy" not in row1

@@ -353,24 +353,19 @@ def test_mint_run_serving_vllm_reaches_the_services(monkeypatch: pytest.MonkeyPa
 # ---- a fleet of replicas (replicas > 1) -------------------------------------------------------------------
 
 
-def test_one_replica_is_one_vllm_and_no_router(vllm_services: ServicesConfig) -> None:
+def test_one_replica_is_one_vllm(vllm_services: ServicesConfig) -> None:
     cfg = vllm_services
     cfg.state_dir.mkdir(parents=True)
     assert cfg.replicas == 1
     assert services_for(cfg) == ["mlflow", "prefect", "vllm", "serve", "hooks", "worker"]
     _, env = command("vllm", cfg)
-    assert "MINT_REPLICA" not in env and "MINT_SEAL_OPEN_HEALTH" not in env  # /health sealed, as before
+    assert "MINT_REPLICA" not in env and "MINT_SEAL_ROUTED_KEY" not in env
     _, serve_env = command("serve", cfg)
     assert serve_env["MINT_SERVE_VLLM_URL"] == cfg.url("vllm") and "MINT_SERVE_VLLM_REPLICAS" not in serve_env
 
 
-def test_replicas_each_at_their_own_port_behind_the_router(
-    vllm_services: ServicesConfig, tmp_path: Path
-) -> None:
-    router = tmp_path / "venv-vllm" / "bin" / "vllm-router"
-    router.write_text("#!/bin/sh\nexit 1\n")
-    router.chmod(0o755)
-    cfg = vllm_services.model_copy(update={"replicas": 3, "vllm_router": router, "host": "0.0.0.0"})
+def test_replicas_each_at_their_own_port_routed_over_by_the_front(vllm_services: ServicesConfig) -> None:
+    cfg = vllm_services.model_copy(update={"replicas": 3, "host": "0.0.0.0"})
     cfg.state_dir.mkdir(parents=True)
     assert services_for(cfg) == [
         "mlflow",
@@ -378,7 +373,6 @@ def test_replicas_each_at_their_own_port_behind_the_router(
         "vllm",
         "vllm-1",
         "vllm-2",
-        "router",
         "serve",
         "hooks",
         "worker",
@@ -390,7 +384,7 @@ def test_replicas_each_at_their_own_port_behind_the_router(
         assert cfg.url(name) == url  # type: ignore[arg-type]
         assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == url[-5:]
         assert env["MINT_REPLICA"] == url.removeprefix("http://")  # what its answers are named by
-        assert env["MINT_SEAL_OPEN_HEALTH"] == "1"  # the router's health checks carry no key
+        assert "MINT_SEAL_OPEN_HEALTH" not in env  # /health wants the key too
         assert "--middleware" in cmd  # sealed like the single vLLM
         assert (
             "VLLM_API_KEY" not in env
@@ -400,15 +394,7 @@ def test_replicas_each_at_their_own_port_behind_the_router(
     full, routed = keys.pop()
     assert full != routed
     assert (cfg.state_dir / "vllm.key").read_text().strip() == full
-    cmd, router_env = command("router", cfg)
-    assert router_env["RUST_LOG"] == "warn"  # no log line per request
-    assert cmd[0] == str(router.absolute())
-    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8099"
-    assert cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 4] == urls
-    assert cmd[cmd.index("--policy") + 1] == "consistent_hash"
-    assert not any(k in arg for k in (full, routed) for arg in cmd)  # the router never holds mint's keys
     _, env = command("serve", cfg)
-    assert env["MINT_SERVE_VLLM_URL"] == "http://127.0.0.1:8099"
     assert (env["MINT_SERVE_VLLM_API_KEY"], env["MINT_SERVE_VLLM_ROUTED_KEY"]) == (full, routed)
     assert json.loads(env["MINT_SERVE_VLLM_REPLICAS"]) == urls
     cuda = cfg.model_copy(update={"serve_device": "cuda"})
@@ -446,18 +432,8 @@ def test_each_cpu_replica_gets_its_own_share_of_the_cpus(
     assert [replica_cpus(i, replicas, cpus) for i in range(replicas)] == shares
 
 
-def test_a_fleet_without_the_router_program_is_refused_before_anything_starts(
-    vllm_services: ServicesConfig, tmp_path: Path
-) -> None:
-    cfg = vllm_services.model_copy(
-        update={"replicas": 2, "vllm_router": tmp_path / "nowhere" / "vllm-router"}
-    )
-    with pytest.raises(ServiceError, match=r"router: .*make vllm-venv"):
-        start(cfg, ["vllm", "vllm-1", "router"])
-
-
 def test_mint_run_and_up_take_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = job_config.MainJobConfig(serving="vllm", replicas=2)
     assert main_job.services_config(cfg).replicas == 2
-    assert ServicesConfig(replicas=2, serving="vllm").vllm_services() == ["vllm", "vllm-1", "router"]
-    assert parse_names("router,vllm-1,serve") == ["vllm-1", "router", "serve"]
+    assert ServicesConfig(replicas=2, serving="vllm").vllm_services() == ["vllm", "vllm-1"]
+    assert parse_names("serve,vllm-1") == ["vllm-1", "serve"]

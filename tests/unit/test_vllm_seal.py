@@ -73,14 +73,6 @@ def test_a_websocket_without_the_key_is_closed_before_it_is_accepted() -> None:
     assert not passed and sent == [{"type": "websocket.close", "code": 1008}]
 
 
-def test_open_health_lets_only_an_unkeyed_get_of_health_through() -> None:
-    mw = seal.Seal(None, key=KEY, open_health=True)
-    assert call(mw, http("/health"))[1]
-    assert call(mw, http("/health", "HEAD"))[1]
-    assert not call(mw, http("/health", "POST"))[1]
-    assert not call(mw, http("/adapters", "POST"))[1]
-
-
 def test_without_a_key_vllm_does_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     with pytest.raises(RuntimeError, match="VLLM_API_KEY is not set"):

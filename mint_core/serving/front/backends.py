@@ -1,16 +1,17 @@
-"""What serves behind the vLLM front: one vLLM (`OneVLLM`), or a fleet of replicas behind vllm-router (`Replicas`),
-both behind one protocol (`Backend`), so the front's routes never ask which.
+"""What serves behind the vLLM front: one vLLM (`OneVLLM`), or a fleet of replicas the front routes over itself
+(`Replicas`), both behind one protocol (`Backend`), so the front's routes never ask which.
 
 Two implementations rather than one vLLM as a fleet of one: a fleet differs in what it answers, not only in how
 many it asks. One vLLM's `/metrics` passes vLLM's own series through (N replicas' series would collide); its failed
 load is vLLM's own error, relayed as vLLM gave it (a fleet's names the replica that refused and puts every replica
 back); a fleet smoke-checks each replica after a load (one more request on vLLM, which tests that count vLLM's
-requests would see); and only a fleet has a router whose membership the golden probe keeps (`replica_control`).
-Each difference is a method here, chosen once when the front starts (`backend_for`).
+requests would see); a fleet picks a replica per request (`Fleet.route`), and lets the requests under way end before
+the golden probe kills a poisoned replica (`drain`), while one vLLM's requests fail over to 503. Each difference is a method here, chosen once when the front starts (`backend_for`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -22,13 +23,11 @@ from fastapi import Response
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mint_core.serving.config import ServingConfig
-from mint_core.serving.fleet import Fleet, Replica, digest_of_path, load_lora, routed
+from mint_core.serving.fleet import ROUTE_HEADER, Fleet, Replica, digest_of_path, load_lora
 from mint_core.serving.golden import Target
 from mint_core.serving.protocol import APIError
 from mint_core.serving.relay import relayed
-from mint_core.serving.replica_control import Alone, Membership, Router
 from mint_core.serving.swap_lock import SwapLock
-from mint_core.serving.vllm_router import SESSION_HEADER
 
 logger = logging.getLogger(__name__)
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
@@ -37,8 +36,7 @@ PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 class Backend(Protocol):
     """What the front needs of the vLLM server(s) behind it."""
 
-    http: httpx.AsyncClient  # requests go here: the one vLLM, or the router
-    membership: Membership  # who routes to the replicas (the golden probe keeps it)
+    http: httpx.AsyncClient  # builds the requests `stream` sends (the one vLLM's client, or a replica's)
 
     def targets(
         self, served: Callable[[], dict[str, str]], prepare: Callable[[], Awaitable[None]]
@@ -85,14 +83,22 @@ class Backend(Protocol):
         ...
 
     async def replicas(self, state: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
-        """Each replica behind the router, with the golden probe's `state` of it."""
+        """Each replica, with the golden probe's `state` of it."""
+        ...
+
+    async def health(self) -> None:
+        """Nothing when vLLM answers /health (a fleet: a replica in rotation does); else 503."""
+        ...
+
+    async def drain(self, batch: SwapLock) -> None:
+        """Before the golden probe kills a poisoned replica."""
         ...
 
     async def close(self) -> None: ...
 
 
 def client(url: str, key: str) -> httpx.AsyncClient:
-    """A client of a vLLM (or the router) at `url`, with `key`."""
+    """A client of a vLLM at `url`, with `key`."""
     return httpx.AsyncClient(
         base_url=url.rstrip("/"),
         headers={"Authorization": f"Bearer {key}"},
@@ -115,7 +121,6 @@ class OneVLLM:
     def __init__(self, config: ServingConfig, key: str):
         self.url = config.vllm_url
         self.http = client(config.vllm_url, key)
-        self.membership: Membership = Alone()
 
     def targets(
         self, served: Callable[[], dict[str, str]], prepare: Callable[[], Awaitable[None]]
@@ -177,13 +182,29 @@ class OneVLLM:
     async def replicas(self, state: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         raise APIError(404, "this front has one vLLM, no replicas", "NotFoundError")
 
+    async def health(self) -> None:
+        try:
+            r = await self.http.get("/health", timeout=5)
+        except httpx.HTTPError as e:
+            raise APIError(
+                503, f"the vLLM backend is not answering: {e}", "ServiceUnavailableError"
+            ) from None
+        if r.status_code != 200:
+            raise APIError(
+                503, f"the vLLM backend answers {r.status_code} to /health", "ServiceUnavailableError"
+            )
+
+    async def drain(self, batch: SwapLock) -> None:
+        return None  # nothing else could take them: every request fails over to 503 meanwhile
+
     async def close(self) -> None:
         await self.http.aclose()
 
 
 class Replicas:
-    """N vLLM replicas behind vllm-router at `config.vllm_url` (serving/fleet.py): requests through the router,
-    keyed on the served name; loads and unloads on every replica directly, all or nothing."""
+    """N vLLM replicas (`config.vllm_replicas`, serving/fleet.py) the front routes over itself: each request to one
+    replica, chosen by its served name, with the routed key; loads and unloads on every replica, all or nothing,
+    with the full key."""
 
     def __init__(
         self,
@@ -195,12 +216,12 @@ class Replicas:
         hidden: str,
         dir_of: Callable[[str], Path],
     ):
-        self.url = config.vllm_url
-        # through the router: the narrower key, which opens no adapter route on the replicas
+        # requests: the narrower key, which opens no adapter route on the replicas
         routed_key = config.vllm_routed_key.get_secret_value() if config.vllm_routed_key else key
-        self.http = client(config.vllm_url, routed_key)
-        self.fleet = Fleet(config.vllm_replicas, key, registry, hidden=hidden)
-        self.membership: Membership = Router(self.http)
+        self.fleet = Fleet(config.vllm_replicas, key, registry, client, routed_key, hidden=hidden)
+        self.http = self.fleet.replicas[
+            0
+        ].routed  # builds streamed requests; `stream` sends each to its replica
         self.batch = batch
         self.out = out  # whether a replica is out of rotation (its answers are not passed on)
         self.dir_of = dir_of  # a revision's verified directory in the store: what a failed load puts back
@@ -208,31 +229,44 @@ class Replicas:
     def targets(
         self, served: Callable[[], dict[str, str]], prepare: Callable[[], Awaitable[None]]
     ) -> list[Target]:
-        # each replica at its own URL, never through the router; a restarted one asks the front for the base
+        # each replica at its own URL with the full key; a restarted one asks the front for the base
         return [
             Target(r.url, r.http, _served_by(r), labels=(r.name,), read=partial(self.fleet.read, r))
             for r in self.fleet.replicas
         ]
 
     async def send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        headers = dict(kw.pop("headers", None) or {})
+        key = headers.pop(ROUTE_HEADER, "")
+
+        async def one(r: Replica) -> httpx.Response:
+            return await r.routed.request(method, path, headers=headers, **kw)
+
         try:
-            return await routed(lambda: self.http.request(method, path, **kw), self.out)
+            return await self.fleet.route(key, one, self.out)
         except httpx.HTTPError as e:
-            raise unreachable(f" at {self.url}", e) from None
+            raise unreachable("", e) from None
 
     async def stream(self, request: httpx.Request) -> httpx.Response:
+        key = request.headers.get(ROUTE_HEADER, "")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _OWN_HEADERS}
+
+        async def one(r: Replica) -> httpx.Response:
+            path = request.url.raw_path.decode()
+            to = r.routed.build_request(request.method, path, content=request.content, headers=headers)
+            return await r.routed.send(to, stream=True)
+
         try:
-            return await routed(lambda: self.http.send(request, stream=True), self.out)
+            return await self.fleet.route(key, one, self.out)
         except httpx.HTTPError as e:
             raise unreachable("", e) from None
 
     def headers(self, model: str) -> dict[str, str]:
-        # the router keys its consistent hash on the served name, so one adapter stays on one replica
-        return {SESSION_HEADER: model}
+        # routed on the served name, so one adapter stays on one replica (`send` and `stream` take it off)
+        return {ROUTE_HEADER: model}
 
     async def models(self) -> list[dict[str, Any]]:
-        # every replica's own listing (through the router: one, maybe a dead one)
-        return await self.fleet.models()
+        return await self.fleet.models()  # every replica's own listing
 
     async def served(self) -> dict[str, str]:
         return await self.fleet.refresh()
@@ -253,7 +287,7 @@ class Replicas:
         logger.info("vLLM replicas %s serve %s as sha256:%s", ", ".join(held), name, digest[:12])
 
     async def unload(self, name: str) -> None:
-        status, message = await self.fleet.unload(name)  # from every replica: the router would pick one
+        status, message = await self.fleet.unload(name)  # from every replica
         if status != 200:
             raise APIError(status, message, "NotFoundError" if status == 404 else "BackendError")
 
@@ -265,20 +299,27 @@ class Replicas:
         report = await self.fleet.report()
         for row in report:  # out of rotation (its golden answers changed), and when it last was
             row.update(state(row["replica"]))
-        workers: list[str] | None = None
-        try:
-            r = await self.http.get("/list_workers", timeout=5)
-            workers = sorted(r.json().get("urls", [])) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            workers = None
-        foreign = sorted(set(workers or []) - {row["url"] for row in report})
-        if foreign:
-            logger.error("vllm-router at %s routes to workers mint did not start: %s", self.url, foreign)
-        return {"router": self.url, "router_workers": workers, "foreign_workers": foreign, "replicas": report}
+        return {"routing": "consistent_hash on the served name", "replicas": report}
+
+    async def health(self) -> None:
+        live = [r for r in self.fleet.replicas if not self.out(r.name)]
+        answers = await asyncio.gather(*(self.fleet.check(r) for r in live))
+        if not any(answers):
+            names = ", ".join(r.name for r in live) or "none in rotation"
+            raise APIError(503, f"no vLLM replica answers /health ({names})", "ServiceUnavailableError")
+
+    async def drain(self, batch: SwapLock) -> None:
+        # nothing more is routed to it, and an answer it gives is sent again elsewhere (`Fleet.route`); a kill
+        # would fail the requests under way, which the other replicas can take
+        await batch.acquire_write()
+        await batch.release_write()
 
     async def close(self) -> None:
-        await self.http.aclose()
         await self.fleet.close()
+
+
+# what `client()` sets on a request to a replica itself, and the routing key, which stays in the front
+_OWN_HEADERS = frozenset({"host", "content-length", "authorization", ROUTE_HEADER})
 
 
 def _served_by(r: Replica) -> Callable[[], dict[str, str]]:

@@ -80,7 +80,7 @@ class Gateway:
         self._base_loading = asyncio.Lock()
         golden = (config.golden_prompts, config.golden_max_tokens, config.golden_interval_s)
         targets = self.backend.targets(lambda: self.served, self.ensure_base)
-        self.golden = GoldenProbe(self, targets, self.backend.membership, *golden)
+        self.golden = GoldenProbe(self, targets, self.backend.drain, *golden)
 
     def count(self, model: object, status: int) -> None:
         """One completion request answered; a name this front does not serve is `_unknown` (no client-made
