@@ -1,25 +1,25 @@
-"""A fleet of vLLM replicas behind vllm-router and mint's front (issue #34, item 5): throughput, latency and cold
-loads with 1 and with 2 replicas under each routing policy, promotion time, and what the front and the router cost
-against one bare vLLM, on one load.
+"""A fleet of vLLM replicas behind mint's front, which routes over them itself (issues #34 item 5, #45 item 1):
+throughput, latency and cold loads through the front over 1 and over 2 replicas against bare vLLM on the same load,
+promotion time, and where the CPU goes.
 
 Setup: the tiny dense Llama with head_dim 32 that vLLM's CPU attention runs (mint_testkit.harness
 `save_tiny_base(vllm=True)`), float32. Two vLLM replicas (`.venv-vllm`, MINT_VLLM_PYTHON) started as `mint up
---replicas 2` starts them (VLLMConfig with `replica=True`: sealed, GET /health open for the router, the routed key,
-each answer naming its replica), `--max-loras` (4) slots each, max_cpu_loras 4 x that, as `mint up`. Then
-vllm-router per routing policy and one mint front (`mint serve --backend vllm`) per target, all on loopback:
+--replicas 2` starts them (VLLMConfig with `replica=True`: sealed on every route, the routed key, each answer naming
+its replica), `--max-loras` (4) slots each, max_cpu_loras 4 x that, as `mint up`. Then one mint front (`mint serve
+--backend vllm`) per target, all on loopback:
 
-  bare          replica 0 itself, with mint's full key, past the front and any router: the baseline. The base
-                is asked as the front asks vLLM for it (its zero adapter, `_mint_base`), so the work is the same
-  front         mint's front -> replica 0: mint's deployment with one replica (no router)
-  front+router  the front -> vllm-router (consistent_hash, one worker: replica 0) -> replica 0
-  2x <policy>   the front -> vllm-router (<policy>, both workers) -> replicas 0 and 1, for each of --policies
-                (consistent_hash is mint's default; cache_aware, round_robin, power_of_two)
+  bare          replica 0 itself, with mint's full key, past the front: the baseline. The base is asked as the
+                front asks vLLM for it (its zero adapter, `_mint_base`), so the work is the same
+  front         mint's front -> replica 0: mint's deployment with one vLLM (`vllm_url`)
+  front 1x      the front as a fleet of one (`vllm_replicas: [replica 0]`): the front's own routing, one replica
+  front 2x      the front as a fleet of two (`vllm_replicas`: both): each request to one replica by rendezvous
+                hashing on the served name (mint's deployment with `--replicas 2`)
 
 The load (the same for every target): --streams (16) closed-loop clients each send --requests (16) non-streaming
 completions one after another, client i's request j under name (i + j) % M of the base and --adapters (6) rank-8
 adapters (random q,k,v,o weights, loaded through a fleet front onto both replicas): M = 7 names, more than one
-replica's slots. Each prompt is 16 random letters (16 tokens, the byte tokenizer), new for every request, so that
-cache_aware finds no shared prefix; --new-tokens (64) tokens, temperature 0, ignore_eos. A warm-up round on every
+replica's slots. Each prompt is 16 random letters (16 tokens, the byte tokenizer), new for every request;
+--new-tokens (64) tokens, temperature 0, ignore_eos. A warm-up round on every
 target, then --rounds (3) rounds interleaved over the targets so drift hits all alike; before each timed round an
 untimed settling pass (one request per client) puts the replicas' slots in that target's steady state.
 
@@ -33,28 +33,27 @@ Figures of the load (per target, over its timed rounds):
                          `vllm.lora.model_manager` alone ("Activating LoRA", "Adding lora")
   share                  each replica's share of the requests (the X-Mint-Replica header)
   cpu_*_per_1k           where the time goes: CPU seconds per 1,000 requests of the client (this process), the
-                         fronts, the routers, the replicas' API servers and their engine processes, and `other`
+                         fronts, the replicas' API servers and their engine processes, and `other`
                          (the rest of the machine: other users' work); busy = the machine's busy share of its cores
-Ratios: front / bare and front+router / bare (the front path's cost; the goal is >= 0.95), 2x / front (what a
-second replica brings).
+Ratios, side by side in the summary: front / bare, front 1x / bare and front 2x / bare (the front path's cost;
+the goal is >= 0.95), 2x / front (what a second replica brings).
 
 Promotion (--promotions (10) each, after 2 warm-ups, interleaved, the machine otherwise idle): policy `promo-N` has
 two revisions registered in a catalog (SQLite) that the fronts read. t0: the catalog's `champion` alias moves to
 the other version; the front is asked to load `promo-N@champion` in place (what reconcile does after an alias
 move: the front resolves, validates, and with 2 replicas loads on each and smoke-checks each, all or nothing); a
 completion through the front must answer with the new revision; t1: each replica itself lists that revision under
-the name. p50 and max ms with 1 replica (`front`) and with 2 (`2x consistent_hash`).
+the name. p50 and max ms with 1 replica (`front`) and with 2 (`front 2x`).
 
 `--profile`: one more round on `front` (untimed for the figures) with py-spy (--py-spy, else on PATH) sampling the
 front, and a table of where its CPU goes (innermost frame by package, and the heaviest functions inclusive).
 
-`--quick`: 4 streams x 2 requests x 16 tokens, 1 round, consistent_hash and cache_aware, 2 promotions (a few
+`--quick`: 4 streams x 2 requests x 16 tokens, 1 round, 2 promotions (a few
 minutes, most of it two vLLM starts). Every figure line carries the load average after its part: on a shared
 machine the figures are only as steady as it. All traffic goes to servers this script started; every loop is
 bounded in count and in time.
 
-    MINT_VLLM_PYTHON=... python benchmarks/replicas.py [--quick] [--policies consistent_hash,cache_aware]
-        [--profile] [--device cpu]
+    MINT_VLLM_PYTHON=... python benchmarks/replicas.py [--quick] [--profile] [--device cpu]
 """
 
 from __future__ import annotations
@@ -92,7 +91,6 @@ from mint_core.registry.store import AdapterStore
 from mint_core.serving.fleet import REPLICA_HEADER
 from mint_core.serving.gateway import BASE_ADAPTER
 from mint_core.serving.vllm_process import VLLMConfig, replica_cpus
-from mint_core.serving.vllm_router import RouterConfig
 from mint_testkit.harness import (
     ADMIN_TOKEN,
     VLLM_BASE_NAME,
@@ -111,9 +109,7 @@ RANK = 8
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 KEY = {"Authorization": f"Bearer {VLLM_KEY}"}
 ROUTED_KEY = "routed-key-for-the-benchmark"
-ROUTER = VLLM_PYTHON.parent / "vllm-router"
 SPY_HZ = 250  # py-spy's samples a second
-POLICIES = ("consistent_hash", "cache_aware", "round_robin", "power_of_two")
 # uvicorn closes a connection idle for 5 s; this script's pool drops its own well before (serving_backends.py)
 POOL = httpx.Limits(max_connections=100, max_keepalive_connections=32, keepalive_expiry=1.0)
 SLOT_LOAD = "Activating LoRA"  # vllm/lora/model_manager.py, DEBUG: an adapter moved into a slot
@@ -190,7 +186,6 @@ class Fleet:
     store: AdapterStore
     catalog_url: str
     replicas: list[Replica] = field(default_factory=list)
-    routers: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
     fronts: dict[str, tuple[subprocess.Popen[str], str]] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
     seed: int = 1000
@@ -224,8 +219,8 @@ def wait_healthy(procs: dict[str, subprocess.Popen[str]], headers: dict[str, str
 
 @contextmanager
 def fleet(args: argparse.Namespace) -> Iterator[Fleet]:
-    """Two replicas, a router per policy (and one before replica 0 alone), a front per target; all stopped and
-    the files removed on exit, with the last lines of every log on stderr when the run failed."""
+    """Two replicas and a front per target; all stopped and the files removed on exit, with the last lines of
+    every log on stderr when the run failed."""
     work = Path(tempfile.mkdtemp(prefix="mint-replicas-"))
     base_dir = save_tiny_base(work / VLLM_BASE_NAME, vllm=True)
     (work / "store").mkdir()
@@ -266,24 +261,10 @@ def fleet(args: argparse.Namespace) -> Iterator[Fleet]:
                 procs.append(proc)
                 stack.callback(stop_server, proc, 60)
                 f.replicas.append(Replica(f"http://127.0.0.1:{port}", proc, log))
-            wait_healthy({r.url: r.proc for r in f.replicas}, {}, args.start_timeout)
+            wait_healthy({r.url: r.proc for r in f.replicas}, KEY, args.start_timeout)
             print(f"2 replicas up in {time.perf_counter() - t:.1f} s (load {load_avg()})", flush=True)
-            # -- the routers: one per policy before both replicas, one before replica 0 alone
             urls = [r.url for r in f.replicas]
-            plans = {"front+router": ("consistent_hash", urls[:1])}
-            plans |= {f"2x {p}": (p, urls) for p in args.policies}
-            router_urls = {}
-            for name, (policy, workers) in plans.items():
-                port = free_port()
-                router = RouterConfig(
-                    program=ROUTER, port=port, replicas=workers, policy=policy, prometheus_port=free_port()
-                )
-                proc = launch(router.command(), router.env(), work / f"router-{port}.log")
-                procs.append(proc)
-                stack.callback(stop_server, proc)
-                f.routers[name] = proc
-                router_urls[name] = f"http://127.0.0.1:{port}"
-            wait_healthy({router_urls[n]: p for n, p in f.routers.items()}, {}, 120)
+            plans = {"front 1x": urls[:1], "front 2x": urls}
             # -- the fronts, started together
             common = {
                 "MINT_SERVE_BACKEND": "vllm",
@@ -295,9 +276,8 @@ def fleet(args: argparse.Namespace) -> Iterator[Fleet]:
                 "MINT_SERVE_TINKER": "false",
             }
             envs = {"front": common | {"MINT_SERVE_VLLM_URL": urls[0]}}
-            for name, (_, workers) in plans.items():
+            for name, workers in plans.items():
                 envs[name] = common | {
-                    "MINT_SERVE_VLLM_URL": router_urls[name],
                     "MINT_SERVE_VLLM_REPLICAS": json.dumps(workers),
                     "MINT_SERVE_VLLM_ROUTED_KEY": ROUTED_KEY,
                 }
@@ -317,12 +297,12 @@ def fleet(args: argparse.Namespace) -> Iterator[Fleet]:
                     procs.append(proc)
                     stack.callback(stop_server, proc)
                     f.fronts[name] = (proc, url)
-            print(f"routers and {len(f.fronts)} fronts up (load {load_avg()})", flush=True)
+            print(f"{len(f.fronts)} fronts up (load {load_avg()})", flush=True)
             base = base_dir.name
             f.targets = [Target("bare", urls[0], KEY, BASE_ADAPTER, [0])]
             f.targets.append(Target("front", f.fronts["front"][1], {}, base, [0]))
             f.targets += [
-                Target(n, f.fronts[n][1], {}, base, [0] if n == "front+router" else [0, 1]) for n in plans
+                Target(n, f.fronts[n][1], {}, base, [0] if n == "front 1x" else [0, 1]) for n in plans
             ]
             yield f
         except BaseException:
@@ -383,7 +363,6 @@ def groups(f: Fleet) -> dict[str, list[psutil.Process]]:
     """This run's processes by component (a replica's engine is its API server's child process)."""
     out: dict[str, list[psutil.Process]] = {"client": [psutil.Process()]}
     out["front"] = [psutil.Process(p.pid) for p, _ in f.fronts.values()]
-    out["router"] = [psutil.Process(p.pid) for p in f.routers.values()]
     out["vllm_api"] = [psutil.Process(r.proc.pid) for r in f.replicas]
     out["vllm_engine"] = [c for api in out["vllm_api"] for c in api.children(recursive=True)]
     return out
@@ -444,14 +423,14 @@ def settle_and_time(
 
 def part_load(f: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     names = [f"a{i}" for i in range(args.adapters)]
-    first_fleet = next(t for t in f.targets if t.name.startswith("2x"))
+    first_fleet = next(t for t in f.targets if t.name == "front 2x")
     with httpx.Client(base_url=first_fleet.url, headers=ADMIN, timeout=300) as admin:
         for name in names:  # through a fleet front: every replica loads it
             body = {"lora_name": name, "lora_path": f"sha256:{f.revision()}"}
             checked(admin.post("/v1/load_lora_adapter", json=body), f"load {name}")
     models = ["", *names]  # "": the base, as the target asks for it
     # warm-up, the fleet fronts first: a base request there loads the zero adapter on both replicas
-    for target in sorted(f.targets, key=lambda t: (not t.name.startswith("2x"), t.name == "bare")):
+    for target in sorted(f.targets, key=lambda t: (t.name != "front 2x", t.name == "bare")):
         w = asyncio.run(closed_loop(target, models, args, 1))
         if w.errors:
             raise RuntimeError(f"warm-up on {target.name} failed: {w.errors[:3]}")
@@ -526,7 +505,7 @@ def print_load(fig: dict[str, Any]) -> None:
             f"{name:20s} {r['tok_s']:8.1f} {r['vs_bare']:8.3f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} "
             f"{r['slot_loads_per_1k']:8.1f} {r['disk_loads_per_1k']:8.1f}  {share}"
         )
-    parts = ["client", "front", "router", "vllm_api", "vllm_engine", "other"]
+    parts = ["client", "front", "vllm_api", "vllm_engine", "other"]
     print(
         f"\nCPU seconds per 1,000 requests ({fig['cores']} cores; engine threads bound to {fig['engine_cores']})"
     )
@@ -542,8 +521,7 @@ def print_load(fig: dict[str, Any]) -> None:
 
 def part_promotion(f: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     """Alias move -> every replica serving, with 1 replica (`front`) and with 2 (the first fleet front)."""
-    fleet_name = next(t.name for t in f.targets if t.name.startswith("2x"))
-    setups = {"1 replica": ("front", [0]), "2 replicas": (fleet_name, [0, 1])}
+    setups = {"1 replica": ("front", [0]), "2 replicas": ("front 2x", [0, 1])}
     catalog = Catalog(CatalogConfig(url=f.catalog_url))
     times: dict[str, list[float]] = {k: [] for k in setups}
     loads: dict[str, list[float]] = {k: [] for k in setups}
@@ -699,9 +677,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device(ap)
     ap.add_argument("--quick", action="store_true", help="small counts for a smoke run (minutes, not ten)")
-    ap.add_argument(
-        "--policies", default=None, help="comma-separated routing policies of the 2-replica fleet"
-    )
     ap.add_argument("--streams", type=int, default=None, help="concurrent clients (default 16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per client per round (16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64)")
@@ -717,23 +692,18 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=600.0, help="seconds for one part's timed loop")
     args = ap.parse_args()
     args.device = checked_device(ap, args.device)
-    full = dict(streams=16, requests=16, new_tokens=64, rounds=3, promotions=10, policies=",".join(POLICIES))
-    quick = dict(
-        streams=4, requests=2, new_tokens=16, rounds=1, promotions=2, policies="consistent_hash,cache_aware"
-    )
+    full = dict(streams=16, requests=16, new_tokens=64, rounds=3, promotions=10)
+    quick = dict(streams=4, requests=2, new_tokens=16, rounds=1, promotions=2)
     for k, v in (quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not args.policies or not set(args.policies) <= set(POLICIES):
-        ap.error(f"--policies takes some of {', '.join(POLICIES)}, not {args.policies!r}")
     if min(args.streams, args.requests, args.new_tokens, args.rounds, args.adapters, args.max_loras) < 1:
         ap.error("--streams, --requests, --new-tokens, --rounds, --adapters and --max-loras must be >= 1")
     py_spy = args.py_spy or shutil.which("py-spy")
     if args.profile and not py_spy:
         ap.error("--profile needs py-spy (pip install py-spy; --py-spy PATH)")
-    if not VLLM_PYTHON.is_file() or not ROUTER.is_file():
-        raise SystemExit(f"no vLLM interpreter and vllm-router at {VLLM_PYTHON.parent}: set MINT_VLLM_PYTHON")
+    if not VLLM_PYTHON.is_file():
+        raise SystemExit(f"no vLLM interpreter at {VLLM_PYTHON}: set MINT_VLLM_PYTHON")
 
     t0 = time.perf_counter()
     load_before = load_avg()
@@ -755,12 +725,13 @@ def main() -> None:
     summary: dict[str, Any] = {
         "figure": "summary",
         "front_over_bare": rows["front"]["vs_bare"],
-        "front_router_over_bare": rows["front+router"]["vs_bare"],
+        "front_1x_over_bare": rows["front 1x"]["vs_bare"],
+        "front_2x_over_bare": rows["front 2x"]["vs_bare"],
+        "two_over_front": round(rows["front 2x"]["tok_s"] / rows["front"]["tok_s"], 3),
+        "slot_loads_per_1k_front": rows["front"]["slot_loads_per_1k"],
+        "slot_loads_per_1k_front_2x": rows["front 2x"]["slot_loads_per_1k"],
+        "share_front_2x": rows["front 2x"]["share"],
     }
-    for p in args.policies:
-        summary[f"two_{p}_over_front"] = round(rows[f"2x {p}"]["tok_s"] / rows["front"]["tok_s"], 3)
-        summary[f"slot_loads_per_1k_{p}"] = rows[f"2x {p}"]["slot_loads_per_1k"]
-    summary["slot_loads_per_1k_front"] = rows["front"]["slot_loads_per_1k"]
     summary["promotion_r2_over_r1"] = results["promotion"]["r2_over_r1"]
     summary |= {
         "figures": list(results),

@@ -1,8 +1,8 @@
 """The fault suite's rows for a fleet of vLLM replicas (issue #34, item 3): `mint up --serving vllm --replicas 2`
-as `mint up` starts it (two sealed, supervised vLLM replicas, vllm-router before them, mint serve before the router,
-each on a free port in the suite's temporary state dir), over the tiny head_dim-32 base, with the suite's MLflow
-and Prefect for the promotion flows. One fleet serves the four rows in turn; each row leaves both replicas up and
-routed to. Imported by faults.py.
+as `mint up` starts it (two sealed, supervised vLLM replicas, mint serve before them routing over them itself, each
+on a free port in the suite's temporary state dir), over the tiny head_dim-32 base, with the suite's MLflow and
+Prefect for the promotion flows. One fleet serves the rows in turn; each row leaves both replicas up and routed
+to. Imported by faults.py.
 
 Each replica runs in a mount namespace of its own, as a replica in its own container would: vLLM's interpreter
 is given as a two-line wrapper that starts it under `unshare --mount` (the `unreadable` row hides a revision from
@@ -12,6 +12,7 @@ one replica's view of the store that way). Nothing else about `mint up` changes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -19,10 +20,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 from fault_stack import (
     Faults,
     Row,
@@ -38,7 +41,7 @@ from fault_stack import (
 )
 
 from mint_app.services.config import ServiceName, ServicesConfig
-from mint_app.services.control import start, stop
+from mint_app.services.control import start, status, stop
 from mint_app.services.processes import service_log
 from mint_core.engine.base import load_base
 from mint_core.lifecycle.smoke import served_revision
@@ -52,8 +55,7 @@ RESTART_S = 1200.0  # a vLLM restart: 1-2 min on 2 idle cores, 9 min measured be
 
 
 def free_pair(step: int) -> int:
-    """A port p with p + step free too (the replicas are at vllm_port + i; the router's Prometheus endpoint is at
-    router_port - 1)."""
+    """A port p with p + step free too (the replicas are at vllm_port + i)."""
     for _ in range(100):
         p = free_port()
         with contextlib.suppress(OSError):
@@ -90,7 +92,7 @@ class FleetStack:
         return champion_of(self.ws, policy)
 
     def held(self, service: ServiceName, name: str) -> str | None:
-        """The digest the replica itself lists under `name` (asked past the front and the router)."""
+        """The digest the replica itself lists under `name` (asked past the front)."""
         r = httpx.get(self.urls[service] + "/v1/models", headers=self.key, timeout=30)
         r.raise_for_status()
         return next((Path(c["root"]).name for c in r.json()["data"] if c["id"] == name), None)
@@ -99,10 +101,6 @@ class FleetStack:
         """A request straight to one replica (a name it does not hold is resolved through the front)."""
         body = {"model": name, "prompt": "add: 1+2 =", "max_tokens": 2, "temperature": 0.0}
         return httpx.post(self.urls[service] + "/v1/completions", json=body, headers=self.key, timeout=120)
-
-    def routed(self) -> list[str]:
-        r = httpx.get(self.config.url("router") + "/list_workers", timeout=10)
-        return sorted(r.json().get("urls", []))
 
     def report(self) -> dict[str, Any]:
         token = (self.config.state_dir / "serve.token").read_text().strip()
@@ -136,12 +134,12 @@ class FleetStack:
             self.in_rotation(r, time.time(), timeout=RESTART_S)
 
     def in_rotation(self, service: ServiceName, after: float, timeout: float = RESTART_S) -> float:
-        """Seconds from `after` until `service` answers /health, is among the router's workers and is not out of
-        rotation in the front's report."""
+        """Seconds from `after` until `service` answers /health and is healthy and in rotation in the front's
+        report."""
         url = self.urls[service]
         while time.time() - after < timeout:
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200 and url in self.routed():
+                if httpx.get(url + "/health", headers=self.key, timeout=5).status_code == 200:
                     report = {r["url"]: r for r in self.report()["replicas"]}
                     if report[url]["healthy"] and report[url].get("out_of_rotation") is None:
                         return time.time() - after
@@ -164,8 +162,8 @@ def fleet(f: Faults) -> FleetStack:
         if f.shared["fleet"] is None:
             raise RuntimeError("the fleet did not start (see the first fleet row)")
         return f.shared["fleet"]  # type: ignore[no-any-return]
-    if not (ROOT / ".venv-vllm" / "bin" / "vllm-router").is_file():
-        raise RuntimeError("no .venv-vllm with vllm-router (make vllm-venv)")
+    if not (ROOT / ".venv-vllm" / "bin" / "python").is_file():
+        raise RuntimeError("no .venv-vllm (make vllm-venv)")
     root = f.root / "fleet"
     root.mkdir()
     base_dir = tiny_vllm_base(root / "tiny-vllm")
@@ -176,7 +174,6 @@ def fleet(f: Faults) -> FleetStack:
             "replicas": 2,
             "vllm_python": wrapper(root),
             "vllm_port": free_pair(1),
-            "router_port": free_pair(-1),
             "serve_port": free_port(),
             "serve_base": str(base_dir),
             "serve_adapter_root": root / "store",
@@ -188,8 +185,8 @@ def fleet(f: Faults) -> FleetStack:
     t0 = time.time()
     f.cleanup.append(lambda: stop(cfg))
     f.shared["fleet"] = None  # tried: a fleet that did not start is not started again by the next row
-    start(cfg, [*REPLICAS, "router", "serve"], progress=lambda m: say(m))
-    say(f"a fleet of 2 vLLM replicas, the router and the front up ({time.time() - t0:.0f} s)")
+    start(cfg, [*REPLICAS, "serve"], progress=lambda m: say(m))
+    say(f"a fleet of 2 vLLM replicas and the front up ({time.time() - t0:.0f} s)")
     ws = f.ws.model_copy(
         update={
             "store": str(root / "store"),
@@ -280,8 +277,8 @@ def metric(front: str, series: str) -> float | None:
 
 def scenario_fleet_kill(f: Faults) -> Row:
     """kill -9 of the replica that serves the champion, under load through the front: the requests in flight on
-    it may fail; none sent after the kill does (the router stops choosing it, the front sends again what the
-    router could not deliver); its supervisor restarts it and it rejoins, answering with the champion."""
+    it may fail; none sent after the kill does (the front passes it over once it refuses a connection, and sends
+    a request it could not deliver to the next replica); its supervisor restarts it and it rejoins, answering with the champion."""
     s = fleet(f)
     s.ready()
     policy = "fk"
@@ -305,7 +302,7 @@ def scenario_fleet_kill(f: Faults) -> Row:
             promotion.during(victim, killed_at)
         back(s.config, victim, pid, timeout=RESTART_S)
         restarted = time.time() - killed_at
-        t1 = time.time()  # requests for the champion land on it again (its place in the router's hash)
+        t1 = time.time()  # requests for the champion land on it again (its place in the front's hash)
         while len([a for a in load.by(hot, t1) if a.model == policy]) < 5 and time.time() - t1 < 180:
             time.sleep(0.5)
     answers = load.answers
@@ -313,7 +310,7 @@ def scenario_fleet_kill(f: Faults) -> Row:
     failed_in_flight = [a for a in in_flight if a.status != 200]
     after = [a for a in answers if a.start >= killed_at]
     failed_after = [a for a in after if a.status != 200]
-    # the router's last pick of the dead replica: after it, every answer came from the other one until it rejoined
+    # the front's last pick of the dead replica: after it, every answer came from the other one until it rejoined
     served_after = [a for a in after if a.status == 200]
     champion_back = [a for a in load.by(hot, t1) if a.model == policy]
     rejoin = min([a.start for a in load.by(hot, killed_at + restarted)], default=None)
@@ -366,7 +363,7 @@ class PromotionWhileDown:
         self.took = time.time() - killed_at
         self.was_down: int | None = None
         with contextlib.suppress(httpx.HTTPError):
-            self.was_down = httpx.get(s.urls[down] + "/health", timeout=5).status_code
+            self.was_down = httpx.get(s.urls[down] + "/health", headers=s.key, timeout=5).status_code
         self.version, _ = s.champion(self.policy)
         self.other = next(r for r in REPLICAS if r != down)
         self.on_other = s.held(self.other, self.policy)
@@ -397,7 +394,7 @@ class PromotionWhileDown:
             f"the kill ({s.name(down)} answering /health then: {self.was_down or 'no'}); champion "
             f"v{self.version}, {s.name(self.other)} holds v2: {self.on_other == digests[2]}; {s.name(down)} back "
             f"{restarted:.0f} s after the kill holding {held_back}, its first request for {policy} answered "
-            f"{r.status_code}, then it holds v2: {now == digests[2]}; in the router's rotation {rejoin:.0f} s "
+            f"{r.status_code}, then it holds v2: {now == digests[2]}; routed to by the front {rejoin:.0f} s "
             f"after the kill; {detail}",
             0 if ok else 1,
             ok,
@@ -483,7 +480,7 @@ def scenario_fleet_unreadable(f: Faults) -> Row:
 def scenario_fleet_poison(f: Faults) -> Row:
     """The poisoned-replica row with two replicas: a NaN adapter forced with mint's key into the replica that
     serves the champion, behind the front's back, under traffic through the front. The golden probe (each
-    replica at its own URL) finds it on that replica only, the router stops sending to it, the other replica
+    replica at its own URL) finds it on that replica only, the front stops routing to it, the other replica
     answers everything, and the poisoned one is restarted by its supervisor and comes back clean."""
     s = fleet(f)
     s.ready()
@@ -556,7 +553,9 @@ def scenario_fleet_poison(f: Faults) -> Row:
                 detected_at = time.time()
             other_out = other_out or rotation(s.name(other)) == 0
             time.sleep(0.25)
-        removed = detected_at is not None and s.urls[victim] not in s.routed()
+        removed = detected_at is not None and any(
+            r["replica"] == hot and r.get("out_of_rotation") for r in s.report()["replicas"]
+        )
         back_at = None
         while detected_at is not None and time.time() - detected_at < RESTART_S:
             other_out = other_out or rotation(s.name(other)) == 0
@@ -564,10 +563,10 @@ def scenario_fleet_poison(f: Faults) -> Row:
                 back_at = time.time()
                 break
             time.sleep(0.5)
-        t1 = time.time()  # its names come back to it under the router's hash
+        t1 = time.time()  # its names come back to it under the front's hash
         while back_at is not None and len(load.by(hot, t1)) < 10 and time.time() - t1 < 120:
             time.sleep(0.5)
-    # the front's own record of the event (epoch seconds, as the answers'): found, and back in the router
+    # the front's own record of the event (epoch seconds, as the answers'): found, and back in rotation
     event = next(r for r in s.report()["replicas"] if r["replica"] == hot)["last_poisoned"] or {}
     if event.get("detected"):
         detected_at, back_at = event["detected"], event.get("back")
@@ -578,7 +577,7 @@ def scenario_fleet_poison(f: Faults) -> Row:
     in_flight = [
         a for a in answers if a.replica == hot and detected_at is not None and a.start < detected_at < a.end
     ]
-    # sent to it after it was found, before it was back (the grace covers the front's removal from the router,
+    # sent to it after it was found, before it was back (the grace covers the front taking it out of rotation,
     # which follows the failed probe by a few ms)
     from_it_after = [
         a
@@ -617,7 +616,7 @@ def scenario_fleet_poison(f: Faults) -> Row:
         f"{bursts} burst(s) under it; detected on {hot} only: {detected_at is not None and not other_out} "
         f"({fmt(None if detected_at is None or first_bad is None else detected_at - first_bad)} after the first "
         f"garbage answer through the front, {fmt(None if detected_at is None else detected_at - poisoned_at)} "
-        f"after the load); removed from the router: {removed}; through the front {len(answers)} answers after the "
+        f"after the load); out of rotation in the front's report: {removed}; through the front {len(answers)} answers after the "
         f"load: {len(bad_before)} bad sent before detection ({len(in_flight)} of them in flight at it), "
         f"{len(from_it_after)} from it after, {len(failed)} failed; "
         f"out of rotation {fmt(None if back_at is None or detected_at is None else back_at - detected_at)}, "
@@ -635,11 +634,175 @@ def scenario_fleet_poison(f: Faults) -> Row:
     )
 
 
+# ---------------------------------------------------------------------------------------------------------
+# a local process that tries to join the fleet
+
+MARKER = "ROGUE-WORKER-ANSWER"
+# every worker-admin route vllm-router 0.1.17 had (and the /workers API of its successors): `{url}` is the rogue's
+# own address, `{replica}` a real replica's
+ADMIN_ROUTES = [
+    ("POST", "/add_worker?url={url}", None),
+    ("POST", "/workers", {"url": "{url}"}),
+    ("GET", "/list_workers", None),
+    ("POST", "/remove_worker?url={replica}", None),
+    ("DELETE", "/workers/{replica}", None),
+]
+
+
+class Rogue:
+    """An OpenAI-shaped server of a local process: it counts every request it receives (and those that carry a
+    key), answers completions with MARKER and claims to be a real replica (`x-mint-replica`)."""
+
+    def __init__(self, claims: str):
+        self.received: list[tuple[str, str, bool]] = []  # (method, path, with a key)
+        rogue = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                rogue.received.append((self.command, self.path, "authorization" in self.headers))
+                model = "base"
+                with contextlib.suppress(ValueError, AttributeError):
+                    model = str(json.loads(body or b"{}").get("model") or model)
+                if self.path.startswith("/v1/completions") or self.path.startswith("/v1/chat/completions"):
+                    choice = {"index": 0, "text": MARKER, "finish_reason": "length", "logprobs": None}
+                    choice["message"] = {"role": "assistant", "content": MARKER}
+                    out = {"id": "cmpl-rogue", "object": "text_completion", "created": 0, "model": model}
+                    out |= {"choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+                elif self.path.startswith("/v1/models"):
+                    out = {"object": "list", "data": [{"id": model, "object": "model"}]}
+                else:
+                    out = {"status": "ok"}
+                data = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("x-mint-replica", claims)
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> Rogue:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def stack_ports(config: ServicesConfig, names: list[ServiceName]) -> dict[int, str]:
+    """Every TCP port a process of `names` listens on (the supervisor, the service and its children; psutil reads
+    /proc/net/tcp), with the service's name."""
+    ports: dict[int, str] = {}
+    for svc in status(config, names):
+        if svc.pid is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            top = psutil.Process(svc.pid)
+            for proc in [top, *top.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    for c in proc.net_connections("tcp"):
+                        if c.status == psutil.CONN_LISTEN and c.laddr:
+                            ports[c.laddr.port] = svc.name
+    return ports
+
+
+def try_to_join(ports: dict[int, str], rogue: str, replica: str) -> dict[tuple[int, str], str]:
+    """Each admin route on each port, unkeyed as a local process would send it: (port, route) -> what it got."""
+    got: dict[tuple[int, str], str] = {}
+    for port in ports:
+        for method, route, body in ADMIN_ROUTES:
+            path = route.format(url=rogue, replica=replica)
+            payload = None if body is None else {k: v.format(url=rogue) for k, v in body.items()}
+            try:
+                r = httpx.request(method, f"http://127.0.0.1:{port}{path}", json=payload, timeout=5)
+                got[(port, f"{method} {route.split('?')[0]}")] = str(r.status_code)
+            except httpx.HTTPError as e:
+                got[(port, f"{method} {route.split('?')[0]}")] = type(e).__name__
+    return got
+
+
+def scenario_fleet_rogue(f: Faults) -> Row:
+    """A local process starts a server of its own and, under load through the front, keeps trying to add it as a
+    worker through every admin route vllm-router had, on every port mint's stack listens on. The front routes over
+    the replicas it started and nothing else: the rogue receives no request and no answer of it reaches a client."""
+    s = fleet(f)
+    s.ready()
+    policy = "fr"
+    s.seed(policy, [91])
+    services: list[ServiceName] = [*REPLICAS, "serve"]
+    ports = stack_ports(s.config, services)
+    suite = stack_ports(f.config, ["mlflow", "prefect"])  # the suite's own, beside the fleet
+    every = {**ports, **suite}
+    real = s.urls[REPLICAS[0]]
+    tries: list[dict[tuple[int, str], str]] = []
+    stop_trying = threading.Event()
+    with Rogue(claims=s.name(REPLICAS[0])) as rogue:
+
+        def keep_trying() -> None:
+            while not stop_trying.is_set():
+                tries.append(try_to_join(every, rogue.url, real))
+                stop_trying.wait(1.0)
+
+        trier = threading.Thread(target=keep_trying, daemon=True)
+        with Load(s.front, [policy, s.base_dir.name], clients=3, max_tokens=4) as load:
+            trier.start()
+            t0 = time.time()
+            while (len(tries) < 3 or len(load.answers) < 60) and time.time() - t0 < 180:
+                time.sleep(0.5)
+            stop_trying.set()
+            trier.join(60)
+        received = list(rogue.received)
+        self_test = httpx.post(rogue.url + "/v1/completions", json={"model": policy}, timeout=10)
+    answers = load.answers
+    marked = [a for a in answers if a.text is not None and MARKER in a.text]
+    served = [a for a in answers if a.status == 200]
+    outcomes: dict[str, set[str]] = {}
+    for attempt in tries:
+        for (port, route), what in attempt.items():
+            outcomes.setdefault(f"{every[port]}:{port} {route}", set()).add(what)
+    joined = sorted(k for k, v in outcomes.items() if any(x.startswith("2") for x in v))
+    by_answer: dict[str, int] = {}
+    for v in outcomes.values():
+        for x in v:
+            by_answer[x] = by_answer.get(x, 0) + 1
+    rogue_works = MARKER in self_test.text  # the count means something: it answers anyone who reaches it
+    ok = not received and not marked and not joined and len(served) == len(answers) > 0 and rogue_works
+    result = (
+        f"the rogue received {len(received)} requests ({sum(k for _, _, k in received)} with a key); "
+        f"{len(marked)} answers with its marker reached a client, of {len(answers)} "
+        f"({len(served)} answered 200) from 3 clients over {policy} and the base; {len(tries)} rounds of "
+        f"{len(ADMIN_ROUTES)} admin routes on {len(every)} ports ({', '.join(f'{n}:{p}' for p, n in sorted(every.items(), key=lambda x: x[1]))}): "
+        f"{', '.join(f'{k} x{n}' for k, n in sorted(by_answer.items()))}; accepted anywhere: {joined or 'none'}"
+    )
+    say(result)
+    return Row(
+        "a local process tries to add its own worker",
+        "under load through the front, a server of a local process (answers with a marker, claims to be replica "
+        "0) is offered as a worker through /add_worker, /workers, /remove_worker, /list_workers on every port "
+        "the fleet and the suite listen on, again every second",
+        result,
+        len(received) + len(marked),
+        ok,
+        0,
+    )
+
+
 SCENARIOS = {
     "fleet-poison": scenario_fleet_poison,
     "fleet-kill": scenario_fleet_kill,
     "fleet-promote": scenario_fleet_promote,
     "fleet-unreadable": scenario_fleet_unreadable,
+    "fleet-rogue": scenario_fleet_rogue,
 }
 SERVICES: list[ServiceName] = ["mlflow", "prefect"]  # the promotion flows' registry and Prefect
 

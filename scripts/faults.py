@@ -23,17 +23,20 @@ left serving disagreeing with the registry. Scenarios (names for --only):
             vLLM refuses it unkeyed; forced with mint's key (a compromised path), the golden probe notices,
             takes the replica out of rotation and has its supervisor restart it, and it comes back clean
 
-A fleet of two vLLM replicas behind vllm-router (`mint up --serving vllm --replicas 2`, one fleet for these rows,
-scripts/fault_fleet.py):
+A fleet of two vLLM replicas the front routes over (`mint up --serving vllm --replicas 2`, one fleet for these
+rows, scripts/fault_fleet.py):
 
   fleet-poison      the poison row on the fleet: the golden probe, asking each replica at its own URL, finds the
-                    poisoned one only; the router stops sending to it, the other answers, it comes back clean
+                    poisoned one only; the front stops routing to it, the other answers, it comes back clean
   fleet-kill        kill -9 of one replica under load: only requests in flight on it may fail; its supervisor
                     restarts it and it rejoins, answering with the champion
   fleet-promote     a promotion while one replica is down completes on the other; the replica comes back on the
                     new champion
   fleet-unreadable  one replica cannot read the new revision (its own mount namespace lacks the directory): the
                     promotion fails naming it, every replica is put back, the alias does not move
+  fleet-rogue       under load, a local process's own server is offered as a worker through every admin route
+                    vllm-router had, on every port the stack listens on: it receives no request, and no answer of
+                    it reaches a client
 
 Minutes on 2 cores (a flow trains a few steps of a tiny policy). The `faults` tests run it (tests/integration/
 test_faults.py, slow tier).
