@@ -18,10 +18,10 @@ reach the front, which adds what vLLM lacks (measured on vLLM 0.32, infra/vllm/R
   champion, asked at a steady interval and after every load; a replica whose answers change is taken out of
   rotation (503), its evidence logged, and its process killed for its supervisor to restart
   (serving/replica_control.py).
-- **A fleet** (serving/fleet.py, `vllm_replicas`): N replicas behind `vllm-router` at `vllm_url`. Requests go
-  through the router, keyed on the served name (`x-session-id`) so that one adapter stays on one replica; loads and
-  unloads go to every replica directly, all or nothing; each answer names its replica (`X-Mint-Replica`) and the
-  revision that replica served it with.
+- **A fleet** (serving/fleet.py, `vllm_replicas`): N replicas the front routes over itself, each request to one
+  replica by rendezvous hashing on the served name so that one adapter stays on one replica; loads and unloads go
+  to every replica, all or nothing; each answer names its replica (`X-Mint-Replica`) and the revision that replica
+  served it with.
 - **Atomic swaps.** vLLM overwrites an adapter's weights in place, so a request running during an in-place load
   can mix two revisions. The front holds a per-name read/write lock: requests under a name share it, a swap of
   that name waits for them to finish and holds new ones back until vLLM has the new revision. Every request is

@@ -25,7 +25,7 @@ class ResolveRequest(BaseModel):
 
 @router.get("/v1/mint/replicas")
 async def replicas(request: Request, gw: GatewayDep) -> dict[str, Any]:
-    """Each replica behind the router: health, the revisions it holds, its load (admin token)."""
+    """Each replica: health, the revisions it holds, its load, its share of the requests (admin token)."""
     gw.auth.check_admin(request)
     return await gw.backend.replicas(gw.golden.state)
 
