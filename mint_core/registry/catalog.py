@@ -490,6 +490,25 @@ class Catalog:
                 sa.select(aliases.c.version).where(aliases.c.policy == policy, aliases.c.alias == alias)
             ).scalar_one_or_none()
 
+    def champions(self, limit: int) -> list[tuple[str, Digest]]:
+        """(policy, digest) of every policy whose `champion` resolves (what a request naming the policy alone is
+        served), by policy name, at most `limit`: one walk of the aliases' primary key, however large the catalog."""
+        if limit < 0:
+            raise CatalogError(f"limit must be >= 0, got {limit}")
+        q = (
+            sa.select(aliases.c.policy, versions.c.digest)
+            .join_from(
+                aliases,
+                versions,
+                sa.and_(versions.c.policy == aliases.c.policy, versions.c.version == aliases.c.version),
+            )
+            .where(aliases.c.alias == CHAMPION)
+            .order_by(aliases.c.policy)
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [(p, Digest.trusted(d)) for p, d in conn.execute(q)]
+
     def resolve(self, address: str | Address) -> Resolved:
         """The revision an address names; `policy` alone means `policy@champion`. Raises `UnknownAddress`."""
         addr = address if isinstance(address, Address) else parse_address(address)

@@ -25,6 +25,7 @@ from mint_core.errors import MintError, UnknownAdapter
 from mint_core.registry.catalog import Catalog, CatalogConfig
 from mint_core.registry.store import AdapterStore
 from mint_core.serving.admin import Auth
+from mint_core.serving.champions import ChampionListing
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.http_errors import model_error, unknown_model
 from mint_core.serving.loop import EngineLoop
@@ -90,6 +91,7 @@ class Server:
         # every load and unload goes through it; with a catalog, any catalog address is a model name, loaded on
         # demand by its threads
         self.adapters = AdapterManager(engine, self.store, self.catalog, workers=config.loader_workers)
+        self.champions = ChampionListing(self.catalog)  # /v1/models names them before anything loads them
         self.metrics = Metrics(engine, self.loop, self.adapters, base_name)
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.limits = PromptLimits(engine._encode, engine.base.config.vocab_size, engine.max_model_len)

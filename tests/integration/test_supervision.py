@@ -1,7 +1,7 @@
 """Services under supervision (`mint_app.services.supervise`), through `mint_app.services.control` as `mint up` runs them: a served
-policy is answered by its champion from the first request after any restart (a kill -9 brought back by supervision,
-`mint down` then `mint up`), with no 404 while it comes back; logs are appended across restarts and rolled over
-by size, never truncated; `mint logs` shows them."""
+policy is listed by `/v1/models` as soon as `mint up` returns, and answered by its champion from the first request
+after any restart (a kill -9 brought back by supervision, `mint down` then `mint up`), with no 404 while it comes
+back; logs are appended across restarts and rolled over by size, never truncated; `mint logs` shows them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -29,6 +30,8 @@ from mint_testkit.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 POLICY = "sv-pol"
+CHAMPIONS = (POLICY, "sv-pol-2")
+"""Policies with a champion in the catalog before the server starts; "sv-cand" has a candidate only."""
 
 
 class Load:
@@ -78,8 +81,8 @@ class Load:
 @pytest.fixture(params=["mint", pytest.param("vllm", marks=pytest.mark.slow)])
 def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[ServicesConfig, str]]:
     """`mint serve` as `mint up` starts it (serving mint, or vllm: the front and a vLLM behind it), over a store
-    and a catalog where POLICY has a champion; nothing is loaded into the server by anyone: the name resolves on
-    demand. Yields the config and the champion's digest."""
+    and a catalog where each of CHAMPIONS has a champion; nothing is loaded into the server by anyone: the name
+    resolves on demand. Yields the config and the champions' digest."""
     vllm = request.param == "vllm"
     base_dir = save_tiny_base(tmp_path / "base", vllm=vllm)
     base = load_base(base_dir)
@@ -91,8 +94,9 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Ser
     digest = str(store.put_dir(tmp_path / "rev"))
     catalog_url = f"sqlite:///{tmp_path / 'catalog.db'}"
     cat = Catalog(CatalogConfig(url=catalog_url))
-    cat.register(digest, base.fingerprint, 8, str(store.local_dir(digest)), policy=POLICY)
-    cat.set_alias(POLICY, "champion", 1)
+    for policy in (*CHAMPIONS, "sv-cand"):
+        cat.register(digest, base.fingerprint, 8, str(store.local_dir(digest)), policy=policy)
+        cat.set_alias(policy, "candidate" if policy == "sv-cand" else "champion", 1)
     config = ServicesConfig.model_validate(
         {
             "state_dir": tmp_path / "run",
@@ -137,10 +141,24 @@ def serve_child(config: ServicesConfig, name: ServiceName = "serve") -> psutil.P
     return child
 
 
+def assert_every_champion_listed(config: ServicesConfig, digest: str) -> None:
+    """What a new user's first `models.list()` shows right after `mint up` returns: every champion, before any
+    request or reconcile names it (checked inside a test that starts the stack anyway: no start of its own)."""
+    client = openai.OpenAI(base_url=config.url("serve") + "/v1", api_key="unused", max_retries=0)
+    listed = {m.id: m.model_dump() for m in client.models.list()}
+    assert {m for m, card in listed.items() if card.get("parent")} == set(CHAMPIONS), listed
+    for policy in CHAMPIONS:
+        assert listed[policy]["root"] == f"sha256:{digest}", listed[policy]
+        assert "revision" not in listed[policy], listed[
+            policy
+        ]  # nothing holds it yet: reconcile will load it
+
+
 def test_a_killed_server_is_brought_back_and_answers_with_the_champion(
     served: tuple[ServicesConfig, str],
 ) -> None:
     config, digest = served
+    assert_every_champion_listed(config, digest)  # `mint up` (control.start) has just returned
     url = config.url("serve")
     engine = engine_of(config)
     with Load(url, POLICY) as load:

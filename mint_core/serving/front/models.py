@@ -1,4 +1,5 @@
-"""What the front serves: GET /v1/models, and the LoRA admin routes that change it (admin token), with mint serve's
+"""What the front serves: GET /v1/models (what vLLM holds, and the catalog's champions from the first second:
+serving/champions.py), and the LoRA admin routes that change it (admin token), with mint serve's
 checks (serving/admin.py): a revision is read and validated here before vLLM is handed its verified copy.
 """
 
@@ -13,8 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from mint_core.errors import AdapterError
 from mint_core.registry.store import StoreError
 from mint_core.serving.admin import load_target, loaded, other_base_warning, unload_target, unloaded
+from mint_core.serving.champions import ChampionListing
 from mint_core.serving.fleet import digest_of_path
-from mint_core.serving.front.state import BASE_ADAPTER, GatewayDep
+from mint_core.serving.front.state import BASE_ADAPTER, Gateway, GatewayDep
 from mint_core.serving.http_errors import load_error
 from mint_core.serving.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from mint_core.serving.relay import parse
@@ -22,9 +24,21 @@ from mint_core.serving.relay import parse
 router = APIRouter(tags=["models"])
 
 
+def champions_of(request: Request, gw: Gateway) -> ChampionListing:
+    """The front's listing of the catalog's champions, made on first use and kept on the app."""
+    listing: ChampionListing | None = getattr(request.app.state, "champions", None)
+    if listing is None:
+        listing = request.app.state.champions = ChampionListing(gw.catalog)
+    return listing
+
+
 @router.get("/v1/models")
 async def models(request: Request, gw: GatewayDep) -> dict[str, Any]:
+    """The base, every name vLLM holds with the revision it serves now, then by name every policy whose catalog
+    champion a request would be served though vLLM holds nothing under its name yet (its `root` the champion's
+    digest, no `revision`)."""
     gw.auth.check_api_key(request)
+    champions = await champions_of(request, gw).get()
     cards = await gw.backend.models()
     await gw.refresh()
     out = []
@@ -42,6 +56,19 @@ async def models(request: Request, gw: GatewayDep) -> dict[str, Any]:
         else:
             card["root"] = gw.base_name
         out.append({k: v for k, v in card.items() if v is not None})
+    listed = {c["id"] for c in out} | {gw.base_name, BASE_ADAPTER}
+    out += [
+        {
+            "id": policy,
+            "object": "model",
+            "created": gw.created,
+            "owned_by": "mint",
+            "root": f"sha256:{digest}",
+            "parent": gw.base_name,
+        }
+        for policy, digest in champions.items()
+        if policy not in listed
+    ]
     return {"object": "list", "data": out}
 
 
@@ -61,6 +88,7 @@ async def load_lora_adapter(request: Request, gw: GatewayDep) -> PlainTextRespon
     except (AdapterError, StoreError) as e:
         raise load_error(e) from None
     await gw.load(body.lora_name, digest, verified, body.load_inplace)
+    champions_of(request, gw).invalidate()  # a promotion, rollback or reconcile ends here
     warning = await run_in_threadpool(other_base_warning, verified, (gw.base_name, gw.config.base))
     return loaded(body.lora_name, warning)
 
@@ -71,4 +99,5 @@ async def unload_lora_adapter(request: Request, gw: GatewayDep) -> PlainTextResp
     _, body = parse(await request.body(), UnloadLoRAAdapterRequest)
     name = unload_target(body, reserved=BASE_ADAPTER)
     await gw.unload(name)
+    champions_of(request, gw).invalidate()
     return unloaded(name)

@@ -1,4 +1,5 @@
-"""What the server serves: GET /v1/models, and vLLM's runtime LoRA routes that change it (admin token).
+"""What the server serves: GET /v1/models (the names held, and the catalog's champions from the first second:
+serving/champions.py), and vLLM's runtime LoRA routes that change it (admin token).
 
 POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}: 200 on success; 400 for a missing field,
 the base's name, a duplicate name without `load_inplace`, a path outside the adapter store or an invalid adapter
@@ -35,8 +36,12 @@ router = APIRouter(tags=["models"])
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request, server: ServerDep) -> ModelList:
-    """The base, then every adapter name with the revision it serves now (on-demand ones included)."""
+    """The base, then by name every adapter name with the revision it serves now (on-demand ones included), and
+    every policy whose catalog champion a request would be served though nothing holds it yet (serving/champions.py:
+    its `root` the champion's digest, no `revision`)."""
     server.auth.check_api_key(request)
+    champions = await server.champions.get()
+    held = server.engine.working_set.names()
     cards = [
         ModelCard(
             id=server.base_name,
@@ -46,15 +51,13 @@ async def models(request: Request, server: ServerDep) -> ModelList:
             max_model_len=server.engine.max_model_len,
         )
     ]
-    for name, digest in sorted(server.engine.working_set.names().items()):
+    for name in sorted((held.keys() | champions.keys()) - {server.base_name}):
+        if (digest := held.get(name)) is None:
+            root, revision = f"sha256:{champions[name]}", None
+        else:
+            root, revision = server.sources.get(name, f"sha256:{digest}"), f"sha256:{digest}"
         cards.append(
-            ModelCard(
-                id=name,
-                created=server.created,
-                root=server.sources.get(name, f"sha256:{digest}"),
-                parent=server.base_name,
-                revision=f"sha256:{digest}",
-            )
+            ModelCard(id=name, created=server.created, root=root, parent=server.base_name, revision=revision)
         )
     return ModelList(data=cards)
 
@@ -76,6 +79,7 @@ async def load_lora_adapter(
     except AdapterExists:  # loaded by another request since the check above
         raise already_loaded(body.lora_name) from None
     server.sources[body.lora_name] = body.lora_path
+    server.champions.invalidate()  # a promotion, rollback or reconcile ends here
     names = (server.base_name, server.config.base, server.engine.base.name)
     warning = await run_in_threadpool(other_base_warning, path, names)
     return loaded(body.lora_name, warning)
@@ -90,4 +94,5 @@ async def unload_lora_adapter(
     if not server.adapters.unload(name):
         raise not_loaded(name)
     server.sources.pop(name, None)
+    server.champions.invalidate()
     return unloaded(name)
