@@ -247,10 +247,16 @@ class Fleet:
             healthy = (await r.http.get("/health", timeout=5)).status_code == 200
         except httpx.HTTPError:
             healthy = False
-        if healthy and not r.healthy:
-            logger.warning("replica %s answers /health again: routed to", r.name)
+        if healthy:
+            self.up(r)
         r.healthy, r.checked = healthy, time.monotonic()
         return r.healthy
+
+    def up(self, r: Replica) -> None:
+        """`r` answered: routed to again if it was down."""
+        if not r.healthy:
+            logger.warning("replica %s answers again: routed to", r.name)
+        r.healthy = True
 
     async def read(self, r: Replica) -> None:
         """What `r` serves now (nothing when it does not answer)."""
@@ -262,7 +268,7 @@ class Fleet:
         if resp.status_code != 200:
             r.healthy, r.checked = False, time.monotonic()
             return
-        r.healthy = True
+        self.up(r)
         r.served = {
             c["id"]: d
             for c in resp.json().get("data", [])

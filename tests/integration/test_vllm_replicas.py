@@ -404,9 +404,9 @@ def test_a_promotion_with_a_replica_down_completes_and_the_replica_returns_on_th
     assert r.status_code == 200, r.text
     assert fleet.everywhere(policy) == [d3, d3]
 
-    # the front routes to it again once it answers /health: its names come back to it (rendezvous order)
+    # the front routes to it again once it answers (/health, or a read): its names come back to it
     front = fleet.started[2]
-    said = f"replica {replica_name(back)} answers /health again: routed to"
+    said = f"replica {replica_name(back)} answers again: routed to"
     with fleet.ws.client() as c:
         names = [m["id"] for m in c.models() if m.get("parent")]
 
