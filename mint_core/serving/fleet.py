@@ -248,11 +248,11 @@ class Fleet:
         except httpx.HTTPError:
             healthy = False
         if healthy:
-            self.up(r)
+            self.back(r)
         r.healthy, r.checked = healthy, time.monotonic()
         return r.healthy
 
-    def up(self, r: Replica) -> None:
+    def back(self, r: Replica) -> None:
         """`r` answered: routed to again if it was down."""
         if not r.healthy:
             logger.warning("replica %s answers again: routed to", r.name)
@@ -268,7 +268,7 @@ class Fleet:
         if resp.status_code != 200:
             r.healthy, r.checked = False, time.monotonic()
             return
-        self.up(r)
+        self.back(r)
         r.served = {
             c["id"]: d
             for c in resp.json().get("data", [])
