@@ -11,7 +11,8 @@ One step is the same work on both sides:
     adapter in a slot; TRL: transformers' `generate` on the PeftModel, no vLLM), score them, group advantages;
   - one forward/backward of the policy over the 32 prompt + completion rows (no reference model: KL weight
     0, mint's default and TRL's `beta=0.0`; no extra "old logprobs" forward on either side, the update being
-    on-policy), clipped loss with eps 0.2 / 0.28 normalised over all completion tokens (mint "token_mean",
+    on-policy; no KL metric either: TRL at `beta=0.0` measures none, so mint runs with `track_kl=False`,
+    without its default's no-grad forward of the base over one row per group), clipped loss with eps 0.2 / 0.28 normalised over all completion tokens (mint "token_mean",
     TRL "dapo"), std-scaled group advantages. TRL runs the 32 full rows; mint runs each of the 4 distinct
     prompts once and the 32 completions after its cached keys/values (the same logprobs and gradients, see
     MultiPolicyTrainer._logprobs): that, not a smaller batch, is where its update saves work;
@@ -119,6 +120,7 @@ def main() -> None:
         max_new_tokens=args.new_tokens,
         learning_rate=args.lr,
         drop_zero_variance=False,
+        track_kl=False,
     )
     spec = PolicySpec(name="policy", task=TASK, reward=REWARD, rank=8, alpha=16, targets=TARGETS)
     mint = MultiPolicyTrainer(engine, mint_cfg, [spec], seed=0)

@@ -4,6 +4,10 @@ A step chooses the next token of every running row from the logits of the previo
 finished (releasing their adapter slot), and runs one decode forward for the rest. Admission prefills new
 sequences as a small batch of their own, then joins their KV cache to the running one, left-padded, so later
 arrivals share every following decode step with earlier ones.
+
+Prefill and decode run under `torch.inference_mode`, not just `no_grad`: no version counters or view tracking on
+the cache, logits and sampling tensors, which nothing ever differentiates (a decode step of a small model is
+mostly such per-op overhead). What they make stays inside the batcher or leaves as Python numbers.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class Batcher:
             out = eng.base.model(use_cache=True, **inputs)
         return out.logits  # type: ignore[no-any-return]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def admit(self, seqs: Seq[Sequence]) -> None:
         """Prefill `seqs` (slots already acquired) and join them to the running batch."""
         if not seqs:
@@ -170,7 +174,7 @@ class Batcher:
         self.seqs.extend(seqs)
         self.composition = next(_compositions)  # the prefill routed only the newcomers; the batch is new
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Choose one token for every running row, retire finished rows, run one decode forward.
 

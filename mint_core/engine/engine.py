@@ -252,7 +252,7 @@ class Engine:
             seq.slot = self.working_set.acquire(seq.request.adapter)
             seq.revision = self.working_set.revision_in(seq.slot)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, requests: Sequence_[Request]) -> list[Completion]:
         """Run all requests as one batch (each with its own adapter or none) to completion."""
         seqs = []

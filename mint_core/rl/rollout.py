@@ -47,6 +47,9 @@ def rollout(
     for policy, examples in prompts.items():
         size = group_size if isinstance(group_size, int) else group_size[policy]
         for ex in examples:
+            # tokenized once for its group, as serving does: chat rows as vLLM's chat route (a template's own
+            # BOS, none added)
+            ids = prompt_ids(engine.tokenizer, ex.prompt)
             for g in range(size):
                 params = SamplingParams(
                     max_tokens=max_new_tokens,
@@ -54,8 +57,7 @@ def rollout(
                     logprobs=True,
                     seed=None if seed is None else hash((seed, group, g)) & 0x7FFFFFFF,
                 )
-                # tokenized as serving does: chat rows as vLLM's chat route (a template's own BOS, none added)
-                requests.append(Request(prompt_ids(engine.tokenizer, ex.prompt), policy, params))
+                requests.append(Request(list(ids), policy, params))
                 meta.append((policy, group, ex))
             group += 1
     out = engine.generate(requests)

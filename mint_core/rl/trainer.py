@@ -372,7 +372,8 @@ class MultiPolicyTrainer:
         When rows share prompts the batch is packed (`mint_core.rl.packing`): one sequence per distinct (slot,
         prompt) behind a block mask, in buckets of similar width, with the logprobs and gradients of the full
         rows. Otherwise (no shared prompt, no prompt lengths, or an attention implementation that takes no
-        custom mask) one forward over the full rows."""
+        custom mask) one forward over the full rows. Either way without a KV cache: transformers would copy
+        every layer's keys and values into one that nothing reads."""
         eng = self.engine
         model = eng.base.model
         ctx = eng.lora.ctx
@@ -386,7 +387,8 @@ class MultiPolicyTrainer:
         if packing is None:
             ctx.set_rows(slots, dev)
             try:
-                return token_logprobs(model(input_ids=batch.ids, attention_mask=batch.attn).logits, batch.ids)
+                out = model(input_ids=batch.ids, attention_mask=batch.attn, use_cache=False)
+                return token_logprobs(out.logits, batch.ids)
             finally:
                 ctx.clear()
 
@@ -414,6 +416,7 @@ class MultiPolicyTrainer:
                         input_ids=bucket.ids.to(dev),
                         attention_mask=mask,
                         position_ids=bucket.positions.to(dev),
+                        use_cache=False,
                     )
                 )
             finally:
@@ -432,7 +435,7 @@ class MultiPolicyTrainer:
         return out.index_put((row_of_M.to(dev), col_of_M.to(dev)), lp_M)
 
     def _kept_outputs(
-        self, use: Literal["hidden", "logits", "full"], keep: torch.Tensor, **inputs: torch.Tensor
+        self, use: Literal["hidden", "logits", "full"], keep: torch.Tensor, **inputs: torch.Tensor | bool
     ) -> torch.Tensor:
         """What the output projection gets or gives at the K True positions of keep [B, T], in row-major order:
         its input, the final hidden states [K, H], for `use` "hidden" (the projection then runs fused with the
