@@ -20,6 +20,10 @@ from pydantic import BaseModel, Field, SecretStr
 
 from mint_core.serving.chat import FALLBACK_CHAT_TEMPLATE
 
+# mint_core.engine.base.FROZEN_MODULES (submodules whose linears get no LoRA site), here without importing torch;
+# tests/unit/test_vllm_lora_targets.py checks that the two agree
+FROZEN_MODULES = ("indexer",)
+
 # vLLM accepts only these --max-lora-rank values (vllm/config/lora.py); a lower rank is padded up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_PYTHON = Path(".venv-vllm/bin/python")
@@ -79,6 +83,12 @@ class VLLMConfig(BaseModel):
     cpus: list[int] | None = None
     """On CPU: the CPU ids its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND). None: vLLM's `auto`, which
     binds every vLLM on a host to the same first cores, so each replica of a fleet gets its own (`replica_cpus`)."""
+    lora_target_modules: list[str] | None = None
+    """vLLM's `--lora-target-modules`: the modules it wraps for LoRA. None: those a mint adapter can target on this
+    base (`lora_targets`: the decoder layers' linears and experts, never `lm_head`); vLLM's own default when the
+    base's weights cannot be read. Left to vLLM, `lm_head` is wrapped too, which no mint adapter targets: every
+    step then pays its LoRA logits pass, and two sequences that ask prompt logprobs in one batch kill the engine
+    (`LogitsProcessorWithLoRA` indexes their prompt positions with the batch's per-request indices)."""
     extra_args: list[str] = Field(default_factory=list)
     """More `vllm serve` flags, after the generated ones."""
 
@@ -94,6 +104,11 @@ class VLLMConfig(BaseModel):
         cmd += ["--enable-lora", "--max-loras", str(self.max_loras)]
         cmd += ["--max-cpu-loras", str(max(self.max_cpu_loras, self.max_loras))]
         cmd += ["--max-lora-rank", str(vllm_rank(self.max_lora_rank))]
+        targets = (
+            self.lora_target_modules if self.lora_target_modules is not None else lora_targets(self.model)
+        )
+        if targets:
+            cmd += ["--lora-target-modules", *targets]
         cmd += ["--max-model-len", str(self.max_model_len), "--dtype", self.dtype]
         # sampling defaults from the request only, as on mint serve (not the base's generation_config.json)
         cmd += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
@@ -140,6 +155,33 @@ def replica_cpus(index: int, replicas: int, cpus: list[int] | None = None) -> li
     per = max(1, len(cpus) // replicas)
     first = index * per % len(cpus)
     return cpus[first : first + per]
+
+
+def lora_targets(model: Path) -> list[str]:
+    """The module names a mint adapter can target on the base in `model`, as vLLM's `--lora-target-modules` takes
+    them: the last part of the name of every matrix weight under the decoder layers (`q_proj`, `down_proj`, ...),
+    and `experts` where the layers hold experts (their router beside them is no site); the sites
+    `mint_core.engine.base.discover_sites` finds, read from the safetensors headers (no weights loaded, no torch).
+    Empty when the base has no safetensors weights mint can read."""
+    matrices: list[list[str]] = []
+    experts: set[tuple[str, ...]] = set()  # the modules that hold an `experts` child
+    for f in sorted(Path(model).glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size)) if 0 < size < 1 << 30 else {}
+        except (OSError, ValueError):
+            return []
+        for key, meta in header.items():
+            parts = key.split(".")
+            if "layers" not in parts or any(frozen in parts for frozen in FROZEN_MODULES):
+                continue
+            if "experts" in parts:
+                experts.add(tuple(parts[: parts.index("experts")]))
+            elif parts[-1] == "weight" and len(meta.get("shape", ())) == 2:
+                matrices.append(parts)
+    names = {p[-2] for p in matrices if tuple(p[:-2]) not in experts}
+    return sorted(names | ({"experts"} if experts else set()))
 
 
 def has_chat_template(model: Path) -> bool:
