@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from mint_core.serving import replica_control
-from mint_core.serving.replica_control import Alone, Event, Restart
+from mint_core.serving.replica_control import Event, Restart
 from mint_core.serving.swap_lock import SwapLock
 
 URL = "http://127.0.0.1:9001"
@@ -36,8 +36,11 @@ def test_a_restart_logs_what_it_did_not_expect_with_its_traceback(
             raise got
         return got
 
+    async def no_drain(batch: SwapLock) -> None:
+        return None  # one vLLM: nothing else could take its requests
+
     event = Event(0.0, "test", [])
-    restart = Restart(URL, "127.0.0.1:9001", health, ask, ["recorded"], Alone())
+    restart = Restart(URL, "127.0.0.1:9001", health, ask, ["recorded"], no_drain)
     with caplog.at_level(logging.DEBUG, logger=replica_control.__name__):
         assert asyncio.run(restart.run(event, SwapLock())) is True
     assert answers == [] and event.clean is True and event.back is not None
