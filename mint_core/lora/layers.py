@@ -262,7 +262,13 @@ class MultiLoRALinear(nn.Module):
             if ctx.runs is not None:
                 for start, stop, slot in ctx.runs:
                     r = bank._rank[slot]
-                    if r is not None:  # an empty slot adds nothing
+                    if r is None:  # an empty slot adds nothing
+                        continue
+                    if stop - start == out.shape[0]:
+                        # one run over every row (a policy's update, its rollout's decode): no slices, and
+                        # under autograd no copy of a slice back into `out` (CopySlices) and its backward
+                        out = out.add_(F.linear(x, bank.A[slot, :r]) @ bank.B[slot, :r])
+                    else:
                         h = F.linear(x[start:stop], bank.A[slot, :r])
                         out[start:stop] += h @ bank.B[slot, :r]
                 return out
