@@ -65,15 +65,26 @@ def normalised(out: dict[str, Any], fingerprint: str, model: str) -> dict[str, A
     return out
 
 
-def parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
-    """The JSON body and its parse by mint's protocol: 400 naming the fields that do not fit."""
+def decoded(raw: bytes) -> dict[str, Any]:
+    """A request's JSON body: 400 when it is not JSON, or not an object."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}", "BadRequestError") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", "BadRequestError")
+    return data
+
+
+def validated(data: dict[str, Any], model: type[BaseModel]) -> Any:
+    """`data` parsed by mint's protocol: 400 naming the fields that do not fit."""
     try:
-        return data, model.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         raise invalid_request(e.errors()) from None
+
+
+def parse(raw: bytes, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
+    """The JSON body and its parse by mint's protocol (`decoded`, then `validated`)."""
+    data = decoded(raw)
+    return data, validated(data, model)

@@ -22,6 +22,7 @@ import httpx
 from fastapi import Response
 from prometheus_client import CollectorRegistry, generate_latest
 
+from mint_core.serving import upstream
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.fleet import ROUTE_HEADER, Fleet, Replica, digest_of_path, load_lora
 from mint_core.serving.golden import Target
@@ -98,17 +99,8 @@ class Backend(Protocol):
 
 
 def client(url: str, key: str) -> httpx.AsyncClient:
-    """A client of a vLLM at `url`, with `key`."""
-    return httpx.AsyncClient(
-        base_url=url.rstrip("/"),
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=httpx.Timeout(600.0, connect=5.0),
-        # vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default pool keeps
-        # one 5 s: a request sent on it as vLLM closes it fails ("Server disconnected without sending a
-        # response", a 503 here). Idle connections are dropped well before vLLM drops them.
-        limits=httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0),
-        trust_env=False,  # loopback: no proxy from the environment in between
-    )
+    """A client of a vLLM at `url`, with `key` (serving/upstream.py: httpx's interface over aiohttp's pool)."""
+    return upstream.client(url, key)
 
 
 def unreachable(where: str, e: Exception) -> APIError:
