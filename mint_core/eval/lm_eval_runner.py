@@ -337,6 +337,7 @@ def evaluate_served(target: ServedModel, config: EvalConfig | None = None) -> Ev
             tokenizer_backend="huggingface",
             tokenized_requests=True,
             batch_size=config.batch_size,
+            num_concurrent=config.num_concurrent,
             max_length=int(base_card.get("max_model_len") or 2048),
             max_retries=2,
             timeout=int(target.timeout_s),

@@ -66,6 +66,8 @@ class EvalConfig(BaseModel):
     """At most this many items per task of the guard group (its two tasks each get this many); None: `limit`."""
     batch_size: int = Field(32, ge=1)
     """Prompts per HTTP request (served) or per forward batch (in process)."""
+    num_concurrent: int = Field(1, ge=1)
+    """Served: HTTP requests lm-eval keeps in flight (its `num_concurrent`)."""
     suites_dir: Path = SUITES_DIR
     """Directory of suite YAMLs; their data paths are relative to its parent."""
 
