@@ -7,7 +7,8 @@ the champion's `sha256:<hex>`, and no `revision`: nothing is held under that nam
 it there; reconcile and promote read a missing `revision` as "not served here" and load the champion).
 
 The listing may be polled, so the catalog is read at most once per `CHAMPIONS_TTL_S`, and at once after an admin
-load or unload (`invalidate`): promote, rollback and reconcile all end with one. OpenAI's list has no paging, so at
+load or unload (`invalidate`): promote, rollback and reconcile all end with one. Each champion's card is rendered to
+JSON once per read, off the event loop, so a listing joins bytes (`model_list`). OpenAI's list has no paging, so at
 most `CHAMPIONS_LISTED_MAX` champions are listed (by policy name); past that a warning says so, and every champion
 is still served on demand by its name.
 """
@@ -15,10 +16,14 @@ is still served on demand by its name.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 import time
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Generic, TypeVar
 
+from fastapi.responses import Response
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
@@ -26,6 +31,7 @@ from mint_core.errors import MintError
 from mint_core.registry.catalog import Catalog
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHAMPIONS_TTL_S = 5.0
 """How long a read of the catalog's champions is listed (an alias moved with no load reaching this server, say in
@@ -35,17 +41,22 @@ CHAMPIONS_LISTED_MAX = 10_000
 """The most champions one listing names (about 1.5 MB of JSON); a larger catalog is still served, name by name."""
 
 
-class ChampionListing:
-    """Policy -> hex digest of its champion, for at most `limit` policies; read off the catalog again after
-    `ttl_s` or an `invalidate`, one read at a time however many listings ask."""
+class ChampionListing(Generic[T]):
+    """Policy -> `render(policy, hex digest)` of its champion, by policy name, for at most `limit` policies; read
+    off the catalog again after `ttl_s` or an `invalidate`, one read at a time however many listings ask."""
 
     def __init__(
-        self, catalog: Catalog | None, ttl_s: float = CHAMPIONS_TTL_S, limit: int = CHAMPIONS_LISTED_MAX
+        self,
+        catalog: Catalog | None,
+        render: Callable[[str, str], T],
+        ttl_s: float = CHAMPIONS_TTL_S,
+        limit: int = CHAMPIONS_LISTED_MAX,
     ):
         self.catalog = catalog
+        self.render = render
         self.ttl_s = ttl_s
         self.limit = limit
-        self._champions: dict[str, str] = {}
+        self._champions: dict[str, T] = {}
         self._read_at = -math.inf
         self._generation = 0  # bumped by invalidate; a read is current while it matches the one it started at
         self._read_generation = -1
@@ -59,7 +70,7 @@ class ChampionListing:
     def _current(self) -> bool:
         return self._read_generation == self._generation and time.monotonic() - self._read_at < self.ttl_s
 
-    async def get(self) -> dict[str, str]:
+    async def get(self) -> dict[str, T]:
         if self.catalog is None:
             return {}
         if self._current():
@@ -87,5 +98,21 @@ class ChampionListing:
                 self.limit,
             )
         self._truncated = truncated
-        self._champions = {policy: str(digest) for policy, digest in rows[: self.limit]}
+        render = self.render
+        self._champions = await run_in_threadpool(
+            lambda: {policy: render(policy, str(digest)) for policy, digest in sorted(rows[: self.limit])}
+        )
         self._read_at, self._read_generation = t0, generation
+
+
+def by_name(held: dict[str, T], champions: dict[str, T], hidden: Collection[str] = ()) -> Iterator[T]:
+    """The cards of both, by name (`champions` is in name order already); a name held is listed as held, and a
+    champion named as one of `hidden` (the base's own names) not at all."""
+    rest = (c for c in champions if c not in held and c not in hidden)
+    for name in heapq.merge(sorted(held), rest):
+        yield held[name] if name in held else champions[name]
+
+
+def model_list(cards: Iterable[bytes]) -> Response:
+    """OpenAI's model list of cards already in JSON."""
+    return Response(b'{"object":"list","data":[' + b",".join(cards) + b"]}", media_type="application/json")

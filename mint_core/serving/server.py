@@ -30,7 +30,7 @@ from mint_core.serving.config import ServingConfig
 from mint_core.serving.http_errors import model_error, unknown_model
 from mint_core.serving.loop import EngineLoop
 from mint_core.serving.metrics import Metrics
-from mint_core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from mint_core.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard
 
 # a job of a completion request: the adapter (None: the base), the prompt's token ids, how to decode
 Job = tuple[str | None, list[int], SamplingParams]
@@ -91,11 +91,12 @@ class Server:
         # every load and unload goes through it; with a catalog, any catalog address is a model name, loaded on
         # demand by its threads
         self.adapters = AdapterManager(engine, self.store, self.catalog, workers=config.loader_workers)
-        self.champions = ChampionListing(self.catalog)  # /v1/models names them before anything loads them
+        self.created = int(time.time())
+        # /v1/models names them before anything loads them (routes/models.py)
+        self.champions = ChampionListing(self.catalog, self.champion_card)
         self.metrics = Metrics(engine, self.loop, self.adapters, base_name)
         self.sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
         self.limits = PromptLimits(engine._encode, engine.base.config.vocab_size, engine.max_model_len)
-        self.created = int(time.time())
         self.auth = Auth(config)
 
     def close(self) -> None:
@@ -104,6 +105,11 @@ class Server:
         self.adapters.close()
 
     # -- adapters ------------------------------------------------------------------------------------------
+
+    def champion_card(self, policy: str, digest: str) -> bytes:
+        """The /v1/models card of a policy's champion that no name holds yet: its digest, no `revision`."""
+        card = ModelCard(id=policy, created=self.created, root=f"sha256:{digest}", parent=self.base_name)
+        return card.model_dump_json().encode()
 
     async def resolve_model(self, model: str) -> str | None:
         """None for the base; the adapter name otherwise. A catalog address not loaded yet is loaded now (this

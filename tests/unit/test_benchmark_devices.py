@@ -1,6 +1,7 @@
 """Every benchmark that runs a base, an engine or a trainer (or starts `mint serve`) takes `--device` (cpu by
 default) and refuses one that is not there before any work, naming it. The catalog and registry benchmarks
-(catalog_resolve, registry_ops) hold no model, so they have none; adapter_load and handoff have their own;
+(catalog_resolve, registry_ops, models_listing) hold no model, so they have none; adapter_load and handoff have
+their own;
 serving_backends, vllm_bad_adapters and eval_backends run vLLM, whose device is its environment's (.venv-vllm: CPU or
 CUDA);
 replicas runs it too, and its --device is the fronts' and where the replicas go (replica i on GPU i, as `mint up`)."""
@@ -62,6 +63,7 @@ def test_a_benchmark_refuses_a_device_that_is_not_there_before_any_work(
 def test_every_benchmark_is_listed() -> None:
     """A new benchmark is placed here: with --device, or among those without a model."""
     without = {"catalog_resolve.py", "registry_ops.py", "adapter_load.py", "handoff.py", "tinker_clients.py"}
+    without |= {"models_listing.py"}
     without |= {"serving_backends.py", "vllm_bad_adapters.py", "eval_backends.py"}
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")}
     assert scripts - without == set(WITH_DEVICE)

@@ -20,10 +20,15 @@ from mint_core.lora.adapter import random_adapter, save_adapter
 from mint_core.registry.catalog import Catalog, CatalogConfig, CatalogError
 from mint_core.registry.store import AdapterStore
 from mint_core.serving.app import build_app, load_serving_base
-from mint_core.serving.champions import ChampionListing
+from mint_core.serving.champions import ChampionListing, by_name
 from mint_core.serving.config import ServingConfig
 
 ADMIN = "t0ken"
+
+
+def digest_of(policy: str, digest: str) -> str:
+    """A listing's card, as the tests read it: the champion's digest."""
+    return digest
 
 
 @dataclass
@@ -89,26 +94,34 @@ def test_champions_are_the_policies_whose_champion_resolves_by_name(cat: Workspa
         cat.catalog.champions(-1)
 
 
+def test_held_names_and_champions_are_listed_by_name_a_held_one_as_held() -> None:
+    held = {"m": "m held", "b": "b held"}
+    champions = {"a": "a", "b": "b", "base": "base", "z": "z"}  # in name order, as the catalog reads them
+    assert list(by_name(held, champions, {"base"})) == ["a", "b held", "m held", "z"]
+
+
 def test_the_listing_is_read_again_after_invalidate_or_its_ttl(cat: Workspace) -> None:
     d = cat.digests
-    kept = ChampionListing(cat.catalog, ttl_s=math.inf)
+    kept = ChampionListing(cat.catalog, digest_of, ttl_s=math.inf)
     assert asyncio.run(kept.get()) == {"a": d[1], "b": d[2]}
     cat.catalog.set_alias("c", "champion", 1)
     cat.catalog.set_alias("a", "champion", 1)
     assert asyncio.run(kept.get()) == {"a": d[1], "b": d[2]}  # cached: no load or unload said otherwise
     kept.invalidate()
     assert asyncio.run(kept.get()) == {"a": d[0], "b": d[2], "c": d[3]}
-    expiring = ChampionListing(cat.catalog, ttl_s=0)
+    expiring = ChampionListing(cat.catalog, digest_of, ttl_s=0)
     assert asyncio.run(expiring.get()) == {"a": d[0], "b": d[2], "c": d[3]}
     cat.catalog.set_alias("a", "champion", 2)
     assert asyncio.run(expiring.get())["a"] == d[1]
-    assert asyncio.run(ChampionListing(None).get()) == {}  # a server without a catalog lists what it holds
+    assert (
+        asyncio.run(ChampionListing(None, digest_of).get()) == {}
+    )  # a server without a catalog lists what it holds
 
 
 def test_past_its_limit_the_listing_names_the_first_and_warns_once(
     cat: Workspace, caplog: pytest.LogCaptureFixture
 ) -> None:
-    listing = ChampionListing(cat.catalog, ttl_s=0, limit=1)
+    listing = ChampionListing(cat.catalog, digest_of, ttl_s=0, limit=1)
     with caplog.at_level(logging.WARNING, logger="mint_core.serving.champions"):
         assert asyncio.run(listing.get()) == {"a": cat.digests[1]}
         assert asyncio.run(listing.get()) == {"a": cat.digests[1]}
@@ -122,7 +135,7 @@ def test_past_its_limit_the_listing_names_the_first_and_warns_once(
 def test_a_catalog_that_cannot_be_read_leaves_the_last_listing(
     cat: Workspace, caplog: pytest.LogCaptureFixture
 ) -> None:
-    listing = ChampionListing(cat.catalog, ttl_s=0)
+    listing = ChampionListing(cat.catalog, digest_of, ttl_s=0)
     first = asyncio.run(listing.get())
     with cat.catalog.engine.begin() as conn:
         conn.execute(sa.text("DROP TABLE aliases"))

@@ -5,16 +5,16 @@ checks (serving/admin.py): a revision is read and validated here before vLLM is 
 
 from __future__ import annotations
 
-from typing import Any
+import json
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.errors import AdapterError
 from mint_core.registry.store import StoreError
 from mint_core.serving.admin import load_target, loaded, other_base_warning, unload_target, unloaded
-from mint_core.serving.champions import ChampionListing
+from mint_core.serving.champions import ChampionListing, by_name, model_list
 from mint_core.serving.fleet import digest_of_path
 from mint_core.serving.front.state import BASE_ADAPTER, Gateway, GatewayDep
 from mint_core.serving.http_errors import load_error
@@ -24,16 +24,26 @@ from mint_core.serving.relay import parse
 router = APIRouter(tags=["models"])
 
 
-def champions_of(request: Request, gw: Gateway) -> ChampionListing:
+def _json(obj: object) -> bytes:
+    """As Starlette's JSONResponse writes it."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def champions_of(request: Request, gw: Gateway) -> ChampionListing[bytes]:
     """The front's listing of the catalog's champions, made on first use and kept on the app."""
-    listing: ChampionListing | None = getattr(request.app.state, "champions", None)
+    listing: ChampionListing[bytes] | None = getattr(request.app.state, "champions", None)
     if listing is None:
-        listing = request.app.state.champions = ChampionListing(gw.catalog)
+
+        def card(policy: str, digest: str) -> bytes:
+            body = {"id": policy, "object": "model", "created": gw.created, "owned_by": "mint"}
+            return _json({**body, "root": f"sha256:{digest}", "parent": gw.base_name})
+
+        listing = request.app.state.champions = ChampionListing(gw.catalog, card)
     return listing
 
 
 @router.get("/v1/models")
-async def models(request: Request, gw: GatewayDep) -> dict[str, Any]:
+async def models(request: Request, gw: GatewayDep) -> Response:
     """The base, every name vLLM holds with the revision it serves now, then by name every policy whose catalog
     champion a request would be served though vLLM holds nothing under its name yet (its `root` the champion's
     digest, no `revision`)."""
@@ -56,20 +66,9 @@ async def models(request: Request, gw: GatewayDep) -> dict[str, Any]:
         else:
             card["root"] = gw.base_name
         out.append({k: v for k, v in card.items() if v is not None})
-    listed = {c["id"] for c in out} | {gw.base_name, BASE_ADAPTER}
-    out += [
-        {
-            "id": policy,
-            "object": "model",
-            "created": gw.created,
-            "owned_by": "mint",
-            "root": f"sha256:{digest}",
-            "parent": gw.base_name,
-        }
-        for policy, digest in champions.items()
-        if policy not in listed
-    ]
-    return {"object": "list", "data": out}
+    held = {str(c["id"]): _json(c) for c in out}
+    hidden = {gw.base_name, BASE_ADAPTER}
+    return model_list([*held.values(), *by_name({}, champions, hidden | held.keys())])
 
 
 @router.post("/v1/load_lora_adapter")

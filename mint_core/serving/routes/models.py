@@ -12,7 +12,7 @@ Both go through the server's AdapterManager, after the checks the vLLM front mak
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from mint_core.engine.working_set import AdapterExists
@@ -27,6 +27,7 @@ from mint_core.serving.admin import (
     unload_target,
     unloaded,
 )
+from mint_core.serving.champions import by_name, model_list
 from mint_core.serving.http_errors import load_error
 from mint_core.serving.protocol import LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest
 from mint_core.serving.server import ServerDep
@@ -35,31 +36,33 @@ router = APIRouter(tags=["models"])
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def models(request: Request, server: ServerDep) -> ModelList:
+async def models(request: Request, server: ServerDep) -> Response:
     """The base, then by name every adapter name with the revision it serves now (on-demand ones included), and
     every policy whose catalog champion a request would be served though nothing holds it yet (serving/champions.py:
     its `root` the champion's digest, no `revision`)."""
     server.auth.check_api_key(request)
     champions = await server.champions.get()
-    held = server.engine.working_set.names()
-    cards = [
-        ModelCard(
-            id=server.base_name,
+    base = ModelCard(
+        id=server.base_name,
+        created=server.created,
+        root=server.base_name,
+        parent=None,
+        max_model_len=server.engine.max_model_len,
+    )
+    held = {
+        name: ModelCard(
+            id=name,
             created=server.created,
-            root=server.base_name,
-            parent=None,
-            max_model_len=server.engine.max_model_len,
+            root=server.sources.get(name, f"sha256:{digest}"),
+            parent=server.base_name,
+            revision=f"sha256:{digest}",
         )
-    ]
-    for name in sorted((held.keys() | champions.keys()) - {server.base_name}):
-        if (digest := held.get(name)) is None:
-            root, revision = f"sha256:{champions[name]}", None
-        else:
-            root, revision = server.sources.get(name, f"sha256:{digest}"), f"sha256:{digest}"
-        cards.append(
-            ModelCard(id=name, created=server.created, root=root, parent=server.base_name, revision=revision)
-        )
-    return ModelList(data=cards)
+        .model_dump_json()
+        .encode()
+        for name, digest in server.engine.working_set.names().items()
+        if name != server.base_name
+    }
+    return model_list([base.model_dump_json().encode(), *by_name(held, champions, {server.base_name})])
 
 
 @router.post("/v1/load_lora_adapter")
