@@ -6,9 +6,9 @@ replica, which holds it in its working set (a cold load once per adapter, not on
 not N), and when a replica drops out only the names it held move, each to the next replica in its own order. A
 replica is passed over while the golden probe has it out of rotation (serving/golden.py) or while it is down (a
 request or a read could not reach it; it is asked `GET /health` again, at most every RECHECK_S, as requests come,
-and routed to once it answers). A request that never reached a replica (its connection refused) goes to the next
-one; an answer from a replica taken out of rotation while the request ran is dropped and the request sent to the
-next. Requests carry the routed key, which a replica's seal accepts for inference only.
+and routed to once it answers). A request a replica did not answer (the connection refused, or closed without an
+answer) goes to the next one; an answer from a replica taken out of rotation while the request ran is dropped and
+the request sent to the next. Requests carry the routed key, which a replica's seal accepts for inference only.
 
 Loads and unloads go to each replica directly, with mint's full key: vLLM's `/v1/load_lora_adapter` changes only
 the replica that answers it. A load is done only when every healthy replica took it and answers with it:
@@ -55,6 +55,16 @@ _WAITING = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)$"
 ROUTE_HEADER = "x-mint-route"
 """The served name a request is routed on, set by the front (`Replicas.headers`); it never leaves the front."""
 RECHECK_S = 1.0  # a replica found down is asked GET /health again at most this often, as requests come
+# A replica that refused the connection, or closed it without an answer (killed, crashed; a pooled connection to a
+# dead process): the request is sent to the next replica. What the front routes is inference, which changes no
+# state on a replica, so one that may have started there costs only its compute when sent again.
+UNANSWERED = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
 
 
 def rendezvous(key: str, names: list[str]) -> list[str]:
@@ -213,15 +223,15 @@ class Fleet:
         self, key: str, send: Callable[[Replica], Awaitable[httpx.Response]], out: Callable[[str], bool]
     ) -> httpx.Response:
         """`send(replica)` to the first replica in `key`'s order that takes it: the next when a replica refuses
-        the connection (the request never reached it) or is taken out of rotation while the request ran there
-        (its answer is not passed on, whatever it was: it may be garbage). Any other transport error is
-        raised: the request may have run. 503 when no replica is left to try."""
+        the connection or closes it without an answer (UNANSWERED), or is taken out of rotation while the request
+        ran there (its answer is not passed on, whatever it was: it may be garbage). A timeout is raised. 503 when
+        no replica is left to try."""
         tried: list[str] = []
         for r in self.order(key, out):
             tried.append(r.name)
             try:
                 resp = await send(r)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            except UNANSWERED as e:
                 self.down(r, e)
                 continue
             except httpx.TransportError as e:
