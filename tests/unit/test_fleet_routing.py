@@ -164,3 +164,26 @@ def test_a_replica_that_was_down_is_routed_to_again_once_it_answers_health(
 
     during, after = asyncio.run(run())
     assert during == rendezvous(policy, NAMES)[1] and after == NAMES[1]
+
+
+def test_a_replica_that_closes_the_connection_without_an_answer_is_passed_over_too() -> None:
+    """A pooled connection to a replica killed meanwhile: "Server disconnected", no answer. Inference changes no
+    state, so the request goes to the next replica; a timeout is not sent again (it may still be running)."""
+    stand = Stand([f"http://{n}" for n in NAMES])
+    fleet = stand.fleet()
+    policy = next(p for p in POLICIES if rendezvous(p, NAMES)[0] == NAMES[0])
+
+    def closed(name: str) -> None:
+        if name == NAMES[0]:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    stand.on_request = closed
+    assert asyncio.run(complete(fleet, policy)) == rendezvous(policy, NAMES)[1]
+    assert not fleet.by_name[NAMES[0]].healthy
+
+    def slow(name: str) -> None:
+        raise httpx.ReadTimeout("timed out")
+
+    stand.on_request = slow
+    with pytest.raises(httpx.ReadTimeout):
+        asyncio.run(complete(fleet, POLICIES[1]))
