@@ -578,15 +578,17 @@ def scenario_fleet_poison(f: Faults) -> Row:
     in_flight = [
         a for a in answers if a.replica == hot and detected_at is not None and a.start < detected_at < a.end
     ]
-    # sent to it after it was found, before it was back (the grace covers the front taking it out of rotation,
-    # which follows the failed probe by a few ms)
+    # sent to it after it was found and answered before it was back (the grace covers the front taking it out of
+    # rotation, which follows the failed probe by a few ms). A request sent while it was out and answered after it
+    # was back was routed to it once back (held meanwhile behind the restart's golden probe, which runs alone):
+    # a clean answer, counted in `came_back`
     from_it_after = [
         a
         for a in answers
         if a.replica == hot
         and detected_at is not None
         and a.start > detected_at + 0.25
-        and (back_at is None or a.start < back_at)
+        and (back_at is None or a.end < back_at)
     ]
     failed = [a for a in answers if a.status != 200]
     came_back = load.by(hot, back_at or t1)
