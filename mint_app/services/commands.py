@@ -354,7 +354,10 @@ def _replica_command(
 ) -> tuple[list[str], dict[str, str]]:
     """One vLLM replica, on its own GPU where there are several."""
     vllm = vllm_config(config, name)
-    cmd, vllm_env = vllm.command()
+    try:
+        cmd, vllm_env = vllm.command()
+    except ValueError as e:  # a base whose modules vLLM cannot be told (no readable safetensors)
+        raise ServiceError(f"{name}: {e}") from None
     env.update(vllm_env)
     device = config.serve_device or ServingConfig.load(config.serve_config).device
     if config.replicas > 1 and device.startswith("cuda"):  # replica i on GPU i (from cuda:N: N + i)

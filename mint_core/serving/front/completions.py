@@ -20,7 +20,6 @@ from mint_core.serving.relay import (
     decoded,
     named,
     normalised,
-    prompt_logprobs,
     prompt_only,
     relayed,
     validated,
@@ -72,15 +71,13 @@ async def _generate(
     if lock is None:
         await gw.ensure_base()
         data["model"] = BASE_ADAPTER
-    # vLLM 0.32 with LoRA enabled dies (EngineCore, every later request 503) when a request that asks for
-    # prompt logprobs shares a batch with any other: LogitsProcessorWithLoRA indexes the prompt positions
-    # with the batch's sampler indices ("einsum(): subscript b has size 31 ... size 25", punica_cpu.py). Such
-    # requests (echo with logprobs: lm-eval's loglikelihood) run alone; the rest share.
-    alone = prompt_logprobs(data)
-    await (gw.batch.acquire_write() if alone else gw.batch.acquire_read())
+    # requests that ask prompt logprobs (lm-eval's loglikelihood) share vLLM's batch like any other: mint starts
+    # vLLM with LoRA on the decoder's matrices only (VLLMConfig.lora_target_modules), and vLLM 0.32's lm_head
+    # wrapper, which died on two such sequences in one batch, is never there
+    await gw.batch.acquire_read()
 
     async def release_batch() -> None:
-        await (gw.batch.release_write() if alone else gw.batch.release_read())
+        await gw.batch.release_read()
 
     try:
         if body.stream:
@@ -125,13 +122,10 @@ async def _whole(
     if lock is not None:
         await lock.acquire_read()
     try:
-        if prompt_logprobs(data) and isinstance(body, CompletionRequest):
-            out, replica = await _one_by_one(gw, path, data, body, headers)
-        else:
-            r = await gw.backend.send("POST", path, json=data, headers=headers)
-            if r.status_code != 200:
-                raise relayed(r)
-            out, replica = r.json(), r.headers.get(REPLICA_HEADER)
+        r = await gw.backend.send("POST", path, json=data, headers=headers)
+        if r.status_code != 200:
+            raise relayed(r)
+        out, replica = r.json(), r.headers.get(REPLICA_HEADER)
         fp = gw.fingerprint(body.model, replica) if lock else "base"
     finally:
         if lock is not None:
@@ -140,41 +134,6 @@ async def _whole(
     return JSONResponse(
         prompt_only(gw.tokenizer, out, body) if score_only else out, headers=named(replica, fp)
     )
-
-
-async def _one_by_one(
-    gw: Gateway, path: str, data: dict[str, Any], body: CompletionRequest, headers: dict[str, str]
-) -> tuple[dict[str, Any], str | None]:
-    """A prompt-logprobs request as vLLM requests of one sequence each, in turn, merged into one answer: in
-    vLLM 0.32 with LoRA enabled, two sequences that want prompt logprobs in one batch (a list of prompts,
-    or n > 1) kill the engine as surely as two requests do. Also: the replica that answered (the last one)."""
-    prompts = body.prompts()
-    if len(prompts) == 1 and body.n == 1:
-        r = await gw.backend.send("POST", path, json=data, headers=headers)
-        if r.status_code != 200:
-            raise relayed(r)
-        return dict(r.json()), r.headers.get(REPLICA_HEADER)
-    replica = None
-    out: dict[str, Any] = {}
-    choices: list[dict[str, Any]] = []
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for prompt in prompts:
-        for j in range(body.n):
-            one = {**data, "prompt": prompt, "n": 1}
-            if body.seed is not None:
-                one["seed"] = body.seed + j  # choice j is seeded seed + j, as on mint serve
-            r = await gw.backend.send("POST", path, json=one, headers=headers)
-            if r.status_code != 200:
-                raise relayed(r)
-            replica = r.headers.get(REPLICA_HEADER)
-            got = r.json()
-            out = out or got
-            choice = got["choices"][0]
-            choice["index"] = len(choices)
-            choices.append(choice)
-            for k in usage:
-                usage[k] += int((got.get("usage") or {}).get(k) or 0)
-    return {**out, "choices": choices, "usage": usage}, replica
 
 
 async def _stream(
