@@ -19,6 +19,11 @@ and its kin with `Retry(attempts=...)`). Docket logs each retry it schedules as 
 [duration] call"); when the failure was SQLite's busy answer, a third filter says in one WARNING line that the task
 is retried. A task that runs out of attempts is logged by docket on another line, which passes as it was.
 
+The task-run recorder writes task-run events in batches; a batch SQLite refused as busy is put back on its queue
+and logged as an ERROR with a traceback ("Error flushing N events (N to retry, 0 dropped)"). A fourth filter says
+in one WARNING line that the events are written again; a batch that dropped events, and each dropped event's own
+line, pass as they were.
+
 Light on purpose: the Prefect server imports it while it configures logging.
 """
 
@@ -52,6 +57,14 @@ RETRY_MARK = "↩"  # docket/dependencies/_retry.py: "↩ [%s] %s", a retry sche
 RETRYING = (
     "background task %s was not done: SQLite was busy (database is locked). Docket retries it (one that runs out "
     "of attempts is logged as an ERROR). Prefect on PostgreSQL (prefect_database_url) avoids it."
+)
+
+
+RECORDER_LOGGER = "prefect.server.services.task_run_recorder"
+FLUSH_MARK = "Error flushing "  # prefect/server/services/task_run_recorder.py
+REQUEUED = (
+    "%s task-run events not written yet: SQLite was busy (database is locked). The recorder put them back on its "
+    "queue and writes them again; none was dropped. Prefect on PostgreSQL (prefect_database_url) avoids it."
 )
 
 
@@ -108,9 +121,27 @@ class SQLiteBusyRetry(logging.Filter):
         return True
 
 
+class SQLiteBusyFlush(logging.Filter):
+    """A batch of task-run events SQLite refused as busy, all put back on the queue: a one-line WARNING."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        if (
+            isinstance(msg, str)
+            and msg.startswith(FLUSH_MARK)
+            and msg.endswith(" 0 dropped)")
+            and record.exc_info
+            and _sqlite_busy(record.exc_info[1])
+        ):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = REQUEUED, (msg[len(FLUSH_MARK) :].split(" ", 1)[0],)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def write_config(prefect_default: Path, out: Path) -> Path:
     """Prefect's logging.yml (its `${...}` settings placeholders kept) with the filters on the heartbeat logger, on
-    the server's own and on docket's retries."""
+    the server's own, on docket's retries and on the task-run recorder's."""
     config: dict[str, Any] = yaml.safe_load(prefect_default.read_text())
     config.setdefault("filters", {})["sqlite_busy_heartbeat"] = {"()": f"{__name__}.SQLiteBusyHeartbeat"}
     config.setdefault("loggers", {})[HEARTBEAT_LOGGER] = {
@@ -123,5 +154,8 @@ def write_config(prefect_default: Path, out: Path) -> Path:
     config["filters"]["sqlite_busy_retry"] = {"()": f"{__name__}.SQLiteBusyRetry"}
     retry = config["loggers"].setdefault(RETRY_LOGGER, {})
     retry["filters"] = [*retry.get("filters", []), "sqlite_busy_retry"]
+    config["filters"]["sqlite_busy_flush"] = {"()": f"{__name__}.SQLiteBusyFlush"}
+    recorder = config["loggers"].setdefault(RECORDER_LOGGER, {"level": "${PREFECT_SERVER_LOGGING_LEVEL}"})
+    recorder["filters"] = [*recorder.get("filters", []), "sqlite_busy_flush"]
     out.write_text(yaml.safe_dump(config, sort_keys=False))
     return out

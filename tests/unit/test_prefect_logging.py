@@ -16,11 +16,14 @@ import sqlalchemy.exc
 from mint_app.services.prefect_logging import (
     HARMLESS,
     HEARTBEAT_LOGGER,
+    RECORDER_LOGGER,
+    REQUEUED,
     RETRIED,
     RETRY_LOGGER,
     RETRYING,
     STATE_LOGGER,
     STATE_VALIDATION,
+    SQLiteBusyFlush,
     SQLiteBusyHeartbeat,
     SQLiteBusyRetry,
     SQLiteBusyStateWrite,
@@ -124,6 +127,27 @@ def test_a_busy_background_task_docket_retries_becomes_a_one_line_warning_naming
         assert other.levelno == logging.ERROR and other.exc_info is not None
 
 
+def flush_record(exc: BaseException, msg: str) -> logging.LogRecord:
+    try:
+        raise exc
+    except BaseException:
+        info = sys.exc_info()
+    return logging.LogRecord(RECORDER_LOGGER, logging.ERROR, __file__, 1, msg, None, info)
+
+
+def test_a_busy_batch_of_task_run_events_put_back_becomes_a_one_line_warning() -> None:
+    r = flush_record(busy(), "Error flushing 3 events (3 to retry, 0 dropped)")
+    assert SQLiteBusyFlush().filter(r)
+    assert (r.levelno, r.levelname, r.exc_info) == (logging.WARNING, "WARNING", None)
+    assert r.getMessage() == REQUEUED % "3"
+    for other in (
+        flush_record(busy(), "Error flushing 3 events (1 to retry, 2 dropped)"),  # events lost: an ERROR
+        flush_record(ValueError("a real failure"), "Error flushing 1 events (1 to retry, 0 dropped)"),
+    ):
+        assert SQLiteBusyFlush().filter(other)
+        assert other.levelno == logging.ERROR and other.exc_info is not None
+
+
 def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
     spec = importlib.util.find_spec("prefect")
     assert spec is not None and spec.origin is not None
@@ -135,6 +159,8 @@ def test_the_config_is_prefects_own_with_the_filter(tmp_path: Path) -> None:
     assert config["loggers"][HEARTBEAT_LOGGER]["filters"] == ["sqlite_busy_heartbeat"]
     assert config["loggers"][STATE_LOGGER]["filters"] == ["sqlite_busy_state_write"]
     assert config["loggers"][RETRY_LOGGER]["filters"] == ["sqlite_busy_retry"]
+    assert config["loggers"][RECORDER_LOGGER]["filters"] == ["sqlite_busy_flush"]
+    assert "${" not in str(config["loggers"][RECORDER_LOGGER]["level"])
     assert "${" not in str(config["loggers"][STATE_LOGGER]["level"])
     assert "${" not in str(config["loggers"][HEARTBEAT_LOGGER]["level"])
     assert set(config["handlers"]) >= {"console", "api"}  # nothing of Prefect's own was dropped
