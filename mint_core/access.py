@@ -21,6 +21,7 @@ never sees half a file); `load` refuses one that others may read.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +30,8 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Literal
@@ -58,7 +61,8 @@ def new_secret(prefix: str = "") -> str:
     return prefix + secrets.token_urlsafe(24)
 
 
-def _patterns_ok(v: list[str]) -> list[str]:
+def check_patterns(v: list[str]) -> list[str]:
+    """The patterns, or ValueError naming the first that is empty or holds white space."""
     for p in v:
         if not p or p != p.strip() or any(c in p for c in " \t\n"):
             raise ValueError(f"a policy pattern must be a non-empty name or glob without spaces, not {p!r}")
@@ -76,7 +80,7 @@ class User(BaseModel):
     @field_validator("policies")
     @classmethod
     def _patterns(cls, v: list[str]) -> list[str]:
-        return _patterns_ok(v)
+        return check_patterns(v)
 
 
 class ServingKey(BaseModel):
@@ -90,7 +94,7 @@ class ServingKey(BaseModel):
     @field_validator("policies")
     @classmethod
     def _patterns(cls, v: list[str]) -> list[str]:
-        return _patterns_ok(v)
+        return check_patterns(v)
 
     def allows(self, model: str) -> bool:
         return allows(self.policies, model)
@@ -204,6 +208,29 @@ def ensure(path: Path) -> tuple[Access, bool]:
     access = Access.first()
     save(path, access)
     return access, True
+
+
+@contextmanager
+def edit(path: Path) -> Iterator[tuple[Access, bool]]:
+    """Change the access file under a lock (two commands at once never lose one's change): yields (access,
+    whether there was no file: `Access.first()` then); on a normal exit the changed access is validated again
+    and saved atomically, and after an exception nothing is written (not even a first file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = not path.exists()
+        access = Access.first() if made else load(path)
+        yield access, made
+        try:  # what the caller changed in place, checked as a whole (a name, a role, a pattern)
+            checked = Access.model_validate(access.model_dump())
+        except ValidationError as e:
+            errs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+            raise AccessError(f"{path}: not saved: {errs}") from None
+        save(path, checked)
+    finally:
+        os.close(lock)  # releases the lock
 
 
 def _digest(secret: str) -> bytes:

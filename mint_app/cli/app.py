@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 from tqdm import tqdm
 
+from mint_app.cli.access import access_app
 from mint_app.cli.base import adapter_app, base_app, data_app
 from mint_app.cli.eval import eval_app
 from mint_app.cli.help import default_of, with_default
@@ -42,6 +43,7 @@ app.add_typer(catalog_app, name="catalog")
 app.add_typer(registry_app, name="registry")
 app.add_typer(eval_app, name="eval")
 app.add_typer(task_app, name="task")
+app.add_typer(access_app, name="access")
 register_service_commands(app)  # mint up / down / status
 console = make_console()  # a kept log's tables keep their width
 

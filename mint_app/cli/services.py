@@ -22,8 +22,10 @@ from mint_app.services.config import (
     parse_names,
     services_for,
 )
-from mint_app.services.control import start, status, stop, stop_started_redis
+from mint_app.services.control import ensure_access, start, status, stop, stop_started_redis
+from mint_app.services.exposure import loopback
 from mint_app.services.processes import follow_log, log_tail, rolled_logs, service_log
+from mint_core import access
 
 console = make_console()  # a kept log's tables keep their width
 
@@ -37,6 +39,15 @@ StateDir = Annotated[
 ]
 Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(ALL_SERVICES)}.")]
 ConfigFile = Annotated[Path | None, typer.Option(help="YAML or JSON file of ServicesConfig fields.")]
+Insecure = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="With a --host other than loopback, start a service even without its auth (it then answers anyone "
+        "on the network; mint status shows it in red). Without it, mint up refuses and says why (or "
+        "MINT_SERVICES_INSECURE).",
+    ),
+]
 
 TITLES = {
     "mlflow": "MLflow tracking + registry",
@@ -82,17 +93,52 @@ def _config(config: Path | None, **overrides: object) -> ServicesConfig:
 
 
 def print_table(services: list[Service]) -> None:
-    table = Table("service", "state", "pid", "url", "open", "log")
+    table = Table("service", "state", "pid", "url", "auth", "open", "log")
     for s in services:
         table.add_row(
             TITLES[s.name],
             f"[{STYLE[s.state]}]{s.state}[/]",
             str(s.pid or ""),
             s.api_url,
+            auth_cell(s),
             f"{OPEN[s.name]}: {s.open_url}" if s.state != "stopped" else "",
             str(s.log),
         )
     console.print(table)
+    for s in services:  # the reason in full: a cell of a narrow table would cut it
+        if s.auth is False and s.state != "stopped":
+            style = "red" if s.exposed else "yellow"
+            console.print(f"[{style}]{TITLES[s.name]}: {s.without_auth}[/]", soft_wrap=True)
+
+
+def auth_cell(s: Service) -> str:
+    """`on`; `OFF` in red for a service exposed on the network without its auth (started with --insecure);
+    `off` in yellow on loopback (any local user reaches it); empty when stopped or its record does not say."""
+    if s.state == "stopped" or s.auth is None:
+        return ""
+    if s.auth:
+        return "[green]on[/]"
+    return "[bold red]OFF, on the network (--insecure)[/]" if s.exposed else "[yellow]off[/]"
+
+
+def print_access(cfg: ServicesConfig) -> None:
+    """Where the stack's credentials are (the access file), and what it holds; never a secret."""
+    path = access.access_path(cfg.state_dir)
+    if not path.exists():
+        console.print(f"access: no access file at {path} yet (mint up writes it, with an admin and a key)")
+        return
+    try:
+        found = access.load(path)
+    except access.AccessError as e:
+        console.print(f"[red]access: {e}[/]")
+        return
+    users = ", ".join(f"{n} ({u.role})" for n, u in sorted(found.users.items())) or "none"
+    keys = ", ".join(sorted(found.keys)) or "none"
+    console.print(
+        f"access: auth on, credentials in {path} (users: {users}; serving keys: {keys}); "
+        "mint access show [--secrets]",
+        soft_wrap=True,
+    )
 
 
 def up(
@@ -152,6 +198,7 @@ def up(
     worker_port: Annotated[
         int | None, typer.Option(help=_up("Healthcheck port of the Prefect worker", "worker_port"))
     ] = None,
+    insecure: Insecure = False,
     tasks: TasksOption = None,
 ) -> None:
     """Start the local services (MLflow, Prefect, mint serve, a Prefect worker running the deployments of
@@ -176,8 +223,10 @@ def up(
         serve_config=serve_config,
         serve_adapter_root=serve_adapter_root,
         worker_port=worker_port,
+        insecure=insecure or None,  # unset: the config file's or MINT_SERVICES_INSECURE
     )
     names = _names(only) or services_for(cfg)
+    _say_access(cfg)
     with console.status(f"starting {', '.join(names)} ..."):
         try:
             # a slow service (vLLM: 30-100 s on 2 cores) is reported every 10 s above the spinner
@@ -188,6 +237,24 @@ def up(
     _say_up(cfg, names, started)
 
 
+def _say_access(cfg: ServicesConfig) -> None:
+    """The access file, made on first start before any service: where the credentials are, never a secret."""
+    try:
+        path, found, made = ensure_access(cfg)
+    except ServiceError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1) from None
+    if made:
+        key = f"serving key {access.DEFAULT_KEY!r} (every policy)" if access.DEFAULT_KEY in found.keys else ""
+        console.print(
+            f"access: first start, wrote {path} (readable by you only): admin user {access.ADMIN_USER!r}, "
+            f"{key}, mint's service account; their secrets: mint access show --secrets",
+            soft_wrap=True,
+        )
+    if not loopback(cfg.host) and cfg.insecure:
+        console.print(f"[bold red]--insecure: on {cfg.host}, a service without its auth answers anyone[/]")
+
+
 def _say_up(cfg: ServicesConfig, names: list[ServiceName], started: list[Service]) -> None:
     """What `mint up` started or reused, the services' status table, and how other tools reach them."""
     for s in started:
@@ -196,6 +263,7 @@ def _say_up(cfg: ServicesConfig, names: list[ServiceName], started: list[Service
         if s.detail:
             console.print(f"  {s.detail}")
     print_table(status(cfg, names))
+    print_access(cfg)
     by_name = {s.name: s for s in started}
     if "mlflow" in by_name or "prefect" in by_name:
         console.print("the mint commands run in this directory use these servers; for other tools:")
@@ -228,6 +296,7 @@ def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile
     cfg = _config(config, state_dir=state_dir)
     found = status(cfg, _names(only))
     print_table(found)
+    print_access(cfg)
     serve = next((s for s in found if s.name == "serve" and s.state == "running"), None)
     if serve is not None and any(s.name == "vllm-1" for s in found):
         print_replicas(cfg, serve.url)

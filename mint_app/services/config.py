@@ -104,7 +104,11 @@ class ServicesConfig(Settings):
     state_dir: Path = Path(".mint/run")
     """Pid files, logs, the local databases (MLflow, Prefect) and generated secrets."""
     host: str = "127.0.0.1"
-    """Address every service binds to and is reached at (0.0.0.0 also exposes them to the network)."""
+    """Address every service binds to and is reached at (0.0.0.0 also exposes them to the network: then
+    `mint up` refuses to start a service without its auth, unless `insecure`)."""
+    insecure: bool = False
+    """Start a service on a non-loopback `host` even without its auth (`mint up --insecure`): it answers anyone
+    on the network, and `mint status` shows it in red. Off: `mint up` refuses and says which service lacks what."""
     mlflow_port: int = Field(5000, ge=1, le=65535)
     """Port of the MLflow tracking server, its registry and its UI."""
     mlflow_backend_url: str | None = None
@@ -264,6 +268,13 @@ class Service:
     """Seconds from launch to a healthy answer (None when reused or not started here)."""
     detail: str | None = None
     """What else start did for it (the worker: the deployments it registered or found unchanged)."""
+    auth: bool | None = None
+    """Whether it runs with its auth (or has nothing to guard), as its record says; None: stopped, or started
+    before records said."""
+    without_auth: str | None = None
+    """With auth False: why it answers anyone who reaches its port (`exposure.without_auth`)."""
+    exposed: bool = False
+    """It listens on a non-loopback address (its record): without its auth, it was started with --insecure."""
 
     @property
     def open_url(self) -> str:

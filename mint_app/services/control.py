@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from mint_core import access
 from mint_core.errors import BaseError
 from mint_core.serving.config import ServingConfig
 
@@ -57,6 +58,7 @@ from mint_app.services.config import (
     work_pool,
 )
 from mint_app.services.deployments import reclaim_runs, register_deployments, requeue_orphaned_runs
+from mint_app.services.exposure import loopback, without_auth
 from mint_app.services.processes import (
     CHILDREN,
     alive,
@@ -89,10 +91,55 @@ def _prepare(name: ServiceName, config: ServicesConfig) -> None:
         ensure_postgres_database(database)
 
 
+def ensure_access(config: ServicesConfig) -> tuple[Path, access.Access, bool]:
+    """The stack's access file (`<state dir>/access.json`), written on first start before any service starts:
+    (its path, what it holds, whether it was made now)."""
+    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = access.access_path(config.state_dir)
+    try:
+        found, made = access.ensure(path)
+    except access.AccessError as e:
+        raise ServiceError(str(e)) from None
+    return path, found, made
+
+
+def _check_exposure(config: ServicesConfig, names: list[ServiceName]) -> None:
+    """On a host other than loopback, refuse to start any service if one that would start runs without its
+    auth (`exposure.without_auth`, from the command line and environment it would start with), naming each and
+    why; with `insecure`, start them anyway (their records say so, `mint status` shows it in red)."""
+    if loopback(config.host):
+        return
+    missing = []
+    for s in status(config, [n for n in names if not loopback(config.bind_host(n))]):
+        if s.state != "stopped":
+            continue  # already running: checked when it started
+        try:
+            cmd, extra_env = command(s.name, config)
+        except ServiceError:
+            continue  # its launch says what is wrong
+        reason = without_auth(s.name, cmd, {**os.environ, **extra_env}, config)
+        if reason is not None:
+            missing.append(f"{s.name}: {reason}")
+    if not missing:
+        return
+    if config.insecure:
+        logger.warning("--insecure: on %s without auth: %s", config.host, "; ".join(missing))
+        return
+    raise ServiceError(
+        f"refused to start any service: --host {config.host} is not loopback, so anyone on the network could "
+        "reach them, and these would run without their auth:\n  "
+        + "\n  ".join(missing)
+        + "\nstart them with their auth, or bind to 127.0.0.1; --insecure (MINT_SERVICES_INSECURE=true) starts "
+        "them anyway (shown in red by mint status)"
+    )
+
+
 def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes]:
     cmd, extra_env = command(name, config)
     _, _, log = state_files(config, name)
     env = {**os.environ, **extra_env}
+    reason = without_auth(name, cmd, env, config)  # the command line it starts with, before the supervisor's
+    auth = {"on": reason is None, "without": reason, "exposed": not loopback(config.bind_host(name))}
     if name == "prefect":
         env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
     if name in VLLM_SIDE:  # its own environment: nothing of mint's may reach its imports
@@ -125,7 +172,9 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
         )
     CHILDREN[proc.pid] = proc
     # mint serve's record keeps its base: what the flows of this stack train on (`mint up --base`)
-    write_record(config, name, proc.pid, config.url(name), serve_base(config) if name == "serve" else None)
+    write_record(
+        config, name, proc.pid, config.url(name), serve_base(config) if name == "serve" else None, auth
+    )
     logger.info("started %s (pid %d), log %s", name, proc.pid, log)
     return proc
 
@@ -208,7 +257,19 @@ def status(config: ServicesConfig, names: list[ServiceName] | None = None) -> li
         state: State = (
             "running" if healthy(url, HEALTH_PATH[name], key=health_key(config, name)) else "unhealthy"
         )
-        out.append(Service(name, state, url, record["pid"], log))
+        auth = record.get("auth") or {}
+        out.append(
+            Service(
+                name,
+                state,
+                url,
+                record["pid"],
+                log,
+                auth=auth.get("on"),
+                without_auth=auth.get("without"),
+                exposed=bool(auth.get("exposed")),
+            )
+        )
     return out
 
 
@@ -224,8 +285,9 @@ def start(
     one ServiceError names every failure with the tail of its log. A service slower than PROGRESS_EVERY_S is
     reported every PROGRESS_EVERY_S through `progress` (default: the log).
     """
-    config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ensure_access(config)  # on first start, before any service: the services read their credentials there
     names = names or services_for(config)
+    _check_exposure(config, names)  # on the network, none starts unless each runs with its auth
     if "worker" in names and len(names) > 1:  # the worker's deployments are registered on a Prefect server up
         first = {s.name: s for s in start(config, [n for n in names if n != "worker"], progress)}
         first["worker"] = start(config, ["worker"], progress)[0]

@@ -56,12 +56,20 @@ def read_record(config: ServicesConfig, name: ServiceName) -> dict[str, Any] | N
 
 
 def write_record(
-    config: ServicesConfig, name: ServiceName, pid: int, url: str, base: str | None = None
+    config: ServicesConfig,
+    name: ServiceName,
+    pid: int,
+    url: str,
+    base: str | None = None,
+    auth: dict[str, Any] | None = None,
 ) -> None:
+    """The service's pid file and record; `auth`: whether it runs with its auth, and exposed (`mint status`)."""
     pid_file, info_file, log = state_files(config, name)
     info = {"url": url, "started_at": time.time(), "create_time": _create_time(pid), "log": str(log)}
     if base is not None:  # mint serve's: what the flows of this stack train on, read back by running_base
         info["base"] = str(Path(base).resolve())
+    if auth is not None:
+        info["auth"] = auth
     info_file.write_text(json.dumps(info, indent=1) + "\n")
     pid_file.write_text(f"{pid}\n")
 
