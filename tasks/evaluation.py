@@ -86,7 +86,10 @@ def evaluate_base(ws: Workspace, config: EvalConfig, bounds: EvalBounds) -> Base
     scores. Cached per base and suites: every first revision of a wave, and of later waves, reads the same."""
     t0 = time.perf_counter()
     fault("evaluate")
-    target = ServedModel(url=ws.serving_url, tokenizer=ws.base)
+    token = ws.admin_token()  # the base is called with mint's own credential (serving keys need one)
+    target = ServedModel(
+        url=ws.serving_url, tokenizer=ws.base, admin_token=SecretStr(token) if token else None
+    )
     result = evaluate_served(target, config)
     check(eval_frame(result.suites), "eval", CheckParams(eval=bounds), source=f"the base {ws.base}")
     scores = result.gate_scores()

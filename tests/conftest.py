@@ -54,6 +54,7 @@ SHARED_VLLM_MODULES = frozenset(
         "test_lifecycle.py",
         "test_metrics_vs_vllm.py",
         "test_serving_contract.py",
+        "test_serving_keys.py",
         "test_serving_store.py",
         "test_vllm_golden.py",
         "test_vllm_resolver.py",

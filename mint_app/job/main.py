@@ -34,7 +34,6 @@ from pathlib import Path
 import redis
 import torch
 import transformers
-from prefect.settings import PREFECT_API_URL, temporary_settings
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -62,6 +61,7 @@ from mint_app.job.report import (
 )
 from mint_app.services.config import Service, ServiceError, ServiceName, ServicesConfig, services_for
 from mint_app.services.control import start
+from mint_app.services.prefect_auth import client_auth, prefect_api
 from mint_core.data.generators import Prompt
 from mint_core.data.spec import SpecError, prompt_text
 from mint_core.data.spec import registry as task_registry
@@ -397,9 +397,10 @@ def _job_console() -> Iterator[None]:
 
 
 @contextmanager
-def _prefect_api(url: str) -> Iterator[None]:
-    """Flow runs of this process go to the Prefect server the job started (its dashboard shows them)."""
-    with temporary_settings(updates={PREFECT_API_URL: url}):
+def _prefect_api(url: str, config: ServicesConfig) -> Iterator[None]:
+    """Flow runs of this process go to the Prefect server the job started (its dashboard shows them), with its
+    auth string."""
+    with prefect_api(url, client_auth(config)):
         yield
 
 
@@ -434,9 +435,11 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
     worker, ws = _start_step(job)
     # live traffic for the canaries: users asking task prompts of every policy while it has a canary split
     traffic = Traffic(
-        ws.serving_url, api_key=os.environ.get("MINT_SERVE_API_KEY"), concurrency=cfg.traffic_concurrency
+        ws.serving_url,
+        api_key=os.environ.get("MINT_SERVE_API_KEY") or ws.admin_token(),  # mint's own traffic: every policy
+        concurrency=cfg.traffic_concurrency,
     )
-    with _prefect_api(job.started["prefect"].api_url), traffic:
+    with _prefect_api(job.started["prefect"].api_url, services_config(cfg)), traffic:
         fresh = [t for t in cfg.policies if ws.registry().alias_version(t, "champion") is None]
         if fresh:
             _first_wave_step(job, ws, fresh)

@@ -341,7 +341,8 @@ def evaluate_served(target: ServedModel, config: EvalConfig | None = None) -> Ev
             max_length=int(base_card.get("max_model_len") or 2048),
             max_retries=2,
             timeout=int(target.timeout_s),
-            header={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            # a serving key, else the admin token (mint's own evaluation calls every policy)
+            header={"Authorization": f"Bearer {api_key or admin}"} if api_key or admin else None,
         )
         try:
             run = run_lm_eval(lm, config)

@@ -7,6 +7,7 @@ one answer whichever backend serves it.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 from collections.abc import Awaitable, Callable, Collection
@@ -16,10 +17,13 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
+from mint_core.access import KeyRing
 from mint_core.lora.validate import recorded_base
 from mint_core.registry.catalog import AddressError, Catalog, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
+from mint_core.serving.canary import REQUESTED_STATE
 from mint_core.serving.config import ServingConfig
+from mint_core.serving.keys import ADMIN, ANONYMOUS, Caller
 from mint_core.serving.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 logger = logging.getLogger(__name__)
@@ -29,27 +33,85 @@ _CATALOG_ADDRESS = re.compile(r"^[^/@]+(@[^/@]*|/v[^/]*)$")
 
 
 class Auth:
-    """The bearer tokens of one server: the API key for inference (when one is set), the admin token for loads and
-    mint's routes, the resolver token for vLLM's resolver plugin."""
+    """The bearer credentials of one server: who may call what (`identify`, `check_call`), the admin token for loads
+    and mint's routes, the resolver token for vLLM's resolver plugin.
+
+    With an access file (`config.access_file`), every /v1 route and /metrics needs a serving key of the file or the
+    admin token: no or an unknown credential is a 401, a key calling a model outside its patterns a 403 that names
+    nothing it may not see, and a key on an admin route a 403. The file is read again when it changes
+    (`KeyRing`): a rotated or revoked key takes effect without a restart. Without one, `config.api_key` (when set)
+    is the one key of every /v1 route, and the admin token is taken in its place."""
 
     def __init__(self, config: ServingConfig):
         self.config = config
+        self.keys = KeyRing(config.access_file) if config.access_file is not None else None
 
-    def check_api_key(self, request: Request) -> None:
-        if self.config.api_key is not None:
+    def identify(self, request: Request) -> Caller:
+        """The caller the request's credential names (kept on the request for the routes and the per-key
+        counter); 401 when a credential is needed and this one names nobody."""
+        token = _token(request)
+        admin = token is not None and hmac.compare_digest(token, self.config.admin_secret())
+        caller = ADMIN if admin else None
+        if caller is None and self.keys is not None:
+            found = self.keys.match(token)
+            if found is None:
+                raise APIError(
+                    401, "missing or unknown serving key (Authorization: Bearer <key>)", "Unauthorized"
+                )
+            caller = Caller(found[0], tuple(found[1].policies))
+        elif caller is None and self.config.api_key is not None:
             bearer(request, self.config.api_key.get_secret_value(), "api key")
+            caller = Caller("api_key")
+        request.state.mint_caller = caller or ANONYMOUS
+        return caller or ANONYMOUS
+
+    def check_api_key(self, request: Request) -> Caller:
+        """The caller of a read or inference route (see `identify`)."""
+        return self.identify(request)
+
+    def check_call(self, request: Request, model: str, base_name: str) -> Caller:
+        """The caller, once it may call `model`, and the name it asked for if a canary split answers it with
+        another (`CanaryMiddleware` keeps it in the request's state): that name must be the caller's, and what the
+        split sends it to must be too, or the base (the control of a policy without a champion). 403 otherwise,
+        the same whether or not the model exists (no 404 tells a key what others serve)."""
+        caller = self.identify(request)
+        asked = getattr(request.state, REQUESTED_STATE, None) or model
+        inside = caller.may(asked, base_name) and (
+            model in (asked, base_name) or caller.may(model, base_name)
+        )
+        if not inside:
+            raise APIError(403, "this key may not call the model it named", "PermissionDeniedError", "model")
+        return caller
 
     def check_admin(self, request: Request) -> None:
-        bearer(request, self.config.admin_secret(), "admin token")
+        """The admin token: 401 without it, 403 for a serving key of the access file (a credential without the
+        right)."""
+        token = _token(request)
+        if token is not None and hmac.compare_digest(token, self.config.admin_secret()):
+            return
+        if self.keys is not None and self.keys.match(token) is not None:
+            raise APIError(403, "a serving key may not use the admin routes", "PermissionDeniedError")
+        raise APIError(401, "missing or wrong admin token (Authorization: Bearer ...)", "Unauthorized")
+
+    def check_metrics(self, request: Request) -> None:
+        """/metrics names every tenant's models and keys: with an access file, only the admin token reads it (a
+        Prometheus scrape sends it as its bearer token); without one it stays open, as vLLM's is."""
+        if self.keys is not None:
+            self.check_admin(request)
 
     def check_resolver(self, request: Request) -> None:
         bearer(request, self.config.resolver_secret(), "resolver token")
 
 
+def _token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    return header[7:] if header[:7].lower() == "bearer " and len(header) > 7 else None
+
+
 def bearer(request: Request, secret: str, what: str) -> None:
     """401 unless the request carries `Authorization: Bearer <secret>`."""
     header = request.headers.get("authorization", "")
-    if header != f"Bearer {secret}":
+    if not hmac.compare_digest(header.encode(), f"Bearer {secret}".encode()):
         raise APIError(401, f"missing or wrong {what} (Authorization: Bearer ...)", "Unauthorized")
 
 

@@ -5,7 +5,7 @@ Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one
   GET  /v1/models
   POST /v1/load_lora_adapter   {"lora_name", "lora_path", "load_inplace"}   (admin bearer token)
   POST /v1/unload_lora_adapter {"lora_name"}                               (admin bearer token)
-  GET  /health, GET /metrics
+  GET  /health, GET /metrics                                                (metrics: admin token with keys)
   POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
   PUT/DELETE/GET /v1/mint/canary/{name}, POST /v1/feedback                 (canary splits, scores: routes/canary.py)
 The Tinker training API (/api/v1/...) is not served from here: `mint_core.tinker.mount.build_app` builds this app
@@ -40,6 +40,7 @@ from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.http_errors import install_error_handlers, is_completion
+from mint_core.serving.keys import KeyCounter, key_requests
 from mint_core.serving.routes import canary, completions, extensions, health, models
 from mint_core.serving.server import PromptLimits, Server
 
@@ -124,13 +125,16 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     # each refusal reaches exactly one of the error handlers or the body limit (a body over it is never read, so
     # its model is unknown), and a route counts only what it answers itself: each is counted once
     install_error_handlers(app, lambda path, model, status: _count(server, path, model, status))
-    app.state.canary, app.state.auth = CanaryState(), server.auth
+    app.state.canary, app.state.auth, app.state.base_name = CanaryState(), server.auth, base_name
     app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
-    app.add_middleware(  # outermost: a body over the limit is refused before anything reads it
+    app.add_middleware(  # a body over the limit is refused before anything reads it
         BodyLimit,
         max_bytes=config.max_body_bytes,
         refused=lambda path: _count(server, path, None, 413),
     )
+    app.add_middleware(
+        KeyCounter, requests=key_requests(server.metrics.registry)
+    )  # outermost: every answer, by key
     for routes in (completions, models, health, extensions, canary):
         app.include_router(routes.router)
     return app

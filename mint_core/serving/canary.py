@@ -49,6 +49,9 @@ Arm = Literal["canary", "control", "none"]
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 MAX_RESPONSES = 200_000
 """Response ids remembered for feedback (oldest forgotten first): minutes of traffic at hundreds of requests/s."""
+REQUESTED_STATE = "mint_requested"
+"""Where the middleware keeps, in the request's state, the name a request asked for when a split answers it with
+another: a serving key is checked against both (serving/admin.py `Auth.check_call`)."""
 MAX_EVENTS = 200_000
 """Scores kept per requested name, oldest dropped first; a reader that falls this far behind is told so."""
 
@@ -193,6 +196,12 @@ class CanaryState:
             s = self._streams.setdefault(ans.name, _Stream())
             a = s.arms.setdefault(ans.arm, ArmSummary())
             return self._event(s, a, ans.arm, ans.model, ans.revision, score, source)
+
+    def name_of(self, rid: str) -> str | None:
+        """The name an answer remembered by its response id was asked under (None: unknown or forgotten)."""
+        with self._lock:
+            ans = self._answered.get(rid)
+            return ans.name if ans is not None else None
 
     def _event(
         self,
@@ -354,6 +363,7 @@ class CanaryMiddleware:
         else:
             target, arm = self.state.route(name, key)
         if target != name:
+            scope.setdefault("state", {})[REQUESTED_STATE] = name
             data["model"] = target
             body = bytearray(json.dumps(data).encode())
             scope = dict(scope)

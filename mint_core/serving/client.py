@@ -21,7 +21,8 @@ class ServingError(MintError):
 
 
 class ServingClient:
-    """Admin and inference calls against `base_url` (e.g. http://127.0.0.1:8000)."""
+    """Admin and inference calls against `base_url` (e.g. http://127.0.0.1:8000): admin ones with `admin_token`,
+    the rest with `api_key` (a serving key), or the admin token when none is given (mint's own components)."""
 
     def __init__(
         self,
@@ -49,7 +50,8 @@ class ServingClient:
         self.close()
 
     def _headers(self, admin: bool) -> dict[str, str]:
-        token = self.admin_token if admin else self.api_key
+        # inference without a key of its own goes with the admin token: mint's components call every policy
+        token = self.admin_token if admin else (self.api_key or self.admin_token)
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     def _call(self, method: str, path: str, admin: bool = False, **kw: Any) -> httpx.Response:

@@ -39,6 +39,11 @@ class ServingConfig(Settings):
     """Threads that cold-load catalog addresses named by requests or prefetch (with catalog_url)."""
     api_key: SecretStr | None = None
     """If set, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
+    access_file: Path | None = None
+    """The stack's access file (`mint_core.access`, `mint up` passes `<state dir>/access.json`): when set, every
+    /v1 route and /metrics needs `Authorization: Bearer <key>`, a serving key of the file (read again when the file
+    changes: rotation without a restart) or the admin token; a key calls only the policies its patterns match
+    (403 otherwise) and `/v1/models` lists only those. Takes the place of `api_key`."""
     admin_token: SecretStr | None = None
     """Bearer token for load/unload; generated and printed at start when unset."""
     max_loras: int = Field(8, ge=1)

@@ -9,8 +9,9 @@ reach the front, which adds what vLLM lacks (measured on vLLM 0.32, infra/vllm/R
   validator (`read_adapter`: safetensors only, header, finite, rank, shapes, modules, base fingerprint), then vLLM
   is handed the verified content-addressed copy in the store (`<store>/sha256/xx/<hex>`).
 - **Auth that covers every route.** Only the contract's routes exist here (everything else vLLM serves, such as
-  its unkeyed `POST /adapters`, `/invocations` and `/tokenize`, is unreachable); inference needs the API key when
-  one is set, load and unload the admin token, the resolver callback its own token.
+  its unkeyed `POST /adapters`, `/invocations` and `/tokenize`, is unreachable); inference needs a serving key of
+  the access file that may call the model (or the API key when one is set), load and unload the admin token, the
+  resolver callback its own token (serving/admin.py `Auth`).
 - **Revision identity.** vLLM lists an adapter's `root` (the path it was loaded from); the front loads only
   content-addressed paths, so the digest the front reports is read off vLLM's own state. `/v1/models` carries
   `revision`, and every completion's `system_fingerprint` names the revision that answered (as on mint serve).
@@ -51,6 +52,7 @@ from mint_core.serving.config import ServingConfig
 from mint_core.serving.front import completions, extensions, health, models
 from mint_core.serving.front.state import BASE_ADAPTER, Gateway
 from mint_core.serving.http_errors import install_error_handlers, is_completion
+from mint_core.serving.keys import KeyCounter, key_requests
 from mint_core.serving.protocol import APIError
 from mint_core.serving.routes import canary
 from mint_core.serving.server import PromptLimits
@@ -88,12 +90,15 @@ def create_gateway(
     app = FastAPI(title="mint (vLLM backend)", lifespan=lifespan)
     app.state.gateway = gw
     install_error_handlers(app, refused)
-    app.state.canary, app.state.auth = CanaryState(), gw.auth
+    app.state.canary, app.state.auth, app.state.base_name = CanaryState(), gw.auth, base_name
     app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
-    # outermost: a body over the limit is refused before anything reads it (so its model is unknown)
+    # a body over the limit is refused before anything reads it (so its model is unknown)
     app.add_middleware(
         BodyLimit, max_bytes=config.max_body_bytes, refused=lambda path: refused(path, None, 413)
     )
+    app.add_middleware(
+        KeyCounter, requests=key_requests(gw.registry)
+    )  # outermost: every answer, by the key that asked
     for routes in (completions, models, health, extensions, canary):
         app.include_router(routes.router)
     return app

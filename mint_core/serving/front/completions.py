@@ -63,6 +63,7 @@ async def _generate(
     finally:  # out of rotation: 503, whatever the body
         gw.golden.check_rotation()
     body = validated(data, model)
+    gw.auth.check_call(request, body.model, gw.base_name)  # 403 before the name is looked up anywhere
     score_only = check_prompts(gw, data, body)
     if score_only:
         data["max_tokens"] = 1  # vLLM generates at least one token; the front drops it below

@@ -46,9 +46,11 @@ def champions_of(request: Request, gw: Gateway) -> ChampionListing[bytes]:
 async def models(request: Request, gw: GatewayDep) -> Response:
     """The base, every name vLLM holds with the revision it serves now, then by name every policy whose catalog
     champion a request would be served though vLLM holds nothing under its name yet (its `root` the champion's
-    digest, no `revision`)."""
-    gw.auth.check_api_key(request)
+    digest, no `revision`). A serving key sees only what it may call."""
+    caller = gw.auth.check_api_key(request)
     champions = await champions_of(request, gw).get()
+    if caller.policies is not None:
+        champions = {p: c for p, c in champions.items() if caller.may(p, gw.base_name)}
     cards = await gw.backend.models()
     await gw.refresh()
     out = []
@@ -65,7 +67,8 @@ async def models(request: Request, gw: GatewayDep) -> Response:
                 card["revision"] = f"sha256:{digest}"
         else:
             card["root"] = gw.base_name
-        out.append({k: v for k, v in card.items() if v is not None})
+        if caller.may(str(card["id"]), gw.base_name):
+            out.append({k: v for k, v in card.items() if v is not None})
     held = {str(c["id"]): _json(c) for c in out}
     hidden = {gw.base_name, BASE_ADAPTER}
     return model_list([*held.values(), *by_name({}, champions, hidden | held.keys())])

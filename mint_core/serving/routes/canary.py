@@ -5,6 +5,9 @@ DELETE /v1/mint/canary/{name}                                     end it (admin 
 GET    /v1/mint/canary/{name}?after=<seq>&limit=<n>               the split, counts per arm, score events
 GET    /v1/mint/canary                                            every split
 POST   /v1/feedback            {"id", "score"}                    score an answer by its response id (API key)
+
+A serving key reads the splits of the names it may call only (another's: 403; the listing leaves them out), and
+scores answers under those names only (another's answer id: 404, as one never seen).
 """
 
 from __future__ import annotations
@@ -62,22 +65,27 @@ async def view(
     request: Request, name: str, after: int = Query(0, ge=0), limit: int = Query(10_000, ge=1, le=100_000)
 ) -> CanaryView:
     state, auth = _state(request)
-    auth.check_api_key(request)
+    if not auth.check_api_key(request).may(name, request.app.state.base_name):
+        raise APIError(403, "this key may not read that canary", "PermissionDeniedError", "name")
     return state.view(name, after, limit)
 
 
 @router.get("/v1/mint/canary")
 async def splits(request: Request) -> dict[str, Split]:
     state, auth = _state(request)
-    auth.check_api_key(request)
-    return dict(state.splits)
+    caller = auth.check_api_key(request)
+    base_name = request.app.state.base_name
+    return {name: split for name, split in list(state.splits.items()) if caller.may(name, base_name)}
 
 
 @router.post("/v1/feedback", response_model=ScoreEvent)
 async def feedback(request: Request, body: Feedback) -> ScoreEvent:
     state, auth = _state(request)
-    auth.check_api_key(request)
+    caller = auth.check_api_key(request)
     try:
+        name = state.name_of(body.id)
+        if name is not None and not caller.may(name, request.app.state.base_name):
+            raise UnknownResponse(body.id)  # another key's answer: as if never seen
         return state.feedback(body.id, body.score)
     except UnknownResponse:
         raise APIError(

@@ -51,7 +51,7 @@ async def completions(
     request: Request, body: CompletionRequest, server: ServerDep
 ) -> CompletionResponse | Response:
     request.state.model = body.model  # for the error handler's request counter
-    server.auth.check_api_key(request)
+    server.auth.check_call(request, body.model, server.base_name)
     adapter = await server.resolve_model(body.model)
     prompts = body.prompts()
     if not prompts:
@@ -108,7 +108,7 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, server: ServerDep
 ) -> ChatCompletionResponse | Response:
     request.state.model = body.model
-    server.auth.check_api_key(request)
+    server.auth.check_call(request, body.model, server.base_name)
     adapter = await server.resolve_model(body.model)
     engine = server.engine
     ids = server.tokenize(chat_ids(engine.tokenizer, body.messages))

@@ -1,8 +1,9 @@
-"""Probes: liveness of the engine loop, and the Prometheus metrics. Neither needs a key."""
+"""Probes: liveness of the engine loop (no key: load balancers probe it), and the Prometheus metrics (the admin
+token with an access file: its series name every tenant's models and keys; open otherwise)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from mint_core.serving.protocol import APIError
 from mint_core.serving.server import ServerDep
@@ -19,6 +20,7 @@ async def health(server: ServerDep) -> Response:
 
 
 @router.get("/metrics")
-async def metrics(server: ServerDep) -> Response:
+async def metrics(request: Request, server: ServerDep) -> Response:
+    server.auth.check_metrics(request)
     body, ctype = server.metrics.render()
     return Response(body, media_type=ctype)

@@ -39,9 +39,11 @@ router = APIRouter(tags=["models"])
 async def models(request: Request, server: ServerDep) -> Response:
     """The base, then by name every adapter name with the revision it serves now (on-demand ones included), and
     every policy whose catalog champion a request would be served though nothing holds it yet (serving/champions.py:
-    its `root` the champion's digest, no `revision`)."""
-    server.auth.check_api_key(request)
+    its `root` the champion's digest, no `revision`). A serving key sees only what it may call."""
+    caller = server.auth.check_api_key(request)
     champions = await server.champions.get()
+    if caller.policies is not None:
+        champions = {p: c for p, c in champions.items() if caller.may(p, server.base_name)}
     base = ModelCard(
         id=server.base_name,
         created=server.created,
@@ -60,9 +62,10 @@ async def models(request: Request, server: ServerDep) -> Response:
         .model_dump_json()
         .encode()
         for name, digest in server.engine.working_set.names().items()
-        if name != server.base_name
+        if name != server.base_name and caller.may(name, server.base_name)
     }
-    return model_list([base.model_dump_json().encode(), *by_name(held, champions, {server.base_name})])
+    listed = [base.model_dump_json().encode()] if caller.may(server.base_name, server.base_name) else []
+    return model_list([*listed, *by_name(held, champions, {server.base_name})])
 
 
 @router.post("/v1/load_lora_adapter")
