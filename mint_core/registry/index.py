@@ -91,9 +91,9 @@ def reindex_policy(
     """`rebuild_catalog` of one policy, for a caller that holds its registry lock; adds to `report`."""
     try:
         revs = reader.revisions(policy)
-        pointed = reader.aliases(policy)
+        pointed, movers = reader.aliases_and_movers(policy)
     except UnknownRevision:
-        revs, pointed = [], {}  # deleted in MLflow: its versions and aliases leave the index
+        revs, pointed, movers = [], {}, {}  # deleted in MLflow: its versions and aliases leave the index
     truth: dict[int, Registration] = {}
     for rev in revs:
         location = rev.location
@@ -103,7 +103,9 @@ def reindex_policy(
             report.not_in_store.append(f"{rev.address} ({rev.digest.prefixed})")
         truth[rev.version] = Registration(rev.digest, rev.base, rev.rank, location, {"policy": policy})
     alias_truth = {a: v for a, v in pointed.items() if v in truth}
-    changes, moves = reindex_rows(catalog, policy, truth, alias_truth, actor, reason, dry_run)
+    # a move found in MLflow is the MLflow user's who made it, when its auth app named them for this very move
+    actors = {a: who for a, (v, who) in movers.items() if alias_truth.get(a) == v} if actor == ACTOR else {}
+    changes, moves = reindex_rows(catalog, policy, truth, alias_truth, actor, reason, dry_run, actors)
     report.policies += 1
     report.changes += changes
     report.moves += moves
@@ -159,11 +161,12 @@ def reindex_rows(
     actor: str,
     reason: str,
     dry_run: bool = False,
+    actors: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[AliasMove]]:
     """Make the catalog's index of one policy say what the registry says: its versions (number -> revision) are
     `truth` and its aliases are `alias_truth`. Rows that are missing are added, rows that disagree are
     overwritten, versions and aliases the registry no longer has are removed; each alias change is logged as
-    a move by `actor`. Idempotent. Returns what changed (or, with `dry_run`, what would) and the moves."""
+    a move by `actor` (or by `actors[alias]`, where given). Idempotent. Returns what changed (or, with `dry_run`, what would) and the moves."""
     check_name(policy, "policy", policy)
     problems: list[str] = []
     rows = {v: validated(v, reg, problems) for v, reg in truth.items()}
@@ -220,7 +223,8 @@ def reindex_rows(
                 continue
             changes.append(f"{policy}@{alias}: {_v(before)} -> {_v(after)}")
             if not dry_run:
-                moves.append(catalog.move_alias(policy, alias, after, reason, actor, before, conn=conn))
+                who = (actors or {}).get(alias, actor)
+                moves.append(catalog.move_alias(policy, alias, after, reason, who, before, conn=conn))
         return changes, moves
 
     return catalog.transaction(apply)

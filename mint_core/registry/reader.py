@@ -138,6 +138,29 @@ def _aliases_of(rm: dict[str, Any]) -> dict[str, int]:
     return {a["alias"]: int(a["version"]) for a in rm.get("aliases") or ()}
 
 
+MOVER_TAG = "mint.alias_mover."
+"""Prefix of the registered-model tag in which mint's MLflow auth app names who last set or deleted an alias
+(`<prefix><alias>`: JSON with the version it moved to, null for a deletion, and the MLflow user)."""
+
+
+def movers_of(rm: dict[str, Any]) -> dict[str, tuple[int | None, str]]:
+    """Who last set or deleted each alias of a registered model (its tags): alias -> (the version it was moved
+    to, None for a deletion; the MLflow user)."""
+    raw = rm.get("tags") or []
+    tags = {t["key"]: t.get("value", "") for t in raw} if isinstance(raw, list) else dict(raw)
+    out: dict[str, tuple[int | None, str]] = {}
+    for key, value in tags.items():
+        if not key.startswith(MOVER_TAG):
+            continue
+        try:
+            got = json.loads(value)
+            version = None if got.get("version") is None else int(got["version"])
+            out[key.removeprefix(MOVER_TAG)] = (version, str(got["user"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
 # ---- the two ways of asking MLflow ---------------------------------------------------------------------
 
 
@@ -150,7 +173,13 @@ class _Rest:
 
     def __init__(self, uri: str, timeout_s: float):
         self.uri = uri.rstrip("/")
-        self.http = httpx.Client(base_url=self.uri + _API, timeout=timeout_s)
+        # MLflow's auth app: the login MLflow's own client sends (MLFLOW_TRACKING_USERNAME / _PASSWORD)
+        user, password = (
+            os.environ.get("MLFLOW_TRACKING_USERNAME"),
+            os.environ.get("MLFLOW_TRACKING_PASSWORD"),
+        )
+        auth = httpx.BasicAuth(user, password) if user and password else None
+        self.http = httpx.Client(base_url=self.uri + _API, timeout=timeout_s, auth=auth)
 
     def get(self, what: str, path: str, params: dict[str, Any]) -> dict[str, Any]:
         def once() -> httpx.Response:
@@ -294,6 +323,11 @@ class RegistryReader:
     def aliases(self, policy: str) -> dict[str, int]:
         """The policy's aliases and the versions they name (`UnknownRevision` for an unknown policy)."""
         return _aliases_of(self._api.registered_model(policy))
+
+    def aliases_and_movers(self, policy: str) -> tuple[dict[str, int], dict[str, tuple[int | None, str]]]:
+        """`aliases` and, from the same read, who last moved each one in MLflow (`movers_of`)."""
+        rm = self._api.registered_model(policy)
+        return _aliases_of(rm), movers_of(rm)
 
     def alias_version(self, policy: str, alias: str = CHAMPION) -> int | None:
         """The version MLflow's `policy@alias` points at; None when unset (or the policy is unknown)."""
