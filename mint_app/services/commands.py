@@ -33,6 +33,13 @@ from mint_app.services.config import (
     ServicesConfig,
     work_pool,
 )
+from mint_app.services.prefect_auth import (
+    AUTH_ENV,
+    SERVER_AUTH_ENV,
+    client_auth,
+    server_auth,
+    write_client_settings,
+)
 from mint_app.services.processes import (
     alive,
     healthy,
@@ -293,8 +300,12 @@ def _mlflow_command(
 def _prefect_command(
     config: ServicesConfig, host: str, port: str, env: dict[str, str]
 ) -> tuple[list[str], dict[str, str]]:
-    """The Prefect server, its state in the state dir and its dashboard calling its own port."""
+    """The Prefect server, its state in the state dir and its dashboard calling its own port, behind the access
+    file's auth string (every API route but its health probes; the dashboard asks for it at a login prompt)."""
     env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
+    # the server's own clients send it too (over a prefect.toml of the working directory, which may be another's)
+    env[SERVER_AUTH_ENV] = env[AUTH_ENV] = server_auth(config)
+    write_client_settings(config)  # the owner's Prefect clients in the project's directory
     # the dashboard's API calls go here: left unset, the UI calls port 4200 whatever port the server is on
     env["PREFECT_UI_API_URL"] = config.url("prefect") + "/api"
     database = config.prefect_database()
@@ -331,6 +342,8 @@ def _worker_command(
     # flow runs inherit this environment (and the job variables of infra/prefect.yaml): the servers of this
     # state dir, so a deployment's default Workspace reaches them
     env["PREFECT_API_URL"] = config.url("prefect") + "/api"
+    if auth := client_auth(config):  # its flow runs inherit it
+        env[AUTH_ENV] = auth
     env["PREFECT_HOME"] = str((config.state_dir / "prefect").resolve())
     env["PREFECT_WORKER_WEBSERVER_HOST"] = host
     env["PREFECT_WORKER_WEBSERVER_PORT"] = port

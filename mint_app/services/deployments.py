@@ -29,6 +29,7 @@ from mint_app.services.config import (
     deployments_file,
     work_pool,
 )
+from mint_app.services.prefect_auth import AUTH_ENV, basic_auth, client_auth
 from mint_app.services.processes import (
     healthy,
 )
@@ -83,8 +84,12 @@ def _fingerprint(config: ServicesConfig, api: str, deployments: str) -> str:
     return h.hexdigest()
 
 
-def _prefect_cli(*args: str, api: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _prefect_cli(
+    *args: str, api: str, auth: str | None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    if auth:
+        env[AUTH_ENV] = auth
     return subprocess.run(
         [console_script("prefect"), "--no-prompt", *args],
         env=env,
@@ -127,6 +132,7 @@ def register_deployments(config: ServicesConfig) -> str:
     derived = config.state_dir / "prefect.yaml"
     text = _deployments_for(config)
     fingerprint = _fingerprint(config, api, text)
+    auth = client_auth(config)
     try:
         last = json.loads(record.read_text())
     except (OSError, ValueError):
@@ -136,13 +142,15 @@ def register_deployments(config: ServicesConfig) -> str:
         json={"deployments": {"name": {"any_": names}}, "limit": 200, "offset": 0},
         timeout=10,
         trust_env=False,
+        auth=basic_auth(auth),
     )
     there = {d["name"] for d in found.json()} if found.status_code == 200 else set()
     if last.get("fingerprint") == fingerprint and set(names) <= there:
         return f"{len(names)} deployments unchanged"
     t0 = time.monotonic()
-    if httpx.get(f"{api}/work_pools/{pool}", timeout=10, trust_env=False).status_code == 404:
-        made = _prefect_cli("work-pool", "create", pool, "--type", "process", api=api)
+    pool_there = httpx.get(f"{api}/work_pools/{pool}", timeout=10, trust_env=False, auth=basic_auth(auth))
+    if pool_there.status_code == 404:
+        made = _prefect_cli("work-pool", "create", pool, "--type", "process", api=api, auth=auth)
         if made.returncode != 0:
             raise ServiceError(
                 f"worker: could not create work pool {pool}:\n{made.stdout[-2000:]}{made.stderr[-2000:]}"
@@ -152,7 +160,9 @@ def register_deployments(config: ServicesConfig) -> str:
     )
     waits = (2.0, 5.0, 10.0, 20.0, 0.0)  # seconds before the next try; 0: the last
     for wait in waits:  # `deploy --all` is idempotent: repeat it past a busy server's 503
-        deployed = _prefect_cli("deploy", "--all", "--prefect-file", str(derived.resolve()), api=api)
+        deployed = _prefect_cli(
+            "deploy", "--all", "--prefect-file", str(derived.resolve()), api=api, auth=auth
+        )
         busy = "503 Service Unavailable" in deployed.stdout + deployed.stderr
         if deployed.returncode == 0 or not busy or not wait:
             break
@@ -179,7 +189,8 @@ def requeue_orphaned_runs(config: ServicesConfig) -> int:
     lifecycle resumes from its checkpoint and, keyed by its idempotency key, makes no second version. Called only
     when no worker of this state dir runs; returns how many."""
     api = config.url("prefect") + "/api"
-    return reclaim_runs(api, work_pool(config), config.worker_name, hooks_workspace(config)["catalog_url"])
+    catalog = hooks_workspace(config)["catalog_url"]
+    return reclaim_runs(api, work_pool(config), config.worker_name, catalog, auth=client_auth(config))
 
 
 TRAINING_TAG = "training"
@@ -199,6 +210,7 @@ def reclaim_runs(
     worker: str,
     catalog_url: str | None = None,
     crashed_since: float | None = None,
+    auth: str | None = None,
 ) -> int:
     """Flow runs of `pool` whose worker is gone, back to Scheduled (any worker of the pool then runs them again,
     and they resume from their checkpoints); returns how many. `worker` is the worker about to start, so none
@@ -207,7 +219,9 @@ def reclaim_runs(
     nobody has held for `RECLAIM_GRACE_S`, or, with no other worker of the pool online, whatever it is (one
     worker: every run it had is gone). With `crashed_since` (epoch s), runs that crashed since then (taken down
     with their worker) too, unless another worker's lease names them. The supervisor of the worker calls it
-    before it starts the worker again after a crash (`python -m mint_app.services.control requeue ...`)."""
+    before it starts the worker again after a crash (`python -m mint_app.services.control requeue ...`). `auth`:
+    the server's auth string (default: PREFECT_API_AUTH_STRING, as the worker's supervisor has it)."""
+    basic = basic_auth(auth or os.environ.get(AUTH_ENV))
     types = ["PENDING", "RUNNING"] + (["CRASHED"] if crashed_since is not None else [])
     query = {
         "work_pools": {"name": {"any_": [pool]}},
@@ -216,13 +230,13 @@ def reclaim_runs(
         "offset": 0,
     }
     try:
-        found = httpx.post(f"{api}/flow_runs/filter", json=query, timeout=10, trust_env=False)
+        found = httpx.post(f"{api}/flow_runs/filter", json=query, timeout=10, trust_env=False, auth=basic)
     except httpx.HTTPError as e:
         logger.warning("could not list the flow runs of pool %s at %s: %s", pool, api, e)
         return 0
     if found.status_code != 200:
         return 0
-    others = _other_workers_online(api, pool, worker)
+    others = _other_workers_online(api, pool, worker, basic)
     holder = _lease_holders(catalog_url)
     n = 0
     for run in found.json():
@@ -231,7 +245,7 @@ def reclaim_runs(
             if crashed_since is None or when is None or when < crashed_since:
                 continue  # crashed before this worker died: not ours to run again
         why = _orphaned(run, worker, others, *holder(str(run["id"])))
-        if why is not None and _requeue(api, run, why):
+        if why is not None and _requeue(api, run, why, basic):
             n += 1
     return n
 
@@ -255,7 +269,7 @@ def _orphaned(
     return None
 
 
-def _requeue(api: str, run: dict[str, Any], why: str) -> bool:
+def _requeue(api: str, run: dict[str, Any], why: str, auth: httpx.BasicAuth | None) -> bool:
     state = {
         "type": "SCHEDULED",
         "name": "Rescheduled",
@@ -266,6 +280,7 @@ def _requeue(api: str, run: dict[str, Any], why: str) -> bool:
         json={"state": state, "force": True},
         timeout=10,
         trust_env=False,
+        auth=auth,
     )
     if done.status_code not in (200, 201):
         return False
@@ -273,11 +288,15 @@ def _requeue(api: str, run: dict[str, Any], why: str) -> bool:
     return True
 
 
-def _other_workers_online(api: str, pool: str, worker: str) -> list[str]:
+def _other_workers_online(api: str, pool: str, worker: str, auth: httpx.BasicAuth | None) -> list[str]:
     """The names of the pool's other workers that Prefect sees online (heartbeat within its timeout)."""
     try:
         found = httpx.post(
-            f"{api}/work_pools/{pool}/workers/filter", json={"limit": 200}, timeout=10, trust_env=False
+            f"{api}/work_pools/{pool}/workers/filter",
+            json={"limit": 200},
+            timeout=10,
+            trust_env=False,
+            auth=auth,
         )
     except httpx.HTTPError:
         return []

@@ -4,7 +4,9 @@ MINT_SERVICES_STATE_DIR): the `mint` commands that run a flow (`wave`, `lifecycl
 which servers they used. While the workspace's Prefect server is up they never start a temporary one (Prefect's
 fallback without PREFECT_API_URL), so every run, its logs and its artifacts reach the dashboard.
 
-A variable the user exported (PREFECT_API_URL, MLFLOW_TRACKING_URI) or a flag still wins: it is a choice.
+A variable the user exported (PREFECT_API_URL, MLFLOW_TRACKING_URI) or a flag still wins: it is a choice. The
+Prefect server asks its auth string: the commands send the state dir's (`prefect_auth.client_auth`), also to an
+exported PREFECT_API_URL that is the workspace's own server, unless PREFECT_API_AUTH_STRING is exported too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from mint_app.services.config import ServicesConfig
 from mint_app.services.control import status
 from mint_app.services.deployments import workspace_defaults
+from mint_app.services.prefect_auth import AUTH_ENV, client_auth, prefect_api
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class Stack:
     serve: str | None = None
     workspace: dict[str, Any] = field(default_factory=dict)
     """The flows' `workspace` parameter for these servers: what `mint up` gives its deployments."""
+    prefect_auth: str | None = field(default=None, repr=False)
+    """The Prefect server's auth string (the state dir's access file), None without one."""
 
     @property
     def prefect_api(self) -> str | None:
@@ -51,7 +56,13 @@ def find_stack(config: ServicesConfig | None = None, with_workspace: bool = True
         )  # this host's, as the worker's
     if "mlflow" in up:
         workspace["tracking_uri"] = up["mlflow"]
-    return Stack(config.state_dir, up.get("prefect"), up.get("mlflow"), up.get("serve"), workspace)
+        # this process's MLflow clients log in to it as mint's service account (an exported login wins)
+        from mint_app.services.mlflow_auth import service_env
+
+        for key, value in service_env(config).items():
+            os.environ.setdefault(key, value)
+    auth = client_auth(config) if "prefect" in up else None
+    return Stack(config.state_dir, up.get("prefect"), up.get("mlflow"), up.get("serve"), workspace, auth)
 
 
 def flow_workspace(stack: Stack, given: dict[str, Any] | None) -> dict[str, Any]:
@@ -76,20 +87,17 @@ def tracking_uri(given: str | None, default: str) -> str:
 def on_stack(say: Callable[[str], None], config: ServicesConfig | None = None) -> Iterator[Stack]:
     """Flow runs of this process go to the workspace's Prefect server (unless PREFECT_API_URL names one); says
     which servers the flow uses."""
-    # deferred: Prefect takes seconds to import, which `mint --help` need not pay
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     stack = find_stack(config)
     exported = os.environ.get("PREFECT_API_URL")
     mlflow = os.environ.get("MLFLOW_TRACKING_URI") or stack.mlflow
     also = f"; MLflow {mlflow}" if mlflow else ""
     also += f"; mint serve {stack.serve}" if stack.serve else ""
-    if exported:
+    if exported and (exported.rstrip("/") != stack.prefect_api or os.environ.get(AUTH_ENV)):
         say(f"Prefect: {exported} (PREFECT_API_URL){also}")
         yield stack
     elif stack.prefect_api is not None:
         say(f"Prefect: {stack.prefect} (the workspace's, {stack.state_dir}){also}")
-        with temporary_settings(updates={PREFECT_API_URL: stack.prefect_api}):
+        with prefect_api(stack.prefect_api, stack.prefect_auth):
             yield stack
     else:
         say(

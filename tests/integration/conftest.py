@@ -16,17 +16,19 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import sqlalchemy as sa
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from mint_app.services.config import Service, ServiceName, ServicesConfig
 from mint_app.services.control import start, stop
+from mint_app.services.mlflow_auth import as_service
+from mint_core import access
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
@@ -183,7 +185,9 @@ def running_service(name: ServiceName, state_dir: Path, **settings: object) -> I
     config = ServicesConfig.model_validate({"state_dir": state_dir, f"{name}_port": free_port(), **settings})
     service = start(config, [name])[0]
     try:
-        yield service
+        # MLflow asks a login: this process's clients log in as mint's service account, as mint's services do
+        with as_service(config) if name == "mlflow" else nullcontext():
+            yield service
     finally:
         stop(config, [name])
 
@@ -221,17 +225,23 @@ def mlflow_server_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """API URL (http://127.0.0.1:<port>/api) of a real Prefect server with its own PREFECT_HOME. For the
-    session, PREFECT_API_URL points at it, in os.environ (subprocesses) and in Prefect's settings of this
-    process (read once at import), so flows run by tests report to it; both are restored afterwards."""
-    with running_service("prefect", tmp_path_factory.mktemp("prefect")) as s:
-        previous = os.environ.get("PREFECT_API_URL")
-        os.environ["PREFECT_API_URL"] = s.api_url
+    """API URL (http://127.0.0.1:<port>/api) of a real Prefect server with its own PREFECT_HOME, behind its auth
+    string. For the session, PREFECT_API_URL points at it and PREFECT_API_AUTH_STRING is its string, in
+    os.environ (subprocesses) and in Prefect's settings of this process (read once at import), so flows run by
+    tests report to it; both are restored afterwards."""
+    state_dir = tmp_path_factory.mktemp("prefect")
+    with running_service("prefect", state_dir) as s:
+        # the server asks its auth string (the state dir's access file): the session's clients send it
+        auth = access.load(access.access_path(state_dir)).service.prefect_auth
+        values = {"PREFECT_API_URL": s.api_url, "PREFECT_API_AUTH_STRING": auth}
+        previous = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
         try:
-            with temporary_settings(updates={PREFECT_API_URL: s.api_url}):
+            with temporary_settings(updates={PREFECT_API_URL: s.api_url, PREFECT_API_AUTH_STRING: auth}):
                 yield s.api_url
         finally:
-            if previous is None:
-                os.environ.pop("PREFECT_API_URL", None)
-            else:
-                os.environ["PREFECT_API_URL"] = previous
+            for k, v in previous.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
