@@ -1,9 +1,11 @@
-"""The Prefect dashboard in a real browser (headless Chromium through Selenium): after the deployments are
-registered as `mint up` registers them, its Deployments page lists every mint deployment, and a deployment's
-Run -> Quick run creates a flow run of it (what a data scientist clicks)."""
+"""The Prefect dashboard in a real browser (headless Chromium through Selenium): the server asks its auth string,
+so the dashboard opens on its login prompt and shows nothing before the string is given there (a wrong one is
+refused); after the deployments are registered as `mint up` registers them, its Deployments page lists every
+mint deployment, and a deployment's Run -> Quick run creates a flow run of it (what a data scientist clicks)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import uuid
@@ -69,6 +71,33 @@ def registered(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
     return prefect_server.removesuffix("/api")
 
 
+def login(driver: webdriver.Chrome, root: str, auth: str) -> None:
+    """Give the dashboard's login prompt `auth` (the page asks it before anything else)."""
+    driver.get(root + "/dashboard")
+    field = WebDriverWait(driver, 60).until(
+        ec.visibility_of_element_located((By.CSS_SELECTOR, "input[type='password']"))
+    )
+    field.clear()
+    field.send_keys(auth)
+    driver.find_element(By.CSS_SELECTOR, "button[type='submit']").click()
+
+
+@pytest.fixture(scope="module")
+def logged_in(browser: webdriver.Chrome, registered: str) -> str:
+    """The dashboard's root URL, the browser logged in with the server's auth string (the session's clients'); a
+    wrong string first, which the prompt refuses."""
+    login(browser, registered, "mint:not-the-password")
+    wait_text(browser, ["Authentication failed"], timeout=30)
+    assert browser.find_elements(By.CSS_SELECTOR, "input[type='password']"), (
+        "a wrong string got past the login"
+    )
+    login(browser, registered, os.environ["PREFECT_API_AUTH_STRING"])
+    WebDriverWait(browser, 60).until(
+        lambda d: not d.find_elements(By.CSS_SELECTOR, "input[type='password']"), "the login prompt stayed"
+    )
+    return registered
+
+
 def wait_text(driver: webdriver.Chrome, texts: list[str], timeout: float = 60) -> str:
     """The page's text once every one of `texts` is in it (the dashboard renders after its API calls)."""
 
@@ -84,16 +113,16 @@ def wait_text(driver: webdriver.Chrome, texts: list[str], timeout: float = 60) -
         raise AssertionError(f"{missing} not on {driver.current_url}:\n{body[:3000]}") from None
 
 
-def test_the_deployments_page_lists_every_mint_deployment(browser: webdriver.Chrome, registered: str) -> None:
-    browser.get(registered + "/deployments")
+def test_the_deployments_page_lists_every_mint_deployment(browser: webdriver.Chrome, logged_in: str) -> None:
+    browser.get(logged_in + "/deployments")
     body = wait_text(browser, list(FLOWS))
     assert "mint-ui-" in body or "mint" in body
 
 
-def test_quick_run_from_the_dashboard_creates_a_flow_run(browser: webdriver.Chrome, registered: str) -> None:
+def test_quick_run_from_the_dashboard_creates_a_flow_run(browser: webdriver.Chrome, logged_in: str) -> None:
     with get_client(sync_client=True) as client:
         dep = client.read_deployment_by_name("prefetch/prefetch")
-    browser.get(f"{registered}/deployments/deployment/{dep.id}")
+    browser.get(f"{logged_in}/deployments/deployment/{dep.id}")
     wait_text(browser, ["prefetch"])
     WebDriverWait(browser, 30).until(
         ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Run']"))
