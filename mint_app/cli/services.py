@@ -39,6 +39,19 @@ StateDir = Annotated[
 ]
 Only = Annotated[str | None, typer.Option(help=f"Comma-separated subset of {','.join(ALL_SERVICES)}.")]
 ConfigFile = Annotated[Path | None, typer.Option(help="YAML or JSON file of ServicesConfig fields.")]
+Auth = Annotated[
+    bool | None,
+    typer.Option(
+        "--auth/--no-auth",
+        help=with_default(
+            "Each service with its auth (MLflow logins, Prefect's auth string, serving keys: the access file), "
+            "loopback too; --no-auth: none asks, for a throwaway stack on loopback",
+            ServicesConfig,
+            "auth",
+        ),
+        show_default=False,
+    ),
+]
 Insecure = Annotated[
     bool,
     typer.Option(
@@ -121,8 +134,14 @@ def auth_cell(s: Service) -> str:
     return "[bold red]OFF, on the network (--insecure)[/]" if s.exposed else "[yellow]off[/]"
 
 
-def print_access(cfg: ServicesConfig) -> None:
-    """Where the stack's credentials are (the access file), and what it holds; never a secret."""
+def print_access(cfg: ServicesConfig, services: list[Service]) -> None:
+    """Whether the running services ask who you are, where the stack's credentials are (the access file) and
+    what it holds; never a secret."""
+    running = [s for s in services if s.state != "stopped"]
+    if off := [s.name for s in running if s.auth is False]:
+        console.print(f"[red]auth OFF for {', '.join(off)}[/]: anyone who reaches their port may use them")
+    elif running and all(s.auth for s in running):
+        console.print("auth on: every running service asks who you are")
     path = access.access_path(cfg.state_dir)
     if not path.exists():
         console.print(f"access: no access file at {path} yet (mint up writes it, with an admin and a key)")
@@ -135,8 +154,7 @@ def print_access(cfg: ServicesConfig) -> None:
     users = ", ".join(f"{n} ({u.role})" for n, u in sorted(found.users.items())) or "none"
     keys = ", ".join(sorted(found.keys)) or "none"
     console.print(
-        f"access: auth on, credentials in {path} (users: {users}; serving keys: {keys}); "
-        "mint access show [--secrets]",
+        f"access: credentials in {path} (users: {users}; serving keys: {keys}); mint access show [--secrets]",
         soft_wrap=True,
     )
 
@@ -198,6 +216,7 @@ def up(
     worker_port: Annotated[
         int | None, typer.Option(help=_up("Healthcheck port of the Prefect worker", "worker_port"))
     ] = None,
+    auth: Auth = None,
     insecure: Insecure = False,
     tasks: TasksOption = None,
 ) -> None:
@@ -223,6 +242,7 @@ def up(
         serve_config=serve_config,
         serve_adapter_root=serve_adapter_root,
         worker_port=worker_port,
+        auth=auth,
         insecure=insecure or None,  # unset: the config file's or MINT_SERVICES_INSECURE
     )
     names = _names(only) or services_for(cfg)
@@ -251,6 +271,8 @@ def _say_access(cfg: ServicesConfig) -> None:
             f"{key}, mint's service account; their secrets: mint access show --secrets",
             soft_wrap=True,
         )
+    if not cfg.auth:
+        console.print("[yellow]--no-auth: no service asks who you are (any local user reaches them)[/]")
     if not loopback(cfg.host) and cfg.insecure:
         console.print(f"[bold red]--insecure: on {cfg.host}, a service without its auth answers anyone[/]")
 
@@ -262,8 +284,9 @@ def _say_up(cfg: ServicesConfig, names: list[ServiceName], started: list[Service
         console.print(f"{TITLES[s.name]}: {how} at {s.api_url} (pid {s.pid})")
         if s.detail:
             console.print(f"  {s.detail}")
-    print_table(status(cfg, names))
-    print_access(cfg)
+    found = status(cfg, names)
+    print_table(found)
+    print_access(cfg, found)
     by_name = {s.name: s for s in started}
     if "mlflow" in by_name or "prefect" in by_name:
         console.print("the mint commands run in this directory use these servers; for other tools:")
@@ -296,7 +319,7 @@ def status_cmd(only: Only = None, state_dir: StateDir = None, config: ConfigFile
     cfg = _config(config, state_dir=state_dir)
     found = status(cfg, _names(only))
     print_table(found)
-    print_access(cfg)
+    print_access(cfg, found)
     serve = next((s for s in found if s.name == "serve" and s.state == "running"), None)
     if serve is not None and any(s.name == "vllm-1" for s in found):
         print_replicas(cfg, serve.url)

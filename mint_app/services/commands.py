@@ -33,6 +33,7 @@ from mint_app.services.config import (
     ServicesConfig,
     work_pool,
 )
+from mint_app.services.exposure import strip_auth
 from mint_app.services.prefect_auth import (
     AUTH_ENV,
     SERVER_AUTH_ENV,
@@ -267,8 +268,8 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
         "hooks": _hooks_command,
         "worker": _worker_command,
     }
-    build = by_name.get(name, _serve_command)
-    return build(config, host, port, env)
+    cmd, env = by_name.get(name, _serve_command)(config, host, port, env)
+    return (cmd, env) if config.auth else strip_auth(name, cmd, env)  # `mint up --no-auth`
 
 
 def _mlflow_command(

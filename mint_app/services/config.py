@@ -106,6 +106,11 @@ class ServicesConfig(Settings):
     host: str = "127.0.0.1"
     """Address every service binds to and is reached at (0.0.0.0 also exposes them to the network: then
     `mint up` refuses to start a service without its auth, unless `insecure`)."""
+    auth: bool = True
+    """Start each service with its auth: MLflow's auth app, the Prefect server's auth string, mint serve's
+    serving keys, all from the access file (loopback too: any local user reaches a loopback port). False
+    (`mint up --no-auth`): none asks, for a throwaway stack on loopback; on another host `mint up` then refuses
+    (unless `insecure`)."""
     insecure: bool = False
     """Start a service on a non-loopback `host` even without its auth (`mint up --insecure`): it answers anyone
     on the network, and `mint status` shows it in red. Off: `mint up` refuses and says which service lacks what."""

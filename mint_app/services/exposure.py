@@ -10,6 +10,11 @@ from mint_app.services.config import ServiceName, ServicesConfig
 from mint_core.serving.config import ServingConfig
 
 LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+AUTH_ENV = {
+    "prefect": ("PREFECT_SERVER_API_AUTH_STRING",),
+    "serve": ("MINT_SERVE_ACCESS_FILE",),
+}
+"""What turns a service's auth on in its environment (mlflow's is its command line's --app-name)."""
 
 
 def loopback(host: str) -> bool:
@@ -38,7 +43,7 @@ def without_auth(
     """
     if name == "mlflow" and "--app-name" not in cmd:
         return "MLflow would run without its auth app (--app-name): anyone could move any policy's champion"
-    if name == "prefect" and not env.get("PREFECT_SERVER_API_AUTH_STRING"):
+    if name == "prefect" and not env.get(AUTH_ENV["prefect"][0]):
         return (
             "the Prefect server would run without its auth string (PREFECT_SERVER_API_AUTH_STRING): anyone "
             "could start, cancel and delete runs"
@@ -55,7 +60,17 @@ def without_auth(
 
 def _serve_keys(env: dict[str, str], config: ServicesConfig) -> bool:
     """Whether mint serve started with `env` (and the serving config file `mint up` gives it) asks for keys."""
-    if env.get("MINT_SERVE_ACCESS_FILE") or env.get("MINT_SERVE_API_KEY"):
+    if env.get(AUTH_ENV["serve"][0]) or env.get("MINT_SERVE_API_KEY"):
         return True
     serving = ServingConfig.load(config.serve_config)  # the file, and this process's MINT_SERVE_* variables
     return bool(getattr(serving, "access_file", None)) or serving.api_key is not None
+
+
+def strip_auth(name: ServiceName, cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of `name` without what `mint up` adds to turn its auth on (`auth:
+    false`, `mint up --no-auth`: a throwaway stack on loopback). Auth a serving config file or the caller's
+    environment asks for stays: `without_auth` reads what is left."""
+    if name == "mlflow" and "--app-name" in cmd:
+        i = cmd.index("--app-name")
+        cmd = cmd[:i] + cmd[i + 2 :]
+    return cmd, {k: v for k, v in env.items() if k not in AUTH_ENV.get(name, ())}
