@@ -51,6 +51,7 @@ from mint_app.job.report import (
     Timer,
     canaries_table,
     count_outcomes,
+    credentials_line,
     final_table,
     print_outcomes,
     rewards_line,
@@ -707,6 +708,7 @@ def where(
     say(f"  curl -s {serve}/v1/{route} -H 'Content-Type: application/json' -d '{body}'")
     run_dir = cfg.state_dir / "run"
     flag = "" if run_dir == Path(".mint/run") else f" --state-dir {run_dir}"
+    say(f"credentials         {credentials_line(run_dir)}")
     say(f"from the shell      mint status{flag}")
     if cfg.state_dir != Path(".mint") or mlflow != "http://127.0.0.1:5000":
         catalog = f"sqlite:///{(cfg.state_dir / 'catalog.db').resolve()}"

@@ -19,6 +19,7 @@ from flows.canary import CanaryOutcome
 from flows.forms import PolicyOutcome, WaveReport
 from mint_app.console import rule
 from mint_app.job.config import MainJobConfig
+from mint_core import access
 from mint_core.lifecycle.workspace import Workspace
 from tasks.registry import EXPERIMENT
 
@@ -310,6 +311,22 @@ def count_outcomes(report: WaveReport) -> str:
     for o in report.outcomes:
         by[o.status] = by.get(o.status, 0) + 1
     return ", ".join(f"{n} {s}" for s, n in by.items())
+
+
+def credentials_line(run_dir: Path) -> str:
+    """Where the stack's credentials are (its access file: the admin's MLflow login, the default serving key,
+    the Prefect auth string), never a secret: for the job's "where to look"."""
+    path = access.access_path(run_dir)
+    try:
+        found = access.load(path)
+    except access.AccessError as e:
+        return f"no credentials: {e}"
+    admins = ", ".join(n for n, u in sorted(found.users.items()) if u.role == "admin") or "none"
+    keys = ", ".join(sorted(found.keys)) or "none"
+    return (
+        f"{path} (admin: {admins}; serving keys: {keys}; the Prefect auth string): "
+        f"mint access show --secrets{'' if run_dir == Path('.mint/run') else f' --state-dir {run_dir}'}"
+    )
 
 
 def training_runs_url(ws: Workspace, mlflow: str) -> str:

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from mint_app.cli.app import app
 from mint_app.cli.services import auth_cell
+from mint_app.job.report import credentials_line
 from mint_app.services.config import Service, ServicesConfig
 from mint_app.services.control import start, status, stop
 from mint_core import access
@@ -119,6 +120,16 @@ def test_keys_add_rotate_revoke_as_mint_serve_sees_them(tmp_path: Path) -> None:
 def test_show_without_a_file_says_mint_up_writes_it(tmp_path: Path) -> None:
     out = _mint("access", "show", "--state-dir", str(tmp_path / "run"), rc=1)
     assert "mint up writes it on first start" in out and not (tmp_path / "run" / "access.json").exists()
+
+
+def test_the_job_s_report_says_where_the_credentials_are_and_no_secret(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert credentials_line(run).startswith(f"no credentials: {run / 'access.json'}: cannot read")
+    found, _ = access.ensure(access.access_path(run))
+    line = credentials_line(run)
+    assert line.startswith(f"{run / 'access.json'} (admin: admin; serving keys: default;")
+    assert line.endswith(f"mint access show --secrets --state-dir {run}")
+    assert found.users["admin"].password not in line and found.keys["default"].secret not in line
 
 
 def test_on_the_network_without_auth_mint_up_refuses_and_starts_nothing(tmp_path: Path) -> None:
