@@ -9,7 +9,7 @@ directory (`prefect deployment run ...`, a script's `get_client()`), into a `pre
 ignores and only its owner may read (Prefect reads that file from the working directory).
 
 Prefect has one credential for everyone: whoever holds the string may do everything Prefect does. Operators and
-admins hold it; viewers and reviewers do not (docs/services.md, "The Prefect server's auth string").
+admins hold it; viewers and reviewers do not (docs/lifecycle.md, "The Prefect server's auth string").
 """
 
 from __future__ import annotations
