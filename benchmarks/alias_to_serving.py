@@ -57,8 +57,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def served(url: str, name: str) -> str | None:
-    r = httpx.get(url + "/v1/models", timeout=10, trust_env=False)
+def served(url: str, name: str, admin: dict[str, str]) -> str | None:
+    r = httpx.get(url + "/v1/models", headers=admin, timeout=10, trust_env=False)
     r.raise_for_status()
     card = next((m for m in r.json()["data"] if m.get("id") == name), None)
     return None if card is None else card.get("revision")
@@ -114,6 +114,8 @@ def main() -> None:
         with policy_lock(ws, policy, "bench"):
             reconcile(ws, policy)
         serve_url = services["serve"].url
+        # mint's own credential: serving keys are on in a stack `mint up` starts
+        admin = {"Authorization": f"Bearer {ws.admin_token()}"}
         mlflow = MlflowClient(tracking_uri=services["mlflow"].url)  # bare: what the MLflow UI does
 
         seconds: list[float] = []
@@ -123,7 +125,7 @@ def main() -> None:
             target = versions[(versions.index(current) + 1) % len(versions)]
             t = time.perf_counter()
             mlflow.set_registered_model_alias(policy, "champion", str(target))
-            while served(serve_url, policy) != digests[target]:
+            while served(serve_url, policy, admin) != digests[target]:
                 if time.perf_counter() - t > args.timeout:
                     timeouts += 1
                     break

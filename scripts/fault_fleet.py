@@ -82,6 +82,11 @@ class FleetStack:
     def name(self, service: ServiceName) -> str:
         return replica_name(self.urls[service])
 
+    @property
+    def admin(self) -> dict[str, str]:
+        """The front's admin token as a header (mint's own credential: every policy, and /metrics)."""
+        return {"Authorization": f"Bearer {self.ws.admin_token()}"}
+
     def service(self, replica: str) -> ServiceName:
         return next(s for s in REPLICAS if self.name(s) == replica)
 
@@ -218,14 +223,21 @@ class Answer:
 class Load:
     """Clients sending greedy requests through the front, round robin over `models`, each answer kept."""
 
-    def __init__(self, front: str, models: list[str], clients: int = 2, max_tokens: int = 8):
-        self.front, self.models, self.max_tokens = front, models, max_tokens
+    def __init__(
+        self,
+        front: str,
+        models: list[str],
+        clients: int = 2,
+        max_tokens: int = 8,
+        headers: dict[str, str] | None = None,
+    ):
+        self.front, self.models, self.max_tokens, self.headers = front, models, max_tokens, headers
         self.answers: list[Answer] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
 
     def _run(self, i: int) -> None:
-        with httpx.Client(base_url=self.front, timeout=120, trust_env=False) as h:
+        with httpx.Client(base_url=self.front, timeout=120, trust_env=False, headers=self.headers) as h:
             while not self._stop.is_set():
                 model = self.models[i % len(self.models)]
                 i += 1
@@ -265,8 +277,9 @@ class Load:
         return [a for a in self.answers if a.replica == replica and a.start >= since]
 
 
-def metric(front: str, series: str) -> float | None:
-    for line in httpx.get(front + "/metrics", timeout=30).text.splitlines():
+def metric(front: str, admin: dict[str, str], series: str) -> float | None:
+    """One series of the front's /metrics (the admin token reads it: serving keys are on in a stack)."""
+    for line in httpx.get(front + "/metrics", headers=admin, timeout=30).text.splitlines():
         if line.startswith(series + " "):
             return float(line.split()[-1])
     return None
@@ -288,7 +301,7 @@ def scenario_fleet_kill(f: Faults) -> Row:
     later = later[later.index("fleet-kill") :] if "fleet-kill" in later else []
     promotion = PromotionWhileDown(s) if "fleet-promote" in later else None
     base_name = s.base_dir.name
-    with Load(s.front, [policy, base_name], clients=3) as load:
+    with Load(s.front, [policy, base_name], clients=3, headers=s.admin) as load:
         t0 = time.time()
         while len(load.by(s.name("vllm")) + load.by(s.name("vllm-1"))) < 12 and time.time() - t0 < 120:
             time.sleep(0.2)
@@ -493,14 +506,14 @@ def scenario_fleet_poison(f: Faults) -> Row:
     names = [s.name(r) for r in REPLICAS]
 
     def recorded(replica: str) -> bool:
-        return metric(s.front, f'mint_golden_recorded{{of="base",replica="{replica}"}}') is not None
+        return metric(s.front, s.admin, f'mint_golden_recorded{{of="base",replica="{replica}"}}') is not None
 
     t0 = time.time()
     while not all(recorded(n) for n in names):
         if time.time() - t0 > 3 * interval + 300:
             raise TimeoutError("the golden probe never recorded both replicas' base answers")
         time.sleep(1)
-    with Load(s.front, [policy, base_name], clients=2) as load:
+    with Load(s.front, [policy, base_name], clients=2, headers=s.admin) as load:
         t0 = time.time()
         while len([a for a in load.answers if a.status == 200]) < 10:
             time.sleep(0.2)
@@ -508,11 +521,11 @@ def scenario_fleet_poison(f: Faults) -> Row:
         hot = next(a.replica for a in reversed(load.answers) if a.model == policy and a.replica)
         assert hot is not None
         victim, other = s.service(hot), next(r for r in REPLICAS if s.name(r) != hot)
-        passed0 = metric(s.front, 'mint_golden_probes_total{outcome="pass"}') or 0
-        while (metric(s.front, 'mint_golden_probes_total{outcome="pass"}') or 0) < passed0 + 4:
+        passed0 = metric(s.front, s.admin, 'mint_golden_probes_total{outcome="pass"}') or 0
+        while (metric(s.front, s.admin, 'mint_golden_probes_total{outcome="pass"}') or 0) < passed0 + 4:
             time.sleep(1)  # two rounds over both replicas beside the traffic: no false alarm
-        soak = (metric(s.front, 'mint_golden_probes_total{outcome="pass"}') or 0) - passed0
-        fails_before = metric(s.front, 'mint_golden_probes_total{outcome="fail"}') or 0
+        soak = (metric(s.front, s.admin, 'mint_golden_probes_total{outcome="pass"}') or 0) - passed0
+        fails_before = metric(s.front, s.admin, 'mint_golden_probes_total{outcome="fail"}') or 0
         unkeyed = httpx.post(
             s.urls[victim] + "/v1/load_lora_adapter",
             json={"lora_name": "evil", "lora_path": str(f.root / "evil")},
@@ -536,7 +549,7 @@ def scenario_fleet_poison(f: Faults) -> Row:
             return 0
 
         def rotation(replica: str) -> float | None:
-            return metric(s.front, f'mint_replica_in_rotation{{replica="{replica}"}}')
+            return metric(s.front, s.admin, f'mint_replica_in_rotation{{replica="{replica}"}}')
 
         bursts, detected_at, other_out = 0, None, False
         while bursts < 20 and detected_at is None:
@@ -597,7 +610,7 @@ def scenario_fleet_poison(f: Faults) -> Row:
     evidence = (
         f"golden evidence: replica={hot}" in text and f"golden evidence: replica={s.name(other)}" not in text
     )
-    fails = (metric(s.front, 'mint_golden_probes_total{outcome="fail"}') or 0) - fails_before
+    fails = (metric(s.front, s.admin, 'mint_golden_probes_total{outcome="fail"}') or 0) - fails_before
     fmt = lambda x: "never" if x is None else f"{x:.1f} s"  # noqa: E731
     first_bad = min([a.end for a in bad], default=None)
     ok = (
@@ -768,7 +781,7 @@ def scenario_fleet_rogue(f: Faults) -> Row:
                 stop_trying.wait(1.0)
 
         trier = threading.Thread(target=keep_trying, daemon=True)
-        with Load(s.front, [policy, s.base_dir.name], clients=3, max_tokens=4) as load:
+        with Load(s.front, [policy, s.base_dir.name], clients=3, max_tokens=4, headers=s.admin) as load:
             trier.start()
             t0 = time.time()
             while (len(tries) < 3 or len(load.answers) < 60) and time.time() - t0 < 240:

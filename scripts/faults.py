@@ -100,7 +100,8 @@ def scenario_server(f: Faults) -> Row:
     def stream() -> None:
         t0 = time.monotonic()
         try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            admin = {"Authorization": f"Bearer {f.ws.admin_token()}"}  # serving keys are on in a stack
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=admin, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         got.setdefault("first", time.monotonic())
@@ -427,7 +428,8 @@ def scenario_poison(f: Faults) -> Row:
     prompts = {"tiny-vllm": "Hello, world", "f-champ": "add: 2+3 ="}
     gen = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     try:
-        with httpx.Client(timeout=120, trust_env=False) as h:
+        admin = {"Authorization": "Bearer " + (cfg.state_dir / "serve.token").read_text().strip()}
+        with httpx.Client(timeout=120, trust_env=False, headers=admin) as h:
 
             def ask(model: str) -> httpx.Response:
                 return h.post(
