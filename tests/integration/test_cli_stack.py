@@ -16,6 +16,8 @@ import pytest
 
 from mint_app.services.config import ServicesConfig
 from mint_app.services.control import start, stop
+from mint_app.services.prefect_auth import auth_header
+from mint_core.access import access_path, load
 from mint_testkit.harness import cli_env, free_port
 
 pytestmark = pytest.mark.integration
@@ -82,9 +84,11 @@ def test_flow_command_runs_on_the_workspace_stack(case: str, workspace: tuple[Pa
     assert found, text[-3000:]
     assert out.returncode != 0, text[-3000:]  # the flow failed: nobody registered the policy
     api = config.url("prefect") + "/api"
-    run = httpx.get(f"{api}/flow_runs/{found.group(1)}", timeout=10, trust_env=False)
+    asks = auth_header(load(access_path(config.state_dir)).service.prefect_auth)  # the server asks it
+    run = httpx.get(f"{api}/flow_runs/{found.group(1)}", headers=asks, timeout=10, trust_env=False)
     assert run.status_code == 200, run.text
-    flow = httpx.get(f"{api}/flows/{run.json()['flow_id']}", timeout=10, trust_env=False).json()
+    got = httpx.get(f"{api}/flows/{run.json()['flow_id']}", headers=asks, timeout=10, trust_env=False)
+    flow = got.json()
     assert flow["name"] == flow_name
     workspace_param = run.json()["parameters"].get("workspace") or {}
     assert workspace_param.get("tracking_uri") == config.url("mlflow"), run.json()["parameters"]

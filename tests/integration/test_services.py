@@ -25,6 +25,8 @@ from mint_app.services import config as service_config
 from mint_app.services import control as services
 from mint_app.services.config import SERVICES, ServicesConfig
 from mint_app.services.control import REDIS_PIDFILE, stop, stop_started_redis
+from mint_app.services.prefect_auth import auth_header
+from mint_core.access import access_path, load
 from mint_testkit.harness import free_port, mint_cli
 from mint_testkit.skips import require
 from tests.integration.conftest import PG_ADMIN_URL
@@ -86,7 +88,9 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         # the worker's deployments: every flow, registered once, with this state dir's workspace
         assert re.search(r"registered 8 deployments in \d", up.stdout), up.stdout
         api = urls["prefect"] + "/api"
-        found = httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()
+        prefect = auth_header(load(access_path(state)).service.prefect_auth)  # the server asks its string
+        found = httpx.post(api + "/deployments/filter", json={"limit": 50}, headers=prefect, trust_env=False)
+        found = found.json()
         assert {d["name"] for d in found} == {*FLOWS}, found
         for d in found:
             assert d["description"] and d["work_pool_name"] == "mint-process", d
@@ -98,7 +102,9 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         assert again.stdout.count("already running") == len(SERVICES), again.stdout
         assert "8 deployments unchanged" in again.stdout, again.stdout
         assert len(
-            httpx.post(api + "/deployments/filter", json={"limit": 50}, trust_env=False).json()
+            httpx.post(
+                api + "/deployments/filter", json={"limit": 50}, headers=prefect, trust_env=False
+            ).json()
         ) == len(FLOWS)
         assert {name: int((state / f"{name}.pid").read_text()) for name in ports} == pids
 
@@ -239,9 +245,10 @@ def test_flow_run_reports_to_prefect_server(prefect_server: str) -> None:
     state = add_one(41, return_state=True)
     assert state.result() == 42
     run_id = state.state_details.flow_run_id
-    run = httpx.get(f"{prefect_server}/flow_runs/{run_id}", trust_env=False).json()
+    prefect = auth_header(os.environ["PREFECT_API_AUTH_STRING"])  # the session server's, as the flow sent it
+    run = httpx.get(f"{prefect_server}/flow_runs/{run_id}", headers=prefect, trust_env=False).json()
     assert run["state"]["type"] == "COMPLETED"
-    flows = httpx.post(f"{prefect_server}/flows/filter", json={}, trust_env=False).json()
+    flows = httpx.post(f"{prefect_server}/flows/filter", json={}, headers=prefect, trust_env=False).json()
     assert "mint-services-smoke" in [f["name"] for f in flows]
 
 
