@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mint_core.access import access_path
+from mint_core.access import ensure as ensure_access
 from mint_core.errors import MintError
 from mint_core.serving.config import ServingConfig
 
@@ -108,13 +110,15 @@ def register_webhook(config: ServicesConfig) -> str:
     if not healthy(config.url("mlflow"), HEALTH_PATH["mlflow"]):
         return "MLflow is not running here: no webhook registered (the reconcile deployment still runs)"
     # MLflow's client is only imported here: `mint --help` and the other services never load it
+    from mint_app.services.mlflow_auth import as_service
     from mint_app.services.webhooks import WEBHOOK_PATH
     from mint_core.registry.webhooks import ensure_alias_webhook
 
     url = config.url("hooks") + WEBHOOK_PATH
     try:
         secret = _hooks_secret_file(config).read_text().strip()
-        hook = ensure_alias_webhook(config.url("mlflow"), url, secret)
+        with as_service(config):  # webhooks are an admin's to manage
+            hook = ensure_alias_webhook(config.url("mlflow"), url, secret)
     except MintError as e:
         raise ServiceError(f"hooks: {e}") from e
     return f"MLflow alias webhook {hook} -> {url}"
@@ -262,6 +266,10 @@ def command(name: ServiceName, config: ServicesConfig) -> tuple[list[str], dict[
     }
     if name in REPLICA_NAMES:
         return _replica_command(name, config, env)
+    if name in ("serve", "hooks", "worker"):  # they log in to MLflow as mint's service account
+        from mint_app.services.mlflow_auth import service_env
+
+        env.update(service_env(config))
     by_name = {
         "mlflow": _mlflow_command,
         "prefect": _prefect_command,
@@ -291,8 +299,16 @@ def _mlflow_command(
     ) or _state_secret(
         config, "mlflow-webhook.key", lambda: base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
     )
+    # behind mint's auth app (MLflow's basic-auth, users and rights from the access file: mlflow_auth)
+    from mint_app.services.mlflow_auth import ACCESS_FILE_ENV, APP_NAME, write_ini
+
+    env["MLFLOW_AUTH_CONFIG_PATH"] = str(write_ini(config).resolve())
+    env[ACCESS_FILE_ENV] = str(access_path(config.state_dir).resolve())
+    env["MLFLOW_FLASK_SERVER_SECRET_KEY"] = _state_secret(
+        config, "mlflow-flask.key", lambda: secrets.token_hex(32)
+    )
     cmd = [console_script("mlflow"), "server", "--artifacts-destination", artifacts, "--serve-artifacts"]
-    cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers)]
+    cmd += ["--host", host, "--port", port, "--workers", str(config.mlflow_workers), "--app-name", APP_NAME]
     if config.mlflow_allowed_hosts:
         cmd += ["--allowed-hosts", config.mlflow_allowed_hosts]
     return cmd, env
@@ -401,6 +417,11 @@ def _serve_command(
         env["MINT_SERVE_MAX_LORA_RANK"] = str(config.serve_max_lora_rank)
     if serving.admin_token is None:
         env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
+    if serving.access_file is None and serving.api_key is None:
+        # serving keys, on by default (loopback too: any local user reaches the port); made on first start
+        access = access_path(config.state_dir).resolve()
+        ensure_access(access)
+        env["MINT_SERVE_ACCESS_FILE"] = str(access)
     if serving.catalog_url is None:
         # a policy name resolves to its champion in the flows' catalog on demand: after any restart, the first
         # request for a policy is answered by its champion (no 404 until reconcile loads it)

@@ -86,6 +86,10 @@ def _prepare(name: ServiceName, config: ServicesConfig) -> None:
     """Create what a service needs before its first start (PostgreSQL databases)."""
     if name == "mlflow" and config.mlflow_backend_url and config.mlflow_backend().startswith("postgresql"):
         ensure_postgres_database(config.mlflow_backend())
+    if name == "mlflow":  # its users and their rights, from the access file, before it answers anyone
+        from mint_app.services.mlflow_auth import sync_users
+
+        sync_users(config)
     database = config.prefect_database()
     if name == "prefect" and database and database.startswith("postgresql"):
         ensure_postgres_database(database)

@@ -49,6 +49,8 @@ DB_FILE = "mlflow-auth.db"
 ACCESS_FILE_ENV = "MINT_MLFLOW_ACCESS_FILE"
 """The access file the app reads when a model is created (its reviewers' patterns)."""
 USER_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
+AUTH_CACHE_S = 10
+"""How long MLflow's auth app trusts a checked login (its auth_cache_ttl_seconds)."""
 REVIEWER_PERMISSION = "EDIT"
 """A reviewer's permission on its policies: MLflow's alias set and delete ask `update` / `delete` (EDIT)."""
 _ALIAS_PATHS = ("/api/2.0/mlflow/registered-models/alias", "/ajax-api/2.0/mlflow/registered-models/alias")
@@ -83,6 +85,10 @@ def write_ini(config: ServicesConfig) -> Path:
         f"admin_username = {service.mlflow_user}\n"
         f"admin_password = {service.mlflow_password}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # a login's password hash (PBKDF2, near a second on a loaded core) is checked once per AUTH_CACHE_S,
+        # not on every request: a reconcile's burst of reads would take seconds; a removed user or an old
+        # password is refused at most AUTH_CACHE_S later
+        f"auth_cache_ttl_seconds = {AUTH_CACHE_S}\n"
     )
     path = ini_path(config)
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from mint_app.services.commands import hooks_workspace
 from mint_app.services.config import Service, ServiceName, ServicesConfig
 from mint_app.services.control import start, stop
+from mint_app.services.mlflow_auth import as_service, sync_users
+from mint_core import access
+from mint_core.access import Role
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lifecycle.leases import policy_lock
@@ -78,8 +81,12 @@ def services_config(state: Path) -> ServicesConfig:
 def alias_stack(state: Path, versions: int = 3) -> Iterator[Stack]:
     """The services in `state`, a policy with `versions` revisions, `champion` on v1 and served."""
     config = services_config(state)
+    login: AbstractContextManager[dict[str, str]] | None = None
     try:
         services = {s.name: s for s in start(config, SERVICES)}
+        # MLflow asks a login: the test's clients log in as mint's service account, as mint's services do
+        login = as_service(config)
+        login.__enter__()
         ws = Workspace.model_validate(hooks_workspace(config))
         reg = ws.registry()
         store = AdapterStore(ws.store)
@@ -99,4 +106,17 @@ def alias_stack(state: Path, versions: int = 3) -> Iterator[Stack]:
             reconcile(ws, policy)
         yield Stack(config, services, ws, policy, digests)
     finally:
+        if login is not None:
+            login.__exit__(None, None, None)
         stop(config, SERVICES)
+
+
+def add_users(stack: Stack, users: dict[str, tuple[Role, list[str]]]) -> dict[str, str]:
+    """Users (name -> role, policy patterns) added to the stack's access file and synced into MLflow; their
+    passwords."""
+    with access.edit(access.access_path(stack.config.state_dir)) as (found, _):
+        for name, (role, policies) in users.items():
+            found.users[name] = access.User(role=role, password=access.new_secret(), policies=policies)
+        passwords = {name: found.users[name].password for name in users}
+    sync_users(stack.config)
+    return passwords
