@@ -55,6 +55,7 @@ def main() -> None:
 
     from mint_app.services.config import ServicesConfig
     from mint_app.services.control import start, stop
+    from mint_app.services.prefect_auth import server_auth
 
     tmp = Path(tempfile.mkdtemp(prefix="mint-dashboard-bench-"))
     spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
@@ -93,6 +94,7 @@ def main() -> None:
     startup_s = time.perf_counter() - t0
     worker_detail = services["worker"].detail
     os.environ["PREFECT_API_URL"] = services["prefect"].api_url
+    os.environ["PREFECT_API_AUTH_STRING"] = server_auth(config)  # the server asks it
     os.environ["MLFLOW_TRACKING_URI"] = services["mlflow"].api_url
     try:
         rows = run_rounds(tmp, config, args.rounds, args.steps)
@@ -121,7 +123,7 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flows.forms import PolicyRun, Training
     from flows.lifecycle import wave
@@ -148,7 +150,11 @@ def run_rounds(tmp: Path, config: Any, rounds: int, steps: int) -> list[dict[str
         return [run], training
 
     rows = []
-    with temporary_settings(updates={PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
+    api = {
+        PREFECT_API_URL: os.environ["PREFECT_API_URL"],
+        PREFECT_API_AUTH_STRING: os.environ["PREFECT_API_AUTH_STRING"],
+    }
+    with temporary_settings(updates=api):
         # warm this process (imports, first MLflow experiment) so the in-process time is the wave's own
         warm_runs, warm_training = params("bench-warm", "warm")
         wave(warm_runs, warm_training, evaluation, workspace=ws)

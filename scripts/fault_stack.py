@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from mint_app.services.config import ServiceName, ServicesConfig  # noqa: E402
 from mint_app.services.control import start, status, stop  # noqa: E402
+from mint_app.services.prefect_auth import server_auth  # noqa: E402
 from mint_app.services.processes import service_log  # noqa: E402
 from mint_core.engine.base import Base, build_tiny_base, load_base  # noqa: E402
 from mint_core.engine.tokenizer import byte_tokenizer  # noqa: E402
@@ -110,10 +111,13 @@ class Faults:
         self.env = {
             **os.environ,
             "PREFECT_API_URL": self.config.url("prefect") + "/api",
+            "PREFECT_API_AUTH_STRING": server_auth(self.config),  # what its Prefect server will ask
             "MLFLOW_TRACKING_URI": self.config.url("mlflow"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
-        os.environ.update({k: self.env[k] for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")})
+        os.environ.update(
+            {k: self.env[k] for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI")}
+        )
         self.cleanup: list[Callable[[], object]] = []
         self.shared: dict[str, Any] = {}  # what scenarios share (one fleet for the fleet rows)
 
