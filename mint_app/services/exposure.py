@@ -63,7 +63,7 @@ def _serve_keys(env: dict[str, str], config: ServicesConfig) -> bool:
     if env.get(AUTH_ENV["serve"][0]) or env.get("MINT_SERVE_API_KEY"):
         return True
     serving = ServingConfig.load(config.serve_config)  # the file, and this process's MINT_SERVE_* variables
-    return bool(getattr(serving, "access_file", None)) or serving.api_key is not None
+    return serving.access_file is not None or serving.api_key is not None
 
 
 def strip_auth(name: ServiceName, cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
