@@ -7,6 +7,7 @@ calls everything (the base too). The admin token calls everything and alone read
 
 from __future__ import annotations
 
+import stat
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mint_app.services.commands import command
+from mint_app.services.config import ServicesConfig
 from mint_core.access import Access, ServingKey, load, new_secret, save
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -240,3 +243,27 @@ def test_requests_are_counted_per_key(keyed: Keyed) -> None:
     assert _metric(k, series, key="admin", outcome="200") == before["admin"] + 1
     assert _metric(k, series, key="ka", outcome="403") == refused + 1
     assert _metric(k, series, key="_none", outcome="401") == unidentified + 1
+
+
+@pytest.mark.parametrize("serving", ["mint", "vllm"])
+def test_mint_up_starts_serve_with_the_access_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, serving: str
+) -> None:
+    """`mint up` passes `<state dir>/access.json` to mint serve (either backend), written 0600 on first start and
+    kept after; a serving config with its own `api_key` keeps that one key."""
+    for var in ("MINT_SERVE_ACCESS_FILE", "MINT_SERVE_API_KEY", "MINT_SERVE_ADMIN_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = ServicesConfig(state_dir=tmp_path / "state", serving=serving)  # type: ignore[arg-type]
+    cfg.state_dir.mkdir(parents=True)
+    _, env = command("serve", cfg)
+    path = Path(env["MINT_SERVE_ACCESS_FILE"])
+    assert path == (cfg.state_dir / "access.json").resolve()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    first = load(path)
+    assert first.keys["default"].policies == ["*"]
+    _, again = command("serve", cfg)  # a restart keeps the keys it made
+    assert again["MINT_SERVE_ACCESS_FILE"] == str(path) and load(path) == first
+    own = tmp_path / "serve.yaml"
+    own.write_text("api_key: one-key-for-every-route\n")
+    _, keyed = command("serve", cfg.model_copy(update={"serve_config": own}))
+    assert "MINT_SERVE_ACCESS_FILE" not in keyed
