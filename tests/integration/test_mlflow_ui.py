@@ -1,6 +1,8 @@
-"""The MLflow UI path in a real browser (headless Chromium through Selenium): a person moves `champion` to an
-older version with the UI's own alias editor, and serving answers with that revision within 3 s (MLflow's
-webhook -> mint's receiver, no reconcile flow running). The test also opens a version page and the training-runs
+"""The MLflow UI path in a real browser (headless Chromium through Selenium), logged in to MLflow's auth app
+(basic auth: the browser sends an Authorization header on every request, set through the DevTools protocol): a
+reviewer moves `champion` to an older version with the UI's own alias editor, and serving answers with that
+revision within 3 s (MLflow's webhook -> mint's receiver, no reconcile flow running); a viewer's attempt is
+refused, the editor shows the error, and neither the alias nor serving changes. The test also opens a version page and the training-runs
 link the main job prints, and fails on any 5xx in the MLflow server's log.
 
 Needs Debian's `chromium` and `chromium-driver` (scripts/bootstrap.sh installs them); without them the test
@@ -9,6 +11,7 @@ skips, except under CI=true, where it fails.
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import time
@@ -32,7 +35,7 @@ from mint_core.registry.runs import log_training_run
 from mint_testkit.skips import require
 from mint_testkit.waiting import wait_until
 from tasks.registry import EXPERIMENT
-from tests.integration.alias_stack import BOUND_S, Stack, alias_stack
+from tests.integration.alias_stack import BOUND_S, Stack, add_users, alias_stack
 
 pytestmark = pytest.mark.integration
 
@@ -69,6 +72,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             [{"reward": 0.1}, {"reward": 0.4}],
         )
         yield s
+
+
+@pytest.fixture(scope="module")
+def passwords(stack: Stack) -> dict[str, str]:
+    """A reviewer of the stack's policy and a viewer, in the access file and MLflow."""
+    return add_users(stack, {"rita": ("reviewer", [stack.policy]), "vera": ("viewer", [])})
+
+
+def login(driver: WebDriver, user: str, password: str) -> None:
+    """Every request the browser sends from now on carries this basic-auth login."""
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": f"Basic {token}"}})
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +141,64 @@ def server_errors(stack: Stack) -> list[str]:
     return errors + [line for line in log.splitlines() if "Traceback" in line or "ERROR" in line]
 
 
-def test_champion_moved_in_the_ui_alias_editor_is_served_within_seconds(
-    stack: Stack, browser: WebDriver
+def open_alias_editor(browser: WebDriver, stack: Stack, version: int) -> WebElement:
+    """The policy's page (loaded afresh), the alias editor of `version` open and `champion` typed into it."""
+    browser.get("about:blank")
+    browser.get(f"{stack.mlflow}/#/models/{stack.policy}")
+    row = wait_for(browser, f"the row of version {version}", lambda d: version_row(d, version))
+    assert isinstance(row, WebElement)
+    # the Aliases cell: "Add" when the version has none, a pencil otherwise; both open the alias editor
+    row.find_element(By.CSS_SELECTOR, 'button[data-component-id*="modelversiontablealiasescell"]').click()
+    title = f"alias for model version {version}"
+
+    def editor_open(d: WebDriver) -> WebElement | None:
+        return next((e for e in d.find_elements(By.CSS_SELECTOR, '[role="dialog"]') if title in e.text), None)
+
+    editor = wait_for(browser, "the alias editor", editor_open)
+    assert isinstance(editor, WebElement)
+    box = editor.find_element(By.CSS_SELECTOR, 'input[role="combobox"]')
+    box.send_keys("champion")
+    box.send_keys(Keys.ENTER)
+    return editor
+
+
+def test_a_viewers_alias_move_in_the_ui_is_refused_and_serving_stays(
+    stack: Stack, browser: WebDriver, passwords: dict[str, str]
 ) -> None:
     newest, older = max(stack.digests), sorted(stack.digests)[-2]
     MlflowClient(stack.mlflow).set_registered_model_alias(stack.policy, "champion", str(newest))
     stack.wait_served(newest)
+    login(browser, "vera", passwords["vera"])
+    editor = open_alias_editor(browser, stack, older)
+    editor.find_element(
+        By.CSS_SELECTOR, 'button[data-component-id="mlflow.edit-aliases-modal.save-button"]'
+    ).click()
+    # MLflow refused it (403), and the UI shows the refusal
+    log = stack.config.state_dir / "mlflow.log"
+    wait_until(
+        lambda: re.search(
+            r'"POST \S*/registered-models/alias HTTP/[\d.]+" 403', log.read_text(errors="replace")
+        ),
+        UI_WAIT_S,
+        "MLflow's 403 to the viewer's alias move in mlflow.log",
+    )
+    # MLflow 3.17's editor shows that 403 ("Permission denied", not JSON) as INTERNAL_ERROR, and stays open
+    wait_for(
+        browser, "the editor's error", lambda d: "INTERNAL_ERROR" in editor.text or "denied" in editor.text
+    )
+    assert MlflowClient(stack.mlflow).get_registered_model(stack.policy).aliases["champion"] == str(newest)
+    assert stack.served() == stack.digests[newest]
 
+
+def test_champion_moved_in_the_ui_alias_editor_is_served_within_seconds(
+    stack: Stack, browser: WebDriver, passwords: dict[str, str]
+) -> None:
+    newest, older = max(stack.digests), sorted(stack.digests)[-2]
+    MlflowClient(stack.mlflow).set_registered_model_alias(stack.policy, "champion", str(newest))
+    stack.wait_served(newest)
+    login(browser, "rita", passwords["rita"])
+
+    browser.get("about:blank")  # a fresh page load, logged in as rita (not a fragment change of the last one)
     browser.get(f"{stack.mlflow}/#/models/{stack.policy}")
     row = wait_for(browser, f"the row of version {older}", lambda d: version_row(d, older))
     assert isinstance(row, WebElement)
@@ -162,10 +229,20 @@ def test_champion_moved_in_the_ui_alias_editor_is_served_within_seconds(
     assert str(out["system_fingerprint"]).removeprefix("sha256:") == stack.digests[older].removeprefix(
         "sha256:"
     )
+    registry = stack.ws.registry()
+    actor = wait_until(
+        lambda: next(
+            (m.actor for m in registry.history(stack.policy, "champion") if m.to_version == older), None
+        ),
+        30,
+        "the UI's move in the catalog's history",
+    )
+    assert actor == "rita"  # `mint registry history` names the MLflow user who moved it
     print(f"UI save -> served in {time.perf_counter() - t0:.2f} s")
 
 
-def test_a_version_page_loads(stack: Stack, browser: WebDriver) -> None:
+def test_a_version_page_loads(stack: Stack, browser: WebDriver, passwords: dict[str, str]) -> None:
+    login(browser, "vera", passwords["vera"])  # a viewer reads
     version = min(stack.digests)
     browser.get(f"{stack.mlflow}/#/models/{stack.policy}/versions/{version}")
     digest = stack.digests[version].removeprefix("sha256:")
@@ -178,7 +255,10 @@ def test_a_version_page_loads(stack: Stack, browser: WebDriver) -> None:
     assert server_errors(stack) == []
 
 
-def test_the_training_runs_link_opens_the_runs_view(stack: Stack, browser: WebDriver) -> None:
+def test_the_training_runs_link_opens_the_runs_view(
+    stack: Stack, browser: WebDriver, passwords: dict[str, str]
+) -> None:
+    login(browser, "vera", passwords["vera"])
     url = training_runs_url(stack.ws, stack.mlflow)
     assert re.search(r"/#/experiments/\d+/runs$", url), url
     browser.get(url)
