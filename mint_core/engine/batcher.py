@@ -225,11 +225,28 @@ class Batcher:
         self.logits = self._forward(
             [s.slot for s in self.seqs],
             input_ids=tokens[:, None],
-            attention_mask=self.mask,
+            attention_mask=self._decode_mask(),
             position_ids=self.pos[:, None],
             past_key_values=self.cache,
         )[:, -1].float()
         return done
+
+    def _decode_mask(self) -> torch.Tensor:
+        """The decode forward's attention mask, [B, 1, 1, L] for the attention implementations that take one ready
+        (transformers passes a 4-D mask through as is): the one query of each row sees the row's real tokens,
+        what transformers would build from the 2-D mask (~0.2 ms per forward on a CPU, for a few ops here). Other
+        implementations get the 2-D mask."""
+        assert self.mask is not None
+        impl = getattr(self.engine.base.model.config, "_attn_implementation", None)
+        if impl == "sdpa":
+            return self.mask.bool()[:, None, None, :]
+        if impl == "eager":  # additive, as transformers makes it for eager attention
+            dtype = self.engine.base.model.dtype
+            seen = self.mask[:, None, None, :].bool()
+            return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
+                ~seen, torch.finfo(dtype).min
+            )
+        return self.mask
 
     def _advance(self, s: Sequence, token: int, logprob: float | None) -> None:
         p = s.params
