@@ -138,7 +138,8 @@ def test_mint_up_with_a_base_serves_it_and_the_stacks_flows_train_on_it(
     try:
         (served,) = start(config, ["serve"])
         assert served.state == "running"
-        models = httpx.get(served.api_url + "/v1/models", timeout=30).json()["data"]
+        admin = {"Authorization": "Bearer " + (config.state_dir / "serve.token").read_text().strip()}
+        models = httpx.get(served.api_url + "/v1/models", headers=admin, timeout=30).json()["data"]
         assert chat_base.name in {m["id"] for m in models}
         later = ServicesConfig(state_dir=tmp_path / "run", serve_port=config.serve_port)
         assert find_stack(later).workspace["base"] == str(chat_base.resolve())
@@ -163,7 +164,8 @@ def test_mint_up_serving_vllm_with_a_chat_base(chat_base: Path, tmp_path: Path) 
     try:
         start(config, ["vllm", "serve"])
         tok = AutoTokenizer.from_pretrained(chat_base, local_files_only=True)
-        oai = OpenAI(base_url=config.url("serve") + "/v1", api_key="unused")
+        token = (config.state_dir / "serve.token").read_text().strip()  # serving keys are on in a stack
+        oai = OpenAI(base_url=config.url("serve") + "/v1", api_key=token)
         chat = oai.chat.completions.create(
             model=chat_base.name,
             messages=MESSAGES,  # type: ignore[arg-type]

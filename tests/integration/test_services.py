@@ -62,11 +62,13 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
 
         assert httpx.get(urls["mlflow"] + "/health", trust_env=False).status_code == 200
         assert httpx.get(urls["prefect"] + "/api/health", trust_env=False).json() is True
-        models = httpx.get(urls["serve"] + "/v1/models", trust_env=False).json()
+        token = (state / "serve.token").read_text().strip()
+        admin = {"Authorization": f"Bearer {token}"}  # serving keys are on: mint's own credential
+        assert httpx.get(urls["serve"] + "/v1/models", trust_env=False).status_code == 401
+        models = httpx.get(urls["serve"] + "/v1/models", headers=admin, trust_env=False).json()
         # data/base when `dvc repro` has built it, else the tiny dense base `mint up` wrote into the state dir
         built = (service_config.BUILTIN_BASE / "config.json").is_file()
         assert [m["id"] for m in models["data"]] == ["base" if built else "tiny-dense"]
-        token = (state / "serve.token").read_text().strip()
         unload = httpx.post(
             urls["serve"] + "/v1/unload_lora_adapter",
             json={"lora_name": "none"},
@@ -77,7 +79,9 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
 
         status = mint("status", "--state-dir", str(state))
         assert status.returncode == 0, status.stderr
-        rows = [line for line in status.stdout.splitlines() if "running" in line]
+        rows = [
+            line for line in status.stdout.splitlines() if "running" in line and "│" in line
+        ]  # table rows
         assert len(rows) == len(SERVICES), status.stdout
         for name, url in urls.items():
             assert str(pids[name]) in status.stdout

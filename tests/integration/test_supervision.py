@@ -38,8 +38,8 @@ class Load:
     """Requests for one policy in a loop from a thread: what each got (status or error kind) and which revision
     answered each 200."""
 
-    def __init__(self, url: str, model: str):
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str, token: str):
+        self.url, self.model, self.token = url, model, token
         self.outcomes: Counter[str] = Counter()
         self.revisions: Counter[str] = Counter()
         self._stop = threading.Event()
@@ -47,7 +47,7 @@ class Load:
 
     def _run(self) -> None:
         body = {"model": self.model, "prompt": "add: 1+2 =", "max_tokens": 4, "temperature": 0}
-        with httpx.Client(timeout=30) as c:
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {self.token}"}) as c:
             while not self._stop.is_set():
                 try:
                     r = c.post(self.url + "/v1/completions", json=body)
@@ -75,6 +75,11 @@ class Load:
             timeout,
             lambda: f"{n_ok} more answered 200: {self.outcomes}",
         )
+
+
+def admin_token(config: ServicesConfig) -> str:
+    """The admin token `mint up` keeps in the state dir: mint's own credential (serving keys are on in a stack)."""
+    return (config.state_dir / "serve.token").read_text().strip()
 
 
 # vLLM takes 1-2 minutes to start on 2 cores, twice per test: the slow tier
@@ -144,7 +149,7 @@ def serve_child(config: ServicesConfig, name: ServiceName = "serve") -> psutil.P
 def assert_every_champion_listed(config: ServicesConfig, digest: str) -> None:
     """What a new user's first `models.list()` shows right after `mint up` returns: every champion, before any
     request or reconcile names it (checked inside a test that starts the stack anyway: no start of its own)."""
-    client = openai.OpenAI(base_url=config.url("serve") + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=config.url("serve") + "/v1", api_key=admin_token(config), max_retries=0)
     listed = {m.id: m.model_dump() for m in client.models.list()}
     assert {m for m, card in listed.items() if card.get("parent")} == set(CHAMPIONS), listed
     for policy in CHAMPIONS:
@@ -161,7 +166,7 @@ def test_a_killed_server_is_brought_back_and_answers_with_the_champion(
     assert_every_champion_listed(config, digest)  # `mint up` (control.start) has just returned
     url = config.url("serve")
     engine = engine_of(config)
-    with Load(url, POLICY) as load:
+    with Load(url, POLICY, admin_token(config)) as load:
         load.wait_for(5)
         supervised_healthy(config, engine)
         first = serve_child(config, engine)
@@ -184,7 +189,7 @@ def test_a_killed_server_is_brought_back_and_answers_with_the_champion(
 def test_down_then_up_under_load_has_no_gap(served: tuple[ServicesConfig, str]) -> None:
     config, digest = served
     url = config.url("serve")
-    with Load(url, POLICY) as load:
+    with Load(url, POLICY, admin_token(config)) as load:
         load.wait_for(5)
         stop(config, names_of(config))
         load.outcomes.clear()
