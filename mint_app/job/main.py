@@ -62,6 +62,7 @@ from mint_app.job.report import (
 )
 from mint_app.services.config import Service, ServiceError, ServiceName, ServicesConfig, services_for
 from mint_app.services.control import start
+from mint_app.services.mlflow_auth import as_service
 from mint_app.services.prefect_auth import client_auth, prefect_api
 from mint_core.data.generators import Prompt
 from mint_core.data.spec import SpecError, prompt_text
@@ -440,25 +441,35 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         api_key=os.environ.get("MINT_SERVE_API_KEY") or ws.admin_token(),  # mint's own traffic: every policy
         concurrency=cfg.traffic_concurrency,
     )
-    with _prefect_api(job.started["prefect"].api_url, services_config(cfg)), traffic:
-        fresh = [t for t in cfg.policies if ws.registry().alias_version(t, "champion") is None]
-        if fresh:
-            _first_wave_step(job, ws, fresh)
-        main = _main_wave_step(job, ws)
-        _completions_step(job, ws)
-        _rollback_step(job, ws, main)
-        if cfg.canary_demo:
-            _canary_step(job, ws)
-        sent = traffic.stats
-        console.print(
-            f"  traffic: {sent.answered:,} requests answered, {sent.failed:,} failed"
-            + (f" ({sent.errors})" if sent.errors else "")
-        )
-    with job.timer.step("7. the Prefect worker (started beside the waves)") as note:
-        job.started["worker"] = worker.result()
-        _say_started(job.started["worker"], console)
-        note.append(job.started["worker"].detail or "running")
-    _report(job, ws)
+    services = services_config(cfg)
+    # this process logs in to MLflow as mint's service account (the stack's access file) and its flows to the
+    # Prefect server with its auth string
+    with as_service(services):
+        with _prefect_api(job.started["prefect"].api_url, services), traffic:
+            _waves_and_serving(job, ws, traffic)
+        with job.timer.step("7. the Prefect worker (started beside the waves)") as note:
+            job.started["worker"] = worker.result()
+            _say_started(job.started["worker"], console)
+            note.append(job.started["worker"].detail or "running")
+        _report(job, ws)
+
+
+def _waves_and_serving(job: _Job, ws: Workspace, traffic: Traffic) -> None:
+    """Steps 3 to 6: the waves, served completions, a rollback and a canary, with live traffic running."""
+    cfg, console = job.cfg, job.console
+    fresh = [t for t in cfg.policies if ws.registry().alias_version(t, "champion") is None]
+    if fresh:
+        _first_wave_step(job, ws, fresh)
+    main = _main_wave_step(job, ws)
+    _completions_step(job, ws)
+    _rollback_step(job, ws, main)
+    if cfg.canary_demo:
+        _canary_step(job, ws)
+    sent = traffic.stats
+    console.print(
+        f"  traffic: {sent.answered:,} requests answered, {sent.failed:,} failed"
+        + (f" ({sent.errors})" if sent.errors else "")
+    )
 
 
 def _build_step(job: _Job) -> None:
