@@ -308,3 +308,18 @@ def keys_revoke(
             raise _fail(f"{path}: {e}") from None
         del found.keys[name]
     console.print(f"revoked key {name}")
+
+
+@keys_app.command("secret")
+def keys_secret(
+    name: Annotated[str, typer.Argument(help="The key.")] = access.DEFAULT_KEY,
+    state_dir: StateDir = None,
+    config: ConfigFile = None,
+) -> None:
+    """Print a key's secret alone, for a script or a client: KEY=$(mint access keys secret)."""
+    path = _path(state_dir, config)
+    try:
+        secret = access.load(path).key_named(name).secret
+    except AccessError as e:
+        raise _fail(f"{path}: {e}") from None
+    print(secret)

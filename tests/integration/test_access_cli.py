@@ -116,6 +116,10 @@ def test_keys_add_rotate_revoke_as_mint_serve_sees_them(tmp_path: Path) -> None:
     assert "admin" in shown and access.load(path).users["admin"].password not in shown
     secrets = _mint("access", "show", "--secrets", *sd)
     assert first in secrets and access.load(path).users["admin"].password in secrets
+    assert _mint("access", "keys", "secret", *sd) == first + "\n"  # KEY=$(mint access keys secret)
+    assert "no serving key named 'tenant-a'" in _flat(
+        _mint("access", "keys", "secret", "tenant-a", *sd, rc=1)
+    )
 
 
 def test_show_without_a_file_says_mint_up_writes_it(tmp_path: Path) -> None:
