@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import statistics
 import sys
@@ -40,6 +41,7 @@ from _common import add_device, checked_device, report
 from mint_app.services.commands import hooks_workspace
 from mint_app.services.config import ServicesConfig
 from mint_app.services.control import start, stop
+from mint_app.services.mlflow_auth import service_env
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lifecycle.leases import policy_lock
@@ -94,6 +96,8 @@ def main() -> None:
     t0 = time.perf_counter()
     services = {s.name: s for s in start(config, SERVICES)}  # type: ignore[arg-type]
     startup_s = time.perf_counter() - t0
+    # its MLflow asks a login: the registry and the bare client (a UI user's move) log in as mint's service account
+    os.environ.update(service_env(config))
     try:
         ws = Workspace.model_validate(hooks_workspace(config))
         reg = ws.registry()

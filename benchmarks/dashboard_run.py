@@ -55,6 +55,7 @@ def main() -> None:
 
     from mint_app.services.config import ServicesConfig
     from mint_app.services.control import start, stop
+    from mint_app.services.mlflow_auth import service_env
     from mint_app.services.prefect_auth import server_auth
 
     tmp = Path(tempfile.mkdtemp(prefix="mint-dashboard-bench-"))
@@ -96,6 +97,7 @@ def main() -> None:
     os.environ["PREFECT_API_URL"] = services["prefect"].api_url
     os.environ["PREFECT_API_AUTH_STRING"] = server_auth(config)  # the server asks it
     os.environ["MLFLOW_TRACKING_URI"] = services["mlflow"].api_url
+    os.environ.update(service_env(config))  # its MLflow asks a login: mint's service account
     try:
         rows = run_rounds(tmp, config, args.rounds, args.steps)
     finally:

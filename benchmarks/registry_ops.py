@@ -45,6 +45,7 @@ from _common import report
 
 from mint_app.services.config import ServicesConfig
 from mint_app.services.control import start, stop
+from mint_app.services.mlflow_auth import service_env
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
@@ -110,6 +111,7 @@ def main() -> None:
     t0 = time.perf_counter()
     service = start(config, ["mlflow"])[0]
     startup_s = time.perf_counter() - t0
+    os.environ.update(service_env(config))  # its MLflow asks a login: mint's service account (CLI runs too)
     try:
         base = build_tiny_base("dense", tokenizer=byte_tokenizer())
         store = AdapterStore(tmp / "store")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from mint_app.services.config import ServiceName, ServicesConfig  # noqa: E402
 from mint_app.services.control import start, status, stop  # noqa: E402
+from mint_app.services.mlflow_auth import PASSWORD_ENV, USER_ENV, service_env  # noqa: E402
 from mint_app.services.prefect_auth import server_auth  # noqa: E402
 from mint_app.services.processes import service_log  # noqa: E402
 from mint_core.engine.base import Base, build_tiny_base, load_base  # noqa: E402
@@ -113,11 +114,13 @@ class Faults:
             "PREFECT_API_URL": self.config.url("prefect") + "/api",
             "PREFECT_API_AUTH_STRING": server_auth(self.config),  # what its Prefect server will ask
             "MLFLOW_TRACKING_URI": self.config.url("mlflow"),
+            **service_env(
+                self.config
+            ),  # its MLflow asks a login: mint's service account (server_auth made it)
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
-        os.environ.update(
-            {k: self.env[k] for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI")}
-        )
+        shared = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_URI", USER_ENV, PASSWORD_ENV)
+        os.environ.update({k: self.env[k] for k in shared})
         self.cleanup: list[Callable[[], object]] = []
         self.shared: dict[str, Any] = {}  # what scenarios share (one fleet for the fleet rows)
 

@@ -93,7 +93,12 @@ def test_main_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         assert f"{serve}/v1/models" in out and "The servers are still running" in out
 
         # the servers are still up, serving each policy's champion
-        models = {m["id"]: m for m in httpx.get(serve + "/v1/models", trust_env=False).json()["data"]}
+        admin = {
+            "Authorization": "Bearer " + (state / "run" / "serve.token").read_text().strip()
+        }  # keys are on
+        listed = httpx.get(serve + "/v1/models", headers=admin, trust_env=False)
+        assert listed.status_code == 200, listed.text
+        models = {m["id"]: m for m in listed.json()["data"]}
         assert set(POLICIES) <= set(models)
         catalog = f"sqlite:///{state / 'catalog.db'}"
         if policy is not None:
