@@ -101,7 +101,15 @@ def write_ini(config: ServicesConfig) -> Path:
 
 
 def service_env(config: ServicesConfig) -> dict[str, str]:
-    """MLflow's client login as mint's service account (empty without an access file)."""
+    """MLflow's client login as mint's service account (empty without an access file). For an MLflow this state
+    dir does not run (another host's `mlflow_url`, another stack's port), an exported login (its owner's) wins,
+    as the Prefect auth string does (`prefect_auth.client_auth`)."""
+    from mint_app.services.processes import read_record
+
+    exported = {k: os.environ[k] for k in (USER_ENV, PASSWORD_ENV) if os.environ.get(k)}
+    own = config.mlflow_url is None and read_record(config, "mlflow") is not None
+    if len(exported) == 2 and not own:
+        return exported
     try:
         service = load(access_path(config.state_dir)).service
     except AccessError:

@@ -225,7 +225,9 @@ def test_every_deployment_with_its_default_form_completes_after_a_real_main_job(
     built = (ROOT / "data" / "base" / "config.json").is_file() and (ROOT / "eval_suites" / "data").is_dir()
     require(built, "the built-in base and eval suites are not built (dvc repro)")
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from mint_app.services.prefect_auth import prefect_api
+    from mint_core.access import access_path, load
 
     state = tmp_path / "mint"
     ports = {"mlflow": free_port(), "prefect": free_port(), "serve": free_port()}
@@ -242,7 +244,8 @@ def test_every_deployment_with_its_default_form_completes_after_a_real_main_job(
         final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
         ended: dict[str, str] = {}
         api = f"http://127.0.0.1:{ports['prefect']}/api"
-        with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        auth = load(access_path(state / "run")).service.prefect_auth  # the job's Prefect server asks it
+        with prefect_api(api, auth), get_client(sync_client=True) as client:
             for d in sorted(client.read_deployments(), key=lambda d: d.name):
                 required = set((d.parameter_openapi_schema or {}).get("required", []))
                 if required - set(d.parameters or {}):
