@@ -79,6 +79,7 @@ from fault_stack import (  # noqa: E402
 
 from mint_app.services.config import ServiceName, ServicesConfig  # noqa: E402
 from mint_app.services.control import start, stop  # noqa: E402
+from mint_app.services.mlflow_auth import PASSWORD_ENV, USER_ENV  # noqa: E402
 from mint_app.services.processes import service_log  # noqa: E402
 from mint_core.engine.base import load_base  # noqa: E402
 from mint_core.lora.adapter import random_adapter  # noqa: E402
@@ -313,6 +314,7 @@ def scenario_race(f: Faults) -> Row:
         r = httpx.post(
             mlflow + "/ajax-api/2.0/mlflow/registered-models/alias",
             json={"name": policy, "alias": "champion", "version": "2"},
+            auth=(f.env[USER_ENV], f.env[PASSWORD_ENV]),  # a logged-in user: MLflow asks who moves an alias
             timeout=60,
         )
         results["ui"] = f"{r.status_code}"
