@@ -6,6 +6,7 @@ artifact repository for: mint-store://...").
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def test_the_server_serves_a_version_s_files(mlflow_server: str, revision: tuple
         r = httpx.get(
             f"{mlflow_server}/model-versions/get-artifact",
             params={"name": policy, "version": str(version), "path": name},
+            # MLflow asks who you are: the session server's service login (its fixture exports it)
+            auth=(os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]),
             timeout=30,
         )
         assert r.status_code == 200, r.text
