@@ -99,6 +99,7 @@ def test_registry_commands_use_the_workspace_mlflow(workspace: tuple[Path, Servi
     workspace's MLflow (not the default :5000), with the catalog and store beside the state dir."""
     from mlflow import MlflowClient
 
+    from mint_app.services.mlflow_auth import as_service
     from mint_core.registry.catalog import Catalog, CatalogConfig
     from mint_core.registry.mlflow_registry import Registry
     from mint_core.registry.reader import RegistryConfig
@@ -107,26 +108,29 @@ def test_registry_commands_use_the_workspace_mlflow(workspace: tuple[Path, Servi
 
     home, config = workspace
     mlflow = config.url("mlflow")
-    store = AdapterStore(home / ".mint" / "store")
-    catalog = Catalog(CatalogConfig(url=f"sqlite:///{home}/.mint/catalog.db"))
-    reg = Registry(store, catalog, RegistryConfig(tracking_uri=mlflow))
-    for seed in (1, 2):
-        reg.create_revision("pol", _put(store, home, seed), base=BASE, rank=2)
+    # this process logs in to the stack's MLflow as mint's service account; the CLI finds the login itself
+    with as_service(config):
+        store = AdapterStore(home / ".mint" / "store")
+        catalog = Catalog(CatalogConfig(url=f"sqlite:///{home}/.mint/catalog.db"))
+        reg = Registry(store, catalog, RegistryConfig(tracking_uri=mlflow))
+        for seed in (1, 2):
+            reg.create_revision("pol", _put(store, home, seed), base=BASE, rank=2)
 
-    def mint(*args: str) -> str:
-        out = subprocess.run(
-            [sys.executable, "-m", "mint_app.cli.app", *args],
-            cwd=home,
-            capture_output=True,
-            text=True,
-            env=cli_env(UNSET),
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        return out.stdout
+        def mint(*args: str) -> str:
+            out = subprocess.run(
+                [sys.executable, "-m", "mint_app.cli.app", *args],
+                cwd=home,
+                capture_output=True,
+                text=True,
+                # without this process's login: the CLI logs in itself (the stack's access file)
+                env=cli_env((*UNSET, "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")),
+                timeout=300,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stdout
 
-    assert "unset -> v1" in mint("registry", "promote", "pol", "1", "-m", "first")
-    assert "v1 -> v2" in mint("registry", "promote", "pol", "2", "-m", "better")
-    assert "v2 -> v1" in mint("registry", "rollback", "pol", "-m", "regressed")
-    assert "champion" in mint("registry", "ls", "pol")
-    assert MlflowClient(mlflow).get_model_version_by_alias("pol", "champion").version == "1"
+        assert "unset -> v1" in mint("registry", "promote", "pol", "1", "-m", "first")
+        assert "v1 -> v2" in mint("registry", "promote", "pol", "2", "-m", "better")
+        assert "v2 -> v1" in mint("registry", "rollback", "pol", "-m", "regressed")
+        assert "champion" in mint("registry", "ls", "pol")
+        assert MlflowClient(mlflow).get_model_version_by_alias("pol", "champion").version == "1"
