@@ -154,7 +154,8 @@ def test_moved_in_the_mlflow_ui_reaches_the_catalog(reg: Registry, tmp_path: Pat
     MlflowClient(reg.uri).set_registered_model_alias(p, "champion", "1")  # what the UI does
     assert reg.catalog.resolve(p).version == 2
     move = reg.sync_alias(p)
-    assert move is not None and (move.from_version, move.to_version, move.actor) == (2, 1, "mlflow")
+    # the actor is the MLflow login that moved it (this test's client logs in as mint's service account)
+    assert move is not None and (move.from_version, move.to_version, move.actor) == (2, 1, "mint")
     assert reg.catalog.resolve(p).version == 1
     assert reg.sync_alias(p) is None
 
@@ -310,8 +311,8 @@ def test_catalog_rebuild_restores_what_mlflow_says(reg: Registry, tmp_path: Path
     report = rebuild_catalog(reg.reader, reg.catalog, reg.store, [p])
     assert report.policies == 1 and len(report.changes) >= 5, report.changes
     assert [(m.alias, m.from_version, m.to_version, m.actor) for m in report.moves] == [
-        ("candidate", None, 2, "mlflow"),
-        ("champion", 2, 1, "mlflow"),
+        ("candidate", None, 2, "mint"),  # the MLflow login that moved each (mint's service account)
+        ("champion", 2, 1, "mint"),
     ]
     agrees()
     assert rebuild_catalog(reg.reader, reg.catalog, reg.store, [p]).changes == []  # idempotent
