@@ -29,6 +29,7 @@ from mint_app.services.config import Service, ServiceName, ServicesConfig
 from mint_app.services.control import start, stop
 from mint_app.services.mlflow_auth import as_service
 from mint_core import access
+from mint_core.access import Access, access_path, save
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
@@ -179,10 +180,18 @@ def endpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 PG_ADMIN_URL = os.environ.get("MINT_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
+_SESSION_ACCESS = Access.first()
+"""The access file of every server `running_service` starts in this test process."""
+
+
 @contextmanager
 def running_service(name: ServiceName, state_dir: Path, **settings: object) -> Iterator[Service]:
     """One service from mint_app.services.control, started in `state_dir` on a free port, stopped afterwards."""
     config = ServicesConfig.model_validate({"state_dir": state_dir, f"{name}_port": free_port(), **settings})
+    # every server of this test process asks the same service login (one access file's), so the login exported
+    # for one session server is right for the others (the SQLite and the PostgreSQL MLflow share a process)
+    if not access_path(config.state_dir).exists():
+        save(access_path(config.state_dir), _SESSION_ACCESS)
     service = start(config, [name])[0]
     try:
         # MLflow asks a login: this process's clients log in as mint's service account, as mint's services do
