@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import time
 
 import httpx
@@ -14,6 +15,7 @@ from rich.console import Console
 
 from flows.lifecycle import STEP_RECORD
 from mint_app.job.progress import step_bar
+from mint_app.services.prefect_auth import auth_header
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +52,10 @@ def test_step_records_move_the_bar_and_stay_in_the_run_log(prefect_server: str) 
     run_id = str(state.state_details.flow_run_id)
     for _ in range(40):  # the API log handler sends in batches
         logs = httpx.post(
-            f"{prefect_server}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}}, timeout=10
+            f"{prefect_server}/logs/filter",
+            json={"logs": {"flow_run_id": {"any_": [run_id]}}},
+            headers=auth_header(os.environ.get("PREFECT_API_AUTH_STRING")),  # the session server's string
+            timeout=10,
         ).json()
         messages = [entry["message"] for entry in logs]
         if sum(m.startswith("step ") for m in messages) == 8:
