@@ -10,7 +10,7 @@ Jupyter token file is) and every service reads its part from it:
 - **service**: the credentials mint's own components use (flows, workers, the webhook receiver, reconcile,
   the Tinker registry): an MLflow account with every permission, and the Prefect server's auth string.
 - **keys**: serving keys (`Authorization: Bearer <secret>` on mint serve). Each calls only the policies its
-  `policies` patterns match (`*` every one, `tenant-a/*` a catalog prefix, `shout` one name); another's
+  `policies` patterns match (`*` every one, `tenant-a/*` a catalog prefix, `my-policy` one name); another's
   gets a 403 that names nothing the key may not see, and `/v1/models` lists only what it may call.
   mint serve reads the file again when it changes: a rotated key works, and the old one is refused, without
   a restart (`KeyRing`).

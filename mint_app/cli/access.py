@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated, TypeVar, cast
 
 import typer
 from rich.table import Table
@@ -22,6 +22,7 @@ from mint_core import access
 from mint_core.access import ROLES, Access, AccessError, Role, ServingKey, User
 
 console = make_console()
+T = TypeVar("T")
 
 access_app = typer.Typer(
     help="Users, roles and serving keys of the stack (its access file, <state dir>/access.json).",
@@ -38,7 +39,7 @@ RoleArg = Annotated[
 Policies = Annotated[
     str | None,
     typer.Option(
-        help="Comma-separated policy names or globs (`shout`, `tenant-a/*`, `*`): for a key, what it may "
+        help="Comma-separated policy names or globs (`my-policy`, `tenant-a/*`, `*`): for a key, what it may "
         "call; for a reviewer, whose aliases they may move."
     ),
 ]
@@ -128,6 +129,14 @@ def _sync(config: Path | None, state_dir: Path | None) -> None:
     console.print(f"MLflow at {mlflow.url}: " + ("; ".join(changes) or "its users already matched"))
 
 
+def _named(lookup: Callable[[str], T], name: str, path: Path) -> T:
+    """`lookup(name)` (a user or a key of the file), or exit 1 naming the file and what it has."""
+    try:
+        return lookup(name)
+    except AccessError as e:
+        raise _fail(str(e) if str(e).startswith(str(path)) else f"{path}: {e}") from None
+
+
 def _last_admin(found: Access, name: str) -> bool:
     return [n for n, u in found.users.items() if u.role == "admin"] == [name]
 
@@ -206,10 +215,7 @@ def users_set_role(
     pols = _user_policies(checked, policies)
     path = _path(state_dir, config)
     with _editing(path) as found:
-        try:
-            user = found.user_named(name)
-        except AccessError as e:
-            raise _fail(f"{path}: {e}") from None
+        user = _named(found.user_named, name, path)
         if checked != "admin" and _last_admin(found, name):
             raise _fail(f"{path}: {name!r} is the last admin; make another user admin first")
         user.role, user.policies = checked, pols
@@ -226,10 +232,7 @@ def users_remove(
     """Remove a user (their MLflow login with them); the last admin cannot be removed."""
     path = _path(state_dir, config)
     with _editing(path) as found:
-        try:
-            found.user_named(name)
-        except AccessError as e:
-            raise _fail(f"{path}: {e}") from None
+        _named(found.user_named, name, path)
         if _last_admin(found, name):
             raise _fail(f"{path}: {name!r} is the last admin; make another user admin first")
         del found.users[name]
@@ -246,10 +249,7 @@ def users_reset_password(
     """Give a user a new password (printed once here); the old one stops working."""
     path = _path(state_dir, config)
     with _editing(path) as found:
-        try:
-            user = found.user_named(name)
-        except AccessError as e:
-            raise _fail(f"{path}: {e}") from None
+        user = _named(found.user_named, name, path)
         user.password = access.new_secret()
     console.print(f"password of {name}: {user.password}")
     _sync(config, state_dir)
@@ -283,10 +283,7 @@ def keys_rotate(
     """Give a key a new secret (printed once here): mint serve refuses the old one within a second, no restart."""
     path = _path(state_dir, config)
     with _editing(path) as found:
-        try:
-            old = found.key_named(name)
-        except AccessError as e:
-            raise _fail(f"{path}: {e}") from None
+        old = _named(found.key_named, name, path)
         key = ServingKey(secret=access.new_secret("mint-"), policies=old.policies)
         found.keys[name] = key
     console.print(f"rotated key {name} (policies {', '.join(key.policies)}); the old secret is refused")
@@ -302,10 +299,7 @@ def keys_revoke(
     """Remove a key: mint serve refuses it within a second, no restart."""
     path = _path(state_dir, config)
     with _editing(path) as found:
-        try:
-            found.key_named(name)
-        except AccessError as e:
-            raise _fail(f"{path}: {e}") from None
+        _named(found.key_named, name, path)
         del found.keys[name]
     console.print(f"revoked key {name}")
 
@@ -318,8 +312,5 @@ def keys_secret(
 ) -> None:
     """Print a key's secret alone, for a script or a client: KEY=$(mint access keys secret)."""
     path = _path(state_dir, config)
-    try:
-        secret = access.load(path).key_named(name).secret
-    except AccessError as e:
-        raise _fail(f"{path}: {e}") from None
+    secret = _named(lambda n: access.load(path).key_named(n), name, path).secret
     print(secret)
