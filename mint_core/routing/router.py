@@ -1,0 +1,588 @@
+"""The router: a contextual bandit over served names, learned from the rewards mint already scores.
+
+Model: disjoint LinUCB (Li et al., 2010) with an epsilon mix. Each arm (a served name: a policy or the base) has
+its own ridge regression of reward on the prompt's features plus a bias term; the score of an arm is its mean
+prediction plus `alpha` times the width of its confidence ellipsoid (`sqrt(x' A^-1 x)`), minus the request's cost
+for that arm. With probability `1 - epsilon` the router serves the arm with the highest score (ties split
+evenly); with probability `epsilon` a uniform draw among the considered arms.
+
+Why LinUCB plus epsilon and not Thompson sampling: every decision's probability must be known exactly so that
+off-policy evaluation (ope.py) can reweigh logged rewards, both for the router that logged them and for a
+candidate router that did not. LinUCB's choice is a deterministic function of the state and the prompt, so the
+epsilon mix gives a closed-form propensity (`(1 - eps) / |greedy| + eps / k`), positive for every considered arm.
+Thompson sampling's propensity is an integral over the posterior with no closed form (only a Monte Carlo guess).
+The UCB bonus still directs exploration to arms whose value is uncertain for this kind of prompt; epsilon keeps
+every arm's probability off zero so the log supports evaluating other policies.
+
+Change over time: a policy's champion moves, so old evidence must fade. Each arm's evidence (its Gram matrix and
+reward vector) is multiplied by `decay` at each of its own updates, so the arm's estimate follows its last
+~1/(1 - decay) rewards: a revision that regresses loses traffic once its recent rewards drop. The prior (ridge plus
+cold-start pseudo-observations) is never decayed, so an arm never becomes ill-conditioned. `set_revision` keeps
+only `revision_keep` of the evidence: the new revision is relearned from near its prior within a few dozen
+requests instead of fighting the old revision's history.
+
+Cold start: `warm_start` adds the task's held-out prompts as pseudo-observations to the prior (their total weight
+capped at `warm_weight` observations, so real rewards soon outweigh them), and an arm with no state at all uses the
+prior (mean 0, widest bonus): UCB tries it.
+
+Scale: the first stage scores every candidate by its mean (one matrix-vector product over the arms that have
+evidence; all others share the prior's score), the second computes the confidence width and the epsilon mix on the
+`top_k` best only. Only arms with evidence hold matrices (three (d+1)^2 float64 arrays each, about 1.6 MB at the
+default dim), so a catalog of 10^5 names costs a name table and one score vector. With ~11 arms and `top_k` 16
+every arm is considered, which is exact LinUCB.
+
+The inverse covariance is kept by forgetting-RLS updates (divide by `decay`, then a Sherman-Morrison rank-one
+step; this decays the prior too, slightly) and recomputed exactly every `refresh` updates and on `set_revision`
+and `warm_start`: an update costs O(d^2), and the O(d^3) inverse is paid once in `refresh` updates. (On a loaded
+machine a multi-threaded BLAS makes that inverse much slower than one thread: run benchmarks with
+OPENBLAS_NUM_THREADS=1.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mint_core.errors import MintError
+from mint_core.routing.features import Featurizer
+
+ALPHA = 0.5
+"""Weight of the confidence width in the UCB score (rewards are in [0, 1])."""
+DECAY = 0.99
+"""Factor on an arm's evidence at each of its updates: it follows its last ~100 rewards."""
+EPSILON = 0.05
+"""Share of decisions drawn uniformly among the considered arms: keeps every propensity above zero for OPE."""
+TOP_K = 16
+"""Arms the second stage (confidence width, exploration) considers, the best by mean score of all candidates."""
+RIDGE = 1.0
+"""Prior precision of each arm's weights (ridge): the prior is mean 0, covariance I / RIDGE."""
+REVISION_KEEP = 0.1
+"""Share of an arm's evidence kept when its policy starts serving another revision."""
+WARM_WEIGHT = 8.0
+"""Total weight, in observations, of one warm_start call's pseudo-observations."""
+REFRESH = 16
+"""Exact recomputation of an arm's inverse covariance every this many updates (Sherman-Morrison between)."""
+FORMAT = "mint-router"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ARRAYS = "state.npz"
+_TIE = 1e-9
+
+
+class RouterLoadError(MintError):
+    """A router revision that does not load: names the file and what is wrong with it."""
+
+    def __init__(self, path: Path | str, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"router revision at {path} does not load: {problem}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing decision, with what off-policy evaluation needs."""
+
+    arm: str
+    """Served name chosen: a policy name, or the base's served name."""
+    prob: float
+    """Probability the router gave this arm (its propensity, > 0)."""
+    explored: bool
+    """True when the arm was not the greedy (highest score) choice."""
+    decide_s: float
+    """Seconds spent deciding (features excluded)."""
+
+
+class _Arm:
+    """One arm's linear model: prior precision A0 (ridge + warm start) and vector b0, decayed evidence G and g,
+    the inverse P of A0 + G and the mean weights theta = P (b0 + g)."""
+
+    def __init__(self, dim: int, ridge: float):
+        self.A0 = np.eye(dim) * ridge
+        self.b0 = np.zeros(dim)
+        self.G = np.zeros((dim, dim))
+        self.g = np.zeros(dim)
+        self.P = np.eye(dim) / ridge
+        self.theta = np.zeros(dim)
+        self.since = 0
+
+    def refresh(self) -> None:
+        inv = np.linalg.inv(self.A0 + self.G)
+        self.P = (inv + inv.T) / 2  # symmetric exactly, so x' P x is not skewed by rounding
+        self.theta = self.P @ (self.b0 + self.g)
+        self.since = 0
+
+
+class Router:
+    """Chooses a served name per prompt (`choose`), learns from rewards (`update`), saves as a revision."""
+
+    def __init__(
+        self,
+        featurizer: Featurizer | None = None,
+        *,
+        alpha: float = ALPHA,
+        decay: float = DECAY,
+        epsilon: float = EPSILON,
+        top_k: int = TOP_K,
+        ridge: float = RIDGE,
+        revision_keep: float = REVISION_KEEP,
+        warm_weight: float = WARM_WEIGHT,
+        refresh: int = REFRESH,
+        seed: int = 0,
+    ) -> None:
+        problems = _hyper_problems(alpha, decay, epsilon, top_k, ridge, revision_keep, warm_weight, refresh)
+        if problems:
+            raise ValueError("router hyperparameters: " + "; ".join(problems))
+        self.featurizer = featurizer or Featurizer()
+        self.alpha, self.decay, self.epsilon = float(alpha), float(decay), float(epsilon)
+        self.top_k, self.ridge, self.refresh = int(top_k), float(ridge), int(refresh)
+        self.revision_keep, self.warm_weight = float(revision_keep), float(warm_weight)
+        self.revision = ""
+        self._rng = np.random.default_rng(seed)
+        self._d = self.featurizer.dim + 1
+        self._names: list[str] = []
+        self._index: dict[str, int] = {}
+        self._revisions: dict[str, str] = {}
+        self._state: dict[int, _Arm] = {}
+        self._slot = np.full(0, -1, dtype=np.int64)  # arm index -> row of _theta (-1: prior only)
+        self._theta = np.zeros((0, self._d), dtype=np.float32)
+        self._slot_arm: list[int] = []
+        self._cache: tuple[Sequence[str], tuple[str, ...], np.ndarray] | None = None
+
+    # --- arms -------------------------------------------------------------------------------------------------
+    def hyper(self) -> dict[str, Any]:
+        """The hyperparameters, as saved in a revision's manifest."""
+        return {
+            "alpha": self.alpha, "decay": self.decay, "epsilon": self.epsilon, "top_k": self.top_k,
+            "ridge": self.ridge, "revision_keep": self.revision_keep, "warm_weight": self.warm_weight,
+            "refresh": self.refresh,
+        }  # fmt: skip
+
+    def arms(self) -> list[str]:
+        """Every served name the router knows, in the order it met them."""
+        return list(self._names)
+
+    def revisions(self) -> dict[str, str]:
+        """The adapter revision each arm last served, as told by `set_revision`."""
+        return dict(self._revisions)
+
+    def add_arm(self, name: str) -> int:
+        """Index of `name`, adding it (prior only) when new; idempotent."""
+        i = self._index.get(name)
+        if i is not None:
+            return i
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an arm is a non-empty served name, got {name!r}")
+        i = len(self._names)
+        self._names.append(name)
+        self._index[name] = i
+        if i >= len(self._slot):
+            grown = np.full(max(16, 2 * len(self._slot)), -1, dtype=np.int64)
+            grown[: len(self._slot)] = self._slot
+            self._slot = grown
+        return i
+
+    def _arm_state(self, name: str) -> _Arm:
+        """The arm's model, created from the prior (and given a row of the mean matrix) on first evidence."""
+        i = self.add_arm(name)
+        st = self._state.get(i)
+        if st is None:
+            st = self._state[i] = _Arm(self._d, self.ridge)
+            row = len(self._slot_arm)
+            if row >= len(self._theta):
+                grown = np.zeros((max(16, 2 * len(self._theta)), self._d), dtype=np.float32)
+                grown[:row] = self._theta[:row]
+                self._theta = grown
+            self._slot[i] = row
+            self._slot_arm.append(i)
+        return st
+
+    def _publish(self, i: int, st: _Arm) -> None:
+        self._theta[self._slot[i]] = st.theta
+
+    # --- deciding ---------------------------------------------------------------------------------------------
+    def _augment(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        if x.shape != (self.featurizer.dim,):
+            raise ValueError(
+                f"features have shape {x.shape}; this router's featurizer gives ({self.featurizer.dim},)"
+            )
+        xa = np.empty(self._d)
+        xa[:-1] = x
+        xa[-1] = 1.0
+        if not np.isfinite(xa).all():
+            raise ValueError("features hold NaN or infinity")
+        return xa
+
+    def _indices(self, candidates: Sequence[str]) -> np.ndarray:
+        """Arm indices of the candidates (new names added), cached for a repeated large candidate list."""
+        if len(candidates) == 0:
+            raise ValueError("no candidates to route to")
+        if len(candidates) <= 4 * self.top_k:
+            return np.fromiter((self.add_arm(c) for c in candidates), dtype=np.int64, count=len(candidates))
+        c = self._cache
+        if c is not None and (
+            c[0] is candidates or (len(c[1]) == len(candidates) and c[1] == tuple(candidates))
+        ):
+            return c[2]
+        idx = np.fromiter((self.add_arm(n) for n in candidates), dtype=np.int64, count=len(candidates))
+        self._cache = (candidates, tuple(candidates), idx)
+        return idx
+
+    def _policy(
+        self, xa: np.ndarray, candidates: Sequence[str], costs: Mapping[str, float] | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(positions of the considered candidates, their probabilities, which of them are greedy)."""
+        idx = self._indices(candidates)
+        mean = np.zeros(len(idx))
+        if self._slot_arm:
+            rows = self._slot[idx]
+            has = rows >= 0
+            if has.any():
+                mean[has] = (self._theta[: len(self._slot_arm)] @ xa.astype(np.float32))[rows[has]]
+        if costs:
+            mean -= self._cost_vector(candidates, costs)
+        k = min(self.top_k, len(idx))
+        top = np.argpartition(-mean, k - 1)[:k] if len(idx) > k else np.arange(len(idx))
+        prior_w = float(np.sqrt(xa @ xa / self.ridge))
+        width = np.full(len(top), prior_w)
+        for j, pos in enumerate(top):
+            st = self._state.get(int(idx[pos]))
+            if st is not None:
+                width[j] = float(np.sqrt(max(xa @ st.P @ xa, 0.0)))
+        ucb = mean[top] + self.alpha * width
+        greedy = ucb >= ucb.max() - _TIE
+        probs = np.full(len(top), self.epsilon / len(top)) + (1 - self.epsilon) * greedy / greedy.sum()
+        return top, probs, greedy
+
+    def _cost_vector(self, candidates: Sequence[str], costs: Mapping[str, float]) -> np.ndarray:
+        out = np.zeros(len(candidates))
+        if len(costs) * 8 < len(candidates):
+            where = {n: j for j, n in enumerate(candidates) if n in costs}
+            for n, c in costs.items():
+                if n in where:
+                    out[where[n]] = float(c)
+        else:
+            for j, n in enumerate(candidates):
+                out[j] = float(costs.get(n, 0.0))
+        if not np.isfinite(out).all():
+            raise ValueError("costs hold NaN or infinity")
+        return out
+
+    def choose(
+        self,
+        x: np.ndarray,
+        candidates: Sequence[str],
+        *,
+        rng: np.random.Generator | None = None,
+        costs: Mapping[str, float] | None = None,
+    ) -> Decision:
+        """The served name for a prompt with features `x` among `candidates` (non-empty; ValueError if empty).
+        `costs`: per-candidate penalty in reward units (a cold load > 0, resident 0), subtracted before choosing."""
+        t0 = time.perf_counter()
+        rng = rng or self._rng
+        xa = self._augment(x)
+        top, probs, greedy = self._policy(xa, candidates, costs)
+        if rng.random() < self.epsilon:
+            j = int(rng.integers(len(top)))
+        else:
+            g = np.flatnonzero(greedy)
+            j = int(g[rng.integers(len(g))]) if len(g) > 1 else int(g[0])
+        arm = candidates[int(top[j])]
+        return Decision(
+            arm=arm, prob=float(probs[j]), explored=not bool(greedy[j]), decide_s=time.perf_counter() - t0
+        )
+
+    def probs(
+        self, x: np.ndarray, candidates: Sequence[str], *, costs: Mapping[str, float] | None = None
+    ) -> np.ndarray:
+        """The probability `choose` gives each candidate (aligned with `candidates`; zero outside the top-k);
+        sums to 1. Off-policy evaluation reads a target router's policy through this."""
+        xa = self._augment(x)
+        top, probs, _ = self._policy(xa, candidates, costs)
+        out = np.zeros(len(candidates))
+        out[top] = probs
+        return out
+
+    def predict(self, x: np.ndarray, arms: Sequence[str]) -> np.ndarray:
+        """Each arm's mean predicted reward for these features (the prior's 0 for an arm with no evidence)."""
+        xa = self._augment(x)
+        out = np.zeros(len(arms))
+        for j, a in enumerate(arms):
+            i = self._index.get(a)
+            st = self._state.get(i) if i is not None else None
+            if st is not None:
+                out[j] = float(st.theta @ xa)
+        return out
+
+    # --- learning ---------------------------------------------------------------------------------------------
+    def update(self, arm: str, x: np.ndarray, reward: float) -> None:
+        """Learn from one reward in [0, 1] for `arm` on features `x`: old evidence decays, this one is added."""
+        reward = float(reward)
+        if not 0.0 <= reward <= 1.0:
+            raise ValueError(f"reward {reward} for {arm!r} is outside [0, 1]")
+        xa = self._augment(x)
+        st = self._arm_state(arm)
+        st.G *= self.decay
+        st.g *= self.decay
+        st.G += np.outer(xa, xa)
+        st.g += reward * xa
+        st.since += 1
+        if st.since >= self.refresh:
+            st.refresh()
+        else:  # (A0 + decay G + x x')^-1 ~ (decay (A0 + G) + x x')^-1: forgetting RLS, exact again at refresh
+            st.P /= self.decay
+            px = st.P @ xa
+            st.P -= np.outer(px, px) / (1.0 + xa @ px)
+            st.theta = st.P @ (st.b0 + st.g)
+        self._publish(self._index[arm], st)
+
+    def set_revision(self, arm: str, revision: str) -> None:
+        """The policy behind `arm` now serves `revision`: keep the arm's prior, keep only `revision_keep` of its
+        evidence, so the new revision is relearned quickly. Idempotent: the same revision again changes nothing."""
+        i = self.add_arm(arm)
+        old = self._revisions.get(arm)
+        self._revisions[arm] = revision
+        st = self._state.get(i)
+        if old is None or old == revision or st is None:
+            return
+        st.G *= self.revision_keep
+        st.g *= self.revision_keep
+        st.refresh()
+        self._publish(i, st)
+
+    def warm_start(self, arm: str, xs: Sequence[np.ndarray] | np.ndarray, reward: float = 1.0) -> None:
+        """Cold start: add prompts' features as pseudo-observations of `reward` to the arm's prior (a task's
+        held-out prompts with 1.0; other tasks' prompts with 0.0), `warm_weight` observations in all."""
+        reward = float(reward)
+        if not 0.0 <= reward <= 1.0:
+            raise ValueError(f"warm-start reward {reward} for {arm!r} is outside [0, 1]")
+        if len(xs) == 0:
+            return
+        X = np.stack([self._augment(x) for x in xs])
+        w = min(1.0, self.warm_weight / len(X))
+        st = self._arm_state(arm)
+        st.A0 += w * (X.T @ X)
+        st.b0 += w * reward * X.sum(axis=0)
+        st.refresh()
+        self._publish(self._index[arm], st)
+
+    # --- revisions on disk ------------------------------------------------------------------------------------
+    def _arrays(self) -> dict[str, np.ndarray]:
+        order = list(self._slot_arm)
+        d = self._d
+
+        def stack(attr: str, shape: tuple[int, ...]) -> np.ndarray:
+            if not order:
+                return np.zeros((0, *shape))
+            return np.stack([getattr(self._state[i], attr) for i in order])
+
+        return {
+            "A0": stack("A0", (d, d)), "b0": stack("b0", (d,)), "G": stack("G", (d, d)), "g": stack("g", (d,)),
+            "P": stack("P", (d, d)), "since": np.array([self._state[i].since for i in order], dtype=np.int64),
+        }  # fmt: skip
+
+    def _manifest(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "featurizer": self.featurizer.config(),
+            "hyper": self.hyper(),
+            "arms": list(self._names),
+            "revisions": dict(self._revisions),
+            "evidence_arms": [self._names[i] for i in self._slot_arm],
+        }
+
+    def save(self, path: Path) -> str:
+        """Write the router to directory `path` (manifest.json + state.npz), atomically: a reader sees the old
+        directory or the new one, never half of one. Returns and sets `revision`, the sha256 of the contents."""
+        path = Path(path)
+        manifest, arrays = self._manifest(), self._arrays()
+        revision = content_digest(manifest, arrays)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            np.savez(tmp / ARRAYS, **arrays)  # type: ignore[arg-type]
+            (tmp / MANIFEST).write_text(
+                json.dumps({**manifest, "revision": revision}, indent=1, sort_keys=True)
+            )
+            for f in (ARRAYS, MANIFEST):
+                with open(tmp / f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.revision = revision
+        return revision
+
+    @classmethod
+    def load(cls, path: Path, *, featurizer: Featurizer | None = None) -> Router:
+        """The router saved in directory `path`. RouterLoadError naming the file and the problem on anything
+        wrong: missing files, another format or version, a featurizer other than `featurizer` (when given),
+        arrays of the wrong shape or with NaN/inf, contents that do not match the recorded revision."""
+        path = Path(path)
+        manifest = _read_manifest(path)
+        try:
+            feat = Featurizer.from_config(manifest["featurizer"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise RouterLoadError(path / MANIFEST, f"featurizer config is not usable: {e}") from e
+        if featurizer is not None and feat != featurizer:
+            raise RouterLoadError(
+                path / MANIFEST, f"featurizer mismatch: saved {feat.config()}, expected {featurizer.config()}"
+            )
+        try:
+            router = cls(feat, **manifest["hyper"])
+        except (ValueError, TypeError) as e:
+            raise RouterLoadError(path / MANIFEST, f"hyperparameters: {e}") from e
+        arrays = _read_arrays(path, manifest, feat.dim + 1)
+        if content_digest(manifest, arrays) != manifest["revision"]:
+            raise RouterLoadError(
+                path, f"contents do not match revision {manifest['revision']} (edited or corrupt)"
+            )
+        router._restore(manifest, arrays)
+        router.revision = manifest["revision"]
+        return router
+
+    def _restore(self, manifest: dict[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        """Fill a fresh router with checked saved state (store.read_router checked shapes and values)."""
+        for name in manifest["arms"]:
+            self.add_arm(name)
+        self._revisions = dict(manifest["revisions"])
+        for k, name in enumerate(manifest["evidence_arms"]):
+            st = self._arm_state(name)
+            st.A0, st.b0 = arrays["A0"][k].copy(), arrays["b0"][k].copy()
+            st.G, st.g, st.P = arrays["G"][k].copy(), arrays["g"][k].copy(), arrays["P"][k].copy()
+            st.since = int(arrays["since"][k])
+            st.theta = st.P @ (st.b0 + st.g)
+            self._publish(self._index[name], st)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, with its keys and their types checked."""
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise RouterLoadError(path, "no such directory")
+    if not file.is_file():
+        raise RouterLoadError(file, "missing")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RouterLoadError(file, f"not readable JSON: {e}") from e
+    if not isinstance(manifest, dict):
+        raise RouterLoadError(file, "not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise RouterLoadError(file, f"format {manifest.get('format')!r} is not {FORMAT!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise RouterLoadError(
+            file, f"format version {manifest.get('format_version')!r} (this mint reads {FORMAT_VERSION})"
+        )
+    kinds = {
+        "featurizer": dict,
+        "hyper": dict,
+        "arms": list,
+        "revisions": dict,
+        "evidence_arms": list,
+        "revision": str,
+    }
+    for key, kind in kinds.items():
+        if not isinstance(manifest.get(key), kind):
+            raise RouterLoadError(file, f"{key!r} is missing or not a {kind.__name__}")
+    names = manifest["arms"]
+    if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+        raise RouterLoadError(file, "arms are not distinct non-empty names")
+    unknown = sorted(set(manifest["evidence_arms"]) - set(names))
+    if unknown or len(set(manifest["evidence_arms"])) != len(manifest["evidence_arms"]):
+        raise RouterLoadError(file, f"evidence arms are not distinct known arms (unknown: {unknown})")
+    return manifest
+
+
+def _read_arrays(path: Path, manifest: Mapping[str, Any], d: int) -> dict[str, np.ndarray]:
+    """The state arrays, each present, of the shape the manifest implies, finite."""
+    file = path / ARRAYS
+    if not file.is_file():
+        raise RouterLoadError(file, "missing")
+    n = len(manifest["evidence_arms"])
+    shapes = {"A0": (n, d, d), "b0": (n, d), "G": (n, d, d), "g": (n, d), "P": (n, d, d), "since": (n,)}
+    try:
+        with np.load(file, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in shapes if k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise RouterLoadError(file, f"not a readable .npz: {e}") from e
+    for k, shape in shapes.items():
+        if k not in arrays:
+            raise RouterLoadError(file, f"array {k!r} is missing")
+        if arrays[k].shape != shape:
+            raise RouterLoadError(file, f"array {k!r} has shape {arrays[k].shape}, expected {shape}")
+        if not np.isfinite(arrays[k]).all():
+            raise RouterLoadError(file, f"array {k!r} holds NaN or infinity")
+    return arrays
+
+
+def content_digest(manifest: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 over the manifest (canonical JSON, without its revision) and every array's dtype, shape and bytes:
+    the same state gives the same revision on any machine."""
+    h = hashlib.sha256()
+    body = {k: v for k, v in manifest.items() if k != "revision"}
+    h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"\n{name}:{a.dtype.str}:{a.shape}\n".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _hyper_problems(
+    alpha: float,
+    decay: float,
+    epsilon: float,
+    top_k: int,
+    ridge: float,
+    keep: float,
+    warm: float,
+    refresh: int,
+) -> list[str]:
+    checks = [
+        (alpha >= 0, f"alpha {alpha} must be >= 0"),
+        (0 < decay <= 1, f"decay {decay} must be in (0, 1]"),
+        (0 < epsilon < 1, f"epsilon {epsilon} must be in (0, 1): every arm needs a positive probability"),
+        (top_k >= 1, f"top_k {top_k} must be >= 1"),
+        (ridge > 0, f"ridge {ridge} must be > 0"),
+        (0 <= keep <= 1, f"revision_keep {keep} must be in [0, 1]"),
+        (warm >= 0, f"warm_weight {warm} must be >= 0"),
+        (refresh >= 1, f"refresh {refresh} must be >= 1"),
+    ]
+    return [msg for ok, msg in checks if not ok]
+
+
+def decision_latency(
+    router: Any,
+    xs: Sequence[np.ndarray],
+    candidates: Sequence[str],
+    *,
+    costs: Mapping[str, float] | None = None,
+    rng: np.random.Generator | None = None,
+) -> dict[str, float]:
+    """p50 and p95 of `choose`'s own decide time (ms) over the prompts `xs`: the benchmark's decision overhead
+    (any object with `choose` returning a Decision)."""
+    rng = rng or np.random.default_rng(0)
+    ms = np.array([router.choose(x, candidates, rng=rng, costs=costs).decide_s * 1e3 for x in xs])
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p95_ms": float(np.percentile(ms, 95)),
+        "n": float(len(ms)),
+    }
