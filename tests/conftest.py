@@ -53,6 +53,7 @@ SHARED_VLLM_MODULES = frozenset(
         "test_hot_swap.py",
         "test_lifecycle.py",
         "test_metrics_vs_vllm.py",
+        "test_routing_serving.py",
         "test_serving_contract.py",
         "test_serving_keys.py",
         "test_serving_store.py",

@@ -21,7 +21,7 @@ from mint_core.access import KeyRing
 from mint_core.lora.validate import recorded_base
 from mint_core.registry.catalog import AddressError, Catalog, UnknownAddress, parse_address
 from mint_core.registry.store import AdapterStore, StoreError, UnknownRevision
-from mint_core.serving.canary import REQUESTED_STATE
+from mint_core.serving.canary import AUTO, REQUESTED_STATE
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.keys import ADMIN, ANONYMOUS, Caller
 from mint_core.serving.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -132,7 +132,8 @@ async def load_target(
 ) -> Path:
     """The directory a load request names, once its fields are checked: both given, a name that is neither the
     base's nor `reserved` (the front's name for the base), a path inside the store, a name not `loaded` yet
-    unless the load is in place (asked last: the front asks vLLM), something at the path. Nothing has changed
+    unless the load is in place (asked last: the front asks vLLM), something at the path. `auto` and `auto:...`
+    are no adapter's name: they ask the server to choose (serving/routing.py). Nothing has changed
     when this raises."""
     if not body.lora_name or not body.lora_path:
         raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
@@ -140,6 +141,13 @@ async def load_target(
         raise APIError(400, f"'{reserved}' is reserved for the base", "InvalidUserInput", "lora_name")
     if body.lora_name == base_name:
         raise APIError(400, f"'{base_name}' is the base model's name", "InvalidUserInput", "lora_name")
+    if body.lora_name == AUTO or body.lora_name.startswith(AUTO + ":"):
+        raise APIError(
+            400,
+            f"'{body.lora_name}' is reserved: it asks the server to choose",
+            "InvalidUserInput",
+            "lora_name",
+        )
     path = resolve_lora_path(server, body.lora_path)
     if not body.load_inplace and await loaded(body.lora_name):
         raise already_loaded(body.lora_name)

@@ -8,6 +8,7 @@ Routes (the serving contract shared with a vLLM deployment, see infra/vllm/; one
   GET  /health, GET /metrics                                                (metrics: admin token with keys)
   POST /v1/mint/prefetch {"addresses", "wait"}                             (mint's extension, admin)
   PUT/DELETE/GET /v1/mint/canary/{name}, POST /v1/feedback                 (canary splits, scores: routes/canary.py)
+  PUT/GET /v1/mint/router                                                  (`model: "auto"`'s router: routes/routing.py)
 The Tinker training API (/api/v1/...) is not served from here: `mint_core.tinker.mount.build_app` builds this app
 and mounts it (`mint serve` does), so serving never imports the training API that sits above it.
 A /v1 body over `max_body_bytes` is refused with 413 before it is parsed (serving/body_limit.py).
@@ -30,6 +31,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Scope
 
 from mint_core.engine.base import FAMILIES, Base, build_tiny_base, load_base
 from mint_core.engine.engine import Engine, EngineConfig
@@ -41,7 +43,8 @@ from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.http_errors import install_error_handlers, is_completion
 from mint_core.serving.keys import KeyCounter, key_requests
-from mint_core.serving.routes import canary, completions, extensions, health, models
+from mint_core.serving.routes import canary, completions, extensions, health, models, routing
+from mint_core.serving.routing import RoutingMiddleware, RoutingState, policy_name
 from mint_core.serving.server import PromptLimits, Server
 
 logger = logging.getLogger(__name__)
@@ -127,6 +130,23 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     install_error_handlers(app, lambda path, model, status: _count(server, path, model, status))
     app.state.canary, app.state.auth, app.state.base_name = CanaryState(), server.auth, base_name
     app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
+    app.state.routing = RoutingState.start(config, server.metrics.registry)
+    app.state.canary.on_score.append(app.state.routing.scored)
+
+    async def served(scope: Scope) -> dict[str, bool]:
+        """Every policy a request could name: the catalog's champions (cold) and the names held (resident)."""
+        out = dict.fromkeys(await server.champions.get(), False)
+        out.update((n, True) for n in server.engine.working_set.names() if policy_name(n) and n != base_name)
+        return out
+
+    app.add_middleware(  # outside the canary: the split and the key checks see the name the router chose
+        RoutingMiddleware,
+        state=app.state.routing,
+        auth=server.auth,
+        base_name=base_name,
+        served=served,
+        refused=lambda path, model, status: _count(server, path, model, status),
+    )
     app.add_middleware(  # a body over the limit is refused before anything reads it
         BodyLimit,
         max_bytes=config.max_body_bytes,
@@ -135,7 +155,7 @@ def create_app(engine: Engine, config: ServingConfig, base_name: str) -> FastAPI
     app.add_middleware(
         KeyCounter, requests=key_requests(server.metrics.registry)
     )  # outermost: every answer, by key
-    for routes in (completions, models, health, extensions, canary):
+    for routes in (completions, models, health, extensions, canary, routing):
         app.include_router(routes.router)
     return app
 

@@ -52,6 +52,12 @@ MAX_RESPONSES = 200_000
 REQUESTED_STATE = "mint_requested"
 """Where the middleware keeps, in the request's state, the name a request asked for when a split answers it with
 another: a serving key is checked against both (serving/admin.py `Auth.check_call`)."""
+AUTO = "auto"
+"""The model name a caller sends to have the server choose (`auto:<patterns>` narrows it): serving/routing.py. No
+adapter may be loaded under it."""
+ROUTED_STATE = "mint_routed"
+"""Where `RoutingMiddleware` (serving/routing.py) marks, in the request's state, a request whose `model: "auto"` it
+routed: its answer is remembered for scores even under the base's name, so the router learns what the base earns."""
 MAX_EVENTS = 200_000
 """Scores kept per requested name, oldest dropped first; a reader that falls this far behind is told so."""
 
@@ -142,6 +148,8 @@ class CanaryState:
         self._answered: OrderedDict[str, _Answered] = OrderedDict()
         self._streams: dict[str, _Stream] = {}
         self._seq = 0
+        self.on_score: list[Callable[[str, ScoreEvent], None]] = []
+        """Called with (response id, event) after each score, outside the lock: the router learns from them."""
 
     # -- the split --------------------------------------------------------------------------------------
 
@@ -178,8 +186,9 @@ class CanaryState:
             s = self._streams.setdefault(name, _Stream())
             a = s.arms.setdefault(arm, ArmSummary())
             a.requests += 1
-            if score is not None:
-                self._event(s, a, arm, model, revision, score, "task")
+            event = None if score is None else self._event(s, a, arm, model, revision, score, "task")
+        if event is not None:
+            self._scored(rid, event)
 
     def feedback(
         self, rid: str, score: float, source: Literal["task", "feedback"] = "feedback"
@@ -195,7 +204,13 @@ class CanaryState:
             ans.scored = True
             s = self._streams.setdefault(ans.name, _Stream())
             a = s.arms.setdefault(ans.arm, ArmSummary())
-            return self._event(s, a, ans.arm, ans.model, ans.revision, score, source)
+            event = self._event(s, a, ans.arm, ans.model, ans.revision, score, source)
+        self._scored(rid, event)
+        return event
+
+    def _scored(self, rid: str, event: ScoreEvent) -> None:
+        for hook in self.on_score:
+            hook(rid, event)
 
     def name_of(self, rid: str) -> str | None:
         """The name an answer remembered by its response id was asked under (None: unknown or forgotten)."""
@@ -258,7 +273,7 @@ def task_score(rewarder: Rewarder, prompt: str | list[dict[str, str]], texts: li
     return sum(scores) / len(scores)
 
 
-def _prompt_of(path: str, data: dict[str, Any]) -> str | list[dict[str, str]] | None:
+def prompt_of(path: str, data: dict[str, Any]) -> str | list[dict[str, str]] | None:
     """What a request asked, in the form a task row holds it: a completion's text, or a chat's messages."""
     if path.endswith("/chat/completions"):
         msgs = data.get("messages")
@@ -271,7 +286,7 @@ def _prompt_of(path: str, data: dict[str, Any]) -> str | list[dict[str, str]] | 
     return prompt if isinstance(prompt, str) else None
 
 
-class _Collected:
+class Collected:
     """What an answer said, read off the response as it passes (whole JSON, or a stream's events)."""
 
     def __init__(self, stream: bool) -> None:
@@ -350,8 +365,9 @@ class CanaryMiddleware:
         except ValueError:
             data = None
         name = data.get("model") if isinstance(data, dict) else None
-        if not isinstance(name, str) or not (name in self.state.splits or self.served(name)):
-            await self.app(scope, _replay(bytes(body), receive), send)
+        routed = ROUTED_STATE in scope.get("state", {})
+        if not isinstance(name, str) or not (name in self.state.splits or self.served(name) or routed):
+            await self.app(scope, replay(bytes(body), receive), send)
             return
         assert isinstance(data, dict)
         headers = dict(scope["headers"])
@@ -370,7 +386,7 @@ class CanaryMiddleware:
             scope["headers"] = [
                 (k, str(len(body)).encode() if k == b"content-length" else v) for k, v in scope["headers"]
             ]
-        collected = _Collected(bool(data.get("stream")))
+        collected = Collected(bool(data.get("stream")))
         status = 0
 
         async def send_on(message: Message) -> None:
@@ -384,13 +400,13 @@ class CanaryMiddleware:
                 collected.feed(message.get("body", b""))
             await send(message)
 
-        await self.app(scope, _replay(bytes(body), receive), send_on)
+        await self.app(scope, replay(bytes(body), receive), send_on)
         if status != 200:
             return
         collected.finish()
         if collected.id is None:
             return
-        prompt = _prompt_of(scope["path"], data)
+        prompt = prompt_of(scope["path"], data)
         texts = [collected.texts[i] for i in sorted(collected.texts)]
         # remembered at once (its feedback may follow on the heels of the answer), scored in the background once
         # the task's reward has run off the event loop (a user's reward runs in a pool, with its timeout): the
@@ -412,7 +428,7 @@ class CanaryMiddleware:
                 self.state.feedback(rid, score, source="task")
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     replayed = False
 
     async def replay() -> Message:

@@ -96,6 +96,20 @@ class ServingConfig(Settings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     """Largest request body of a /v1 route, on both backends: 413 beyond, before any JSON is parsed. The default,
     4 MiB, holds a prompt far longer than any context mint serves; Tinker's routes (/api/v1) are not limited by it."""
+    routing_dir: Path | None = None
+    """Where `model: "auto"` (serving/routing.py) appends its route log (`log.jsonl`: each routed request, its
+    features, choice and probability, and its reward when one comes) and the only place router revisions are loaded
+    from (`router_path`, `PUT /v1/mint/router`). Default: `<adapter_root>/../routing`, the state dir's `routing/`."""
+    router_path: Path | None = None
+    """The router revision (a directory a router was saved to, inside routing_dir, relative or absolute) that
+    routes `model: "auto"` from the start; one that does not load stops the start. Unset: a cold router, each arm
+    that names a registered task warm-started from the task's held-out prompts."""
+    route_cold_load_cost: float = Field(0.05, ge=0.0, le=1.0)
+    """The cost, in reward units, of routing to an adapter the server does not hold yet (a catalog champion a
+    request would have to cold-load): the router prefers a resident adapter unless the cold one's expected reward
+    is higher by more than this. Resident adapters and the base cost 0."""
+    route_seed: int | None = None
+    """Seed of the router's exploration draws (reproducible runs); unset: drawn afresh each start."""
     tinker: bool = True
     """Also serve Tinker's training API (/api/v1/..., the `tinker` SDK) on the same engine."""
     tinker_api_keys: SecretStr | None = None
@@ -139,6 +153,12 @@ class ServingConfig(Settings):
         if self.resolver_token is None:
             self.resolver_token = SecretStr(secrets.token_urlsafe(24))
         return self.resolver_token.get_secret_value()
+
+    def routing_root(self) -> Path:
+        """`routing_dir`, or its default beside the adapter store."""
+        return (
+            self.routing_dir if self.routing_dir is not None else Path(self.adapter_root).parent / "routing"
+        )
 
     def admin_secret(self) -> str:
         if self.admin_token is None:

@@ -43,18 +43,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.types import Scope
 
 from mint_core.lora.validate import BaseSpec
 from mint_core.serving.body_limit import BodyLimit
 from mint_core.serving.canary import CanaryMiddleware, CanaryState
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.front import completions, extensions, health, models
+from mint_core.serving.front.models import champions_of
 from mint_core.serving.front.state import BASE_ADAPTER, Gateway
 from mint_core.serving.http_errors import install_error_handlers, is_completion
 from mint_core.serving.keys import KeyCounter, key_requests
 from mint_core.serving.protocol import APIError
-from mint_core.serving.routes import canary
+from mint_core.serving.routes import canary, routing
+from mint_core.serving.routing import RoutingMiddleware, RoutingState, policy_name
 from mint_core.serving.server import PromptLimits
 
 __all__ = ["BASE_ADAPTER", "create_gateway"]
@@ -92,6 +95,23 @@ def create_gateway(
     install_error_handlers(app, refused)
     app.state.canary, app.state.auth, app.state.base_name = CanaryState(), gw.auth, base_name
     app.add_middleware(CanaryMiddleware, state=app.state.canary, served=lambda name: name != base_name)
+    app.state.routing = RoutingState.start(config, gw.registry)
+    app.state.canary.on_score.append(app.state.routing.scored)
+
+    async def served(scope: Scope) -> dict[str, bool]:
+        """Every policy a request could name: the catalog's champions (cold) and the names vLLM holds (resident)."""
+        out = dict.fromkeys(await champions_of(Request(scope), gw).get(), False)
+        out.update((n, True) for n in list(gw.served) if policy_name(n) and n != BASE_ADAPTER)
+        return out
+
+    app.add_middleware(  # outside the canary: the split and the key checks see the name the router chose
+        RoutingMiddleware,
+        state=app.state.routing,
+        auth=gw.auth,
+        base_name=base_name,
+        served=served,
+        refused=refused,
+    )
     # a body over the limit is refused before anything reads it (so its model is unknown)
     app.add_middleware(
         BodyLimit, max_bytes=config.max_body_bytes, refused=lambda path: refused(path, None, 413)
@@ -99,6 +119,6 @@ def create_gateway(
     app.add_middleware(
         KeyCounter, requests=key_requests(gw.registry)
     )  # outermost: every answer, by the key that asked
-    for routes in (completions, models, health, extensions, canary):
+    for routes in (completions, models, health, extensions, canary, routing):
         app.include_router(routes.router)
     return app

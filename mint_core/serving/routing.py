@@ -1,0 +1,480 @@
+"""`model: "auto"`: the server picks the adapter, on both backends (mint serve and the vLLM front).
+
+A request naming `model: "auto"` is answered by one of the served names its key may call: every catalog champion and
+every policy name the server holds, plus the base (only for a key of every policy, as for a named request).
+`model: "auto:<pattern>[,<pattern>...]"` narrows that set to the names the patterns match (the glob of serving keys,
+`mint_core.access.allows`: `auto:math-*`, `auto:add,sort`). The form is a model name, so it works in every OpenAI
+client with no extra body field, and a caller who knows the group a prompt belongs to says so without naming a
+revision. What answers is named as for any request (the response's `model`, its `system_fingerprint`), and two
+headers say it was routed: `X-Mint-Routed: <served name>`, `X-Mint-Router: <router revision>`.
+
+The router (`mint_core.routing.Router`) sees the prompt's features alone: the server's task lookup scores an answer
+after it is given (serving/canary.py) and never decides the route, because real traffic is not in the registry.
+Each routed answer is remembered by its response id; the canary state's scores (the task's own reward, or
+`POST /v1/feedback`) reach `RoutingState.scored`, which updates the router and appends the reward to the route log
+(`<routing dir>/log.jsonl`: features, candidates, choice, probability, router revision; what the `route` flow fits
+and evaluates the next router from).
+
+`RoutingMiddleware` sits outside `CanaryMiddleware`, so the split, the key checks and the scoring see the concrete
+name. A request it cannot route is answered here in OpenAI's error shape: 404 when nothing servable is left for
+the key (naming the patterns asked, never the names hidden from the key), 400 for `auto:` with an empty pattern.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mint_core.access import allows
+from mint_core.data.spec import SpecError, TaskRegistry, read_rows, registry
+from mint_core.routing.features import Featurizer
+from mint_core.routing.log import RouteLog, RouteRecord, sparse_features
+from mint_core.routing.router import Decision, Router, RouterLoadError
+from mint_core.serving.admin import Auth
+from mint_core.serving.canary import AUTO, ROUTED_STATE, ROUTES, Collected, ScoreEvent, prompt_of, replay
+from mint_core.serving.config import ServingConfig
+from mint_core.serving.keys import Caller
+from mint_core.serving.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+ROUTED_HEADER = "x-mint-routed"
+ROUTER_HEADER = "x-mint-router"
+COLD = "cold"
+"""The revision a router started cold has until one is loaded: it names no saved state."""
+LOG_FILE = "log.jsonl"
+MAX_ROUTED = 100_000
+"""Routed answers remembered for their reward (oldest forgotten first), features kept as float16 (~0.5 KB each)."""
+WARM_POSITIVES = 64
+"""Held-out prompts of an arm's own task added to its prior as reward-1 pseudo-observations (cold start)."""
+WARM_NEGATIVES = 16
+"""Held-out prompts of each other registered task added to an arm's prior as reward-0 pseudo-observations."""
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+Served = Callable[[Scope], Awaitable[Mapping[str, bool]]]
+"""What a backend can serve now, by policy name (the base left out), each with whether it is resident (held by
+the server: no cold load before it answers)."""
+
+
+class RouterSpec(BaseModel):
+    """`PUT /v1/mint/router`: serve the router revision saved at `path`."""
+
+    path: str = Field(min_length=1)
+    """The router's directory, inside the server's routing dir (relative to it, or absolute)."""
+    revision: str | None = None
+    """When given, the revision the directory must hold (else 422): what the registry's alias names."""
+
+
+class RouterView(BaseModel):
+    """`GET /v1/mint/router`: which router revision routes `model: "auto"` here."""
+
+    revision: str
+    """The loaded revision's content digest, or `cold` for a router started with no saved state."""
+    path: str | None
+    """Where it was loaded from (None: started cold)."""
+    loaded_at: float
+    arms: list[str]
+    """The served names it has met that the caller may call."""
+    routed: int
+    """Requests routed since it was loaded."""
+    explored: int
+    """Of those, how many were exploration (not the greedy choice)."""
+    log: str
+    """The route log the decisions and rewards are appended to."""
+
+
+@dataclass
+class _Routed:
+    arm: str
+    x: np.ndarray  # float16: what the reward updates the router with
+
+
+class RoutingMetrics:
+    """The routing series, registered in the backend's registry (the same names on both backends)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.routed = Counter(
+            "mint_routed_requests",
+            "Requests for model auto, by the served name chosen",
+            ["arm"],
+            registry=registry,
+        )
+        self.explored = Counter(
+            "mint_routed_explored",
+            "Routed requests that explored (not the router's greedy choice)",
+            registry=registry,
+        )
+        self.decide = Histogram(
+            "mint_route_decision_seconds",
+            "Time to route one request: features and the router's choice",
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.revision = Gauge(
+            "mint_router_revision",
+            "The router revision serving (1 on its label)",
+            ["revision"],
+            registry=registry,
+        )
+
+    def serving(self, revision: str, previous: str | None) -> None:
+        if previous is not None and previous != revision:
+            with contextlib.suppress(KeyError):
+                self.revision.remove(previous)
+        self.revision.labels(revision).set(1)
+
+
+class RoutingState:
+    """The serving router of one server, its route log and the routed answers awaiting a reward. The router is
+    used under one lock (decisions and rewards on the event loop, warm starts and loads in worker threads)."""
+
+    def __init__(
+        self,
+        router: Router,
+        path: Path | None,
+        root: Path,
+        log: RouteLog,
+        metrics: RoutingMetrics,
+        cold_load_cost: float,
+        rng: np.random.Generator,
+        tasks: Callable[[], TaskRegistry] = registry,
+    ):
+        self.router, self.path, self.root, self.log = router, path, root, log
+        self.metrics, self.cold_load_cost, self.rng, self.tasks = metrics, cold_load_cost, rng, tasks
+        self.loaded_at = time.time()
+        self.routed_count = self.explored_count = 0
+        self._lock = threading.Lock()
+        self._routed: OrderedDict[str, _Routed] = OrderedDict()
+        self._warm: set[str] = set()  # arms this router was offered a cold start for (done or nothing to do)
+        self._warming = asyncio.Lock()
+        metrics.serving(self.revision, None)
+
+    @classmethod
+    def start(cls, config: ServingConfig, registry_: CollectorRegistry) -> RoutingState:
+        """The router of a starting server: `config.router_path` (RouterLoadError when it does not load: a wrong
+        setting stops the start), else a cold one."""
+        root = config.routing_root().resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        path = None if config.router_path is None else inside(root, str(config.router_path))
+        router = Router() if path is None else Router.load(path)
+        log = RouteLog(root / LOG_FILE)
+        rng = np.random.default_rng(config.route_seed)
+        state = cls(router, path, root, log, RoutingMetrics(registry_), config.route_cold_load_cost, rng)
+        logger.info("routing model auto with router %s (log %s)", state.revision, root / LOG_FILE)
+        return state
+
+    @property
+    def revision(self) -> str:
+        return self.router.revision or COLD
+
+    @property
+    def featurizer(self) -> Featurizer:
+        return self.router.featurizer
+
+    # -- deciding and learning --------------------------------------------------------------------------------
+
+    def decide(self, x: np.ndarray, candidates: Mapping[str, bool]) -> Decision:
+        """The router's choice among `candidates` (name -> resident): a cold load costs `cold_load_cost`."""
+        costs = {n: self.cold_load_cost for n, resident in candidates.items() if not resident}
+        with self._lock:
+            decision = self.router.choose(x, list(candidates), rng=self.rng, costs=costs)
+            self.routed_count += 1
+            self.explored_count += decision.explored
+        self.metrics.routed.labels(decision.arm).inc()
+        if decision.explored:
+            self.metrics.explored.inc()
+        return decision
+
+    def answered(
+        self, rid: str, x: np.ndarray, decision: Decision, candidates: list[str], model: str, revision: str
+    ) -> None:
+        """A routed request was answered (`model` the served name that answered, at `revision`): remembered for
+        its reward, logged, and the arm told its policy's revision (a change shrinks the old evidence)."""
+        with self._lock:
+            self._routed[rid] = _Routed(decision.arm, x.astype(np.float16))
+            if len(self._routed) > MAX_ROUTED:
+                self._routed.popitem(last=False)
+            if model == decision.arm and revision:  # a canary's answers are not the policy's revision
+                self.router.set_revision(decision.arm, revision)
+            router_revision = self.router.revision  # "" for a cold router: no saved state to replay
+        self.log.decided(
+            RouteRecord(
+                rid=rid,
+                t=time.time(),
+                router_revision=router_revision,
+                features_digest=self.featurizer.digest(x),
+                features=sparse_features(x),
+                candidates=candidates,
+                choice=decision.arm,
+                prob=decision.prob,
+                explored=decision.explored,
+                revision=revision,
+                reward=None,
+                reward_source=None,
+            )
+        )
+
+    def scored(self, rid: str, event: ScoreEvent) -> None:
+        """`CanaryState.on_score`: the reward of an answer (the task's, or feedback); a routed one updates the
+        router and the log. Each answer is scored once (the canary state refuses a second score)."""
+        with self._lock:
+            routed = self._routed.pop(rid, None)
+            if routed is None:
+                return
+            self.router.update(routed.arm, routed.x.astype(np.float32), event.score)
+        self.log.rewarded(rid, event.score, event.source)
+
+    # -- cold start -------------------------------------------------------------------------------------------
+
+    async def warm(self, names: list[str]) -> None:
+        """Give every arm met for the first time that names a registered task its cold start (in a worker thread:
+        it reads the task's held-out rows once); an arm the router already knows keeps what it learned."""
+        if all(n in self._warm for n in names):
+            return
+        async with self._warming:
+            new = [n for n in names if n not in self._warm]
+            if new:
+                await asyncio.to_thread(self._warm_start, new)
+
+    def _warm_start(self, names: list[str]) -> None:
+        router = self.router
+        try:
+            tasks = self.tasks()
+        except SpecError as e:
+            logger.warning("no cold start for the router's arms: the task registry does not load: %s", e)
+            self._warm.update(names)
+            return
+        known = set(router.arms())
+        for arm in names:
+            if arm in tasks and arm not in known:
+                positives = _heldout(tasks, arm, WARM_POSITIVES)
+                negatives = [p for t in tasks.names() if t != arm for p in _heldout(tasks, t, WARM_NEGATIVES)]
+                xs1 = [router.featurizer.transform(p) for p in positives]
+                xs0 = [router.featurizer.transform(p) for p in negatives]
+                with self._lock:
+                    if router is not self.router:  # swapped meanwhile: the new router is offered its own
+                        return
+                    router.warm_start(arm, xs1, 1.0)
+                    router.warm_start(arm, xs0, 0.0)
+                logger.info("router arm %s: cold start from %d held-out prompts of its task", arm, len(xs1))
+            self._warm.add(arm)
+
+    # -- which router serves ----------------------------------------------------------------------------------
+
+    def swap(self, spec: RouterSpec) -> bool:
+        """Serve the router saved at `spec.path` (run in a worker thread: it reads and checks the files). Nothing
+        changes unless it loads and holds `spec.revision` when one is given; the same revision again is a no-op
+        that keeps what the serving one learned online. True when the router changed."""
+        path = inside(self.root, spec.path)
+        if spec.revision is not None and spec.revision == self.router.revision:
+            return False
+        loaded = Router.load(path)  # RouterLoadError names the file and the problem
+        if spec.revision is not None and loaded.revision != spec.revision:
+            raise RouterLoadError(path, f"it holds revision {loaded.revision}, not {spec.revision}")
+        with self._lock:
+            if loaded.revision == self.router.revision:
+                return False
+            previous = self.revision
+            self.router, self.path, self.loaded_at = loaded, path, time.time()
+            self.routed_count = self.explored_count = 0
+            self._warm = set()
+        self.metrics.serving(self.revision, previous)
+        logger.info("router %s serves model auto (was %s), from %s", self.revision, previous, path)
+        return True
+
+    def view(self, caller: Caller, base_name: str) -> RouterView:
+        with self._lock:
+            return RouterView(
+                revision=self.revision,
+                path=None if self.path is None else str(self.path),
+                loaded_at=self.loaded_at,
+                arms=caller.visible(self.router.arms(), base_name),
+                routed=self.routed_count,
+                explored=self.explored_count,
+                log=str(self.log.path),
+            )
+
+
+def _heldout(tasks: TaskRegistry, task: str, limit: int) -> list[str | list[dict[str, str]]]:
+    try:
+        return [r.prompt for r in read_rows(tasks.get(task), "heldout")[:limit]]
+    except SpecError as e:
+        logger.info("task %s: no held-out prompts for the router's cold start: %s", task, e)
+        return []
+
+
+def inside(root: Path, path: str) -> Path:
+    """A router directory named by a load: inside the routing dir (relative to it, or absolute), never elsewhere:
+    an admin token must not turn into reading arbitrary files. 400 otherwise."""
+    p = Path(path)
+    real = (p if p.is_absolute() else root / p).resolve()
+    if real == root or root not in real.parents:
+        raise APIError(
+            400, f"router path {path!r} is not inside the routing dir {root}", "BadRequestError", "path"
+        )
+    return real
+
+
+def patterns_of(model: str) -> list[str] | None:
+    """The patterns of `auto:<p>[,<p>...]` (None for plain `auto`); 400 for an empty one."""
+    if model == AUTO:
+        return None
+    patterns = model[len(AUTO) + 1 :].split(",")
+    if not all(p.strip() for p in patterns):
+        raise APIError(
+            400, f"{model!r}: `auto:` needs one or more patterns, comma-separated", "BadRequestError", "model"
+        )
+    return [p.strip() for p in patterns]
+
+
+def is_auto(model: object) -> bool:
+    return isinstance(model, str) and (model == AUTO or model.startswith(AUTO + ":"))
+
+
+def candidates_for(
+    caller: Caller, served: Mapping[str, bool], base_name: str, patterns: list[str] | None
+) -> dict[str, bool]:
+    """The names a routed request may be answered by (name -> resident): those the key may call, matched by the
+    patterns when given, the base (resident) among them. 404 when none is left: naming the patterns, not what the
+    key may not see."""
+    names = {n: r for n, r in served.items() if caller.may(n, base_name)}
+    if caller.may(base_name, base_name):
+        names[base_name] = True
+    if patterns is not None:
+        names = {n: r for n, r in names.items() if allows(patterns, n)}
+    if not names:
+        if patterns is None:
+            raise APIError(
+                404, "no policy to route to: this key may call no served model", "NotFoundError", "model"
+            )
+        raise APIError(
+            404,
+            f"no policy to route to: no served model this key may call matches {','.join(patterns)!r}",
+            "NotFoundError",
+            "model",
+        )
+    return names
+
+
+def policy_name(name: str) -> bool:
+    """Whether a held name is a policy's own (routable), not a catalog address or a canary (`p@alias`, `p/v3`,
+    `sha256:...`) held under that address."""
+    return bool(name) and "@" not in name and "/" not in name and not name.startswith("sha256:")
+
+
+class RoutingMiddleware:
+    """ASGI middleware (outside `CanaryMiddleware`) that answers `model: "auto"` on the completion routes: picks a
+    served name with the router, rewrites the request's model, names the choice in the answer's headers and
+    remembers the answer for its reward. Other requests pass through untouched."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: RoutingState,
+        auth: Auth,
+        base_name: str,
+        served: Served,
+        refused: Callable[[str, object, int], None],
+    ):
+        self.app, self.state, self.auth, self.base_name = app, state, auth, base_name
+        self.served, self.refused = served, refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        try:
+            data = json.loads(bytes(body))
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or not is_auto(data.get("model")):
+            await self.app(scope, replay(bytes(body), receive), send)
+            return
+        try:
+            caller = self.auth.identify(Request(scope))
+        except APIError:  # no or a wrong key: the route answers it, as for any model
+            await self.app(scope, replay(bytes(body), receive), send)
+            return
+        try:
+            candidates = candidates_for(
+                caller, await self.served(scope), self.base_name, patterns_of(data["model"])
+            )
+            await self.state.warm(list(candidates))
+            t0 = time.perf_counter()
+            prompt = prompt_of(scope["path"], data)
+            x = self.state.featurizer.transform(prompt if prompt is not None else "")
+            decision = self.state.decide(x, candidates)
+            self.state.metrics.decide.observe(time.perf_counter() - t0)
+        except APIError as e:
+            self.refused(scope["path"], data.get("model"), e.status)
+            await JSONResponse(e.response().model_dump(), status_code=e.status)(scope, receive, send)
+            return
+        await self._forward(scope, receive, send, data, x, decision, list(candidates))
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        data: dict[str, Any],
+        x: np.ndarray,
+        decision: Decision,
+        candidates: list[str],
+    ) -> None:
+        """The request under the chosen name, its answer with the routing headers; the answer remembered."""
+        data["model"] = decision.arm
+        body = json.dumps(data).encode()
+        scope = dict(scope)
+        scope["headers"] = [
+            (k, str(len(body)).encode() if k == b"content-length" else v) for k, v in scope["headers"]
+        ]
+        scope.setdefault("state", {})[ROUTED_STATE] = decision.arm
+        revision = self.state.revision
+        collected = Collected(bool(data.get("stream")))
+        status = 0
+
+        async def send_on(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = dict(message)
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (ROUTED_HEADER.encode(), decision.arm.encode()),
+                    (ROUTER_HEADER.encode(), revision.encode()),
+                ]
+            elif message["type"] == "http.response.body" and status == 200:
+                collected.feed(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, replay(body, receive), send_on)
+        if status != 200:
+            return
+        collected.finish()
+        if collected.id is not None:  # remembered before anything can score it (no await since the answer)
+            model, fingerprint = collected.model or decision.arm, collected.fingerprint or ""
+            self.state.answered(collected.id, x, decision, candidates, model, fingerprint)
