@@ -60,8 +60,8 @@ from mint_core.routing.features import Featurizer
 
 ALPHA = 0.5
 """Weight of the confidence width in the UCB score (rewards are in [0, 1])."""
-DECAY = 0.99
-"""Factor on an arm's evidence at each of its updates: it follows its last ~100 rewards."""
+DECAY = 0.98
+"""Factor on an arm's evidence at each of its updates: it follows its last ~50 rewards."""
 EPSILON = 0.05
 """Share of decisions drawn uniformly among the considered arms: keeps every propensity above zero for OPE."""
 TOP_K = 16

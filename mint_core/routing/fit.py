@@ -1,0 +1,69 @@
+"""Fit a router from the route log (and cold-start prompts): what the nightly `route` flow gates and registers.
+
+A fit replays the logged rewards in time order through `Router.update`, so the fitted router holds what the
+serving one would have learned online, decay included (recent evidence counts most), without the serving
+router's exploration history mattering: disjoint per-arm regressions are unbiased under the logging policy's
+choice of arm (it only changes which prompts each arm saw). Starting from `base` (the serving router) keeps its
+priors and evidence and adds the new records; starting fresh makes the fit reproducible from the log alone.
+
+Cold start: for each arm, its task's prompts are positive pseudo-observations (reward 1) and the other arms'
+prompts negative ones (reward 0), except prompts the arm shares (two revisions of one task share their prompts):
+a new adapter is routed its task's prompts before any traffic reaches it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mint_core.routing.features import Featurizer, prompt_text
+from mint_core.routing.log import RouteRecord
+from mint_core.routing.router import Router
+
+Prompt = str | list[dict[str, str]]
+
+
+def fit_router(
+    records: Sequence[RouteRecord],
+    cold_start: Mapping[str, Sequence[Prompt]] | None = None,
+    base: Router | None = None,
+    **hyper: Any,
+) -> Router:
+    """A router fitted on the rewarded `records` (time order), after warm-starting the arms of `cold_start`
+    ({served name: its task's prompts}). `base`: start from a copy of this router (it is not changed); else a
+    new Router(**hyper) (`featurizer=` among them). ValueError for hyperparameters given with a base, or records
+    whose features do not fit the featurizer."""
+    if base is not None and hyper:
+        raise ValueError(f"hyperparameters {sorted(hyper)} come from the base router; give one or the other")
+    router = copy.deepcopy(base) if base is not None else Router(**hyper)
+    router.revision = ""
+    if cold_start:
+        warm_start_tasks(router, cold_start)
+    dim = router.featurizer.dim
+    for rec in sorted(records, key=lambda r: r.t):
+        for name in rec.candidates:
+            router.add_arm(name)
+        if rec.reward is not None:
+            router.update(rec.choice, rec.vector(dim), rec.reward)
+    return router
+
+
+def warm_start_tasks(router: Router, prompts: Mapping[str, Sequence[Prompt]]) -> None:
+    """Warm-start each arm from its task's prompts (reward 1) and the other arms' prompts it does not share
+    (reward 0). The serving side calls this for a cold router too, so both start alike."""
+    feat: Featurizer = router.featurizer
+    texts = {arm: [prompt_text(p) for p in ps] for arm, ps in prompts.items()}
+    xs = {arm: feat.transform_many(list(ps)) for arm, ps in prompts.items()}
+    for arm in prompts:
+        own = set(texts[arm])
+        router.warm_start(arm, xs[arm], 1.0)
+        negatives = [
+            x
+            for other in prompts
+            if other != arm
+            for x, t in zip(xs[other], texts[other], strict=True)
+            if t not in own
+        ]
+        if negatives:
+            router.warm_start(arm, negatives, 0.0)
