@@ -41,6 +41,7 @@ from mint_core.registry.index import RebuildReport, new_holder, rebuild_catalog,
 from mint_core.registry.leases import Leases, default_leases, held
 from mint_core.registry.reader import (
     CANDIDATE,
+    KIND_TAG,
     LOCAL_SCHEME,
     TAG_PREFIX,
     AliasConflict,
@@ -63,6 +64,7 @@ from mint_core.types import Digest
 
 __all__ = [
     "CANDIDATE",
+    "KIND_TAG",
     "LOCAL_SCHEME",
     "TAG_PREFIX",
     "AliasConflict",
@@ -79,8 +81,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-KIND_TAG = "mint.kind"
-"""Registered-model tag saying who made a policy: `policy` (the lifecycle, people) or `tinker` (Tinker API saves)."""
 POLICY_KIND = "policy"
 TINKER_KIND = "tinker"
 

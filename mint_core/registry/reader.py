@@ -37,6 +37,12 @@ TAG_PREFIX = "mint."
 DIGEST_TAG = "mint.digest"
 LOCAL_SCHEME = "mint-store://"
 _API = "/api/2.0/mlflow"
+KIND_TAG = "mint.kind"
+"""Registered-model tag saying what a registered model holds: `policy` (the lifecycle, people), `tinker` (Tinker
+API saves), or `router` (the `model: "auto"` router's revisions, `mint_core.registry.routers`)."""
+ROUTER_KIND = "router"
+"""`KIND_TAG` of a router's registered model: not a policy (its versions are no adapter revisions), so the policy
+listings (`policies`, reconcile, retraining, the catalog's rebuild) leave it out."""
 
 
 class RegistryError(MintError):
@@ -134,6 +140,16 @@ def parse_revision(mv: dict[str, Any], aliases: tuple[str, ...] | None = None) -
     )
 
 
+def _tags_of(rm: dict[str, Any]) -> dict[str, str]:
+    raw = rm.get("tags") or []
+    return {t["key"]: t.get("value", "") for t in raw} if isinstance(raw, list) else dict(raw)
+
+
+def is_router(rm: dict[str, Any]) -> bool:
+    """A registered model (MLflow's JSON) that holds router revisions, not a policy."""
+    return _tags_of(rm).get(KIND_TAG) == ROUTER_KIND
+
+
 def _aliases_of(rm: dict[str, Any]) -> dict[str, int]:
     return {a["alias"]: int(a["version"]) for a in rm.get("aliases") or ()}
 
@@ -146,8 +162,7 @@ MOVER_TAG = "mint.alias_mover."
 def movers_of(rm: dict[str, Any]) -> dict[str, tuple[int | None, str]]:
     """Who last set or deleted each alias of a registered model (its tags): alias -> (the version it was moved
     to, None for a deletion; the MLflow user)."""
-    raw = rm.get("tags") or []
-    tags = {t["key"]: t.get("value", "") for t in raw} if isinstance(raw, list) else dict(raw)
+    tags = _tags_of(rm)
     out: dict[str, tuple[int | None, str]] = {}
     for key, value in tags.items():
         if not key.startswith(MOVER_TAG):
@@ -318,7 +333,8 @@ class RegistryReader:
         self._api.health()
 
     def policies(self) -> list[str]:
-        return sorted(str(rm["name"]) for rm in self._api.search_models())
+        """Every policy's name: the registered models, but a router's (`ROUTER_KIND`)."""
+        return sorted(str(rm["name"]) for rm in self._api.search_models() if not is_router(rm))
 
     def aliases(self, policy: str) -> dict[str, int]:
         """The policy's aliases and the versions they name (`UnknownRevision` for an unknown policy)."""
@@ -382,9 +398,13 @@ class RegistryReader:
     def everything(self) -> tuple[dict[str, dict[str, int]], list[Revision]]:
         """Every policy's aliases and every mint revision of every policy, in one pass over the registry (two
         paged searches): what a decision that follows lineage across policies reads."""
-        aliased = {str(rm["name"]): _aliases_of(rm) for rm in self._api.search_models()}
+        models = list(self._api.search_models())
+        aliased = {str(rm["name"]): _aliases_of(rm) for rm in models if not is_router(rm)}
+        routers = {str(rm["name"]) for rm in models if is_router(rm)}
         revs = []
         for mv in self._api.search_versions("list every version", ""):
+            if str(mv.get("name")) in routers:
+                continue  # a router's version: no adapter revision
             try:
                 revs.append(parse_revision(mv))
             except RegistryError as e:
