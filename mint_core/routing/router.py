@@ -125,7 +125,11 @@ class _Arm:
 
 
 class Router:
-    """Chooses a served name per prompt (`choose`), learns from rewards (`update`), saves as a revision."""
+    """Chooses a served name per prompt (`choose`), learns from rewards (`update`), saves as a revision.
+
+    Not thread-safe: a caller that decides and learns from several threads holds one lock around both (the
+    event loop of a server is one thread). `probs` and `predict` read the state without changing it, except
+    that unknown candidate names are added as prior-only arms."""
 
     def __init__(
         self,

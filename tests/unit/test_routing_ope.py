@@ -85,7 +85,7 @@ def setting() -> tuple[list[RouteRecord], Router, Router]:
     for _ in range(20):
         x = FEAT.transform(prompt(0, rng))
         logger.update("base", x, 1.0)
-    return logs(logger, 3000, seed=6), trained(False, 7), trained(True, 8)
+    return logs(logger, 2000, seed=6), trained(False, 7), trained(True, 8)
 
 
 @pytest.mark.parametrize("estimator", [ips, snips, dr])
@@ -94,7 +94,7 @@ def test_estimates_recover_a_known_policys_value_within_their_interval(setting, 
     for target in (good, bad):
         v = true_value(target, seed=11)
         est = estimator(records, target)
-        assert est.n == 3000 and est.method == estimator.__name__
+        assert est.n == 2000 and est.method == estimator.__name__
         # the truth lies within the interval stretched from 95% to 99% (z 2.576): six 95% checks would miss one
         # in four runs by chance alone, and a biased estimator misses by far more
         half = (est.hi - est.lo) / 2 * 2.576 / 1.96
