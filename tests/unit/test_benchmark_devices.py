@@ -34,6 +34,7 @@ WITH_DEVICE = [
     "multi_policy_grpo.py",
     "own_task.py",
     "replicas.py",
+    "routing.py",
     "serving_load.py",
     "update_memory.py",
 ]
