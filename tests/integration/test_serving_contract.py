@@ -215,6 +215,29 @@ def test_openai_chat_completions(oai: OpenAI, base_name: str, adapters: dict[str
         assert again.choices[0].message.content == c.message.content
 
 
+@embedded_only  # mint's extension (serving/routing.py): a plain vLLM deployment serves no model named "auto"
+def test_openai_model_auto_is_answered_and_named_by_a_served_model(
+    oai: OpenAI, http: httpx.Client, base_name: str, adapters: dict[str, str]
+) -> None:
+    served = set(model_ids(http))
+    for raw in (
+        oai.completions.with_raw_response.create(model="auto", prompt=PROMPT, max_tokens=4, temperature=0),
+        oai.completions.with_raw_response.create(
+            model="auto:alpha", prompt=PROMPT, max_tokens=4, temperature=0
+        ),
+    ):
+        r = raw.parse()
+        assert r.model in served and raw.headers["x-mint-routed"] == r.model, (r.model, served)
+        assert raw.headers["x-mint-router"] and r.system_fingerprint
+    assert r.model == "alpha"  # auto:<pattern> narrows the choice
+    chat = oai.chat.completions.create(
+        model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert chat.model in served
+    body = {"model": "auto:no-such-*", "prompt": PROMPT, "max_tokens": 2}
+    expect_error(http.post("/v1/completions", json=body), 404, "NotFoundError", "no-such-*")
+
+
 @pytest.mark.parametrize("model", ["base", "alpha"])
 def test_openai_streaming_completion_equals_non_streamed(
     model: str, oai: OpenAI, base_name: str, adapters: dict[str, str]

@@ -1,0 +1,172 @@
+"""`model: "auto"`'s parts that need no server (serving/routing.py): the names a request may be routed to, the forms
+of `auto:<patterns>`, where a router may be loaded from, swapping routers, and rewards reaching the router from the
+canary state's scores. The HTTP behaviour on both backends is tests/integration/test_routing_serving.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mint_core.routing.log import RouteLog
+from mint_core.routing.router import Router, RouterLoadError
+from mint_core.serving.canary import CanaryState
+from mint_core.serving.config import ServingConfig
+from mint_core.serving.keys import Caller
+from mint_core.serving.protocol import APIError
+from mint_core.serving.routing import (
+    COLD,
+    RouterSpec,
+    RoutingState,
+    candidates_for,
+    inside,
+    patterns_of,
+    policy_name,
+)
+
+BASE = "tiny-dense"
+SERVED = {"add": True, "sort": False, "math-a": True, "math-b": False}
+
+
+@pytest.mark.parametrize(
+    ("model", "patterns"),
+    [("auto", None), ("auto:add", ["add"]), ("auto:math-*,sort", ["math-*", "sort"])],
+)
+def test_auto_forms(model: str, patterns: list[str] | None) -> None:
+    assert patterns_of(model) == patterns
+
+
+@pytest.mark.parametrize("model", ["auto:", "auto:add,", "auto:,x", "auto: "])
+def test_an_empty_pattern_is_a_400_naming_model(model: str) -> None:
+    with pytest.raises(APIError) as e:
+        patterns_of(model)
+    assert e.value.status == 400 and e.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("caller", "patterns", "expected"),
+    [
+        (
+            Caller("all", ("*",)),
+            None,
+            {"add": True, "sort": False, "math-a": True, "math-b": False, BASE: True},
+        ),
+        (Caller("anonymous"), ["math-*"], {"math-a": True, "math-b": False}),
+        (Caller("one", ("add",)), None, {"add": True}),  # no base: a key of some policies never reaches it
+        (Caller("math", ("math-*",)), ["math-b", "add"], {"math-b": False}),
+        (Caller("all", ("*",)), [BASE], {BASE: True}),
+    ],
+)
+def test_candidates_are_the_key_s_names_matched_by_the_patterns(
+    caller: Caller, patterns: list[str] | None, expected: dict[str, bool]
+) -> None:
+    assert candidates_for(caller, SERVED, BASE, patterns) == expected
+
+
+def _refusal(caller: Caller, patterns: list[str] | None) -> APIError:
+    with pytest.raises(APIError) as e:
+        candidates_for(caller, SERVED, BASE, patterns)
+    return e.value
+
+
+def test_nothing_left_is_a_404_naming_the_pattern_and_nothing_hidden() -> None:
+    hidden, absent = (_refusal(Caller("one", ("add",)), [p]) for p in ("sort", "nope"))
+    assert hidden.status == absent.status == 404 and hidden.type == "NotFoundError"
+    assert "'sort'" in hidden.message and "add" not in hidden.message
+    assert hidden.message.replace("sort", "nope") == absent.message  # a hidden name reads as an absent one
+    none = _refusal(Caller("x", ("other",)), None)
+    assert none.status == 404 and "no policy to route to" in none.message
+
+
+def test_policy_names_exclude_addresses_and_canaries() -> None:
+    assert [n for n in ("add", "add@canary", "add/v3", "sha256:ab", "t/add") if policy_name(n)] == ["add"]
+
+
+def test_a_router_is_loaded_from_inside_the_routing_dir_only(tmp_path: Path) -> None:
+    root = (tmp_path / "routing").resolve()
+    assert inside(root, "r1") == root / "r1"
+    assert inside(root, str(root / "a" / "b")) == root / "a" / "b"
+    for bad in ("../x", str(tmp_path), ".", "/etc"):
+        with pytest.raises(APIError) as e:
+            inside(root, bad)
+        assert e.value.status == 400 and e.value.param == "path", bad
+
+
+def _state(tmp_path: Path, router_path: Path | None = None) -> RoutingState:
+    cfg = ServingConfig(
+        adapter_root=tmp_path / "store",
+        routing_dir=tmp_path / "routing",
+        route_seed=1,
+        router_path=router_path,
+    )
+    return RoutingState.start(cfg, CollectorRegistry())
+
+
+def _saved(tmp_path: Path, name: str, arm: str) -> tuple[str, Router]:
+    router = Router()
+    x = router.featurizer.transform("hello")
+    for _ in range(5):
+        router.update(arm, x, 1.0)
+    return router.save(tmp_path / "routing" / name), router
+
+
+def test_a_swap_checks_first_and_the_same_revision_is_a_no_op(tmp_path: Path) -> None:
+    state = _state(tmp_path)
+    assert state.revision == COLD
+    r1, _ = _saved(tmp_path, "r1", "add")
+    broken = tmp_path / "routing" / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{}")
+    for spec in (
+        RouterSpec(path="broken"),
+        RouterSpec(path="r1", revision="f" * 64),
+        RouterSpec(path="nothing"),
+    ):
+        with pytest.raises(RouterLoadError):
+            state.swap(spec)
+        assert state.revision == COLD
+    assert state.swap(RouterSpec(path="r1", revision=r1)) and state.revision == r1
+    x = state.featurizer.transform("hi")
+    state.router.update("sort", x, 1.0)  # learned online since it was loaded
+    assert not state.swap(RouterSpec(path="r1")) and not state.swap(RouterSpec(path="r1", revision=r1))
+    assert "sort" in state.router.arms()  # the no-op kept it
+
+
+def test_a_router_named_by_the_config_serves_from_the_start(tmp_path: Path) -> None:
+    r1, _ = _saved(tmp_path, "r1", "add")
+    assert _state(tmp_path, router_path=Path("r1")).revision == r1
+    (tmp_path / "routing" / "r1" / "state.npz").write_bytes(b"torn")
+    with pytest.raises(RouterLoadError, match=r"state\.npz"):
+        _state(tmp_path, router_path=Path("r1"))
+
+
+def test_scores_reach_the_router_and_the_log_once(tmp_path: Path) -> None:
+    state = _state(tmp_path)
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    x = state.featurizer.transform("write a poem")
+    decision = state.decide(x, {"add": True, "sort": True})
+    state.answered("cmpl-1", x, decision, ["add", "sort"], decision.arm, "sha256:aa")
+    canary.answered("cmpl-1", decision.arm, "none", decision.arm, "sha256:aa", None)
+    canary.answered(
+        "cmpl-2", "other", "none", "other", "sha256:bb", None
+    )  # not routed: the router ignores it
+    before = state.router.predict(x, [decision.arm])[0]
+    canary.feedback("cmpl-1", 1.0)
+    canary.feedback("cmpl-2", 1.0)
+    assert state.router.predict(x, [decision.arm])[0] > before + 0.1
+    (record,) = RouteLog(tmp_path / "routing" / "log.jsonl").records()
+    assert (record.rid, record.choice, record.reward, record.reward_source) == (
+        "cmpl-1",
+        decision.arm,
+        1.0,
+        "feedback",
+    )
+    assert (
+        record.router_revision == ""
+        and record.revision == "sha256:aa"
+        and record.candidates == ["add", "sort"]
+    )
+    assert np.allclose(record.vector(state.featurizer.dim), x, atol=1e-6)
