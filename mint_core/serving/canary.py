@@ -18,7 +18,8 @@ of `serving/routes/canary.py` over one `CanaryState`, so a split works the same 
   [0, 1]); anything else is scored by `POST /v1/feedback` {"id",
   "score"} (the API key). Scores are kept as events per requested name, read back in order by
   `GET /v1/mint/canary/{name}?after=<seq>`: what the canary watch flow turns into its sequential test and into
-  MLflow metrics.
+  MLflow metrics. Each score is also handed to the `on_score` callbacks: the router of `model: "auto"`
+  (serving/routing.py) learns from them, and has the answers it routed remembered even under the base's name.
 
 The split lives in the server's memory: a restarted server answers every request from the champion until the
 watch flow, which puts the split again on every poll, restores it.
