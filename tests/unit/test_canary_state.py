@@ -12,9 +12,9 @@ from mint_core.data.rewards import Rewarder
 from mint_core.serving.canary import (
     AlreadyScored,
     CanaryState,
+    Collected,
     Split,
     UnknownResponse,
-    _Collected,
     bucket,
     task_score,
 )
@@ -98,7 +98,7 @@ def test_every_task_prompt_is_scored_by_its_own_reward() -> None:
 
 
 def test_answers_are_read_off_whole_and_streamed_responses() -> None:
-    whole = _Collected(stream=False)
+    whole = Collected(stream=False)
     doc = {"id": "cmpl-1", "model": "p", "system_fingerprint": "aa", "choices": [{"index": 0, "text": " 42"}]}
     body = json.dumps(doc).encode()
     whole.feed(body[:10])
@@ -106,7 +106,7 @@ def test_answers_are_read_off_whole_and_streamed_responses() -> None:
     whole.finish()
     assert (whole.id, whole.fingerprint, whole.texts) == ("cmpl-1", "aa", {0: " 42"})
 
-    stream = _Collected(stream=True)
+    stream = Collected(stream=True)
     chunks = [
         {
             "id": "chat-1",
