@@ -8,6 +8,11 @@ under the policy's served name -> smoke check), holding the policy's promotion l
 promote, rollback and reconcile flows take. It speaks to any server of the serving contract (`mint serve`, vLLM),
 so it is a service of its own (`hooks` in `mint up`), not part of `mint serve`; it loads no torch.
 
+The router of `model: "auto"` (`mint-router`, not a policy) is followed the same way: its `champion` moved, the
+server is given that router revision (`mint_core.lifecycle.routers.reconcile_router`: download, load, `PUT
+/v1/mint/router`); a version that does not load is refused (200 with `refused`, logged as an error: a retry would
+not help), and the server keeps its router.
+
 Answers: 401 for a missing, wrong or stale signature (nothing changes); 200 with what was done, or with
 `ignored` for an event it has nothing to do for (another alias, an unknown policy or version, a test delivery);
 503 when MLflow, the server or the lock is not available right now, 500 when the reconcile failed otherwise:
@@ -33,11 +38,13 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from mint_core.lifecycle.leases import policy_lock
-from mint_core.lifecycle.reconcile import reconcile
+from mint_core.lifecycle.reconcile import Reconciliation, reconcile
+from mint_core.lifecycle.routers import RouterReconciliation, reconcile_router
 from mint_core.lifecycle.workspace import Workspace
 from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.leases import LockTimeout
 from mint_core.registry.reader import RegistryError, RegistryUnavailable, UnknownRevision
+from mint_core.registry.routers import ROUTER_MODEL, RouterRefused
 from mint_core.registry.webhooks import (
     ALIAS_EVENTS,
     DELIVERY_ID_HEADER,
@@ -140,11 +147,18 @@ def create_app(config: HooksConfig) -> FastAPI:
     def handle(policy: str, version: Any, kind: str, delivery: str | None) -> JSONResponse:
         t0 = time.perf_counter()
         name = config.served_names.get(policy, policy)
+        router = policy == ROUTER_MODEL
+        r: Reconciliation | RouterReconciliation
         try:
-            if version is not None:  # the version the event names must be a revision of the policy
+            if (
+                version is not None and not router
+            ):  # the version the event names must be a revision of the policy
                 ws.registry().revision(policy, int(version))
             with guard(policy), policy_lock(ws, policy, "hooks", config.lock_timeout_s):
-                r = reconcile(ws, policy, name)
+                r = reconcile_router(ws, policy) if router else reconcile(ws, policy, name)
+        except RouterRefused as e:  # the champion does not load: the server keeps its router
+            logger.error("%s %s v%s (delivery %s): refused: %s", kind, policy, version, delivery, e)
+            return JSONResponse({"refused": str(e), "policy": policy})
         except UnknownRevision as e:
             logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
             return JSONResponse({"ignored": str(e)})

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -213,11 +212,25 @@ class RouterGate(BaseModel):
     rule: str = GATE_RULE
 
 
-def estimate_doc(est: Estimate | None) -> dict[str, Any] | None:
-    """An estimate as JSON (a NaN of an empty estimate as null)."""
-    if est is None:
-        return None
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(est).items()}
+class EstimateDoc(BaseModel):
+    """An off-policy estimate as a report and a tag hold it (a NaN of an empty estimate as None)."""
+
+    value: float | None
+    lo: float | None
+    hi: float | None
+    n: int
+    method: str
+
+    @classmethod
+    def of(cls, est: Estimate) -> EstimateDoc:
+        def num(v: float) -> float | None:
+            return None if math.isnan(v) else float(v)
+
+        return cls(value=num(est.value), lo=num(est.lo), hi=num(est.hi), n=est.n, method=est.method)
+
+
+def estimate_doc(est: Estimate | None) -> EstimateDoc | None:
+    return None if est is None else EstimateDoc.of(est)
 
 
 def router_gate(
