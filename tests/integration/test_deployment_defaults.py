@@ -33,6 +33,7 @@ from flows.lifecycle import lifecycle, wave
 from flows.prefetch import prefetch
 from flows.reconcile import reconcile
 from flows.retrain import retrain
+from flows.route import route
 from mint_core.data.build import write_task_data
 from mint_core.data.generators import GENERATORS
 from mint_core.data.spec import registry as task_registry
@@ -193,14 +194,15 @@ def test_a_quick_run_with_the_default_form_completes_after_the_main_job(
 
 @pytest.mark.parametrize(
     "deployment",
-    [pytest.param("retrain", marks=pytest.mark.slow), "prefetch", "reconcile"],  # retrain: 26 s
+    [pytest.param("retrain", marks=pytest.mark.slow), "prefetch", "route", "reconcile"],  # retrain: 26 s
 )
 def test_the_other_deployments_default_forms_complete_after_the_main_job(
     main_job_state: MainJobState, deployment: str
 ) -> None:
-    """Retraining takes every champion's recorded spec (`add` at rank 32); prefetch warms the champions;
-    reconcile finds serving in line with the aliases. After the wave and lifecycle tests of this module."""
-    flow = {"retrain": retrain, "prefetch": prefetch, "reconcile": reconcile}[deployment]
+    """Retraining takes every champion's recorded spec (`add` at rank 32); prefetch warms the champions; route,
+    with no route log yet, registers and serves the router fitted on the policies' held-out prompts; reconcile
+    finds serving (the router too) in line with the aliases. After the wave and lifecycle tests of this module."""
+    flow = {"retrain": retrain, "prefetch": prefetch, "route": route, "reconcile": reconcile}[deployment]
     t0 = time.perf_counter()
     state = run_like_a_deployment(flow, quick_run(main_job_state, deployment, flow))
     assert state.is_completed(), (state.type, state.message)
@@ -208,6 +210,11 @@ def test_the_other_deployments_default_forms_complete_after_the_main_job(
         report = state.result()
         assert report.trained == POLICIES and report.wave is not None, report
         assert all(o.status != "failed" for o in report.wave.outcomes), report.wave.outcomes
+    if deployment == "route":
+        routed = state.result()
+        assert routed.records == 0 and set(POLICIES) <= set(routed.arms), routed
+        assert routed.promoted and routed.served is not None, routed.gate
+        assert routed.served.served_after == routed.candidate.revision
     print(f"\n{deployment} with its default form: {state.type.value} in {time.perf_counter() - t0:.0f} s")
 
 
@@ -260,7 +267,7 @@ def test_every_deployment_with_its_default_form_completes_after_a_real_main_job(
                 ended[d.name] = (
                     f"{r.state.type.value if r.state else 'UNKNOWN'} {r.state.message if r.state else ''}"
                 )
-        assert {"wave", "lifecycle", "retrain", "prefetch", "reconcile"} <= set(ended), ended
+        assert {"wave", "lifecycle", "retrain", "prefetch", "route", "reconcile"} <= set(ended), ended
         assert all(s.startswith("COMPLETED") for s in ended.values()), ended
     finally:
         mint("down", "--state-dir", str(state / "run"))

@@ -17,6 +17,7 @@ import typer
 import yaml
 from pydantic import BaseModel
 
+from flows.route import RouteConfig
 from mint_app.cli.app import app
 from mint_app.cli.help import default_of, shown
 from mint_app.cli.registry import DEFAULT_TRACKING
@@ -110,6 +111,16 @@ QUOTES: list[tuple[str, str, Callable[[], tuple[Any, ...]]]] = [
         "docs/lifecycle.md",
         r"state directory \(`--state-dir`, default `([^`]+)`\)",
         lambda: (default_of(MainJobConfig, "state_dir"),),
+    ),
+    (
+        "docs/lifecycle.md",
+        r"its task's first held-out prompts \(config.cold_start_prompts, (\d+)\)",
+        lambda: (RouteConfig().cold_start_prompts,),
+    ),
+    (
+        "docs/lifecycle.md",
+        r"rewarded decisions \((\d+) by default, `ROUTE_MIN_RECORDS`\)",
+        lambda: (RouteConfig().min_records,),
     ),
     (
         "docs/engine.md",
