@@ -23,7 +23,10 @@ from mlflow import MlflowClient
 from mint_app.services.control import start, status
 from mint_app.services.webhooks import WEBHOOK_PATH
 from mint_core.lifecycle.leases import policy_lock
+from mint_core.lifecycle.routers import router_registry, served_router
+from mint_core.registry.routers import ROUTER_MODEL
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
+from mint_core.routing import Router, fit_router
 from mint_testkit.harness import mint_cli
 from mint_testkit.waiting import wait_until
 from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
@@ -208,6 +211,38 @@ def test_events_with_nothing_to_do_are_ignored_with_2xx(stack: Stack, tmp_path: 
         assert stack.served() == before, case
     log = (stack.config.state_dir / "hooks.log").read_text()
     assert "ignored" in log and "not a mint revision" in log
+
+
+def test_the_router_s_champion_moved_in_mlflow_is_served_within_seconds(stack: Stack, tmp_path: Path) -> None:
+    """`mint-router@champion` moved with a bare client (a reviewer's promotion or rollback in the MLflow UI): the
+    receiver gives the server that router revision; a version whose files do not load is refused, and the server
+    keeps its router."""
+    routers = router_registry(stack.ws, None)
+    versions = []
+    for i, arms in enumerate(({"a": ["add 1 and 2"], "b": ["reverse abc"]}, {"a": ["add 3 and 4"]})):
+        fit_router([], cold_start=arms).save(tmp_path / f"r{i}")
+        versions.append(routers.register(tmp_path / f"r{i}"))
+    client = MlflowClient(stack.mlflow)
+
+    def router_served() -> str:
+        with stack.ws.client(timeout=10) as serving:
+            return str((served_router(serving) or {}).get("revision"))
+
+    for rv in (versions[0], versions[1], versions[0]):
+        client.set_registered_model_alias(ROUTER_MODEL, "champion", str(rv.version))
+        wait_until(lambda rv=rv: router_served() == rv.revision, BOUND_S, f"router {rv.address} served")  # type: ignore[misc]
+
+    broken = tmp_path / "broken"
+    Router.load(tmp_path / "r1").save(broken)
+    (broken / "state.npz").write_bytes(b"corrupt")
+    run = client.create_run(client.get_experiment_by_name("mint-router").experiment_id)  # type: ignore[union-attr]
+    client.log_artifacts(run.info.run_id, str(broken), "router")
+    bad = client.create_model_version(ROUTER_MODEL, f"{run.info.artifact_uri}/router", run_id=run.info.run_id)
+    client.set_registered_model_alias(ROUTER_MODEL, "champion", bad.version)
+    r = deliver(stack, event(ROUTER_MODEL, version=int(bad.version)))
+    assert r.status_code == 200 and "does not load" in r.json()["refused"], r.text
+    assert router_served() == versions[0].revision
+    client.set_registered_model_alias(ROUTER_MODEL, "champion", str(versions[0].version))
 
 
 def test_the_receiver_waits_for_a_promotion_holding_the_policy_s_lease(stack: Stack) -> None:
