@@ -22,10 +22,11 @@ over the stream), random, and the oracle (each request's best arm). Reports % of
 % of oracle over the last quarter of the stream (requests 1,500-2,000 of 2,000), requests of a task until 80% of
 its traffic follows a revision change, the decision overhead p50/p95 with the table's arms and with a catalog of
 `--catalog` names, and a pass/fail line per goal of issue 44. `--e2e`: end-to-end latency with and without
-`model: "auto"` through mint serve (pending: needs the serving side's `model: "auto"`).
+`model: "auto"` through mint serve, and through vLLM behind mint's front when `.venv-vllm` is there
+(`_routing_e2e.py`).
 
     python benchmarks/routing.py [--seeds 0,1,2] [--requests 2000] [--cache runs/routing] [--steps 60]
-        [--old-steps 8] [--heldout 200] [--catalog 100000] [--device cpu]
+        [--old-steps 8] [--heldout 200] [--catalog 100000] [--e2e] [--e2e-requests 200] [--device cpu]
 """
 
 from __future__ import annotations
@@ -357,7 +358,15 @@ def _follow_max(per_seed: list[dict[str, dict[str, Any]]], name: str, label: str
     return None if any(g is None for g in got) else max(got)
 
 
-def verdicts(off: list[dict[str, Any]], on: list[dict[str, Any]], oh: dict[str, Any]) -> list[dict[str, Any]]:
+def _e2e(table: RewardTable, base: Path, n: int, device: str) -> dict[str, Any]:
+    from _routing_e2e import e2e  # deferred: starts servers, imports the serving stack
+
+    return e2e(table, base, n, device)
+
+
+def verdicts(
+    off: list[dict[str, Any]], on: list[dict[str, Any]], oh: dict[str, Any], e2e: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """One line per goal of issue 44 (the worst seed counts), for mint's router with the default featurizer."""
     r = f"router:{FEATURIZERS[0]}"
     g = GOALS
@@ -375,6 +384,10 @@ def verdicts(off: list[dict[str, Any]], on: list[dict[str, Any]], oh: dict[str, 
         ("decide p95 ms, table's arms", oh["arms_ms"]["p95_ms"], "<=", g["decide_p95_ms_arms"]),
         ("decide p95 ms, catalog", oh["catalog_ms"]["p95_ms"], "<=", g["decide_p95_ms_catalog"]),
     ]  # fmt: skip
+    for backend, got in (e2e or {}).items():
+        if isinstance(got, dict):
+            rows.append((f"end-to-end p95 overhead %, {backend}", got["p95_overhead_pct"], "<=",
+                         g["e2e_p95_overhead_pct"]))  # fmt: skip
     out = []
     for name, value, op, goal in rows:
         ok = value is not None and (value >= goal if op == ">=" else value <= goal)
@@ -398,11 +411,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000, help="requests of the online stream")
     ap.add_argument("--catalog", type=int, default=100_000, help="candidate names of the overhead's catalog")
     ap.add_argument("--e2e", action="store_true", help="end-to-end latency with and without model auto")
+    ap.add_argument("--e2e-requests", type=int, default=200, help="prompts sent each way per backend")
     add_device(ap)
     args = ap.parse_args()
     device = checked_device(ap, args.device)
-    if args.e2e:
-        ap.error("--e2e is pending: it needs the serving side's model 'auto' (mint_core/serving/routing.py)")
     if args.requests < 8:
         ap.error(f"--requests {args.requests}: at least 8")
     cfg = TableConfig(
@@ -441,11 +453,13 @@ def main() -> None:
                 f"{ev.worse}'s regression in {_follow_max(on, name, 'worse')} of its requests (worst seed)"
             )
     print(f"decision overhead: {oh}")
-    checks = verdicts(off, on, oh)
+    e2e = _e2e(table, args.base, args.e2e_requests, device) if args.e2e else None
+    checks = verdicts(off, on, oh, e2e)
     for c in checks:
         value = "none" if c["value"] is None else f"{c['value']:.3f}"
         print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['goal']}: {value} (goal {c['op']} {c['target']})")
-    print("PENDING  end-to-end p95 with model auto within 5% of naming the adapter (--e2e)")
+    if e2e is None:
+        print("NOT RUN  end-to-end p95 with model auto within 5% of naming the adapter (--e2e)")
     report(
         {
             "benchmark": "routing",
@@ -464,6 +478,7 @@ def main() -> None:
             "offline": off,
             "online": on,
             "overhead": oh,
+            "e2e": e2e,
             "goals": checks,
             "load_avg": load_avg(),
             "total_s": round(time.perf_counter() - t0, 1),
