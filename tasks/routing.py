@@ -4,6 +4,7 @@ load the serving router, fit and estimate a candidate, register it, move `champi
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ from mint_core.lifecycle.routers import (
     reconcile_router,
     router_registry,
     routing_dir,
-    serve_router,
     served_router,
 )
 from mint_core.lifecycle.workspace import Workspace
@@ -39,6 +39,8 @@ from mint_core.routing.ope import Estimate, dr
 from mint_core.routing.router import Router
 from mint_core.serving.client import ServingError
 from tasks.common import RETRY_DELAYS, Timed, transient
+
+logger = logging.getLogger(__name__)
 
 _RETRY: dict[str, Any] = dict(retries=3, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=transient)
 
@@ -224,7 +226,8 @@ def move_router_champion(
 
 @move_router_champion.on_rollback
 def _undo_router_alias(txn: Transaction) -> None:
-    """Rollback hook: point `champion` back where it was (or unset it), only from where this move left it."""
+    """Rollback hook: point `champion` back where it was (or unset it), only from where this move left it, and
+    bring the server in line with it again (it may have taken the new router before the step that failed)."""
     ws: Workspace = txn.get("workspace")
     m: RouterMoved = txn.get("router_moved")
     if not m.moved:
@@ -235,30 +238,19 @@ def _undo_router_alias(txn: Transaction) -> None:
     reason = f"undo: serving did not follow v{m.to_version}"
     if m.from_version is None:
         routers.unset_champion(reason)
-    else:
-        routers.promote(m.from_version, reason, expect=m.to_version)
+        return
+    routers.promote(m.from_version, reason, expect=m.to_version)
+    try:
+        reconcile_router(ws, m.model)
+    except Exception as e:  # the reconcile deployment tries again within its interval
+        logger.error("the server could not be given %s/v%d back: %s", m.model, m.from_version, e)
 
 
 @task(cache_policy=NO_CACHE, **_RETRY)
 def refresh_router(ws: Workspace, model: str, where: Path | None) -> RouterReconciliation:
     """The server routes with the `champion` router (`PUT /v1/mint/router`), checked by reading it back; `where`:
     the routing dir (None: the one the server names)."""
-    out = reconcile_router(ws, model, where)
-    txn = get_transaction()
-    if txn is not None:
-        txn.set("router_refreshed", out)
-    return out
-
-
-@refresh_router.on_rollback
-def _undo_router_refresh(txn: Transaction) -> None:
-    """Rollback hook: the server routes with what it had before (a router started cold cannot be given back:
-    it keeps the new one until the next reconcile)."""
-    ws: Workspace = txn.get("workspace")
-    r: RouterReconciliation = txn.get("router_refreshed")
-    if r.reloaded and r.path_before and r.served_before:
-        with ws.client() as client:
-            serve_router(client, Path(r.path_before), r.served_before)
+    return reconcile_router(ws, model, where)
 
 
 @task(cache_policy=NO_CACHE)

@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlflow import MlflowClient
+from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
 from flows.reconcile import reconcile
-from flows.route import RouteConfig, route
+from flows.route import RouteConfig, promote_router, route
 from mint_core.data.spec import registry as task_registry
 from mint_core.engine.base import build_tiny_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -33,8 +34,9 @@ from mint_core.registry.catalog import CHAMPION
 from mint_core.registry.routers import GATE_TAG, OPE_TAG, ROUTER_MODEL, RouterRefused
 from mint_core.routing import Featurizer, Router
 from mint_core.routing.log import RouteLog, RouteRecord, sparse_features
+from mint_core.serving.client import ServingError
 from mint_testkit.harness import ADMIN_TOKEN, start_server, stop_server
-from tasks.routing import REPORT_KEY
+from tasks.routing import REPORT_KEY, RouterRef
 from tests.integration.conftest import running_service
 
 pytestmark = pytest.mark.integration
@@ -224,6 +226,24 @@ def test_a_version_that_does_not_load_is_refused_and_serving_keeps_its_router(
     finally:
         client.set_registered_model_alias(ROUTER_MODEL, CHAMPION, str(champ.version))
     assert client.get_model_version(ROUTER_MODEL, mv.version).tags.get(GATE_TAG) is None
+
+
+def test_a_promotion_the_server_does_not_take_moves_the_alias_back(stack: Stack, tmp_path: Path) -> None:
+    """The transaction of the flow's promotion: the server refuses the router (here: a path outside its routing
+    dir, 400), so `champion` goes back to where it was and the server keeps its router."""
+    routers = router_registry(stack.ws, None)
+    champ = routers.champion()
+    assert champ is not None
+    other = next(v for v in routers.versions() if v.version != champ.version and v.tags.get(OPE_TAG))
+
+    @flow
+    def promotion() -> None:  # as the route flow runs it
+        promote_router(stack.ws, ROUTER_MODEL, tmp_path / "elsewhere", other.version, RouterRef.of(champ))
+
+    with pytest.raises(ServingError, match="not inside the routing dir"):
+        promotion()
+    assert routers.champion().version == champ.version  # type: ignore[union-attr]
+    assert served(stack.ws) == champ.revision
 
 
 def test_moving_the_alias_in_mlflow_changes_the_serving_router(stack: Stack) -> None:
