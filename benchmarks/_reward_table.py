@@ -174,7 +174,9 @@ def reward_table(cfg: TableConfig, cache: Path) -> RewardTable:
     folder = cache / cache_key(cfg)
     if (folder / "table.json").is_file():
         progress(f"cached: {folder}")
-        return RewardTable.load(folder)
+        table = RewardTable.load(folder)
+        table.meta["cache"] = str(folder)  # where it is now (a cache may move)
+        return table
     table = build(cfg, folder / "adapters")
     table.meta["cache"] = str(folder)
     table.save(folder)
