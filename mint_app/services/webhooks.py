@@ -27,6 +27,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,6 @@ def create_app(config: HooksConfig) -> FastAPI:
     """The receiver's ASGI app: `POST /mlflow/webhook`, `GET /health`."""
     app = FastAPI(title="mint webhook receiver", docs_url=None, redoc_url=None)
     secret = config.secret()
-    ws = config.workspace
     # one reconcile per policy at a time in this process (the catalog lease serialises across processes); a burst
     # of moves coalesces: each pass reads MLflow's current alias, so later ones find nothing left to do
     guards: dict[str, threading.Lock] = {}
@@ -142,60 +142,69 @@ def create_app(config: HooksConfig) -> FastAPI:
         if kind not in ALIAS_EVENTS or alias != CHAMPION:
             return JSONResponse({"ignored": f"{kind} of {policy}@{alias}: serving follows {CHAMPION}"})
         # blocking work (HTTP to MLflow and the server, the lock) runs off the event loop
-        return await _in_thread(handle, policy, data.get("version"), kind, h.get(DELIVERY_ID_HEADER))
-
-    def handle(policy: str, version: Any, kind: str, delivery: str | None) -> JSONResponse:
-        t0 = time.perf_counter()
-        name = config.served_names.get(policy, policy)
-        router = policy == ROUTER_MODEL
-        r: Reconciliation | RouterReconciliation
-        try:
-            if (
-                version is not None and not router
-            ):  # the version the event names must be a revision of the policy
-                ws.registry().revision(policy, int(version))
-            with guard(policy), policy_lock(ws, policy, "hooks", config.lock_timeout_s):
-                r = reconcile_router(ws, policy) if router else reconcile(ws, policy, name)
-        except RouterRefused as e:  # the champion does not load: the server keeps its router
-            logger.error("%s %s v%s (delivery %s): refused: %s", kind, policy, version, delivery, e)
-            return JSONResponse({"refused": str(e), "policy": policy})
-        except UnknownRevision as e:
-            logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
-            return JSONResponse({"ignored": str(e)})
-        except RegistryError as e:
-            if isinstance(e, RegistryUnavailable):
-                return _failed(503, policy, delivery, e)
-            # a version that is not a mint revision (no mint.digest), say: nothing to serve
-            logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
-            return JSONResponse({"ignored": str(e)})
-        except ValueError as e:  # a version that is not a number
-            logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
-            return JSONResponse({"ignored": str(e)})
-        except (LockTimeout, OSError) as e:
-            return _failed(503, policy, delivery, e)
-        except ServingError as e:
-            return _failed(503 if e.status in (0, 429, 502, 503, 504) else 500, policy, delivery, e)
-        except (
-            Exception
-        ) as e:  # a smoke check that failed, a bad adapter: MLflow retries, the flow is the net
-            return _failed(500, policy, delivery, e)
-        ms = (time.perf_counter() - t0) * 1000
-        if r.reloaded:
-            logger.info(
-                "%s %s v%s (delivery %s): serving %s -> %s in %.0f ms",
-                kind,
-                policy,
-                version,
-                delivery,
-                r.served_before,
-                r.served_after,
-                ms,
-            )
-        else:
-            logger.info("%s %s v%s (delivery %s): serving already in line", kind, policy, version, delivery)
-        return JSONResponse({**r.model_dump(), "ms": round(ms, 1)})
+        return await _in_thread(
+            _handle, config, guard, policy, data.get("version"), kind, h.get(DELIVERY_ID_HEADER)
+        )
 
     return app
+
+
+def _handle(
+    config: HooksConfig,
+    guard: Callable[[str], threading.Lock],
+    policy: str,
+    version: Any,
+    kind: str,
+    delivery: str | None,
+) -> JSONResponse:
+    """One alias event: reconcile the server with the policy's (or the router's) champion, under the policy's
+    guard in this process and its lease across processes; the answer says what changed or why nothing did."""
+    t0 = time.perf_counter()
+    ws = config.workspace
+    name = config.served_names.get(policy, policy)
+    router = policy == ROUTER_MODEL
+    r: Reconciliation | RouterReconciliation
+    try:
+        if version is not None and not router:  # the version the event names must be a revision of the policy
+            ws.registry().revision(policy, int(version))
+        with guard(policy), policy_lock(ws, policy, "hooks", config.lock_timeout_s):
+            r = reconcile_router(ws, policy) if router else reconcile(ws, policy, name)
+    except RouterRefused as e:  # the champion does not load: the server keeps its router
+        logger.error("%s %s v%s (delivery %s): refused: %s", kind, policy, version, delivery, e)
+        return JSONResponse({"refused": str(e), "policy": policy})
+    except UnknownRevision as e:
+        logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
+        return JSONResponse({"ignored": str(e)})
+    except RegistryError as e:
+        if isinstance(e, RegistryUnavailable):
+            return _failed(503, policy, delivery, e)
+        # a version that is not a mint revision (no mint.digest), say: nothing to serve
+        logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
+        return JSONResponse({"ignored": str(e)})
+    except ValueError as e:  # a version that is not a number
+        logger.info("%s %s (delivery %s): ignored: %s", kind, policy, delivery, e)
+        return JSONResponse({"ignored": str(e)})
+    except (LockTimeout, OSError) as e:
+        return _failed(503, policy, delivery, e)
+    except ServingError as e:
+        return _failed(503 if e.status in (0, 429, 502, 503, 504) else 500, policy, delivery, e)
+    except Exception as e:  # a smoke check that failed, a bad adapter: MLflow retries, the flow is the net
+        return _failed(500, policy, delivery, e)
+    ms = (time.perf_counter() - t0) * 1000
+    if r.reloaded:
+        logger.info(
+            "%s %s v%s (delivery %s): serving %s -> %s in %.0f ms",
+            kind,
+            policy,
+            version,
+            delivery,
+            r.served_before,
+            r.served_after,
+            ms,
+        )
+    else:
+        logger.info("%s %s v%s (delivery %s): serving already in line", kind, policy, version, delivery)
+    return JSONResponse({**r.model_dump(), "ms": round(ms, 1)})
 
 
 async def _in_thread(fn: Any, *args: Any) -> JSONResponse:
