@@ -466,7 +466,7 @@ def main() -> None:
         print(f"seed {seed}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     oh = overhead(table, X, split(table, seeds[0]), args.catalog, seeds[0])
     _print_table("offline, held-out + paraphrased prompts", off, ["pct_oracle", "top1", "gap_recovered"])
-    _print_table("online", on, ["pct_oracle", "pct_oracle_last", "top1", "regret"])
+    _print_table("online", on, ["pct_oracle", "pct_oracle_last", "top1", "regret", "regret_task_oracle"])
     ev = events(table, split(table, seeds[0]).train, args.requests)
     for name in on[0]:
         if "follow" in on[0][name]:
