@@ -30,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,14 @@ class RoutingMetrics:
 
 class RoutingState:
     """The serving router of one server, its route log and the routed answers awaiting a reward. The router is
-    used under one lock (decisions and rewards on the event loop, warm starts and loads in worker threads)."""
+    used under one lock (decisions on the event loop; learning, warm starts and loads in worker threads).
+
+    What follows an answer is off the event loop: an answer's log line (its features' digest and sparse form, the
+    record's JSON, the file append) and a reward's router update (O(d^2), and every `REFRESH` updates of an arm an
+    O(d^3) inverse: milliseconds) run in one learner thread, in the order they were asked for, so the log keeps each
+    decision before its reward and the router learns the rewards in the order they came. What must be known at once
+    stays on the loop: which answers await a reward (so each is scored once) and the revision that decided. A
+    decision taken while a reward is being learned sees the router before it (`settle` waits for the learner)."""
 
     def __init__(
         self,
@@ -163,6 +171,7 @@ class RoutingState:
         self._routed: OrderedDict[str, _Routed] = OrderedDict()
         self._warm: set[str] = set()  # arms this router was offered a cold start for (done or nothing to do)
         self._warming = asyncio.Lock()
+        self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mint-route-learner")
         metrics.serving(self.revision, None)
 
     @classmethod
@@ -206,19 +215,36 @@ class RoutingState:
     ) -> None:
         """A routed request was answered (`model` the served name that answered, at `revision`): remembered for
         its reward, logged, and the arm told its policy's revision (a change shrinks the old evidence)."""
+        t = time.time()
         with self._lock:
             self._routed[rid] = _Routed(decision.arm, x.astype(np.float16))
             if len(self._routed) > MAX_ROUTED:
                 self._routed.popitem(last=False)
+            router = self.router
+        self._learn(self._record, router, rid, t, x, decision, candidates, model, revision)
+
+    def _record(
+        self,
+        router: Router,
+        rid: str,
+        t: float,
+        x: np.ndarray,
+        decision: Decision,
+        candidates: list[str],
+        model: str,
+        revision: str,
+    ) -> None:
+        """The learner's part of `answered`: the arm told its revision, the decision logged."""
+        with self._lock:
             if model == decision.arm and revision:  # a canary's answers are not the policy's revision
-                self.router.set_revision(decision.arm, revision)
-            router_revision = self.router.revision  # "" for a cold router: no saved state to replay
+                router.set_revision(decision.arm, revision)
+            router_revision = router.revision  # "" for a cold router: no saved state to replay
         self.log.decided(
             RouteRecord(
                 rid=rid,
-                t=time.time(),
+                t=t,
                 router_revision=router_revision,
-                features_digest=self.featurizer.digest(x),
+                features_digest=router.featurizer.digest(x),
                 features=sparse_features(x),
                 candidates=candidates,
                 choice=decision.arm,
@@ -235,10 +261,30 @@ class RoutingState:
         router and the log. Each answer is scored once (the canary state refuses a second score)."""
         with self._lock:
             routed = self._routed.pop(rid, None)
-            if routed is None:
-                return
-            self.router.update(routed.arm, routed.x.astype(np.float32), event.score)
+            router = self.router
+        if routed is not None:
+            self._learn(self._reward, router, rid, routed, event)
+
+    def _reward(self, router: Router, rid: str, routed: _Routed, event: ScoreEvent) -> None:
+        """The learner's part of `scored`: the router that decided learns the reward, the log keeps it."""
+        with self._lock:
+            router.update(routed.arm, routed.x.astype(np.float32), event.score)
         self.log.rewarded(rid, event.score, event.source)
+
+    def _learn(self, job: Callable[..., None], *args: Any) -> None:
+        """Run `job(*args)` in the learner thread, after every job asked for before it."""
+
+        def run() -> None:
+            try:
+                job(*args)
+            except Exception:  # a failed log write or update must not stop the next ones
+                logger.exception("routing: %s failed", job.__name__)
+
+        self._learner.submit(run)
+
+    def settle(self) -> None:
+        """Wait until every answer and reward handed to the learner so far is learned and logged."""
+        self._learner.submit(lambda: None).result()
 
     # -- cold start -------------------------------------------------------------------------------------------
 

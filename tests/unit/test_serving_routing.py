@@ -156,6 +156,7 @@ def test_scores_reach_the_router_and_the_log_once(tmp_path: Path) -> None:
     before = state.router.predict(x, [decision.arm])[0]
     canary.feedback("cmpl-1", 1.0)
     canary.feedback("cmpl-2", 1.0)
+    state.settle()  # the learner thread has updated the router and written the log
     assert state.router.predict(x, [decision.arm])[0] > before + 0.1
     (record,) = RouteLog(tmp_path / "routing" / "log.jsonl").records()
     assert (record.rid, record.choice, record.reward, record.reward_source) == (
@@ -170,3 +171,28 @@ def test_scores_reach_the_router_and_the_log_once(tmp_path: Path) -> None:
         and record.candidates == ["add", "sort"]
     )
     assert np.allclose(record.vector(state.featurizer.dim), x, atol=1e-6)
+
+
+def test_the_learner_keeps_going_after_a_failed_log_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Log writes and updates run in the learner thread: one that fails is logged, and the next ones still run,
+    each decision before its reward."""
+    state = _state(tmp_path)
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    x = state.featurizer.transform("write a poem")
+    decision = state.decide(x, {"add": True})
+    good = state.log.path
+    state.log.path = tmp_path / "routing"  # a directory: the append fails
+    state.answered("cmpl-1", x, decision, ["add"], decision.arm, "sha256:aa")
+    state.settle()
+    assert "routing: _record failed" in caplog.text
+    state.log.path = good
+    for rid in ("cmpl-2", "cmpl-3"):
+        state.answered(rid, x, decision, ["add"], decision.arm, "sha256:aa")
+        canary.answered(rid, decision.arm, "none", decision.arm, "sha256:aa", None)
+        canary.feedback(rid, 1.0)
+    state.settle()
+    records = RouteLog(good).records()
+    assert [(r.rid, r.reward) for r in records] == [("cmpl-2", 1.0), ("cmpl-3", 1.0)]
