@@ -4,16 +4,17 @@ A pure library (numpy only; no MLflow, Prefect or serving imports): features.py 
 router.py is the contextual bandit that chooses and learns, log.py the append-only decision and reward log,
 ope.py off-policy estimates of a router from that log, fit.py fits a router from it, baselines.py the
 context-free bandits the benchmark compares against. Serving, the registry and the lifecycle import it.
-The defaults (FEATURE_DIM, ALPHA, DECAY, EPSILON, TOP_K, ...) are the one source of truth; docs read them here.
+The defaults (FEATURE_DIM, ALPHA, DECAY, FIT_DECAY, EPSILON, TOP_K, ...) are the one source of truth; docs read them here.
 """
 
 from mint_core.routing.baselines import ContextFreeThompson, EpsilonGreedy
 from mint_core.routing.features import FEATURE_DIM, NGRAMS, Featurizer, prompt_text
-from mint_core.routing.fit import fit_router, warm_start_tasks
+from mint_core.routing.fit import FIT_DECAY, fit_router, warm_start_tasks
 from mint_core.routing.log import LOG_NAME, RouteLog, RouteRecord, sparse_features
 from mint_core.routing.ope import Estimate, dr, ips, snips
 from mint_core.routing.router import (
     ALPHA,
+    BIAS_RIDGE,
     DECAY,
     EPSILON,
     REVISION_KEEP,
@@ -28,9 +29,11 @@ from mint_core.routing.router import (
 
 __all__ = [
     "ALPHA",
+    "BIAS_RIDGE",
     "DECAY",
     "EPSILON",
     "FEATURE_DIM",
+    "FIT_DECAY",
     "LOG_NAME",
     "NGRAMS",
     "REVISION_KEEP",
