@@ -307,6 +307,14 @@ def test_every_replica_route_wants_the_key_and_the_front_reports_each_replica(fl
     policy = "fleet-report"
     _, d1 = revision(fleet, policy, seed=31, champion=True)
     admin = {"Authorization": f"Bearer {ADMIN}"}
+    for name in (policy, VLLM_BASE_NAME):  # traffic through the front, for the report's per-replica counts
+        r = httpx.post(
+            fleet.front + "/v1/completions",
+            json={"model": name, "prompt": "a", "max_tokens": 1},
+            headers=admin,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
     report = httpx.get(fleet.front + "/v1/mint/replicas", headers=admin, timeout=60).json()
     assert [row["replica"] for row in report["replicas"]] == [replica_name(u) for u in fleet.replicas]
     assert all(row["healthy"] and row["revisions"][policy] == d1 for row in report["replicas"])
