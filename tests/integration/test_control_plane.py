@@ -30,7 +30,7 @@ from prefect.states import Cancelled, Running
 from flows.forms import PolicyRun, Training
 from flows.promotion import promote_flow
 from flows.retrain import being_trained, retrain
-from mint_app.services.config import ServicesConfig
+from mint_app.services.config import ServicesConfig, deployments_file
 from mint_app.services.control import start, status, stop
 from mint_core.eval.gate import GatePolicy
 from mint_core.eval.results import EvalConfig
@@ -137,7 +137,13 @@ def worker(plane: Plane) -> ServicesConfig:
     t0 = time.perf_counter()
     (svc,) = start(plane.services, ["worker"])
     print(f"\nworker: {svc.detail}; healthy {time.perf_counter() - t0:.1f} s after start")
-    assert svc.state == "running" and svc.detail and svc.detail.startswith("registered 8 deployments")
+    assert (
+        svc.state == "running"
+        and svc.detail
+        and svc.detail.startswith(
+            f"registered {len(deployments_file(plane.services)['deployments'])} deployments"
+        )
+    )
     return plane.services
 
 
@@ -159,7 +165,10 @@ def artifacts(run: FlowRun) -> dict[str, str]:
 def test_the_second_start_reuses_worker_and_registration(plane: Plane, worker: ServicesConfig) -> None:
     (svc,) = start(worker, ["worker"])
     # (flows/ edited meanwhile in a shared checkout would register again: the fingerprint includes them)
-    assert svc.reused and svc.detail == "8 deployments unchanged"
+    assert (
+        svc.reused
+        and svc.detail == f"{len(deployments_file(plane.services)['deployments'])} deployments unchanged"
+    )
     (st,) = status(worker, ["worker"])
     assert st.state == "running" and st.pid == svc.pid
     with get_client(sync_client=True) as client:

@@ -31,7 +31,7 @@ from mint_testkit.skips import require
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary")
+FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary", "route")
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
@@ -67,7 +67,7 @@ def registered(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) ->
         {"state_dir": root / "run", "prefect_port": port, "deployments": root / "prefect.yaml"}
     )
     config.state_dir.mkdir(parents=True)
-    assert register_deployments(config).startswith("registered 8 deployments")
+    assert register_deployments(config).startswith(f"registered {len(spec['deployments'])} deployments")
     return prefect_server.removesuffix("/api")
 
 

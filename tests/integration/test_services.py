@@ -32,7 +32,7 @@ from mint_testkit.skips import require
 from tests.integration.conftest import PG_ADMIN_URL
 
 pytestmark = pytest.mark.integration
-FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary")
+FLOWS = ("wave", "lifecycle", "promote", "rollback", "reconcile", "retrain", "prefetch", "canary", "route")
 """A deployment of each, registered by `mint up` from infra/prefect.yaml."""
 
 
@@ -90,7 +90,7 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         assert f"{urls['prefect']}/api" in status.stdout
 
         # the worker's deployments: every flow, registered once, with this state dir's workspace
-        assert re.search(r"registered 8 deployments in \d", up.stdout), up.stdout
+        assert re.search(rf"registered {len(FLOWS)} deployments in \d", up.stdout), up.stdout
         api = urls["prefect"] + "/api"
         prefect = auth_header(load(access_path(state)).service.prefect_auth)  # the server asks its string
         found = httpx.post(api + "/deployments/filter", json={"limit": 50}, headers=prefect, trust_env=False)
@@ -104,7 +104,7 @@ def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
         again = mint("up", *flags)  # idempotent: reuses every service, registers nothing again
         assert again.returncode == 0, again.stdout + again.stderr
         assert again.stdout.count("already running") == len(SERVICES), again.stdout
-        assert "8 deployments unchanged" in again.stdout, again.stdout
+        assert f"{len(FLOWS)} deployments unchanged" in again.stdout, again.stdout
         assert len(
             httpx.post(
                 api + "/deployments/filter", json={"limit": 50}, headers=prefect, trust_env=False
