@@ -99,6 +99,7 @@ def _keys(path: Path) -> list[str]:
         return list(f.keys())
 
 
+@pytest.mark.slow  # 16 s; adapter validation: also tests/unit/test_adapter_format.py
 def test_inspect_reports_every_problem_and_fails(tmp_path):
     base_dir = tmp_path / "base"
     mint("base", "build-tiny", str(base_dir))
@@ -118,6 +119,7 @@ def test_demo_runs_and_every_mixed_row_matches_its_solo_run(tmp_path):
     assert "✗" not in result.stdout
 
 
+@pytest.mark.slow  # 17 s; `mint train` on a user's task: also test_mint_train_trains_a_users_task
 def test_mint_train_writes_curves_summary_and_revisions(tmp_path):
     base = tmp_path / "base"
     mint("base", "build-tiny", str(base), "--family", "dense", "--seed", "0")

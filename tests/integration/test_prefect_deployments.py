@@ -85,6 +85,7 @@ def test_deploy_all_registers_every_deployment_of_prefect_yaml(prefect_server: s
     assert seen == scheduled, f"no scheduled runs for {sorted(scheduled - seen)}"
 
 
+@pytest.mark.slow  # 24 s; a dashboard run on the worker: also test_prefect_dashboard.py (Quick run, in Chromium)
 def test_a_run_started_like_the_dashboard_runs_on_a_process_worker(
     prefect_server: str, mlflow_server: str, tmp_path: Path
 ) -> None:

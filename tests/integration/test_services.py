@@ -48,6 +48,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # 65 s: a whole stack up, status, up again, down through the CLI
 def test_up_status_down_through_the_cli(tmp_path: Path) -> None:
     state = tmp_path / "run"
     ports = {name: free_port() for name in SERVICES}
