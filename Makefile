@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: venv vllm-venv run demo test test-unit test-slow check docs fmt bench up down
+.PHONY: venv vllm-venv venvs run demo test test-unit test-slow check docs fmt bench up down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -19,13 +19,19 @@ vllm-venv:
 # SERVING=vllm: policies served by a vLLM server behind mint serve (make run SERVING=vllm, make up SERVING=vllm);
 # REPLICAS=N with it: N vLLM replicas mint serve routes over, every revision loaded on each (make up SERVING=vllm REPLICAS=2)
 SERVING_DEPS := $(if $(filter vllm,$(SERVING)),vllm-venv)
+# both environments at once where both are needed: each is mostly waiting on files and byte-compiling in one
+# process, so side by side they take about as long as the longer one alone
+ENVS := $(if $(SERVING_DEPS),venvs,venv)
+
+venvs:
+	@bash scripts/bootstrap_vllm.sh & vllm=$$!; bash scripts/bootstrap.sh; rc=$$?; wait $$vllm && exit $$rc
 
 # the main job: build what is missing (DVC), start the servers, a wave of policies through training, evaluation,
 # gated promotion and serving, a completion from each, a rollback, where to look; the servers stay up (make down)
 # A user's task: TASKS=<task folder> (its task.yaml, data, reward, eval YAML), POLICIES=<task name>[,...]
 TASK_FLAGS = $(foreach t,$(TASKS),--tasks $(t)) $(if $(POLICIES),--policies $(POLICIES))
 
-run: venv $(SERVING_DEPS)
+run: $(ENVS)
 	$(BIN)/mint run $(if $(SERVING),--serving $(SERVING)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(TASK_FLAGS)
 
 # the engine alone: one resident base, several adapters mixed in one batch (no servers)
@@ -64,7 +70,7 @@ bench: venv
 
 # the local services in the background (MLflow :5000, Prefect :4200, mint serve :8000; state in .mint/run);
 # a subset: make up ONLY=mlflow,prefect; vLLM behind mint serve: make up SERVING=vllm
-up: venv $(SERVING_DEPS)
+up: $(ENVS)
 	$(BIN)/mint up $(if $(ONLY),--only $(ONLY)) $(if $(SERVING),--serving $(SERVING)) $(if $(REPLICAS),--replicas $(REPLICAS)) $(foreach t,$(TASKS),--tasks $(t))
 
 down:
