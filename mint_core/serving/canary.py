@@ -353,14 +353,9 @@ class CanaryMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
             await self.app(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        body = await read_body(receive)
+        if body is None:
+            return
         try:
             data = json.loads(bytes(body))
         except ValueError:
@@ -427,6 +422,19 @@ class CanaryMiddleware:
         if score is not None:
             with contextlib.suppress(UnknownResponse, AlreadyScored):  # forgotten, or its feedback came first
                 self.state.feedback(rid, score, source="task")
+
+
+async def read_body(receive: Receive) -> bytearray | None:
+    """A request's whole body, read off the ASGI channel (None: the client left before sending it all); what the
+    canary and routing middlewares read before they decide, then hand on with `replay`."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

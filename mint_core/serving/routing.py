@@ -48,7 +48,16 @@ from mint_core.routing.features import Featurizer
 from mint_core.routing.log import RouteLog, RouteRecord, sparse_features
 from mint_core.routing.router import Decision, Router, RouterLoadError
 from mint_core.serving.admin import Auth
-from mint_core.serving.canary import AUTO, ROUTED_STATE, ROUTES, Collected, ScoreEvent, prompt_of, replay
+from mint_core.serving.canary import (
+    AUTO,
+    ROUTED_STATE,
+    ROUTES,
+    Collected,
+    ScoreEvent,
+    prompt_of,
+    read_body,
+    replay,
+)
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.keys import Caller
 from mint_core.serving.protocol import APIError
@@ -445,14 +454,9 @@ class RoutingMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
             await self.app(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        body = await read_body(receive)
+        if body is None:
+            return
         try:  # most requests name their model: their body is parsed by the canary and the route, not here
             data = json.loads(bytes(body)) if b'"auto' in body else None
         except ValueError:
