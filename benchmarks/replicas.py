@@ -20,8 +20,9 @@ completions one after another, client i's request j under name (i + j) % M of th
 adapters (random q,k,v,o weights, loaded through a fleet front onto both replicas): M = 7 names, more than one
 replica's slots. Each prompt is 16 random letters (16 tokens, the byte tokenizer), new for every request;
 --new-tokens (64) tokens, temperature 0, ignore_eos. A warm-up round on every
-target, then --rounds (3) rounds interleaved over the targets so drift hits all alike; before each timed round an
-untimed settling pass (one request per client) puts the replicas' slots in that target's steady state.
+target, then --rounds (3) rounds interleaved over the targets so drift hits all alike, each round starting one
+target later than the one before (with --rounds a multiple of 4, each target runs after each other target equally
+often); before each timed round an untimed settling pass (one request per client) puts the replicas' slots in that target's steady state.
 
 Figures of the load (per target, over its timed rounds):
   tok_s, vs_bare         completion tokens / summed round wall time; against bare
@@ -45,7 +46,7 @@ move: the front resolves, validates, and with 2 replicas loads on each and smoke
 completion through the front must answer with the new revision; t1: each replica itself lists that revision under
 the name. p50 and max ms with 1 replica (`front`) and with 2 (`front 2x`).
 
-`--profile`: one more round on `front` (untimed for the figures) with py-spy (--py-spy, else on PATH) sampling the
+`--profile`: one more round on `front` (`--profile-target`: or `front 1x`, `front 2x`; untimed for the figures) with py-spy (--py-spy, else on PATH) sampling the
 front, and a table of where its CPU goes (innermost frame by package, and the heaviest functions inclusive).
 
 `--quick`: 4 streams x 2 requests x 16 tokens, 1 round, 2 promotions (a few
@@ -439,7 +440,10 @@ def part_load(f: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     for n in range(args.rounds):
         if time.monotonic() > deadline:
             break
-        for target in f.targets:
+        # each round starts one target later, so no target always follows the same one (a round inherits the
+        # replicas' slots and queues from the round before it)
+        k = n % len(f.targets)
+        for target in f.targets[k:] + f.targets[:k]:
             rnd = settle_and_time(f, target, models, args, tallies[target.name])
             print(
                 f"  round {n} {target.name:18s} {rnd.tokens / rnd.wall_s:8.1f} tok/s  {rnd.wall_s:6.2f} s  "
@@ -603,12 +607,12 @@ def where(frame: str) -> str:
 
 
 def part_profile(f: Fleet, args: argparse.Namespace, py_spy: str) -> dict[str, Any]:
-    """One more round on `front` with py-spy sampling the front: its busy samples by the innermost frame's
-    package, and the heaviest functions under the event loop's callbacks, inclusive."""
-    target = next(t for t in f.targets if t.name == "front")
+    """One more round on `--profile-target` (`front` by default) with py-spy sampling that front: its busy samples
+    by the innermost frame's package, and the heaviest functions under the event loop's callbacks, inclusive."""
+    target = next(t for t in f.targets if t.name == args.profile_target)
     models = ["", *[f"a{i}" for i in range(args.adapters)]]
     raw = args.profile_out or f.work / "front.pyspy"
-    proc, _ = f.fronts["front"]
+    proc, _ = f.fronts[args.profile_target]
     cmd = [py_spy, "record", "--pid", str(proc.pid), "--format", "raw", "--output", str(raw)]
     spy = subprocess.Popen(
         [*cmd, "--rate", str(SPY_HZ), "--nonblocking", "--duration", str(int(args.time_limit))],
@@ -647,7 +651,7 @@ def part_profile(f: Fleet, args: argparse.Namespace, py_spy: str) -> dict[str, A
     requests = len(rnd.latencies)
     cpu_ms = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) * 1e3 / max(requests, 1)
     print(
-        f"\nthe front under py-spy: {requests} requests in {wall:.1f} s, {total} busy samples at {SPY_HZ} Hz "
+        f"\n{args.profile_target} under py-spy: {requests} requests in {wall:.1f} s, {total} busy samples at {SPY_HZ} Hz "
         f"({waiting} more waiting in epoll); the front's CPU {cpu_ms:.2f} ms per request"
     )
     print("innermost frame's package        share of busy samples")
@@ -660,6 +664,7 @@ def part_profile(f: Fleet, args: argparse.Namespace, py_spy: str) -> dict[str, A
     print(flush=True)
     return {
         "figure": "front_profile",
+        "target": args.profile_target,
         "samples": total,
         "waiting_samples": waiting,
         "rate_hz": SPY_HZ,
@@ -684,7 +689,13 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=6, help="adapters in the load, beside the base (6)")
     ap.add_argument("--max-loras", type=int, default=4, help="each replica's LoRA slots (4)")
     ap.add_argument("--promotions", type=int, default=None, help="timed promotions each (10)")
-    ap.add_argument("--profile", action="store_true", help="one more round on `front` under py-spy")
+    ap.add_argument("--profile", action="store_true", help="one more round on a front under py-spy")
+    ap.add_argument(
+        "--profile-target",
+        choices=("front", "front 1x", "front 2x"),
+        default="front",
+        help="the front --profile samples (front)",
+    )
     ap.add_argument("--py-spy", default=None, help="the py-spy program (default: on PATH)")
     ap.add_argument("--profile-out", type=Path, default=None, help="keep py-spy's raw stacks in this file")
     ap.add_argument("--profile-top", type=int, default=30, help="functions the profile lists (30)")
