@@ -40,11 +40,15 @@ The inverse covariance is kept by forgetting-RLS updates (divide by `decay`, the
 step; this decays the prior too, slightly) and recomputed exactly every `refresh` updates and on `set_revision`
 and `warm_start`: an update costs O(d^2), and the O(d^3) inverse is paid once in `refresh` updates. (On a loaded
 machine a multi-threaded BLAS makes that inverse much slower than one thread: run benchmarks with
-OPENBLAS_NUM_THREADS=1.)
+OPENBLAS_NUM_THREADS=1.) An arm's model is never changed in place: learning computes a new one from the old
+(`Step`) and swaps it in, so a server decides on the state before a change while the change is computed (a
+refresh's inverse takes milliseconds on a loaded machine, a decision a tenth of one) and saves a `snapshot`
+while it goes on learning.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -120,24 +124,44 @@ class Decision:
 
 class _Arm:
     """One arm's linear model: prior precision A0 (ridge + warm start) and vector b0, decayed evidence G and g,
-    the inverse P of A0 + G and the mean weights theta = P (b0 + g)."""
+    the inverse P of A0 + G and the mean weights theta = P (b0 + g).
 
-    def __init__(self, dim: int, ridge: float, bias_ridge: float):
+    Never changed once made (copy on write): learning makes a new one (`Step`), so a reader holding one (a decision,
+    a snapshot being saved) sees a whole state while the next is computed."""
+
+    __slots__ = ("A0", "G", "P", "b0", "g", "since", "theta")
+
+    def __init__(
+        self, A0: np.ndarray, b0: np.ndarray, G: np.ndarray, g: np.ndarray, P: np.ndarray, since: int
+    ) -> None:
+        self.A0, self.b0, self.G, self.g, self.P, self.since = A0, b0, G, g, P, since
+        self.theta = P @ (b0 + g)
+
+    @classmethod
+    def prior(cls, dim: int, ridge: float, bias_ridge: float) -> _Arm:
         prec = np.full(dim, ridge)
         prec[-1] = bias_ridge  # the intercept: the last (constant 1) feature
-        self.A0 = np.diag(prec)
-        self.b0 = np.zeros(dim)
-        self.G = np.zeros((dim, dim))
-        self.g = np.zeros(dim)
-        self.P = np.diag(1.0 / prec)
-        self.theta = np.zeros(dim)
-        self.since = 0
+        return cls(np.diag(prec), np.zeros(dim), np.zeros((dim, dim)), np.zeros(dim), np.diag(1.0 / prec), 0)
 
-    def refresh(self) -> None:
-        inv = np.linalg.inv(self.A0 + self.G)
-        self.P = (inv + inv.T) / 2  # symmetric exactly, so x' P x is not skewed by rounding
-        self.theta = self.P @ (self.b0 + self.g)
-        self.since = 0
+    def exact(self, G: np.ndarray, g: np.ndarray) -> _Arm:
+        """This arm with evidence (G, g) and its inverse recomputed exactly: O(d^3)."""
+        inv = np.linalg.inv(self.A0 + G)
+        P = (inv + inv.T) / 2  # symmetric exactly, so x' P x is not skewed by rounding
+        return _Arm(self.A0, self.b0, G, g, P, 0)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A change to one arm, computed from the router's state and not yet applied (`Router.apply`): the arithmetic
+    (O(d^2) per update, O(d^3) at a refresh) only reads the router, so a server computes it outside the lock its
+    decisions take and applies it under that lock in microseconds. Applied in the order computed, one writer at a
+    time (a step computed from an arm's state replaces that state whole)."""
+
+    arm: str
+    state: _Arm | None
+    """The arm's new model (None: no change to it)."""
+    revision: str | None = None
+    """The revision the arm's policy now serves (`set_revision`; None: unchanged)."""
 
 
 class Router:
@@ -145,7 +169,10 @@ class Router:
 
     Not thread-safe: a caller that decides and learns from several threads holds one lock around both (the
     event loop of a server is one thread). `probs` and `predict` read the state without changing it, except
-    that unknown candidate names are added as prior-only arms."""
+    that unknown candidate names are added as prior-only arms. Learning is split so that the lock need not cover
+    its arithmetic: `update_step` (and `revision_step`, `warm_step`) only read the router and return a `Step`,
+    `apply` makes it the state in O(d); `update` is both. One writer at a time: a step is applied before the
+    next one is computed."""
 
     def __init__(
         self,
@@ -206,8 +233,7 @@ class Router:
         i = self._index.get(name)
         if i is not None:
             return i
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"an arm is a non-empty served name, got {name!r}")
+        _check_name(name)
         i = len(self._names)
         self._names.append(name)
         self._index[name] = i
@@ -217,12 +243,15 @@ class Router:
             self._slot = grown
         return i
 
-    def _arm_state(self, name: str) -> _Arm:
-        """The arm's model, created from the prior (and given a row of the mean matrix) on first evidence."""
-        i = self.add_arm(name)
-        st = self._state.get(i)
-        if st is None:
-            st = self._state[i] = _Arm(self._d, self.ridge, self.bias_ridge)
+    def _current(self, name: str) -> _Arm:
+        """The arm's model, or the prior's for an arm with no evidence (not registered: `apply` does that)."""
+        i = self._index.get(name)
+        st = self._state.get(i) if i is not None else None
+        return st if st is not None else _Arm.prior(self._d, self.ridge, self.bias_ridge)
+
+    def _put(self, i: int, st: _Arm) -> None:
+        """Make `st` arm i's model (given a row of the mean matrix on its first evidence)."""
+        if i not in self._state:
             row = len(self._slot_arm)
             if row >= len(self._theta):
                 grown = np.zeros((max(16, 2 * len(self._theta)), self._d), dtype=np.float32)
@@ -230,9 +259,7 @@ class Router:
                 self._theta = grown
             self._slot[i] = row
             self._slot_arm.append(i)
-        return st
-
-    def _publish(self, i: int, st: _Arm) -> None:
+        self._state[i] = st
         self._theta[self._slot[i]] = st.theta
 
     # --- deciding ---------------------------------------------------------------------------------------------
@@ -353,56 +380,86 @@ class Router:
     # --- learning ---------------------------------------------------------------------------------------------
     def update(self, arm: str, x: np.ndarray, reward: float) -> None:
         """Learn from one reward in [0, 1] for `arm` on features `x`: old evidence decays, this one is added."""
+        self.apply(self.update_step(arm, x, reward))
+
+    def update_step(self, arm: str, x: np.ndarray, reward: float) -> Step:
+        """`update`'s change, computed and not applied: the router is only read."""
         reward = float(reward)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"reward {reward} for {arm!r} is outside [0, 1]")
         xa = self._augment(x)
-        st = self._arm_state(arm)
-        st.G *= self.decay
-        st.g *= self.decay
-        st.G += np.outer(xa, xa)
-        st.g += reward * xa
-        st.since += 1
-        if st.since >= self.refresh:
-            st.refresh()
-        else:  # (A0 + decay G + x x')^-1 ~ (decay (A0 + G) + x x')^-1: forgetting RLS, exact again at refresh
-            st.P /= self.decay
-            px = st.P @ xa
-            st.P -= np.outer(px, px) / (1.0 + xa @ px)
-            st.theta = st.P @ (st.b0 + st.g)
-        self._publish(self._index[arm], st)
+        _check_name(arm)
+        st = self._current(arm)
+        G = st.G * self.decay
+        g = st.g * self.decay
+        G += np.outer(xa, xa)
+        g += reward * xa
+        since = st.since + 1
+        if since >= self.refresh:
+            return Step(arm, st.exact(G, g))
+        # (A0 + decay G + x x')^-1 ~ (decay (A0 + G) + x x')^-1: forgetting RLS, exact again at refresh
+        P = st.P / self.decay
+        px = P @ xa
+        P -= np.outer(px, px) / (1.0 + xa @ px)
+        return Step(arm, _Arm(st.A0, st.b0, G, g, P, since))
 
     def set_revision(self, arm: str, revision: str) -> None:
         """The policy behind `arm` now serves `revision`: keep the arm's prior, keep only `revision_keep` of its
         evidence, so the new revision is relearned quickly. Idempotent: the same revision again changes nothing."""
-        i = self.add_arm(arm)
+        self.apply(self.revision_step(arm, revision))
+
+    def revision_step(self, arm: str, revision: str) -> Step:
+        """`set_revision`'s change, computed and not applied."""
+        _check_name(arm)
+        i = self._index.get(arm)
         old = self._revisions.get(arm)
-        self._revisions[arm] = revision
-        st = self._state.get(i)
+        st = self._state.get(i) if i is not None else None
         if old is None or old == revision or st is None:
-            return
-        st.G *= self.revision_keep
-        st.g *= self.revision_keep
-        st.refresh()
-        self._publish(i, st)
+            return Step(arm, None, revision)
+        return Step(arm, st.exact(st.G * self.revision_keep, st.g * self.revision_keep), revision)
 
     def warm_start(self, arm: str, xs: Sequence[np.ndarray] | np.ndarray, reward: float = 1.0) -> None:
         """Cold start: add prompts' features as pseudo-observations of `reward` (a task's held-out prompts with
         1.0; other tasks' prompts with 0.0), `warm_weight` observations in all. They are evidence, not prior: they
         decay with the arm's real rewards and `set_revision` shrinks them, so a claim the arm does not live up to
         (a decoy named for a task, a revision that regressed) fades instead of anchoring the arm for good."""
+        self.apply(self.warm_step(arm, xs, reward))
+
+    def warm_step(self, arm: str, xs: Sequence[np.ndarray] | np.ndarray, reward: float = 1.0) -> Step:
+        """`warm_start`'s change, computed and not applied."""
         reward = float(reward)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"warm-start reward {reward} for {arm!r} is outside [0, 1]")
         if len(xs) == 0:
-            return
+            return Step(arm, None)
         X = np.stack([self._augment(x) for x in xs])
         w = min(1.0, self.warm_weight / len(X))
-        st = self._arm_state(arm)
-        st.G += w * (X.T @ X)
-        st.g += w * reward * X.sum(axis=0)
-        st.refresh()
-        self._publish(self._index[arm], st)
+        _check_name(arm)
+        st = self._current(arm)
+        return Step(arm, st.exact(st.G + w * (X.T @ X), st.g + w * reward * X.sum(axis=0)))
+
+    def apply(self, step: Step) -> None:
+        """Make a computed change (`update_step`, `revision_step`, `warm_step`) the router's state: O(d) (the
+        arm's row of the mean matrix), under the lock a server's decisions take."""
+        if step.state is None and step.revision is None:
+            return
+        i = self.add_arm(step.arm)
+        if step.revision is not None:
+            self._revisions[step.arm] = step.revision
+        if step.state is not None:
+            self._put(i, step.state)
+
+    def snapshot(self) -> Router:
+        """A router with this one's state as it is now that this one's later changes do not reach (the arms'
+        models are shared: never changed in place): what a server saves while it goes on deciding and learning.
+        O(arms), no matrix copied."""
+        snap = copy.copy(self)
+        snap._names, snap._index = list(self._names), dict(self._index)
+        snap._revisions, snap._state = dict(self._revisions), dict(self._state)
+        snap._slot, snap._theta = self._slot.copy(), self._theta[: len(self._slot_arm)].copy()
+        snap._slot_arm, snap._cache = list(self._slot_arm), None
+        snap._rng = np.random.default_rng()  # draws of its own: the snapshot's choices do not move this one's
+        return snap
 
     # --- revisions on disk ------------------------------------------------------------------------------------
     def _arrays(self) -> dict[str, np.ndarray]:
@@ -490,12 +547,16 @@ class Router:
             self.add_arm(name)
         self._revisions = dict(manifest["revisions"])
         for k, name in enumerate(manifest["evidence_arms"]):
-            st = self._arm_state(name)
-            st.A0, st.b0 = arrays["A0"][k].copy(), arrays["b0"][k].copy()
-            st.G, st.g, st.P = arrays["G"][k].copy(), arrays["g"][k].copy(), arrays["P"][k].copy()
-            st.since = int(arrays["since"][k])
-            st.theta = st.P @ (st.b0 + st.g)
-            self._publish(self._index[name], st)
+            st = _Arm(
+                arrays["A0"][k].copy(), arrays["b0"][k].copy(), arrays["G"][k].copy(), arrays["g"][k].copy(),
+                arrays["P"][k].copy(), int(arrays["since"][k]),
+            )  # fmt: skip
+            self._put(self._index[name], st)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"an arm is a non-empty served name, got {name!r}")
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

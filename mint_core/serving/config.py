@@ -102,14 +102,21 @@ class ServingConfig(Settings):
     from (`router_path`, `PUT /v1/mint/router`). Default: `<adapter_root>/../routing`, the state dir's `routing/`."""
     router_path: Path | None = None
     """The router revision (a directory a router was saved to, inside routing_dir, relative or absolute) that
-    routes `model: "auto"` from the start; one that does not load stops the start. Unset: a cold router, each arm
-    that names a registered task warm-started from the task's held-out prompts."""
+    routes `model: "auto"` from the start, or the router saved online that went on from it (route_save_interval_s);
+    one that does not load stops the start. Unset: the router saved online, else a cold router, each arm that names
+    a registered task warm-started from the task's held-out prompts."""
     route_cold_load_cost: float = Field(0.05, ge=0.0, le=1.0)
     """The cost, in reward units, of routing to an adapter the server does not hold yet (a catalog champion a
     request would have to cold-load): the router prefers a resident adapter unless the cold one's expected reward
     is higher by more than this. Resident adapters and the base cost 0."""
     route_seed: int | None = None
     """Seed of the router's exploration draws (reproducible runs); unset: drawn afresh each start."""
+    route_save_interval_s: float = Field(60.0, ge=0)
+    """How often the serving router, with what it learned online, is saved to `<routing_dir>/online` (when it
+    changed since the last save; and once more at a clean shutdown), with the revision it serves as beside it
+    (`online.json`). A server started again serves the router saved there (unless `router_path` names another
+    revision than the one it went on from), so a restart keeps what was learned; one that does not load is refused,
+    and the server starts as if there were none, saying why in its log. 0: never saved nor loaded from there."""
     tinker: bool = True
     """Also serve Tinker's training API (/api/v1/..., the `tinker` SDK) on the same engine."""
     tinker_api_keys: SecretStr | None = None

@@ -46,7 +46,7 @@ from mint_core.access import allows
 from mint_core.data.spec import SpecError, TaskRegistry, read_rows, registry
 from mint_core.routing.features import Featurizer
 from mint_core.routing.log import RouteLog, RouteRecord, sparse_features
-from mint_core.routing.router import Decision, Router, RouterLoadError
+from mint_core.routing.router import Decision, Router, RouterLoadError, Step
 from mint_core.serving.admin import Auth
 from mint_core.serving.canary import (
     AUTO,
@@ -69,6 +69,12 @@ ROUTER_HEADER = "x-mint-router"
 COLD = "cold"
 """The revision a router started cold has until one is loaded: it names no saved state."""
 LOG_FILE = "log.jsonl"
+ONLINE_DIR = "online"
+"""Where in the routing dir the serving router is saved as it learns (`route_save_interval_s`), and loaded from
+at start when no `router_path` is set."""
+ONLINE_NAME = "online.json"
+"""Beside ONLINE_DIR: the revision the serving router was known by when it was saved (the one it was loaded or put
+as; `""` for one started cold), and the save's own revision it applies to."""
 MAX_ROUTED = 100_000
 """Routed answers remembered for their reward (oldest forgotten first), features kept as float16 (~0.5 KB each)."""
 WARM_POSITIVES = 64
@@ -152,14 +158,18 @@ class RoutingMetrics:
 
 class RoutingState:
     """The serving router of one server, its route log and the routed answers awaiting a reward. The router is
-    used under one lock (decisions on the event loop; learning, warm starts and loads in worker threads).
+    read and changed under one lock (decisions on the event loop; learning, warm starts and loads in worker
+    threads), but a change's arithmetic is computed outside it (`_change`): the lock is held for microseconds.
 
     What follows an answer is off the event loop: an answer's log line (its features' digest and sparse form, the
     record's JSON, the file append) and a reward's router update (O(d^2), and every `REFRESH` updates of an arm an
     O(d^3) inverse: milliseconds) run in one learner thread, in the order they were asked for, so the log keeps each
     decision before its reward and the router learns the rewards in the order they came. What must be known at once
     stays on the loop: which answers await a reward (so each is scored once) and the revision that decided. A
-    decision taken while a reward is being learned sees the router before it (`settle` waits for the learner)."""
+    decision taken while a reward is being learned sees the router before it (`settle` waits for the learner).
+
+    With `route_save_interval_s` > 0 a saver thread saves the router to `<routing dir>/online` as it changes
+    (`save`), and `close` (at the server's shutdown) makes a last save; a server started again serves it."""
 
     def __init__(
         self,
@@ -177,24 +187,46 @@ class RoutingState:
         self.loaded_at = time.time()
         self.routed_count = self.explored_count = 0
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # one writer of the router at a time, its arithmetic outside _lock
+        self._changes = 0  # changes applied to the serving router (what a save would have to write)
         self._routed: OrderedDict[str, _Routed] = OrderedDict()
         self._warm: set[str] = set()  # arms this router was offered a cold start for (done or nothing to do)
         self._warming = asyncio.Lock()
         self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mint-route-learner")
+        self._saving = threading.Lock()  # one save at a time (the saver thread, close)
+        self._saved = 0  # the value of _changes the last save wrote
+        self._stop = threading.Event()
+        self._saver: threading.Thread | None = None
         metrics.serving(self.revision, None)
 
     @classmethod
     def start(cls, config: ServingConfig, registry_: CollectorRegistry) -> RoutingState:
-        """The router of a starting server: `config.router_path` (RouterLoadError when it does not load: a wrong
-        setting stops the start), else a cold one."""
+        """The router of a starting server (`_starting`): the one saved in `<routing dir>/online` as it learned
+        before (with `route_save_interval_s` > 0; one that does not load is logged and refused; with `router_path`
+        set, only one that went on from that revision), else `config.router_path` (RouterLoadError when it does not
+        load: a wrong setting stops the start), else a cold one. With `route_save_interval_s` > 0 it is saved there
+        every that many seconds while it changes."""
         root = config.routing_root().resolve()
         root.mkdir(parents=True, exist_ok=True)
-        path = None if config.router_path is None else inside(root, str(config.router_path))
-        router = Router() if path is None else Router.load(path)
+        saving = config.route_save_interval_s > 0
+        router, path = _starting(root, config.router_path, saving)
         log = RouteLog(root / LOG_FILE)
         rng = np.random.default_rng(config.route_seed)
         state = cls(router, path, root, log, RoutingMetrics(registry_), config.route_cold_load_cost, rng)
-        logger.info("routing model auto with router %s (log %s)", state.revision, root / LOG_FILE)
+        if saving:
+            state._saver = threading.Thread(
+                target=state._save_every,
+                args=(config.route_save_interval_s,),
+                name="mint-route-saver",
+                daemon=True,
+            )
+            state._saver.start()
+        logger.info(
+            "routing model auto with router %s from %s (log %s)",
+            state.revision,
+            path or "nothing",
+            root / LOG_FILE,
+        )
         return state
 
     @property
@@ -244,10 +276,9 @@ class RoutingState:
         revision: str,
     ) -> None:
         """The learner's part of `answered`: the arm told its revision, the decision logged."""
-        with self._lock:
-            if model == decision.arm and revision:  # a canary's answers are not the policy's revision
-                router.set_revision(decision.arm, revision)
-            router_revision = router.revision  # "" for a cold router: no saved state to replay
+        if model == decision.arm and revision:  # a canary's answers are not the policy's revision
+            self._change(router, router.revision_step, decision.arm, revision)
+        router_revision = router.revision  # "" for a cold router: no saved state to replay
         self.log.decided(
             RouteRecord(
                 rid=rid,
@@ -276,9 +307,18 @@ class RoutingState:
 
     def _reward(self, router: Router, rid: str, routed: _Routed, event: ScoreEvent) -> None:
         """The learner's part of `scored`: the router that decided learns the reward, the log keeps it."""
-        with self._lock:
-            router.update(routed.arm, routed.x.astype(np.float32), event.score)
+        self._change(router, router.update_step, routed.arm, routed.x.astype(np.float32), event.score)
         self.log.rewarded(rid, event.score, event.source)
+
+    def _change(self, router: Router, step: Callable[..., Step], *args: Any) -> None:
+        """Compute a change of `router` (one writer at a time: the learner, a cold start) outside the lock the
+        decisions take, then apply it under that lock: a decision never waits for the arithmetic (a refresh's
+        O(d^3) inverse), only for the O(d) swap. The decisions meanwhile see the router before the change."""
+        with self._writing:
+            change = step(*args)
+            with self._lock:
+                router.apply(change)
+                self._changes += router is self.router
 
     def _learn(self, job: Callable[..., None], *args: Any) -> None:
         """Run `job(*args)` in the learner thread, after every job asked for before it."""
@@ -294,6 +334,45 @@ class RoutingState:
     def settle(self) -> None:
         """Wait until every answer and reward handed to the learner so far is learned and logged."""
         self._learner.submit(lambda: None).result()
+
+    # -- saved as it learns ------------------------------------------------------------------------------------
+
+    def _save_every(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.save()
+            except Exception:  # a full disk must not stop the next tries, nor the serving
+                logger.exception("routing: saving the router to %s failed", self.root / ONLINE_DIR)
+
+    def save(self) -> str | None:
+        """Save the serving router to `<routing dir>/online` (atomically: a restart finds the last whole save) when
+        it changed since the last save; its revision, or None when there was nothing new. The state is taken under
+        the lock in O(arms) (`Router.snapshot`); the files are written outside it, while decisions and learning go
+        on. The serving router keeps the revision it was loaded with (what `X-Mint-Router`, the route log and a
+        reconcile know it by), and a restart that loads the save names it so again (ONLINE_NAME)."""
+        with self._saving:
+            with self._lock:
+                if self._changes == self._saved:
+                    return None
+                changes, snap, name = self._changes, self.router.snapshot(), self.router.revision
+            revision = snap.save(self.root / ONLINE_DIR)
+            tmp = self.root / f".{ONLINE_NAME}.tmp"
+            tmp.write_text(json.dumps({"saved": revision, "serving": name}))
+            tmp.replace(self.root / ONLINE_NAME)
+            self._saved = changes
+        logger.debug("routing: the serving router is saved as %s in %s", revision, self.root / ONLINE_DIR)
+        return revision
+
+    def close(self) -> None:
+        """At shutdown: the saver stops, what the learner was given is learned, and a last save is made (when
+        saving is on)."""
+        self._stop.set()
+        saver = self._saver
+        if saver is not None:
+            saver.join()
+        self.settle()
+        if saver is not None:
+            self.save()
 
     # -- cold start -------------------------------------------------------------------------------------------
 
@@ -322,11 +401,10 @@ class RoutingState:
                 negatives = [p for t in tasks.names() if t != arm for p in _heldout(tasks, t, WARM_NEGATIVES)]
                 xs1 = [router.featurizer.transform(p) for p in positives]
                 xs0 = [router.featurizer.transform(p) for p in negatives]
-                with self._lock:
-                    if router is not self.router:  # swapped meanwhile: the new router is offered its own
-                        return
-                    router.warm_start(arm, xs1, 1.0)
-                    router.warm_start(arm, xs0, 0.0)
+                if router is not self.router:  # swapped meanwhile: the new router is offered its own
+                    return
+                self._change(router, router.warm_step, arm, xs1, 1.0)
+                self._change(router, router.warm_step, arm, xs0, 0.0)
                 logger.info("router arm %s: cold start from %d held-out prompts of its task", arm, len(xs1))
             self._warm.add(arm)
 
@@ -349,6 +427,7 @@ class RoutingState:
             self.router, self.path, self.loaded_at = loaded, path, time.time()
             self.routed_count = self.explored_count = 0
             self._warm = set()
+            self._changes += 1  # what a restart should serve now
         self.metrics.serving(self.revision, previous)
         logger.info("router %s serves model auto (was %s), from %s", self.revision, previous, path)
         return True
@@ -364,6 +443,57 @@ class RoutingState:
                 explored=self.explored_count,
                 log=str(self.log.path),
             )
+
+
+def _starting(root: Path, router_path: Path | None, saving: bool) -> tuple[Router, Path | None]:
+    """The router a server starts with, and where it was loaded from: `router_path`'s (RouterLoadError when it
+    does not load: a wrong setting stops the start), unless the save in ONLINE_DIR goes on from that revision;
+    without `router_path`, the save; else a cold router."""
+    path = None if router_path is None else inside(root, str(router_path))
+    named = None if path is None else Router.load(path)
+    if saving and (root / ONLINE_DIR).exists():
+        online = _online(root / ONLINE_DIR, None if named is None else named.revision)
+        if online is not None:
+            return online, root / ONLINE_DIR
+    return (Router(), None) if named is None else (named, path)
+
+
+def _online(path: Path, revision: str | None) -> Router | None:
+    """The router saved as it learned (`RoutingState.save`), known by the revision it served as; None when it does
+    not load (said in the log: a torn or edited save must not keep the server from starting, and the next save
+    replaces it) or when `router_path` names another `revision` than the one it went on from."""
+    instead = "cold" if revision is None else "from router_path"
+    try:
+        router = Router.load(path)
+    except RouterLoadError as e:
+        logger.error(
+            "routing: the router saved online is refused, starting %s (the next save replaces it): %s",
+            instead,
+            e,
+        )
+        return None
+    try:
+        named = json.loads((path.parent / ONLINE_NAME).read_text())
+    except (OSError, ValueError):
+        named = None
+    if (
+        isinstance(named, dict)
+        and named.get("saved") == router.revision
+        and isinstance(named.get("serving"), str)
+    ):
+        router.revision = named["serving"]
+    else:
+        logger.warning(
+            "routing: %s does not name the save in %s: it serves as its own revision", ONLINE_NAME, path
+        )
+    if revision is not None and router.revision != revision:
+        logger.info(
+            "routing: the router saved online went on from %s, not router_path's %s",
+            router.revision,
+            revision,
+        )
+        return None
+    return router
 
 
 def _heldout(tasks: TaskRegistry, task: str, limit: int) -> list[str | list[dict[str, str]]]:
@@ -451,6 +581,9 @@ class RoutingMiddleware:
         self.served, self.refused = served, refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._closing(send))
+            return
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ROUTES:
             await self.app(scope, receive, send)
             return
@@ -484,6 +617,17 @@ class RoutingMiddleware:
             await JSONResponse(e.response().model_dump(), status_code=e.status)(scope, receive, send)
             return
         await self._forward(scope, receive, send, data, x, decision, list(candidates))
+
+    def _closing(self, send: Send) -> Send:
+        """The lifespan's `send`: once the app has shut down (its queued answers given, so their rewards may be
+        handed on), the routing state closes (its last save) before the server is told the shutdown is done."""
+
+        async def send_on(message: Message) -> None:
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                await asyncio.to_thread(self.state.close)
+            await send(message)
+
+        return send_on
 
     async def _forward(
         self,

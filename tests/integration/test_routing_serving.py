@@ -271,3 +271,34 @@ def test_routing_metrics(routed: Routed) -> None:
     assert any(n == "mint_routed_explored_total" for n, _, _ in samples)
     count = sum(v for n, _, v in samples if n == "mint_route_decision_seconds_count")
     assert count >= sum(routed_arms.values()), (count, routed_arms)
+
+
+def test_a_restarted_server_serves_the_router_it_learned(tmp_path: Path) -> None:
+    """mint serve saves its router as it learns and at a clean shutdown (`route_save_interval_s`); started again
+    on the same routing dir, it serves what it learned, known by the revision it was put as."""
+    store, routing_dir = tmp_path / "store", tmp_path / "routing"
+    store.mkdir()
+    env = {"MINT_SERVE_ROUTING_DIR": str(routing_dir), "MINT_SERVE_ROUTE_SEED": "3"}
+    proc, url = start_server(store, env=env)
+    try:
+        router = Router()
+        router.update(ALPHA, router.featurizer.transform(PROMPT), 1.0)
+        revision = router.save(routing_dir / "r1")
+        put = httpx.put(url + "/v1/mint/router", json={"path": "r1", "revision": revision}, headers=ADMIN)
+        assert put.status_code == 200, put.text
+        for _ in range(3):
+            r = httpx.post(url + "/v1/completions", json={"model": "auto", "prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            fb = httpx.post(url + "/v1/feedback", json={"id": r.json()["id"], "score": 1.0})
+            assert fb.status_code == 200, fb.text
+        base_name = r.headers["x-mint-routed"]  # the base: the only name served
+    finally:
+        assert stop_server(proc) == 0
+    assert (routing_dir / "online" / "manifest.json").is_file()  # the last save, at the shutdown
+    proc, url = start_server(store, env=env)
+    try:
+        view = httpx.get(url + "/v1/mint/router", timeout=30).json()
+        assert view["revision"] == revision and view["path"] == str((routing_dir / "online").resolve()), view
+        assert set(view["arms"]) == {ALPHA, base_name}, view  # r1 knew alpha; the base arm was learned online
+    finally:
+        assert stop_server(proc) == 0

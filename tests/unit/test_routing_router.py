@@ -8,6 +8,7 @@ import pytest
 
 from mint_core.routing import Featurizer, Router, fit_router, prompt_text
 from mint_core.routing.features import FEATURE_DIM
+from mint_core.routing.router import content_digest
 
 FEAT = Featurizer(dim=128)
 ARMS = ["arith", "code", "base"]
@@ -213,3 +214,38 @@ def test_cold_start_routes_a_new_adapter_its_tasks_prompts() -> None:
 def test_bad_input_is_refused_with_a_clear_error(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(Router(FEAT))
+
+
+def _digest(router: Router) -> str:
+    return content_digest(router._manifest(), router._arrays())
+
+
+def test_a_step_reads_the_router_only_and_applied_is_the_update() -> None:
+    """What a server computes outside its decisions' lock (`update_step`) changes nothing until `apply`, and then
+    exactly what `update` does, in the Sherman-Morrison steps and at the refreshes (refresh 3)."""
+    rng = np.random.default_rng(6)
+    stepped, updated = Router(FEAT, refresh=3), Router(FEAT, refresh=3)
+    for i in range(8):
+        x = FEAT.transform(prompt(i % 2, rng))
+        arm, reward = ARMS[i % 3], float(rng.random())
+        before = _digest(stepped)
+        step = stepped.update_step(arm, x, reward)
+        assert _digest(stepped) == before, i
+        stepped.apply(step)
+        updated.update(arm, x, reward)
+        assert _digest(stepped) == _digest(updated), i
+    step = stepped.revision_step("arith", "rev-1")
+    stepped.apply(step)
+    updated.set_revision("arith", "rev-1")
+    assert _digest(stepped) == _digest(updated) and stepped.revisions() == {"arith": "rev-1"}
+
+
+def test_a_snapshot_keeps_the_state_it_was_taken_at() -> None:
+    rng = np.random.default_rng(7)
+    router = Router(FEAT, refresh=2)
+    run(router, 20, rng)
+    taken, snap = _digest(router), router.snapshot()
+    run(router, 20, rng)
+    router.add_arm("new")
+    assert _digest(snap) == taken != _digest(router)
+    assert "new" not in snap.arms()

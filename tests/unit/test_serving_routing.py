@@ -4,6 +4,9 @@ canary state's scores. The HTTP behaviour on both backends is tests/integration/
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,20 +14,23 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from mint_core.routing.log import RouteLog
-from mint_core.routing.router import Router, RouterLoadError
+from mint_core.routing.router import Router, RouterLoadError, Step
 from mint_core.serving.canary import CanaryState
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.keys import Caller
 from mint_core.serving.protocol import APIError
 from mint_core.serving.routing import (
     COLD,
+    ONLINE_DIR,
     RouterSpec,
+    RoutingMetrics,
     RoutingState,
     candidates_for,
     inside,
     patterns_of,
     policy_name,
 )
+from mint_testkit.waiting import wait_until
 
 BASE = "tiny-dense"
 SERVED = {"add": True, "sort": False, "math-a": True, "math-b": False}
@@ -94,12 +100,13 @@ def test_a_router_is_loaded_from_inside_the_routing_dir_only(tmp_path: Path) -> 
         assert e.value.status == 400 and e.value.param == "path", bad
 
 
-def _state(tmp_path: Path, router_path: Path | None = None) -> RoutingState:
+def _state(tmp_path: Path, router_path: Path | None = None, save_s: float = 60) -> RoutingState:
     cfg = ServingConfig(
         adapter_root=tmp_path / "store",
         routing_dir=tmp_path / "routing",
         route_seed=1,
         router_path=router_path,
+        route_save_interval_s=save_s,
     )
     return RoutingState.start(cfg, CollectorRegistry())
 
@@ -196,3 +203,116 @@ def test_the_learner_keeps_going_after_a_failed_log_write(
     state.settle()
     records = RouteLog(good).records()
     assert [(r.rid, r.reward) for r in records] == [("cmpl-2", 1.0), ("cmpl-3", 1.0)]
+
+
+class _Held(Router):
+    """A router whose update, once begun (`begun`), waits for `release` before its arithmetic: a refresh in
+    progress (refresh 1: every update recomputes the inverse)."""
+
+    def __init__(self) -> None:
+        super().__init__(refresh=1)
+        self.begun, self.release = threading.Event(), threading.Event()
+
+    def update_step(self, arm: str, x: np.ndarray, reward: float) -> Step:
+        self.begun.set()
+        self.release.wait(60)
+        return super().update_step(arm, x, reward)
+
+
+def _learn(
+    state: RoutingState, canary: CanaryState, rid: str, x: np.ndarray, arm: str, reward: float
+) -> None:
+    """One routed answer by `arm` and its reward, handed to the learner."""
+    decision = state.decide(x, {arm: True})
+    state.answered(rid, x, decision, [arm], arm, "sha256:aa")
+    canary.answered(rid, arm, "none", arm, "sha256:aa", None)
+    canary.feedback(rid, reward)
+
+
+def test_a_decision_does_not_wait_for_a_refresh_in_progress(tmp_path: Path) -> None:
+    router = _Held()
+    root = tmp_path / "routing"
+    metrics, rng = RoutingMetrics(CollectorRegistry()), np.random.default_rng(0)
+    state = RoutingState(router, None, root, RouteLog(root / "log.jsonl"), metrics, 0.05, rng)
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    x = router.featurizer.transform("write a poem")
+    try:
+        _learn(state, canary, "cmpl-1", x, "add", 1.0)
+        assert router.begun.wait(30), "the learner never began the update"
+        decided = threading.Event()
+
+        def decide() -> None:
+            state.decide(x, {"add": True})
+            decided.set()
+
+        threading.Thread(target=decide, daemon=True).start()
+        assert decided.wait(30), "a decision waited for the update in progress"
+        assert state.router.predict(x, ["add"])[0] == 0.0  # it decided on the router before the update
+    finally:
+        router.release.set()
+    state.settle()
+    assert state.router.predict(x, ["add"])[0] > 0.1
+
+
+def test_a_restarted_server_serves_the_router_it_learned(tmp_path: Path) -> None:
+    r1, _ = _saved(tmp_path, "r1", "sort")
+    state = _state(tmp_path, save_s=3600)  # saved by close only, as at a shutdown
+    assert state.swap(RouterSpec(path="r1", revision=r1))  # as a reconcile puts the champion
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    x = state.featurizer.transform("write a poem")
+    for i in range(5):
+        _learn(state, canary, f"cmpl-{i}", x, "add", 1.0)
+    state.close()
+    again = _state(tmp_path)
+    online = (tmp_path / "routing" / ONLINE_DIR).resolve()
+    assert again.path == online and again.router.arms() == state.router.arms() == ["sort", "add"]
+    assert np.array_equal(again.router.probs(x, ["add", "sort"]), state.router.probs(x, ["add", "sort"]))
+    # known by the revision it served as, so the champion put again is a no-op that keeps what was learned
+    assert again.revision == state.revision == r1 and not again.swap(RouterSpec(path="r1", revision=r1))
+    named = _state(tmp_path, router_path=Path("r1"))  # the save goes on from the revision the config names
+    assert (named.revision, named.path, named.router.arms()) == (r1, online, ["sort", "add"])
+    (tmp_path / "routing" / "online.json").unlink()  # the save alone: it serves as its own revision
+    assert _state(tmp_path).revision == Router.load(online).revision != r1
+    assert _state(tmp_path, save_s=0).revision == COLD  # not saving: nothing loaded from there either
+    named = _state(tmp_path, router_path=Path("r1"))  # a save of another revision: the config's router serves
+    assert (named.revision, named.router.arms()) == (r1, ["sort"])
+
+
+def _online_revision(root: Path) -> str | None:
+    try:
+        return str(json.loads((root / ONLINE_DIR / "manifest.json").read_text())["revision"])
+    except (OSError, ValueError):  # not saved yet, or between the two renames of a save
+        return None
+
+
+def test_the_serving_router_is_saved_as_it_learns(tmp_path: Path) -> None:
+    state = _state(tmp_path, save_s=0.05)
+    root = (tmp_path / "routing").resolve()
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    x = state.featurizer.transform("write a poem")
+    _learn(state, canary, "cmpl-1", x, "add", 1.0)
+    first = wait_until(lambda: _online_revision(root), 30, "the first save")
+    _learn(state, canary, "cmpl-2", x, "add", 0.0)
+    wait_until(lambda: _online_revision(root) not in (None, first), 30, "a save of what was learned next")
+    state.close()
+    assert Router.load(root / ONLINE_DIR).predict(x, ["add"]) == state.router.predict(x, ["add"])
+
+
+def test_a_corrupt_saved_router_is_refused_and_the_server_starts_cold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _saved(tmp_path, ONLINE_DIR, "add")
+    (tmp_path / "routing" / ONLINE_DIR / "state.npz").write_bytes(b"torn")
+    with caplog.at_level(logging.ERROR, logger="mint_core.serving.routing"):
+        state = _state(tmp_path)
+    assert state.revision == COLD and state.path is None
+    assert "refused, starting cold" in caplog.text and "state.npz" in caplog.text, caplog.text
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    _learn(state, canary, "cmpl-1", state.featurizer.transform("hi"), "sort", 1.0)
+    state.settle()
+    saved = state.save()  # the next save replaces it
+    assert saved is not None and Router.load(tmp_path / "routing" / ONLINE_DIR).revision == saved
