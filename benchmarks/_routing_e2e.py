@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from _common import pct
+from _common import load_avg, pct
 from _reward_table import BASE_ARM, RewardTable
 
 from mint_core.access import Access, ServingKey, new_secret, save
@@ -171,6 +171,7 @@ def _measure(table: RewardTable, url: str, secret: str, n: int, seed: int) -> di
     out["p50_overhead_pct"] = round(100 * (out["auto_p50_ms"] / out["named_p50_ms"] - 1), 2)
     out["routed"] = routed
     out["n"] = n
+    out["load_avg"] = load_avg()  # at the end of this backend's requests: the figures are as steady as it
     return out
 
 
