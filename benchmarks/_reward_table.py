@@ -34,7 +34,7 @@ import numpy as np
 from mint_core.data.generators import Example
 from mint_core.data.spec import prompt_text, registry
 
-TABLE_FORMAT = 1
+TABLE_FORMAT = 2
 """Bumped whenever the table's layout or the way it is built changes (part of the cache key, which otherwise
 holds the settings and the bytes of the base and the task files)."""
 
@@ -69,9 +69,16 @@ class TableConfig:
     data: Path = Path("data/tasks")
     tasks: tuple[str, ...] = ()
     """Registered tasks (empty: every registered task)."""
-    steps: int = 60
-    """GRPO steps of each task's policy (its champion)."""
-    old_steps: int = 8
+    steps: int = 300
+    """GRPO steps of each task's policy (its champion). At most a task's train rows / 16 prompts a step (312 for
+    the built-in tasks' 5,000): each step reads fresh prompts."""
+    learning_rate: float = 2e-3
+    """The GRPO rate (for rank 8; `recipe_spec` scales it for a spec's other rank), decayed linearly to 0 over
+    `steps`: twice the recipe's `BUILTIN_RECIPE.learning_rate`, for a catalog whose specialists are clearly
+    better than the base on their own task (see docs/routing.md)."""
+    rank: int | None = None
+    """LoRA rank of every policy (None: each task's spec's `recipe.rank`, else the recipe's default)."""
+    old_steps: int = 30
     """Steps of the older revision (`<task>-v1`, `<task>@v1`)."""
     old_tasks: int = 3
     """How many tasks also serve their older revision as an arm."""
@@ -203,13 +210,15 @@ def _train(cfg: TableConfig, tasks: list[str], adapters: Path) -> tuple[Any, dic
 
     # a decoy named for task i, trained on task i+1: good at the wrong task, cold-started on the named one
     decoy = {f"{t}-expert": tasks[(i + 1) % len(tasks)] for i, t in enumerate(tasks[:1])}
-    specs = [recipe_spec(t, t).model_copy(update={"replay": 0.0}) for t in tasks]
-    specs += [recipe_spec(name, task).model_copy(update={"replay": 0.0}) for name, task in decoy.items()]
+    named = [(t, t) for t in tasks] + list(decoy.items())
+    specs = [
+        recipe_spec(name, task, cfg.rank, cfg.learning_rate).model_copy(update={"replay": 0.0})
+        for name, task in named
+    ]
     n = cfg.steps * BUILTIN_PROMPTS_PER_STEP
     prompts = {s.name: load_prompts(s.task, n, cfg.seed, cfg.data, f"route-{s.name}")[0] for s in specs}
-    trainer = load_trainer(
-        cfg.base, specs, BUILTIN_RECIPE, cfg.seed, dict.fromkeys(prompts), device=cfg.device
-    )
+    recipe = BUILTIN_RECIPE.model_copy(update={"learning_rate": cfg.learning_rate})
+    trainer = load_trainer(cfg.base, specs, recipe, cfg.seed, dict.fromkeys(prompts), device=cfg.device)
     weights: dict[str, Any] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as ckpt:

@@ -17,7 +17,10 @@ Per seed (`--seeds`, default 0,1,2: the split of prompts, the stream, the router
 
 Routers: mint's `Router` with each featurizer (`char` n-grams, `word` n-grams), context-free epsilon-greedy and
 Thompson sampling (`mint_core.routing.baselines`), the best single arm (by the train half; online: in hindsight
-over the stream), random, and the oracle (each request's best arm). Reports % of oracle reward, top-1 accuracy
+over the stream), random, and three references: `task known` (told each prompt's task, it serves the arm with the
+best mean reward on that task's train half), the task oracle (each task's best arm in hindsight, on the rows
+scored) and the oracle (each request's best arm). Reports % of the oracle's reward and of the task oracle's (the
+goals are judged against the oracle), top-1 accuracy
 (ties count), the share of the gap between the best single arm and the oracle recovered, cumulative regret,
 % of oracle over the last quarter of the stream (requests 1,500-2,000 of 2,000), requests of a task until 80% of
 its traffic follows a revision change, the decision overhead p50/p95 with the table's arms and with a catalog of
@@ -25,8 +28,9 @@ its traffic follows a revision change, the decision overhead p50/p95 with the ta
 `model: "auto"` through mint serve, and through vLLM behind mint's front when `.venv-vllm` is there
 (`_routing_e2e.py`).
 
-    python benchmarks/routing.py [--seeds 0,1,2] [--requests 2000] [--cache runs/routing] [--steps 60]
-        [--old-steps 8] [--heldout 200] [--catalog 100000] [--e2e] [--e2e-requests 200] [--device cpu]
+    python benchmarks/routing.py [--seeds 0,1,2] [--requests 2000] [--cache runs/routing] [--steps 300]
+        [--learning-rate 2e-3] [--rank R] [--old-steps 30] [--heldout 200] [--catalog 100000] [--e2e]
+        [--e2e-requests 200] [--device cpu]
 """
 
 from __future__ import annotations
@@ -75,6 +79,23 @@ GOALS = {
     "e2e_p95_overhead_pct": 5.0,
 }
 """Issue 44's "Done when", one number each."""
+
+REFERENCES = ("best single", "task known", "random", "oracle", "task oracle")
+"""Rows of the report that are references, not learning routers: `task known` is told each prompt's task (the
+best arm per task by the fit half), `task oracle` picks each task's best arm in hindsight on the rows scored,
+`oracle` each request's best arm."""
+
+COLUMNS = {
+    "pct_oracle": "% oracle",
+    "pct_task_oracle": "% task oracle",
+    "top1": "top-1 %",
+    "gap_recovered": "% gap recovered",
+    "pct_oracle_last": "% oracle, last 1/4",
+    "regret": "regret",
+    "regret_task_oracle": "regret vs task oracle",
+}
+"""The report's column headers: % of the per-request oracle's reward (what the goals are judged against) and %
+of the task oracle's."""
 
 FOLLOW_SHARE = 0.8
 FOLLOW_WINDOW = 20
@@ -133,11 +154,24 @@ def offline(table: RewardTable, X: dict[str, np.ndarray], sp: Split, seed: int) 
         choices[f"router:{kind} (greedy)"] = np.array(greedy)
     best = int(np.argmax(R[sp.train].mean(axis=0)))
     choices["best single"] = np.full(len(sp.eval), best)
+    choices["task known"] = task_known(table, sp.train, sp.eval)
     choices["random"] = rng.integers(len(arms), size=len(sp.eval))
     choices["oracle"] = R[sp.eval].argmax(axis=1)
     groups = [(table.tasks[i], table.wording[i]) for i in sp.eval]
     choices["task oracle"] = task_oracle(R[sp.eval], groups)
     return {"choices": choices, "best_single_arm": arms[best]}
+
+
+def task_known(table: RewardTable, fit: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per row of `rows`, the arm with the best mean reward on the `fit` rows of its task (the table's columns,
+    champions): a reference router that is told each prompt's task and tells no item of a task from another, the
+    most a router that recognises tasks perfectly can reach from the fit half."""
+    R = table.rewards[:, : len(table.arms)]
+    best = {}
+    for task in set(table.tasks):
+        mine = [i for i in fit if table.tasks[i] == task]
+        best[task] = int(np.argmax(R[mine].mean(axis=0))) if mine else 0
+    return np.array([best[table.tasks[i]] for i in rows], dtype=np.int64)
 
 
 def task_oracle(R: np.ndarray, groups: list[Any]) -> np.ndarray:
@@ -154,10 +188,12 @@ def task_oracle(R: np.ndarray, groups: list[Any]) -> np.ndarray:
 def scores(
     R: np.ndarray, choices: dict[str, np.ndarray], ref: str = "best single"
 ) -> dict[str, dict[str, float]]:
-    """% of oracle reward, top-1 accuracy (any arm tied with the best counts) and the share of the gap between
-    `ref` and the oracle recovered, per router, over the rows of `R` (rows x arms)."""
+    """% of oracle reward (the per-request oracle, and the task oracle: `choices["task oracle"]`), top-1 accuracy
+    (any arm tied with the best counts) and the share of the gap between `ref` and the oracle recovered, per
+    router, over the rows of `R` (rows x arms)."""
     picked = {k: R[np.arange(len(R)), c] for k, c in choices.items()}
     oracle = R.max(axis=1)
+    by_task = picked["task oracle"].sum()
     base = picked[ref].sum()
     out = {}
     for k, got in picked.items():
@@ -165,6 +201,7 @@ def scores(
         out[k] = {
             "reward": float(got.mean()),
             "pct_oracle": float(100 * got.sum() / oracle.sum()),
+            "pct_task_oracle": float(100 * got.sum() / by_task) if by_task > 0 else float("nan"),
             "top1": float(100 * (got >= oracle - 1e-9).mean()),
             "gap_recovered": float(100 * (got.sum() - base) / gap) if gap > 0 else float("nan"),
         }
@@ -243,6 +280,7 @@ def online(table: RewardTable, X: dict[str, np.ndarray], sp: Split, seed: int, n
             router.update(arms[j], x, float(R[t, j]))
         choices[name] = picked
     choices["best single"] = np.full(n, int(np.argmax(R.sum(axis=0))))
+    choices["task known"] = task_known(table, sp.train, stream)
     choices["random"] = rng.integers(len(arms), size=n)
     choices["oracle"] = R.argmax(axis=1)
     phase = np.searchsorted([ev.at_better, ev.at_worse], np.arange(n), side="right")
@@ -283,12 +321,13 @@ def online_scores(table: RewardTable, run: dict[str, Any]) -> dict[str, dict[str
         got = R[np.arange(n), c]
         row: dict[str, Any] = {
             "pct_oracle": float(100 * got.sum() / oracle.sum()),
+            "pct_task_oracle": float(100 * got.sum() / by_task.sum()),
             "pct_oracle_last": float(100 * got[last].sum() / oracle[last].sum()),
             "top1": float(100 * (got >= oracle - 1e-9).mean()),
             "regret": float((oracle - got).sum()),
             "regret_task_oracle": float((by_task - got).sum()),
         }
-        if k not in ("best single", "random", "oracle", "task oracle"):
+        if k not in REFERENCES:
             row["follow"] = follow(table, run, k)
         out[k] = row
     return out
@@ -362,7 +401,7 @@ def _mean_min(rows: list[dict[str, Any]], key: str) -> tuple[float, float]:
 
 def _print_table(title: str, per_seed: list[dict[str, dict[str, Any]]], keys: list[str]) -> None:
     print(f"\n{title} (mean over seeds; min in brackets)")
-    print(f"{'router':28s}" + "".join(f"{k:>22s}" for k in keys))
+    print(f"{'router':28s}" + "".join(f"{COLUMNS.get(k, k):>22s}" for k in keys))
     for name in per_seed[0]:
         cells = []
         for k in keys:
@@ -420,6 +459,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=defaults.data)
     ap.add_argument("--tasks", default="", help="registered tasks, comma-separated (default: every one)")
     ap.add_argument("--steps", type=int, default=defaults.steps, help="GRPO steps of each task's policy")
+    ap.add_argument("--learning-rate", type=float, default=defaults.learning_rate, help="GRPO rate (rank 8)")
+    ap.add_argument("--rank", type=int, help="LoRA rank of every policy (default: each task spec's)")
     ap.add_argument("--old-steps", type=int, default=defaults.old_steps, help="steps of the older revisions")
     ap.add_argument("--heldout", type=int, default=defaults.heldout, help="held-out prompts per task")
     ap.add_argument("--table-seed", type=int, default=defaults.seed, help="the training run's seed")
@@ -440,6 +481,8 @@ def main() -> None:
         data=args.data,
         tasks=tuple(t for t in args.tasks.split(",") if t),
         steps=args.steps,
+        learning_rate=args.learning_rate,
+        rank=args.rank,
         old_steps=args.old_steps,
         heldout=args.heldout,
         seed=args.table_seed,
@@ -465,8 +508,16 @@ def main() -> None:
         on.append(online_scores(table, run))
         print(f"seed {seed}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     oh = overhead(table, X, split(table, seeds[0]), args.catalog, seeds[0])
-    _print_table("offline, held-out + paraphrased prompts", off, ["pct_oracle", "top1", "gap_recovered"])
-    _print_table("online", on, ["pct_oracle", "pct_oracle_last", "top1", "regret", "regret_task_oracle"])
+    _print_table(
+        "offline, held-out + paraphrased prompts",
+        off,
+        ["pct_oracle", "pct_task_oracle", "top1", "gap_recovered"],
+    )
+    _print_table(
+        "online",
+        on,
+        ["pct_oracle", "pct_task_oracle", "pct_oracle_last", "top1", "regret", "regret_task_oracle"],
+    )
     ev = events(table, split(table, seeds[0]).train, args.requests)
     for name in on[0]:
         if "follow" in on[0][name]:

@@ -92,8 +92,17 @@ def _table(folder: Path) -> None:
 def _check(result: dict[str, Any], out: str, seeds: int) -> None:
     assert {g["goal"] for g in result["goals"]} == GOALS
     assert len(result["offline"]) == len(result["online"]) == seeds
-    for name in ("router:char", "router:word", "best single", "random", "oracle"):
-        assert name in result["offline"][0], name
+    for name in (
+        "router:char",
+        "router:word",
+        "best single",
+        "task known",
+        "random",
+        "oracle",
+        "task oracle",
+    ):
+        assert name in result["offline"][0] and name in result["online"][0], name
+        assert result["offline"][0][name]["pct_task_oracle"] >= 0, name
     for name in ("router:char", "epsilon-greedy", "Thompson (context-free)", "best single", "oracle"):
         row = result["online"][0][name]
         assert 0 <= row["pct_oracle_last"] <= 100 and row["regret"] >= 0, name
@@ -114,6 +123,11 @@ def test_the_replay_reports_every_figure_and_the_router_reads_the_prompt(
     for seed in result["offline"]:
         assert seed["router:char"]["pct_oracle"] > seed["best single"]["pct_oracle"] + 10
         assert seed["oracle"]["pct_oracle"] == 100
+        # each task's own arm is its best on every row: told the task, the reference serves it, as the task oracle
+        assert seed["task known"]["pct_task_oracle"] == pytest.approx(100)
+        assert seed["task known"]["pct_oracle"] == pytest.approx(100)
+        assert seed["router:char"]["pct_task_oracle"] == pytest.approx(seed["router:char"]["pct_oracle"])
+    assert "% task oracle" in out
     assert result["events"]["better"] == "t0" and result["events"]["worse"] == "t1"
 
 
