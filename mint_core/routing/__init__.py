@@ -8,7 +8,7 @@ The defaults (FEATURE_DIM, ALPHA, DECAY, FIT_DECAY, EPSILON, TOP_K, ...) are the
 """
 
 from mint_core.routing.baselines import ContextFreeThompson, EpsilonGreedy
-from mint_core.routing.features import FEATURE_DIM, NGRAMS, Featurizer, prompt_text
+from mint_core.routing.features import FEATURE_DIM, GRAM_WEIGHTS, NGRAMS, Featurizer, prompt_text
 from mint_core.routing.fit import FIT_DECAY, fit_router, warm_start_tasks
 from mint_core.routing.log import LOG_NAME, RouteLog, RouteRecord, sparse_features
 from mint_core.routing.ope import Estimate, dr, ips, snips
@@ -34,6 +34,7 @@ __all__ = [
     "EPSILON",
     "FEATURE_DIM",
     "FIT_DECAY",
+    "GRAM_WEIGHTS",
     "LOG_NAME",
     "NGRAMS",
     "REVISION_KEEP",
