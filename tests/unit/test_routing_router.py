@@ -3,6 +3,7 @@ stated probabilities are the ones it samples from (what off-policy evaluation re
 
 from __future__ import annotations
 
+import re
 import zlib
 from pathlib import Path
 
@@ -340,3 +341,9 @@ def test_a_snapshot_keeps_the_state_it_was_taken_at() -> None:
     router.add_arm("new")
     assert _digest(snap) == taken != _digest(router)
     assert "new" not in snap.arms()
+
+
+def test_the_routing_doc_quotes_the_featurizers_defaults() -> None:
+    """docs/routing.md states the featurizer's defaults for new routers: they are the code's."""
+    doc = re.sub(r"\s+", " ", (Path(__file__).resolve().parents[2] / "docs" / "routing.md").read_text())
+    assert f"`NGRAMS` = {NGRAMS}" in doc and f"`GRAM_WEIGHTS` = {GRAM_WEIGHTS}" in doc
