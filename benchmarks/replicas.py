@@ -21,8 +21,8 @@ adapters (random q,k,v,o weights, loaded through a fleet front onto both replica
 replica's slots. Each prompt is 16 random letters (16 tokens, the byte tokenizer), new for every request;
 --new-tokens (64) tokens, temperature 0, ignore_eos. A warm-up round on every
 target, then --rounds (3) rounds interleaved over the targets so drift hits all alike, each round starting one
-target later than the one before (with --rounds a multiple of 4, each target runs after each other target equally
-often); before each timed round an untimed settling pass (one request per client) puts the replicas' slots in that target's steady state.
+target later than the one before (with --rounds a multiple of 4, each target takes each place in a round equally
+often; the cyclic order, and so which target runs before which within a round, stays); before each timed round an untimed settling pass (one request per client) puts the replicas' slots in that target's steady state.
 
 Figures of the load (per target, over its timed rounds):
   tok_s, vs_bare         completion tokens / summed round wall time; against bare
@@ -440,8 +440,8 @@ def part_load(f: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     for n in range(args.rounds):
         if time.monotonic() > deadline:
             break
-        # each round starts one target later, so no target always follows the same one (a round inherits the
-        # replicas' slots and queues from the round before it)
+        # each round starts one target later, so no target is always first in its round (the first timed round
+        # after another target's round, or after the warm-up)
         k = n % len(f.targets)
         for target in f.targets[k:] + f.targets[:k]:
             rnd = settle_and_time(f, target, models, args, tallies[target.name])
