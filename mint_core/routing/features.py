@@ -62,6 +62,12 @@ def prompt_text(prompt: str | list[dict[str, str]]) -> str:
     raise TypeError(f"a prompt is a string or a list of chat messages, not {type(prompt).__name__}")
 
 
+def _normalized(text: str) -> str:
+    """What a featurizer reads of a prompt's text: its first MAX_CHARS characters, lower-cased, runs of white space
+    made one space, trimmed."""
+    return _SPACES.sub(" ", text[:MAX_CHARS].lower()).strip()
+
+
 class Featurizer:
     """prompt -> dense float32 vector of `dim` values, L2-normalized (all zeros for an empty prompt).
 
@@ -142,8 +148,8 @@ class Featurizer:
         )
 
     def _grams(self, text: str) -> list[bytes]:
-        """The hashed units: character n-grams of the padded text (bytes of its UTF-8), or words and word pairs."""
-        text = _SPACES.sub(" ", text[:MAX_CHARS].lower()).strip()
+        """The hashed units of a normalized text (`_normalized`): character n-grams of the padded text (bytes of
+        its UTF-8), or words and word pairs."""
         if self.kind == "word":
             words = [w.encode() for w in _WORDS.findall(text)]
             return words + [a + b" " + b for a, b in itertools.pairwise(words)]
@@ -155,11 +161,10 @@ class Featurizer:
         return [data[i : i + n] for n in range(start, hi + 1) for i in range(len(data) - n + 1)]
 
     def _short_grams(self, text: str) -> tuple[list[bytes], np.ndarray]:
-        """A prompt of COUNTED_CHARS or more: its character 1- and 2-grams, each distinct one once with its count
+        """A normalized text of COUNTED_CHARS or more: its character 1- and 2-grams, each distinct one once with its count
         (`_grams` leaves them out). There are few distinct ones, so counting them in numpy keeps a long prompt's
         cost near that of its 3-5 grams alone."""
         lo = self.ngrams[0]
-        text = _SPACES.sub(" ", text[:MAX_CHARS].lower()).strip()
         if self.kind == "word" or lo > 2 or len(text) < COUNTED_CHARS:
             return [], np.zeros(0)
         data = np.frombuffer(f" {text} ".encode(), dtype=np.uint8).astype(np.uint64)
@@ -174,7 +179,7 @@ class Featurizer:
 
     def transform(self, prompt: str | list[dict[str, str]]) -> np.ndarray:
         """The prompt's feature vector, shape (dim,), float32."""
-        text = prompt_text(prompt)
+        text = _normalized(prompt_text(prompt))
         short, count = self._short_grams(text)
         grams = short + self._grams(text)
         out = np.zeros(self.dim, dtype=np.float32)
