@@ -26,6 +26,9 @@ often; the cyclic order, and so which target runs before which within a round, s
 
 Figures of the load (per target, over its timed rounds):
   tok_s, vs_bare         completion tokens / summed round wall time; against bare
+  vs_bare_rounds, _ci95  each round's tok/s over bare's in the same round (rounds interleave, so a round's drift
+                         hits both), and a 95% interval of their geometric mean (Student's t over the logs; from 2
+                         rounds): how far one run pins the ratio
   p50_ms, p99_ms         request latency as the client sees it
   slot_loads_per_1k      adapters moved into one of a replica's --max-loras slots (vLLM's cold load on a GPU)
                          per 1,000 requests; disk_loads_per_1k: adapters read from disk into its CPU cache.
@@ -62,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -476,8 +480,12 @@ def part_load(f: Fleet, args: argparse.Namespace) -> dict[str, Any]:
             "busy": round(t.busy_s / (wall * cores), 3),
         }
     bare = out["bare"]["tok_s"]
-    for v in out.values():
+    bare_rounds = [r.tokens / r.wall_s for r in tallies["bare"].rounds]
+    for name, v in out.items():
         v["vs_bare"] = round(v["tok_s"] / bare, 3)
+        paired = [r.tokens / r.wall_s / b for r, b in zip(tallies[name].rounds, bare_rounds, strict=False)]
+        v["vs_bare_rounds"] = [round(x, 3) for x in paired]
+        v["vs_bare_ci95"] = ratio_interval(paired)
     errors = [e for t in tallies.values() for r in t.rounds for e in r.errors]
     for e in errors[:3]:
         print(f"  e.g. {e}", file=sys.stderr)
@@ -497,17 +505,32 @@ def part_load(f: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def ratio_interval(ratios: list[float]) -> list[float] | None:
+    """A 95% interval of the geometric mean of per-round ratios (each round's tok/s over bare's in the same round):
+    Student's t over their logs. None below 2 rounds."""
+    if len(ratios) < 2:
+        return None
+    from scipy.stats import t
+
+    logs = [math.log(x) for x in ratios]
+    mean = statistics.fmean(logs)
+    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / len(logs) ** 0.5
+    return [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
+
+
 def print_load(fig: dict[str, Any]) -> None:
     rows = fig["targets"]
     print(
-        f"\n{'target':20s} {'tok/s':>8s} {'vs bare':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'slot/1k':>8s} "
-        f"{'disk/1k':>8s}  share"
+        f"\n{'target':20s} {'tok/s':>8s} {'vs bare':>8s} {'95% CI':>13s} {'p50 ms':>8s} {'p99 ms':>8s} "
+        f"{'slot/1k':>8s} {'disk/1k':>8s}  share"
     )
     for name, r in rows.items():
         share = " ".join(f"{k.rsplit(':', 1)[-1]}:{v:.2f}" for k, v in r["share"].items())
+        ci = r["vs_bare_ci95"]
+        interval = f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-"
         print(
-            f"{name:20s} {r['tok_s']:8.1f} {r['vs_bare']:8.3f} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} "
-            f"{r['slot_loads_per_1k']:8.1f} {r['disk_loads_per_1k']:8.1f}  {share}"
+            f"{name:20s} {r['tok_s']:8.1f} {r['vs_bare']:8.3f} {interval:>13s} {r['p50_ms']:8.1f} "
+            f"{r['p99_ms']:8.1f} {r['slot_loads_per_1k']:8.1f} {r['disk_loads_per_1k']:8.1f}  {share}"
         )
     parts = ["client", "front", "vllm_api", "vllm_engine", "other"]
     print(
@@ -736,7 +759,9 @@ def main() -> None:
     summary: dict[str, Any] = {
         "figure": "summary",
         "front_over_bare": rows["front"]["vs_bare"],
+        "front_over_bare_ci95": rows["front"]["vs_bare_ci95"],
         "front_1x_over_bare": rows["front 1x"]["vs_bare"],
+        "front_1x_over_bare_ci95": rows["front 1x"]["vs_bare_ci95"],
         "front_2x_over_bare": rows["front 2x"]["vs_bare"],
         "two_over_front": round(rows["front 2x"]["tok_s"] / rows["front"]["tok_s"], 3),
         "slot_loads_per_1k_front": rows["front"]["slot_loads_per_1k"],
