@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -26,6 +27,12 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1)
             fn()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def stop_servers_on_kill() -> None:
+    """A SIGTERM (`kill`, `timeout`, `pkill`) exits through SystemExit, so the `finally` blocks and exit stacks that
+    stop the servers a benchmark started run; Python's default would end the process at once and leave them up."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def peak_rss_bytes() -> int:

@@ -43,7 +43,7 @@ from typing import Any
 from pydantic import SecretStr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_avg, report
+from _common import load_avg, report, stop_servers_on_kill
 
 from mint_app.services.commands import vllm_config
 from mint_app.services.config import ServicesConfig
@@ -186,6 +186,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="default: EvalConfig's")
     ap.add_argument("--concurrent", type=int, default=None, help="default: EvalConfig's")
     args = ap.parse_args()
+    stop_servers_on_kill()
     if not (args.base / "config.json").is_file():
         sys.exit(f"{args.base} is not built: run `make run` once, or `dvc repro builtin_base`")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)

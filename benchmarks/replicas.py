@@ -87,7 +87,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device, checked, checked_device, load_avg, pct, report
+from _common import add_device, checked, checked_device, load_avg, pct, report, stop_servers_on_kill
 
 from mint_core.engine.base import Base, load_base
 from mint_core.lora.adapter import random_adapter
@@ -725,6 +725,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds for the replicas to start")
     ap.add_argument("--time-limit", type=float, default=600.0, help="seconds for one part's timed loop")
     args = ap.parse_args()
+    stop_servers_on_kill()
     args.device = checked_device(ap, args.device)
     full = dict(streams=16, requests=16, new_tokens=64, rounds=3, promotions=10)
     quick = dict(streams=4, requests=2, new_tokens=16, rounds=1, promotions=2)

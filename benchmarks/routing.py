@@ -52,7 +52,7 @@ os.environ.setdefault(
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device, checked_device, load_avg, report
+from _common import add_device, checked_device, load_avg, report, stop_servers_on_kill
 from _reward_table import RewardTable, TableConfig, reward_table
 
 from mint_core.routing import (
@@ -473,6 +473,7 @@ def main() -> None:
     ap.add_argument("--e2e-requests", type=int, default=200, help="prompts sent each way per backend")
     add_device(ap)
     args = ap.parse_args()
+    stop_servers_on_kill()
     device = checked_device(ap, args.device)
     if args.requests < 8:
         ap.error(f"--requests {args.requests}: at least 8")

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -47,7 +46,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report
+from _common import report, stop_servers_on_kill
 
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -414,7 +413,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="mixed batches per case")
     ap.add_argument("--control-rounds", type=int, default=40, help="mixed batches of the healthy control")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped on a kill too
+    stop_servers_on_kill()
     deadline = time.monotonic() + args.budget_s
     cases = ["control_healthy", *[c for c in (args.only or CASES) if c != "control_healthy"]]
 
