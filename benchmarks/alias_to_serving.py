@@ -36,7 +36,7 @@ import httpx
 from mlflow import MlflowClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device, checked_device, report
+from _common import add_device, checked_device, report, stop_servers_on_kill
 
 from mint_app.services.commands import hooks_workspace
 from mint_app.services.config import ServicesConfig
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--state-dir", type=Path, default=None, help="use (or start) the services of this dir")
     add_device(ap)
     args = ap.parse_args()
+    stop_servers_on_kill()
     checked_device(ap, args.device)
     logging.basicConfig(level=logging.WARNING)
 

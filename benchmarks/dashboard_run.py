@@ -36,7 +36,7 @@ os.chdir(ROOT)  # flow runs start in the repository (the deployments' pull step)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from _common import add_device, checked_device, report  # noqa: E402
+from _common import add_device, checked_device, report, stop_servers_on_kill  # noqa: E402
 
 
 def free_port() -> int:
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     add_device(ap)
     args = ap.parse_args()
+    stop_servers_on_kill()
     checked_device(ap, args.device)
 
     from mint_app.services.config import ServicesConfig

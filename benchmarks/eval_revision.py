@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device, checked_device, report
+from _common import add_device, checked_device, report, stop_servers_on_kill
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads, here and in the server")
     add_device(ap)
     args = ap.parse_args()
+    stop_servers_on_kill()
     checked_device(ap, args.device)
     logging.basicConfig(level=logging.WARNING)
     for noisy in ("lm_eval", "lm-eval", "datasets", "httpx"):

@@ -68,7 +68,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import SHAPES, peak_rss_bytes, report, shape_config
+from _common import SHAPES, peak_rss_bytes, report, shape_config, stop_servers_on_kill
 
 from mint_core.engine.base import Base, discover_sites, fingerprint, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -295,6 +295,7 @@ def main() -> None:
         "--server-start-s", type=float, default=600, help="how long the servers may take to start"
     )
     args = ap.parse_args()
+    stop_servers_on_kill()
     if args.small:
         args.shape = "small"
     logging.basicConfig(level=logging.WARNING)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device, checked_device, peak_rss_bytes, report, synchronize
+from _common import add_device, checked_device, peak_rss_bytes, report, stop_servers_on_kill, synchronize
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sequential", "concurrent", "micro_batched")
@@ -134,6 +134,7 @@ def main() -> None:
     add_device(ap)
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    stop_servers_on_kill()
     checked_device(ap, args.device)
     if args.micro_batch_rows is None:
         args.micro_batch_rows = args.prompts * args.group

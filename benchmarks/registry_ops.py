@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import report
+from _common import report, stop_servers_on_kill
 
 from mint_app.services.config import ServicesConfig
 from mint_app.services.control import start, stop
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=100)
     ap.add_argument("--backend-url", default=None, help="MLflow store URL (default: SQLite in a temp dir)")
     args = ap.parse_args()
+    stop_servers_on_kill()
     logging.basicConfig(level=logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="mint-registry-ops-"))
     config = ServicesConfig(

@@ -77,7 +77,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import checked, load_avg, pct, report
+from _common import checked, load_avg, pct, report, stop_servers_on_kill
 from handoff import merge, unique_state
 from hot_swap import ask
 
@@ -588,6 +588,7 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=1.0, help="handoff: idle seconds before each round")
     ap.add_argument("--time-limit", type=float, default=600.0, help="seconds for one part's timed loop")
     args = ap.parse_args()
+    stop_servers_on_kill()
     full = dict(
         duration=60.0,
         swap_every=5.0,

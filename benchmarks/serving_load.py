@@ -42,7 +42,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_device, checked_device, pct, report
+from _common import add_device, checked_device, pct, report, stop_servers_on_kill
 
 from mint_core.engine.base import Base, build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
@@ -255,6 +255,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=150.0, help="seconds for the timed waves, at most")
     add_device(ap)  # the server's
     args = ap.parse_args()
+    stop_servers_on_kill()
     checked_device(ap, args.device)
 
     base, base_name = local_base(args.base)

@@ -42,7 +42,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import tinker  # noqa: E402
-from _common import report  # noqa: E402
+from _common import report, stop_servers_on_kill  # noqa: E402
 from tinker import types  # noqa: E402
 
 KEY = "tml-benchmark-key-0000"
@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the four phases; rates are medians")
     ap.add_argument("--torch-threads", type=int, default=None)
     args = ap.parse_args()
+    stop_servers_on_kill()
 
     if args.torch_threads:
         import torch

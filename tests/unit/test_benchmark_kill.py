@@ -4,6 +4,7 @@ benchmarks that start vLLM or `mint serve` call it first thing."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -15,16 +16,18 @@ from mint_testkit.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
-import sys, time
+import sys
 sys.path.insert(0, {bench!r})
 from _common import stop_servers_on_kill
 {install}
 open({ready!r}, "w").close()
 try:
-    time.sleep(60)
+    sys.stdin.read()  # blocks (the test never writes) until the signal comes
 finally:
     open({cleaned!r}, "w").close()
 """
+# what a benchmark that starts a server, a vLLM or mint's services calls
+STARTS = re.compile(r"start_server\(|start_vllm\(|start_front\(|subprocess\.Popen\(|services\.control import")
 
 
 @pytest.mark.parametrize("install", [True, False])
@@ -36,7 +39,7 @@ def test_a_sigterm_runs_the_cleanup_only_with_the_helper(tmp_path: Path, install
         ready=str(ready),
         cleaned=str(cleaned),
     )
-    proc = subprocess.Popen([sys.executable, "-c", code])
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
     try:
         wait_until(ready.exists, timeout=30, what="the child to start")
         proc.send_signal(signal.SIGTERM)
@@ -47,7 +50,18 @@ def test_a_sigterm_runs_the_cleanup_only_with_the_helper(tmp_path: Path, install
     assert rc == (143 if install else -signal.SIGTERM)
 
 
-@pytest.mark.parametrize("script", ["replicas.py", "eval_backends.py", "routing.py", "vllm_bad_adapters.py"])
-def test_the_benchmarks_that_start_servers_install_it(script: str) -> None:
-    main = (ROOT / "benchmarks" / script).read_text().split("\ndef main(", 1)[1]
-    assert "stop_servers_on_kill()" in main.split("args = ap.parse_args()", 1)[1].split("\n", 2)[1]
+def test_every_benchmark_that_starts_servers_installs_it_first_thing() -> None:
+    """Scripts whose own code, or the `_`-module they import, starts a server call the helper right after parsing
+    their arguments."""
+    scripts = sorted((ROOT / "benchmarks").glob("[a-z]*.py"))
+    helpers = {p.stem: p.read_text() for p in (ROOT / "benchmarks").glob("_*.py")}
+    starting = []
+    for path in scripts:
+        text = path.read_text()
+        used = [h for h in helpers if re.search(rf"^\s*from {h} import", text, re.M)]
+        if STARTS.search(text) or any(STARTS.search(helpers[h]) for h in used):
+            starting.append(path.name)
+            main = text.split("\ndef main(", 1)[1]
+            after = main.split("args = ap.parse_args()\n", 1)[1].lstrip().split("\n", 1)[0]
+            assert after == "stop_servers_on_kill()", (path.name, after)
+    assert {"replicas.py", "routing.py", "serving_load.py", "alias_to_serving.py"} <= set(starting), starting
