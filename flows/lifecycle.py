@@ -19,15 +19,17 @@ checkpoint, and a run killed mid-promotion finishes the promotion it had started
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger
@@ -162,16 +164,19 @@ def run_wave(
     reused = [p for p in names if candidates[p]]
     log.info("data %s; reused: %s; to train: %s", data_rev, reused, [p.name for p in to_train])
 
-    # training: every step is one batched rollout, its check, one batched update, for all policies at once
+    # training: every step is one batched rollout, its check, one batched update, for all policies at once;
+    # meanwhile the bare base is evaluated on the served API, which needs nothing training makes
     curve: list[dict[str, Any]] = []
     resumed = 0
     trained: dict[str, Trained] = {}
+    early: _Beside[BaseScores] | None = None
     if to_train:
-        made, curve, resumed, trained = train(w, to_train, prompts, champions, keys, data_rev)
+        with _beside(_evaluate_base_call(w, policies)) as early:
+            made, curve, resumed, trained = train(w, to_train, prompts, champions, keys, data_rev)
         candidates.update(made)
 
     # per policy: evaluate the candidate against the champion (or the base), gate, promote
-    base = _base_scores(w, [p for p in policies if candidates[p.name] is not None])
+    base = _base_scores(w, [p for p in policies if candidates[p.name] is not None], early)
     outcomes = []
     for i, p in enumerate(policies):
         outcome = _outcome(
@@ -224,18 +229,76 @@ def _key(w: _Wave, p: PolicyRun, data_rev: str) -> str:
     )
 
 
-def _base_scores(w: _Wave, gated: list[PolicyRun]) -> BaseScores | None:
+def _base_scores(
+    w: _Wave, gated: list[PolicyRun], early: _Beside[BaseScores] | None = None
+) -> BaseScores | None:
     """The bare base is revision 0: a policy without a champion is gated against it, on the same suites; every
-    report shows it (evaluated once per base and suites, then read from the cache). None: nothing to gate."""
+    report shows it (evaluated once per base and suites, then read from the cache). None: nothing to gate.
+
+    `early`: the same evaluation started beside training over every policy of the wave's suites, a superset of
+    the gated ones' (the gate reads the base's scores suite by suite); its error, if it failed, is raised here."""
     if not gated:
+        if early is not None:  # nothing reads its scores; it still ends before the wave does
+            early.wait()
         return None
-    suites = sorted({s for p in gated for s in evaluated_suites(p.gate_policy(), w.evaluation)})
-    return w.clock(
+    if early is not None:
+        return early.result()
+    return _evaluate_base_call(w, gated)()
+
+
+def _evaluate_base_call(w: _Wave, policies: list[PolicyRun]) -> Callable[[], BaseScores]:
+    """The bare base's evaluation over the suites that gate `policies`, as a call (timed on the wave's clock)."""
+    suites = sorted({s for p in policies for s in evaluated_suites(p.gate_policy(), w.evaluation)})
+    return lambda: w.clock(
         cached_in(evaluate_base, w.ws),
         ws=w.ws,
         config=w.evaluation.model_copy(update={"suites": suites}),
         bounds=w.checks.eval,
     )
+
+
+class _Beside(Generic[R]):
+    """A call running in a thread of its own beside the flow's (`_beside`), in a copy of the flow's context, so
+    a Prefect task called there is a task run of the same flow run."""
+
+    def __init__(self, fn: Callable[[], R]) -> None:
+        self._fn = fn
+        self._out: R | None = None
+        self._error: BaseException | None = None
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="mint-beside", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._out = self._fn()
+        except BaseException as e:  # handed to whoever asks for the result
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> R:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return cast(R, self._out)
+
+
+@contextmanager
+def _beside(fn: Callable[[], R]) -> Iterator[_Beside[R]]:
+    """Run `fn` beside the block: the bare base's evaluation beside training. It talks to the server, training
+    to the flow's own copy of the base, so they share no state, and the first wave's gate has the base's scores
+    when training ends (through vLLM on a 2-core CPU that is about 40 s of the first wave). When the block
+    raises, this waits for `fn` to end, so nothing of the flow runs on after it, and drops its outcome."""
+    running = _Beside(fn)
+    try:
+        yield running
+    except BaseException:
+        running.wait()
+        raise
 
 
 def _outcome(

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 
 from flows.forms import PolicyRun, Training, WaveFailed
 from flows.lifecycle import lifecycle, wave
@@ -306,10 +306,22 @@ def test_wave_trains_policies_together(stack: Stack) -> None:
             gate=GatePolicy(suite="reverse", **PLUMBING),
         ),
     ]
-    report = wave(runs, training("w1", steps=2), stack.evaluation(), workspace=stack.ws)
+    state = wave(runs, training("w1", steps=2), stack.evaluation(), workspace=stack.ws, return_state=True)
+    report = state.result()
     assert [o.status for o in report.outcomes] == ["promoted", "promoted"]
     steps = [t.step for t in report.timings]
     assert steps.count("rollout") == 2 and steps.count("grpo_update") == 2  # one batched step for both
+    # the bare base is evaluated beside training, not after it: its task run starts before the last update ends
+    with get_client(sync_client=True) as client:
+        runs_of = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    started = {r.name.rsplit("-", 1)[0]: r.start_time for r in runs_of if r.name.startswith("evaluate_base")}
+    updates_end = max(r.end_time for r in runs_of if r.name.startswith("grpo_update") and r.end_time)
+    assert started.get("evaluate_base") is not None and started["evaluate_base"] < updates_end, (
+        started,
+        updates_end,
+    )
     assert {c["policy"] for c in report.curve} == {"wv-add", "wv-rev"}
     for r in runs:
         assert stack.served(r.name) == f"sha256:{stack.registry().resolve(r.name).digest}"
