@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from mint_core.engine.kv_cache import RaggedCache
+from mint_core.engine.kv_cache import BufferPool, RaggedCache
 from mint_core.engine.logprobs import log_normalizer
 from mint_core.engine.sampling import choose_tokens
 from mint_core.engine.sequence import Sequence
@@ -56,6 +56,7 @@ class Resident(Protocol):
     working_set: WorkingSet
     pad_id: int
     eos_ids: frozenset[int]
+    kv_pool: BufferPool | None
 
     def exclusive(self) -> AbstractContextManager[bool]: ...
 
@@ -114,7 +115,7 @@ class Batcher:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         echo = any(s.params.echo for s in seqs)
         room = max(s.params.max_tokens for s in seqs) + 1
-        cache = RaggedCache(self.engine.base.config, capacity=width + room)
+        cache = RaggedCache(self.engine.base.config, capacity=width + room, pool=self.engine.kv_pool)
         self.composition = next(_compositions)
         logits = self._forward(
             [s.slot for s in reps],
@@ -163,6 +164,7 @@ class Batcher:
         else:
             length = max(self.mask.shape[1], width)
             self.cache.join(cache, max(room, self._room()))
+            cache.release()  # what the join copied out of it
             self.mask = torch.cat(
                 [
                     torch.nn.functional.pad(self.mask, (length - self.mask.shape[1], 0)),
@@ -208,6 +210,7 @@ class Batcher:
         for s in done:
             self._retire(s)
         if not keep:
+            self.cache.release()
             self.seqs, self.cache, self.mask, self.pos, self.logits = [], None, None, None, None
             return done
         if len(keep) < len(seqs):
@@ -285,5 +288,7 @@ class Batcher:
             self._retire(s)
             if s.on_event is not None:
                 s.on_event(s)
+        if self.cache is not None:
+            self.cache.release()
         self.seqs, self.cache, self.mask, self.pos, self.logits = [], None, None, None, None
         return done

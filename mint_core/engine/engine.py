@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mint_core.engine.base import Base
 from mint_core.engine.batcher import Batcher
 from mint_core.engine.chat import stop_token_ids
+from mint_core.engine.kv_cache import BufferPool
 from mint_core.engine.sequence import Completion, Request, RequestError, Sequence
 from mint_core.engine.working_set import WorkingSet
 from mint_core.errors import AdapterError
@@ -105,6 +106,9 @@ class Engine:
         )
         assert config.max_cpu_loras is not None
         self.working_set = WorkingSet(self.lora, config.max_cpu_loras, reload=self.read_adapter)
+        # spare KV-cache buffers on the CPU, reused by the next batch instead of fresh pages (`kv_cache`); on a
+        # GPU torch's caching allocator does this already
+        self.kv_pool: BufferPool | None = BufferPool() if base.device.type == "cpu" else None
         # One forward at a time: the LoRA context is shared state of the model.
         self._forward_lock = threading.Lock()
         self._generator = torch.Generator(device=base.device).manual_seed(0)

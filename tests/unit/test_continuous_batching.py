@@ -67,6 +67,8 @@ def test_late_joiners_match_solo_runs(family, make_engine, adapter_dir):
             widths.append(batcher.mask.shape[1])
     for i, (s, want) in enumerate(zip(seqs, solo, strict=True)):
         assert s.out_ids == want, f"{family} request {i}"
+    # the joins, selects and finished batches above ran on KV buffers handed back and out again
+    assert engine.kv_pool is not None and engine.kv_pool.hits > 0
     assert all(slot_refs == 0 for _, _, slot_refs in engine.working_set.slot_table())
     # the 23-token prompt left after 4 tokens: the batch's width must have shrunk at least once
     assert any(b < a for a, b in itertools.pairwise(widths))
