@@ -240,6 +240,10 @@ def _base_scores(
     if not gated:
         if early is not None:  # nothing reads its scores; it still ends before the wave does
             early.wait()
+            if early.error is not None:
+                get_run_logger().warning(
+                    "the bare base's evaluation failed (no policy is gated): %s", early.error
+                )
         return None
     if early is not None:
         return early.result()
@@ -264,7 +268,7 @@ class _Beside(Generic[R]):
     def __init__(self, fn: Callable[[], R]) -> None:
         self._fn = fn
         self._out: R | None = None
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None
         context = contextvars.copy_context()
         self._thread = threading.Thread(
             target=context.run, args=(self._run,), name="mint-beside", daemon=True
@@ -275,15 +279,15 @@ class _Beside(Generic[R]):
         try:
             self._out = self._fn()
         except BaseException as e:  # handed to whoever asks for the result
-            self._error = e
+            self.error = e
 
     def wait(self) -> None:
         self._thread.join()
 
     def result(self) -> R:
         self.wait()
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         return cast(R, self._out)
 
 
@@ -298,6 +302,12 @@ def _beside(fn: Callable[[], R]) -> Iterator[_Beside[R]]:
         yield running
     except BaseException:
         running.wait()
+        if running.error is not None:
+            get_run_logger().warning(
+                "the evaluation beside the failed step failed too: %s: %s",
+                type(running.error).__name__,
+                running.error,
+            )
         raise
 
 

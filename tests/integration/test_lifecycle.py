@@ -383,6 +383,19 @@ def test_failed_refresh_leaves_alias_and_old_revision(
     assert stack.answered_by(name) == old_digest
 
 
+def test_a_base_evaluation_failing_beside_training_fails_the_wave_and_promotes_nothing(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"lc-base-fail-{stack.root.name}"
+    # limit 3: no other test's cached base scores, so the evaluation runs (and fails) beside this training
+    evaluation = stack.evaluation().model_copy(update={"limit": 3})
+    monkeypatch.setenv(FAULT_ENV, "evaluate")
+    with pytest.raises(InjectedFault):
+        lifecycle(policy(name), training("bf1"), evaluation, workspace=stack.ws)
+    assert stack.aliases(name) == {"candidate": 1}  # trained and exported; gated against nothing, not served
+    assert stack.served(name) is None
+
+
 def test_failed_gate_leaves_the_champion(stack: Stack) -> None:
     name = "lc-gate-no"
     old_version, old_digest = seed_champion(stack, name, seed=31)
