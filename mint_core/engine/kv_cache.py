@@ -19,6 +19,7 @@ a GRPO rollout of 32 rows about 6% of its time; from the pool the pages are alre
 
 from __future__ import annotations
 
+import bisect
 import threading
 
 import torch
@@ -36,12 +37,15 @@ def _sole_owner(t: torch.Tensor) -> bool:
 class BufferPool:
     """Spare CPU buffers for KV caches, by size: `take` hands out an uninitialised tensor of a shape, from a
     spare buffer of at least its size (at most twice it) when there is one; `give` takes back a tensor that
-    nothing else refers to. At most `max_bytes` are kept; the largest spares go first. Thread-safe (serving's
-    batcher and a training rollout may share an engine)."""
+    nothing else refers to. At most `max_bytes` in at most `max_buffers` spares are kept: past the bytes the
+    largest go first, past the count the smallest. Thread-safe (serving's batcher and a training rollout may
+    share an engine)."""
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, max_buffers: int = 256):
         self.max_bytes = max_bytes
-        self._spare: list[torch.Tensor] = []  # flat, one per storage, smallest first
+        self.max_buffers = max_buffers
+        self._spare: list[torch.Tensor] = []  # flat, one per storage, by size
+        self._sizes: list[int] = []  # the spares' numel, in the same order (for bisect)
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -54,12 +58,13 @@ class BufferPool:
             numel *= n
         if like.device.type == "cpu":
             with self._lock:
-                for i, flat in enumerate(self._spare):
-                    if flat.dtype == like.dtype and numel <= flat.numel() <= 2 * numel:
-                        del self._spare[i]
-                        self._bytes -= flat.numel() * flat.element_size()
+                i = bisect.bisect_left(self._sizes, numel)
+                while i < len(self._sizes) and self._sizes[i] <= 2 * numel:
+                    if self._spare[i].dtype == like.dtype:
+                        flat = self._remove(i)
                         self.hits += 1
                         return flat[:numel].view(shape)
+                    i += 1
                 self.misses += 1
         return like.new_empty(shape)
 
@@ -68,17 +73,25 @@ class BufferPool:
         if t is None or t.device.type != "cpu" or not _sole_owner(t):
             return
         storage = t.untyped_storage()
-        flat = t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
         size = storage.nbytes()
-        if size > self.max_bytes or flat.numel() == 0:
+        if size > self.max_bytes or size < t.element_size():
             return
+        flat = t.new_empty(0).set_(storage, 0, (size // t.element_size(),), (1,))
         with self._lock:
-            self._spare.append(flat)
-            self._spare.sort(key=lambda f: f.numel())
+            i = bisect.bisect_right(self._sizes, flat.numel())
+            self._spare.insert(i, flat)
+            self._sizes.insert(i, flat.numel())
             self._bytes += size
             while self._bytes > self.max_bytes:
-                dropped = self._spare.pop()
-                self._bytes -= dropped.numel() * dropped.element_size()
+                self._remove(len(self._spare) - 1)
+            while len(self._spare) > self.max_buffers:
+                self._remove(0)
+
+    def _remove(self, i: int) -> torch.Tensor:
+        flat = self._spare.pop(i)
+        del self._sizes[i]
+        self._bytes -= flat.numel() * flat.element_size()
+        return flat
 
 
 class RaggedLayer(DynamicLayer):

@@ -63,3 +63,14 @@ def test_pooled_and_fresh_buffers_sample_the_same_tokens(make_engine) -> None:
     engine.kv_pool = None
     fresh = [c.token_ids for c in engine.generate(reqs)]
     assert all(run == fresh for run in pooled)
+
+
+def test_the_pool_keeps_at_most_its_count_the_smallest_leaving_first() -> None:
+    pool = BufferPool(max_buffers=3)
+    kept = [torch.empty(n) for n in (10, 20, 30, 40)]
+    ptrs = [t.data_ptr() for t in kept]
+    for t in kept:
+        pool.give(t)
+    del t, kept
+    assert pool.take((10,), torch.empty(0)).data_ptr() == ptrs[1]  # the 10 left; 20 is the smallest fit now
+    assert pool.take((40,), torch.empty(0)).data_ptr() == ptrs[3]
