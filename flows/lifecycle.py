@@ -296,7 +296,8 @@ def _beside(fn: Callable[[], R]) -> Iterator[_Beside[R]]:
     """Run `fn` beside the block: the bare base's evaluation beside training. It talks to the server, training
     to the flow's own copy of the base, so they share no state, and the first wave's gate has the base's scores
     when training ends (through vLLM on a 2-core CPU that is about 40 s of the first wave). When the block
-    raises, this waits for `fn` to end, so nothing of the flow runs on after it, and drops its outcome."""
+    raises, this waits for `fn` to end, so nothing of the flow runs on after it, logs its error if it had one,
+    and raises the block's."""
     running = _Beside(fn)
     try:
         yield running

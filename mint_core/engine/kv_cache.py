@@ -30,7 +30,9 @@ from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
 def _sole_owner(t: torch.Tensor) -> bool:
     """Whether `t` is the only tensor over its storage (no view of it is alive anywhere): the storage is then
-    free to hand out again once `t` is dropped. Counts `t`'s reference and the storage object asked here."""
+    free to hand out again once `t` is dropped. Counts `t`'s reference and the storage object asked here
+    (torch's private use count: should its meaning change, this answers False and the pool only keeps nothing,
+    which `tests/unit/test_kv_pool.py` would show)."""
     return bool(torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
 
 
