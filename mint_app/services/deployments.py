@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -84,14 +85,25 @@ def _fingerprint(config: ServicesConfig, api: str, deployments: str) -> str:
     return h.hexdigest()
 
 
+BACKGROUND_NICE = 10
+"""The niceness `prefect deploy` runs at: registration is background work (the main job runs it beside its
+waves), and on two cores its 20 s of CPU otherwise take turns with training and evaluation at equal weight."""
+
+
 def _prefect_cli(
-    *args: str, api: str, auth: str | None, timeout: float = 300
+    *args: str, api: str, auth: str | None, timeout: float = 300, background: bool = False
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     if auth:
         env[AUTH_ENV] = auth
+    nice = shutil.which("nice") if background else None
     return subprocess.run(
-        [console_script("prefect"), "--no-prompt", *args],
+        [
+            *([nice, "-n", str(BACKGROUND_NICE)] if nice else []),
+            console_script("prefect"),
+            "--no-prompt",
+            *args,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -161,7 +173,7 @@ def register_deployments(config: ServicesConfig) -> str:
     waits = (2.0, 5.0, 10.0, 20.0, 0.0)  # seconds before the next try; 0: the last
     for wait in waits:  # `deploy --all` is idempotent: repeat it past a busy server's 503
         deployed = _prefect_cli(
-            "deploy", "--all", "--prefect-file", str(derived.resolve()), api=api, auth=auth
+            "deploy", "--all", "--prefect-file", str(derived.resolve()), api=api, auth=auth, background=True
         )
         busy = "503 Service Unavailable" in deployed.stdout + deployed.stderr
         if deployed.returncode == 0 or not busy or not wait:
