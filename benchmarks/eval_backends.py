@@ -20,8 +20,11 @@ Figures (one JSON line each, then a summary):
 
 `--vllm-lora-targets default` leaves `--lora-target-modules` to vLLM (it then wraps lm_head too), the flag mint
 passed before; `--batch-size` / `--concurrent` set lm-eval's prompts per request and requests in flight.
+`--only mint,vllm,vllm-native` adds a third backend: vLLM with its own CPU LoRA ops (`MINT_VLLM_NATIVE_LORA=1`)
+instead of mint's plugin's (vllm_plugin/mint_vllm_lora_cpu.py), and `lora_ops_speedup` = its seconds over vLLM's
+with mint's ops, in the same run.
 
-    .venv/bin/python benchmarks/eval_backends.py [--rounds 3] [--limit 320] [--only mint,vllm]
+    .venv/bin/python benchmarks/eval_backends.py [--rounds 3] [--limit 320] [--only mint,vllm[,vllm-native]]
 """
 
 from __future__ import annotations
@@ -67,8 +70,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "bench-champion"
 
 
-def vllm_process(base_dir: Path, work: Path, port: int, targets: str) -> subprocess.Popen[str]:
-    """vLLM with the job's flags (its key the harness's, no resolver: the revision is loaded by path), healthy."""
+def vllm_process(
+    base_dir: Path, work: Path, port: int, targets: str, native_lora: bool = False
+) -> subprocess.Popen[str]:
+    """vLLM with the job's flags (its key the harness's, no resolver: the revision is loaded by path), healthy;
+    `native_lora`: with vLLM's own CPU LoRA ops instead of mint's plugin's."""
     python = Path(os.environ.get("MINT_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
     services = ServicesConfig(
         state_dir=work / "state", serving="vllm", serve_base=str(base_dir), vllm_port=port, vllm_python=python
@@ -79,8 +85,10 @@ def vllm_process(base_dir: Path, work: Path, port: int, targets: str) -> subproc
         update["lora_target_modules"] = []  # no flag: vLLM's own choice (lm_head wrapped too)
     cfg = vllm_config(services).model_copy(update=update)
     cmd, env = cfg.command()
-    print("vLLM:", " ".join(cmd[1:]), flush=True)
-    proc = launch(cmd, env, work / "vllm.log")
+    if native_lora:
+        env = {**env, "MINT_VLLM_NATIVE_LORA": "1"}
+    print("vLLM:", " ".join(cmd[1:]), "(vLLM's own LoRA ops)" if native_lora else "", flush=True)
+    proc = launch(cmd, env, work / f"vllm-{port}.log")
     deadline = time.monotonic() + 900
     while not vllm_healthy(f"http://127.0.0.1:{port}"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -116,7 +124,7 @@ def servers(base_dir: Path, only: list[str], targets: str) -> Iterator[dict[str,
                 else:
                     t0 = time.perf_counter()
                     vport = free_port()
-                    proc = vllm_process(base_dir, work, vport, targets)
+                    proc = vllm_process(base_dir, work, vport, targets, native_lora=backend == "vllm-native")
                     stack.callback(stop_server, proc, 60)
                     procs.append(proc)
                     print(f"vLLM up in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -181,7 +189,7 @@ def main() -> None:
     ap.add_argument("--base", type=Path, default=ROOT / "data" / "base")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limit", type=int, default=EVAL_LIMIT)
-    ap.add_argument("--only", default="mint,vllm", help="backends, comma-separated: mint, vllm")
+    ap.add_argument("--only", default="mint,vllm", help="backends, comma-separated: mint, vllm, vllm-native")
     ap.add_argument("--vllm-lora-targets", choices=["base", "default"], default="base")
     ap.add_argument("--batch-size", type=int, default=None, help="default: EvalConfig's")
     ap.add_argument("--concurrent", type=int, default=None, help="default: EvalConfig's")
@@ -199,6 +207,9 @@ def main() -> None:
     }
     configs = {"eval": EvalConfig(**common), "guard": EvalConfig(suites=["guard"], **common)}
     only = args.only.split(",")
+    unknown = sorted(set(only) - {"mint", "vllm", "vllm-native"})
+    if unknown:
+        ap.error(f"--only: no backend {', '.join(unknown)} (mint, vllm, vllm-native)")
     with servers(args.base.resolve(), only, args.vllm_lora_targets) as urls:
         medians, agree = measure(urls, args.base.resolve(), configs, args.rounds)
     settings = {
@@ -214,6 +225,9 @@ def main() -> None:
         line = {"figure": part, **{f"{b}_s": round(s, 2) for b, s in by.items()}}
         if "mint" in by and "vllm" in by:
             line["vllm_vs_mint"] = summary[f"{part}_vllm_vs_mint"] = round(by["vllm"] / by["mint"], 2)
+        if "vllm" in by and "vllm-native" in by:
+            speedup = round(by["vllm-native"] / by["vllm"], 2)
+            line["lora_ops_speedup"] = summary[f"{part}_lora_ops_speedup"] = speedup
         print(line, flush=True)
         summary.update({f"{part}_{b}_s": round(s, 2) for b, s in by.items()})
     report(summary)
