@@ -120,16 +120,26 @@ NATIVE_CHECK = textwrap.dedent(
             y1 = torch.randn(n, 192, generator=g); y2 = y1.clone()
             native["bgmv_expand_slice"](o1, b, y1, ind, 96, 96, add); ops.bgmv_expand_slice(o1, b, y2, ind, 96, 96, add)
             torch.testing.assert_close(y1[have], y2[have])
+    # one input row for five output rows (vLLM's expand broadcasts it): a shape the grouped ops leave to vLLM's
+    x = torch.randn(1, 8, generator=g); y1 = torch.randn(5, 96, generator=g); y2 = y1.clone()
+    native["bgmv_expand"](x, b, y1, torch.tensor([1]), True); ops.bgmv_expand(x, b, y2, torch.tensor([1]), True)
+    assert torch.equal(y1, y2), "the broadcast expand did not go to vLLM's own op"
     print("agree")
+    print(ops.__file__)
     """
 )
 
 
 def test_the_ops_agree_with_vllms_own_and_replace_them_in_vllm() -> None:
-    """In .venv-vllm: the installed plugin's entry point puts the ops into vLLM's CPU punica wrapper, and on every
-    row with a slot they give vLLM's native ops' numbers (native ops give a row without a slot the last slot's)."""
+    """In .venv-vllm: the installed plugin's entry point puts the ops into vLLM's CPU punica wrapper, on every row
+    with a slot they give vLLM's native ops' numbers (native ops give a row without a slot the last slot's), and a
+    shape they do not take (one input row broadcast to several) is vLLM's own op's result, bit for bit."""
     require(vllm_available(VLLM_PYTHON), f"vLLM's environment {VLLM_PYTHON} (make vllm-venv)")
     done = subprocess.run(
         [str(VLLM_PYTHON), "-c", NATIVE_CHECK], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0 and "agree" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+    installed = Path(done.stdout.split()[-1])
+    assert installed.read_text() == (PLUGIN / "mint_vllm_lora_cpu.py").read_text(), (
+        f"{installed} is not this tree's vllm_plugin/mint_vllm_lora_cpu.py: run `make vllm-venv`"
+    )
