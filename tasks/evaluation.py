@@ -86,6 +86,7 @@ def evaluate_base(ws: Workspace, config: EvalConfig, bounds: EvalBounds) -> Base
     scores. Cached per base and suites: every first revision of a wave, and of later waves, reads the same."""
     t0 = time.perf_counter()
     fault("evaluate")
+    ws.await_serving()  # a server still starting (the main job starts vLLM beside the first wave's training)
     token = ws.admin_token()  # the base is called with mint's own credential (serving keys need one)
     target = ServedModel(
         url=ws.serving_url, tokenizer=ws.base, admin_token=SecretStr(token) if token else None
@@ -115,6 +116,7 @@ def evaluate(
     """Score a revision on the served API under `<policy>-<role>`, then check the scores (Great Expectations)."""
     t0 = time.perf_counter()
     fault("evaluate")
+    ws.await_serving()
     token = ws.admin_token()
     target = ServedModel(
         url=ws.serving_url,

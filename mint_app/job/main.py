@@ -1,8 +1,9 @@
 """The main job (`mint run`, `make run`): the whole lifecycle on the embedded default, every step timed.
 
 1. build what is missing with DVC: the task data, the built-in base, the eval suites' data, the data checks;
-2. start MLflow, Prefect and `mint serve` on the built-in base (reusing those already running); a Prefect worker
-   with every deployment of infra/prefect.yaml registered starts beside step 3, and the job waits for it in 6;
+2. start MLflow and Prefect (reusing those already running); the serving backend (`mint serve` on the built-in
+   base, or vLLM behind it) starts beside step 3's training, which needs no server (its evaluations wait for
+   it), then a Prefect worker with every deployment of infra/prefect.yaml registered; the job waits for it in 6;
 3. the `wave` flow: every policy without a champion gets its first revision (the gate has nothing to compare
    with), then a second wave trains every policy from its champion and gates the candidate against it;
 4. a served completion from each policy's champion through the HTTP server, naming the revision that answered;
@@ -61,8 +62,15 @@ from mint_app.job.report import (
     what_happened,
     write_summary,
 )
-from mint_app.services.config import Service, ServiceError, ServiceName, ServicesConfig, services_for
-from mint_app.services.control import start
+from mint_app.services.config import (
+    VLLM_SIDE,
+    Service,
+    ServiceError,
+    ServiceName,
+    ServicesConfig,
+    services_for,
+)
+from mint_app.services.control import start, startup_timeout
 from mint_app.services.mlflow_auth import as_service
 from mint_app.services.prefect_auth import client_auth, prefect_api
 from mint_core.data.generators import Prompt
@@ -84,6 +92,9 @@ from tasks.registry import EXPERIMENT
 
 # ---- 2. services -------------------------------------------------------------------------------------------
 
+SERVING_SIDE: frozenset[ServiceName] = frozenset({*VLLM_SIDE, "serve"})
+"""What the job starts beside its first wave's training instead of before it: the serving backend."""
+
 
 def services_config(cfg: MainJobConfig) -> ServicesConfig:
     return ServicesConfig.load(
@@ -102,15 +113,22 @@ def services_config(cfg: MainJobConfig) -> ServicesConfig:
     )
 
 
-def workspace(cfg: MainJobConfig, services: Mapping[ServiceName, Service]) -> Workspace:
-    """The flows' workspace, agreeing with the services: the store `mint serve` reads, its admin token."""
+def workspace(
+    cfg: MainJobConfig,
+    services: Mapping[ServiceName, Service],
+    serving_url: str,
+    serving_start_s: float = 0.0,
+) -> Workspace:
+    """The flows' workspace, agreeing with the services: the store `mint serve` reads, its admin token; its
+    evaluations wait up to `serving_start_s` for a server still starting (`Workspace.serving_start_s`)."""
     state = cfg.state_dir.resolve()
     return Workspace(
         tracking_uri=services["mlflow"].api_url,
         store=str(state / "store"),
         catalog_url=f"sqlite:///{state / 'catalog.db'}",
         base=cfg.base.resolve(),
-        serving_url=services["serve"].api_url,
+        serving_url=serving_url,
+        serving_start_s=serving_start_s,
         admin_token_file=state / "run" / "serve.token",
         work_dir=state / "lifecycle",
         device=cfg.device,
@@ -451,7 +469,7 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
         cfg, console, Timer(console), cfg.round or dt.datetime.now(dt.UTC).strftime("run-%Y%m%dT%H%M%SZ")
     )
     _build_step(job)
-    worker, ws = _start_step(job)
+    serving, worker, ws = _start_step(job)
     # live traffic for the canaries: users asking task prompts of every policy while it has a canary split
     traffic = Traffic(
         ws.serving_url,
@@ -463,21 +481,33 @@ def _run(cfg: MainJobConfig, console: Console) -> None:
     # Prefect server with its auth string
     with as_service(services):
         with _prefect_api(job.started["prefect"].api_url, services), traffic:
-            _waves_and_serving(job, ws, traffic)
+            _waves_and_serving(job, ws, traffic, serving)
         with job.timer.step("7. the Prefect worker (started beside the waves)") as note:
-            job.started["worker"] = worker.result()
+            job.started["worker"] = worker.result()[0]
             _say_started(job.started["worker"], console)
             note.append(job.started["worker"].detail or "running")
         _report(job, ws)
 
 
-def _waves_and_serving(job: _Job, ws: Workspace, traffic: Traffic) -> None:
-    """Steps 3 to 6: the waves, served completions, a rollback and a canary, with live traffic running."""
+def _waves_and_serving(job: _Job, ws: Workspace, traffic: Traffic, serving: BackgroundStart) -> None:
+    """Steps 3 to 6: the waves, served completions, a rollback and a canary, with live traffic running. The
+    serving backend may still be starting when the first wave begins: its training needs no server, and its
+    evaluations wait for it (`Workspace.serving_start_s`); a serving backend that did not start ends the job
+    with its own error once that wave is over, whatever became of the wave."""
     cfg, console = job.cfg, job.console
     fresh = [t for t in cfg.policies if ws.registry().alias_version(t, "champion") is None]
-    if fresh:
-        _first_wave_step(job, ws, fresh)
-    main = _main_wave_step(job, ws)
+    main: WaveReport | None = None
+    try:
+        if fresh:
+            _first_wave_step(job, ws, fresh)
+        else:
+            main = _main_wave_step(job, ws)
+    except BaseException:
+        serving.raise_failure()  # the cause, when the wave failed because serving never came up
+        raise
+    job.started.update({s.name: s for s in serving.result()})
+    if main is None:
+        main = _main_wave_step(job, ws)
     _completions_step(job, ws)
     _rollback_step(job, ws, main)
     if cfg.canary_demo:
@@ -510,9 +540,12 @@ def _build_step(job: _Job) -> None:
             raise MainJobError(str(e)) from None
 
 
-def _start_step(job: _Job) -> tuple[WorkerStart, Workspace]:
-    """Start (or reuse) MLflow, Prefect and the serving backend; the worker registers the deployments and
-    starts beside the waves (the job's own flows run in this process), and the job waits for it at the end."""
+def _start_step(job: _Job) -> tuple[BackgroundStart, BackgroundStart, Workspace]:
+    """Start (or reuse) MLflow, Prefect and the webhook receiver, and wait for them; the serving backend (vLLM
+    and mint serve in front of it, or mint serve) starts beside the first wave's training, which needs no
+    server (a vLLM takes a minute or more to come up on a small CPU), then the worker registers the deployments
+    and starts (the job's own flows run in this process). The job waits for serving after the first wave and
+    for the worker at the end."""
     cfg, console = job.cfg, job.console
     serving = "vLLM behind mint serve" if cfg.serving == "vllm" else "mint serve"
     with job.timer.step(f"2. start the servers (MLflow, Prefect, {serving})") as note:
@@ -520,19 +553,28 @@ def _start_step(job: _Job) -> tuple[WorkerStart, Workspace]:
             torch.set_num_threads(cfg.torch_threads)
             os.environ.setdefault("MINT_SERVE_TORCH_THREADS", str(cfg.torch_threads))
         svc_cfg = services_config(cfg)
+        names = [n for n in services_for(svc_cfg) if n != "worker"]
+        later: list[ServiceName] = [n for n in names if n in SERVING_SIDE]
         try:
-            names: list[ServiceName] = [n for n in services_for(svc_cfg) if n != "worker"]
-            started = start(svc_cfg, names, progress=lambda m: console.print(f"  {m}"))
+            started = start(
+                svc_cfg, [n for n in names if n not in later], progress=lambda m: console.print(f"  {m}")
+            )
         except ServiceError as e:
             raise MainJobError(f"a service did not start:\n{e}") from None
         job.started.update({s.name: s for s in started})
         for s in started:
             _say_started(s, console)
-        worker = WorkerStart(svc_cfg)
-        console.print("  worker: registering the deployments and starting, beside the waves")
+        serving_start = BackgroundStart(svc_cfg, later, console=console)
+        worker = BackgroundStart(svc_cfg, ["worker"], after=serving_start)
+        console.print(
+            f"  {' and '.join(later)}: starting beside the first wave's training (its evaluations wait for "
+            "them); then the worker: registering the deployments and starting"
+        )
         reused = [s.name for s in started if s.reused]
         note.append(f"reused {', '.join(reused)}" if reused else "all started")
-        return worker, workspace(cfg, job.started)
+        wait_s = sum(startup_timeout(svc_cfg, n) for n in later)
+        ws = workspace(cfg, job.started, svc_cfg.url("serve"), serving_start_s=wait_s)
+        return serving_start, worker, ws
 
 
 def _wave_lines(job: _Job, report: WaveReport) -> None:
@@ -681,31 +723,55 @@ def _say_started(s: Service, console: Console) -> None:
     console.print(f"  {s.name}: {how} at {s.api_url} (pid {s.pid}, log {s.log})")
 
 
-class WorkerStart:
-    """`start(config, ["worker"])` in a thread of its own (the deployments' registration is two Prefect CLI
-    runs, ~20 s of a fresh clone's job); `result()` waits for it and raises what it raised as a MainJobError."""
+class BackgroundStart:
+    """`start(config, names)` in a thread of its own, after `after` has ended (the worker's registration of the
+    deployments, two Prefect CLI runs, waits for the serving backend, so the two do not take turns at the cores
+    with the first wave's training at once); with `console`, each service's start is said there as it answers.
+    `result()` waits for it and raises what it raised as a MainJobError."""
 
-    def __init__(self, config: ServicesConfig) -> None:
+    def __init__(
+        self,
+        config: ServicesConfig,
+        names: list[ServiceName],
+        after: BackgroundStart | None = None,
+        console: Console | None = None,
+    ) -> None:
+        self.names = names
         self._out: list[Service] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, args=(config,), name="mint-worker-start", daemon=True
+            target=self._run, args=(config, after, console), name=f"mint-start-{'-'.join(names)}", daemon=True
         )
         self._thread.start()
 
-    def _run(self, config: ServicesConfig) -> None:
+    def _run(self, config: ServicesConfig, after: BackgroundStart | None, console: Console | None) -> None:
+        if after is not None:
+            after._thread.join()
         try:
-            self._out = start(config, ["worker"])
+            self._out = start(config, self.names) if self.names else []
         except BaseException as e:  # handed to the job's thread by result()
             self._error = e
+            if console is not None:
+                console.print(
+                    f"  {', '.join(self.names)}: did not start (the job ends with this after its wave)"
+                )
+            return
+        if console is not None:
+            for s in self._out:
+                _say_started(s, console)
 
-    def result(self) -> Service:
+    def raise_failure(self) -> None:
+        """Raise what `result()` would, if the start has ended and failed; else return."""
+        if not self._thread.is_alive() and self._error is not None:
+            self.result()
+
+    def result(self) -> list[Service]:
         self._thread.join()
         if isinstance(self._error, ServiceError):
             raise MainJobError(f"a service did not start:\n{self._error}") from None
         if self._error is not None:
             raise self._error
-        return self._out[0]
+        return self._out
 
 
 def where(

@@ -4,6 +4,7 @@ endpoint, the base and this host's own state."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,11 @@ from mint_core.types import Device
 
 WORK_DIR_ENV = "MINT_WORK_DIR"
 """The `work_dir` of the flow runs a worker starts (its own working directory, per host)."""
+
+
+class ServingUnavailable(RuntimeError):
+    """The serving endpoint did not answer its health check within `serving_start_s` (`Workspace.await_serving`).
+    Not a transient error: the wait was the retry."""
 
 
 class Workspace(BaseModel):
@@ -42,6 +48,11 @@ class Workspace(BaseModel):
     """Root of the serving endpoint (`mint serve` or vLLM)."""
     admin_token_file: Path | None = Path(".mint/run/serve.token")
     """File holding the admin token of the serving endpoint (what `mint up` writes); MINT_SERVE_ADMIN_TOKEN wins."""
+    serving_start_s: float = Field(0.0, ge=0)
+    """How long a task that scores on the served API (an evaluation) waits for it to answer its health check
+    before its first call, for a server still starting: the main job starts vLLM while its first wave trains, and
+    the bare base's evaluation beside training waits for it. 0: no wait, a server that is down fails the task at
+    once."""
     serving_path: Literal["digest", "path"] = "digest"
     """How a revision is named to the server: "digest" (`sha256:<hex>`, resolved in the server's own store, as
     `mint serve` does) or "path" (the store's local directory of the revision, for a vLLM sharing the disk)."""
@@ -113,6 +124,23 @@ class Workspace(BaseModel):
             admin_token=self.admin_token(),
             timeout=timeout,
         )
+
+    def await_serving(self, poll_s: float = 1.0) -> None:
+        """Return once the serving endpoint answers its health check, asking every `poll_s` for at most
+        `serving_start_s`; raise ServingUnavailable naming the endpoint when it has not by then. With
+        `serving_start_s` 0, return at once: the task's own first call finds a server that is down."""
+        if not self.serving_start_s:
+            return
+        deadline = time.monotonic() + self.serving_start_s
+        with ServingClient(self.serving_url, timeout=10.0) as client:
+            while not client.health():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServingUnavailable(
+                        f"the serving endpoint {self.serving_url} did not answer {self.serving_url}/health "
+                        f"within {self.serving_start_s:.0f} s (is it running? `mint status`)"
+                    )
+                time.sleep(min(poll_s, left))
 
     def lora_path(self, digest: str) -> str:
         """How the serving endpoint is told where revision `digest` is."""
