@@ -62,6 +62,7 @@ from mint_app.job.report import (
     what_happened,
     write_summary,
 )
+from mint_app.services.commands import serve_token
 from mint_app.services.config import (
     VLLM_SIDE,
     Service,
@@ -564,6 +565,10 @@ def _start_step(job: _Job) -> tuple[BackgroundStart, BackgroundStart, Workspace]
         job.started.update({s.name: s for s in started})
         for s in started:
             _say_started(s, console)
+        if "serve" in later:
+            serve_token(
+                svc_cfg
+            )  # made now, as serve would make it: the job's traffic and flows read it from the start
         serving_start = BackgroundStart(svc_cfg, later, console=console)
         worker = BackgroundStart(svc_cfg, ["worker"], after=serving_start)
         console.print(

@@ -65,7 +65,7 @@ def console_script(tool: str) -> str:
     return str(path)
 
 
-def _serve_token(config: ServicesConfig) -> str:
+def serve_token(config: ServicesConfig) -> str:
     """The admin token of `mint serve` under this state dir: generated once, kept readable by its owner only."""
     path = config.state_dir / "serve.token"
     if not path.exists():
@@ -416,7 +416,7 @@ def _serve_command(
     if "max_lora_rank" not in serving.model_fields_set:
         env["MINT_SERVE_MAX_LORA_RANK"] = str(config.serve_max_lora_rank)
     if serving.admin_token is None:
-        env["MINT_SERVE_ADMIN_TOKEN"] = _serve_token(config)
+        env["MINT_SERVE_ADMIN_TOKEN"] = serve_token(config)
     if serving.access_file is None and serving.api_key is None:
         # serving keys, on by default (loopback too: any local user reaches the port); made on first start
         access = access_path(config.state_dir).resolve()
