@@ -71,7 +71,7 @@ from mint_app.services.config import (
     ServicesConfig,
     services_for,
 )
-from mint_app.services.control import start, startup_timeout
+from mint_app.services.control import check_serving, start, startup_timeout
 from mint_app.services.mlflow_auth import as_service
 from mint_app.services.prefect_auth import client_auth, prefect_api
 from mint_core.data.generators import Prompt
@@ -557,6 +557,9 @@ def _start_step(job: _Job) -> tuple[BackgroundStart, BackgroundStart, Workspace]
         names = [n for n in services_for(svc_cfg) if n != "worker"]
         later: list[ServiceName] = [n for n in names if n in SERVING_SIDE]
         try:
+            check_serving(
+                svc_cfg, later
+            )  # what cannot start is refused now, not after the first wave trained
             started = start(
                 svc_cfg, [n for n in names if n not in later], progress=lambda m: console.print(f"  {m}")
             )

@@ -212,7 +212,7 @@ def startup_timeout(config: ServicesConfig, name: ServiceName) -> float:
     return config.vllm_start_timeout_s if name in VLLM_SIDE else config.startup_timeout
 
 
-def _check_serving(config: ServicesConfig, names: list[ServiceName]) -> None:
+def check_serving(config: ServicesConfig, names: list[ServiceName]) -> None:
     """With serving vllm: refuse what cannot work before anything starts (vLLM's environment, a base vLLM
     cannot run, a front with no vLLM behind it); vllm with serving mint is refused too (nothing would front it)."""
     vllm_side = [n for n in names if n in VLLM_SIDE]
@@ -307,7 +307,7 @@ def start(
         first = {s.name: s for s in start(config, [n for n in names if n != "worker"], progress)}
         first["worker"] = start(config, ["worker"], progress)[0]
         return [first[n] for n in names]
-    _check_serving(config, names)
+    check_serving(config, names)
     if "vllm" in names and "serve" in names:  # the front answers its health check once vLLM does
         first = {s.name: s for s in start(config, [n for n in names if n != "serve"], progress)}
         first["serve"] = start(config, ["serve"], progress)[0]
