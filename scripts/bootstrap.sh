@@ -62,8 +62,7 @@ env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" scripts/warm_bytecode.py \
   mint_app.services.mlflow_auth mint_core.serving.app mint_core.tinker.mount \
   flows.lifecycle flows.reconcile flows.canary flows.promotion flows.retrain flows.route flows.spread \
   flows.prefetch mlflow.server mlflow.server.fastapi_app mlflow.server.handlers prefect.server.api.server \
-  prefect.engine prefect.workers.process prefect.cli dvc.cli dvc.cli.parser dvc.repo dvc.repo.reproduce \
-  dvc.repo.status dvc.repo.pull lm_eval lm_eval.evaluator peft \
+  prefect.engine prefect.workers.process prefect.cli dvc.cli dvc.repo lm_eval lm_eval.evaluator peft \
   great_expectations uvicorn transformers.models.llama.modeling_llama pytest
 if [ -n "$cuda" ]; then
   echo "bootstrap: note: the torch in $VENV is a CUDA $cuda build (no CPU build of torch 2.13.0 was found)" >&2

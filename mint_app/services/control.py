@@ -138,9 +138,12 @@ def _check_exposure(config: ServicesConfig, names: list[ServiceName]) -> None:
     )
 
 
-def launch_env(name: ServiceName, extra_env: dict[str, str]) -> dict[str, str]:
-    """The environment service `name` starts with: this process's, with the service's own variables."""
+def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes]:
+    cmd, extra_env = command(name, config)
+    _, _, log = state_files(config, name)
     env = {**os.environ, **extra_env}
+    reason = without_auth(name, cmd, env, config)  # the command line it starts with, before the supervisor's
+    auth = {"on": reason is None, "without": reason, "exposed": not loopback(config.bind_host(name))}
     if name == "prefect":
         env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
     # the services cache the bytecode of what they import in mint's own environments (.venv, .venv-vllm), as
@@ -151,15 +154,6 @@ def launch_env(name: ServiceName, extra_env: dict[str, str]) -> dict[str, str]:
     if name in VLLM_SIDE:  # its own environment: nothing of mint's may reach its imports
         for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
             env.pop(key, None)
-    return env
-
-
-def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes]:
-    cmd, extra_env = command(name, config)
-    _, _, log = state_files(config, name)
-    env = launch_env(name, extra_env)
-    reason = without_auth(name, cmd, env, config)  # the command line it starts with, before the supervisor's
-    auth = {"on": reason is None, "without": reason, "exposed": not loopback(config.bind_host(name))}
     if config.supervise:  # it copies the service's output into the rotating log and restarts it after a crash
         cmd = [
             *(sys.executable, "-m", "mint_app.services.supervise", "--log", str(log)),
