@@ -28,8 +28,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 # pip_install, and uv_pip_sources: uv's arguments for the package sources pip is configured with (shared with
 # scripts/bootstrap_vllm.sh)
 source scripts/pip_sources.sh
-# no --compile-bytecode: scripts/warm_bytecode.py compiles what mint's processes import (below)
-uv_args=(--python "$VENV/bin/python")
+uv_args=(--python "$VENV/bin/python" --compile-bytecode)
 uv_pip_sources
 
 uv_install() {
@@ -55,15 +54,6 @@ else
   pip_all
 fi
 cuda=$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')")  # fails loudly if torch is broken
-# the bytecode of what mint's processes start from (the CLI and the job, the flows, MLflow's and Prefect's servers
-# and worker, DVC, lm-eval, the training and serving stack); pip's fallback compiled every file already
-env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" scripts/warm_bytecode.py \
-  mint_app.cli.app mint_app.job.main mint_app.services.webhooks mint_app.services.supervise \
-  mint_app.services.mlflow_auth mint_core.serving.app mint_core.tinker.mount \
-  flows.lifecycle flows.reconcile flows.canary flows.promotion flows.retrain flows.route flows.spread \
-  flows.prefetch mlflow.server mlflow.server.fastapi_app mlflow.server.handlers prefect.server.api.server \
-  prefect.engine prefect.workers.process prefect.cli dvc.cli dvc.repo lm_eval lm_eval.evaluator peft \
-  great_expectations uvicorn transformers.models.llama.modeling_llama pytest
 if [ -n "$cuda" ]; then
   echo "bootstrap: note: the torch in $VENV is a CUDA $cuda build (no CPU build of torch 2.13.0 was found)" >&2
 fi

@@ -33,11 +33,10 @@ rm -f "$stamp"
 t0=$SECONDS
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 source scripts/pip_sources.sh
-# not byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines and CI), Python
-# never caches bytecode, and each of vLLM's three processes would compile what it imports at every start (18 s of
-# CPU for the worker's imports instead of 9); scripts/warm_bytecode.py compiles what they import (below), which is
-# about a fifth of the files compiling all of them took (pip's fallback compiles every file)
-uv_args=(--python "$VENV/bin/python")
+# byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines and CI), Python
+# never caches bytecode, and each of vLLM's three processes would compile what it imports at every start: 18 s
+# of CPU for the worker's imports instead of 9 (pip compiles by default)
+uv_args=(--python "$VENV/bin/python" --compile-bytecode)
 uv_pip_sources
 
 # The plugin is built from a copy: a build in vllm_plugin/ itself would leave build/ and egg-info there.
@@ -82,10 +81,6 @@ plugins = {e.name for e in entry_points(group="vllm.general_plugins")}
 assert {"mint_catalog", "mint_lora_cpu"} <= plugins, f"plugins not registered: {plugins}"
 print(f"bootstrap_vllm: vllm {vllm.__version__}, mint's plugins (resolver, seal, CPU LoRA ops) import", flush=True)
 EOF
-env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" scripts/warm_bytecode.py \
-  vllm.entrypoints.openai.api_server vllm.v1.engine.core vllm.v1.worker.cpu_worker vllm.v1.worker.gpu_worker \
-  vllm.model_executor.models.llama vllm.lora.punica_wrapper.punica_cpu vllm.lora.worker_manager \
-  mint_vllm_lora_cpu mint_vllm_resolver mint_vllm_seal
 if [ "$device" = cuda ] && [ -z "$("$VENV/bin/python" -c "import torch; print(torch.version.cuda or '')")" ]; then
   echo "bootstrap_vllm: the torch in $VENV is not a CUDA build: vLLM would not find the GPU" >&2
   exit 1

@@ -146,11 +146,6 @@ def _launch(name: ServiceName, config: ServicesConfig) -> subprocess.Popen[bytes
     auth = {"on": reason is None, "without": reason, "exposed": not loopback(config.bind_host(name))}
     if name == "prefect":
         env.pop("PREFECT_API_URL", None)  # the server must not think of itself as a client of another one
-    # the services cache the bytecode of what they import in mint's own environments (.venv, .venv-vllm), as
-    # Python does by default: where PYTHONDONTWRITEBYTECODE is set, each start of each service (vLLM's three
-    # processes, the worker's flow runs) would compile again what it imports (scripts/bootstrap.sh compiles only
-    # what mint imports first, not every file of every package)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if name in VLLM_SIDE:  # its own environment: nothing of mint's may reach its imports
         for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
             env.pop(key, None)
