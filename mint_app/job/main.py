@@ -568,10 +568,9 @@ def _start_step(job: _Job) -> tuple[BackgroundStart, BackgroundStart, Workspace]
         job.started.update({s.name: s for s in started})
         for s in started:
             _say_started(s, console)
+        # serve's admin token, made now as serve would make it: the job's traffic reads it from the start
         if "serve" in later:
-            serve_token(
-                svc_cfg
-            )  # made now, as serve would make it: the job's traffic and flows read it from the start
+            serve_token(svc_cfg)
         serving_start = BackgroundStart(svc_cfg, later, console=console)
         worker = BackgroundStart(svc_cfg, ["worker"], after=serving_start)
         console.print(
