@@ -4,8 +4,9 @@ A person may move an alias anywhere MLflow lets them (the UI, `MlflowClient`): t
 promotion by hand. `reconcile` re-indexes the policy in the catalog from MLflow (the truth) and brings the
 served revision in line with MLflow's alias, policy by policy, under the same per-policy catalog lock as
 promotions (so it never interleaves with one). MLflow's alias webhook reaches mint's receiver
-(`mint_app.services.webhooks`), which runs the same `mint_core.lifecycle.reconcile` for the one policy within seconds; this
-flow, deployed on an interval of 30 s (infra/prefect.yaml), is the safety net for an event that was missed.
+(`mint_app.services.webhooks`), which runs the same `mint_core.lifecycle.reconcile` for the one policy within seconds,
+and sweeps every policy every 30 s for an event that was missed; this flow, deployed on an interval of 10 minutes
+(infra/prefect.yaml), is the net for when the receiver is not running.
 
 The router of `model: "auto"` (MLflow's `mint-router`, not a policy) is followed the same way: when its `champion`
 names another router revision than the server routes with, the server is given it (`PUT /v1/mint/router`).

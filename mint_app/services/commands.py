@@ -349,6 +349,8 @@ def _hooks_command(
     env["MINT_HOOKS_HOST"], env["MINT_HOOKS_PORT"] = host, port
     env["MINT_HOOKS_SECRET_FILE"] = str(_hooks_secret_file(config).resolve())
     env["MINT_HOOKS_WORKSPACE"] = json.dumps(hooks_workspace(config))
+    if config.hooks_sweep_s is not None:
+        env["MINT_HOOKS_SWEEP_S"] = str(config.hooks_sweep_s)
     return [sys.executable, "-m", "mint_app.services.webhooks"], env
 
 

@@ -174,6 +174,9 @@ class ServicesConfig(Settings):
     Default: the serving config's device (cpu)."""
     hooks_port: int = Field(8001, ge=1, le=65535)
     """Port of the receiver of MLflow's alias webhook (`mint_app.services.webhooks`): serving follows `champion` moves."""
+    hooks_sweep_s: float | None = Field(None, ge=0)
+    """Seconds between the receiver's own reconcile passes over every policy and the router, its net for a missed
+    alias event (`HooksConfig.sweep_s`); None: the receiver's default; 0: no sweep."""
     catalog_url: str | None = None
     """SQLAlchemy URL of the catalog the flows use (the receiver takes their promotion locks there). Default:
     sqlite:///<state_dir>/../catalog.db, the default Workspace's .mint/catalog.db."""

@@ -16,7 +16,13 @@ not help), and the server keeps its router.
 Answers: 401 for a missing, wrong or stale signature (nothing changes); 200 with what was done, or with
 `ignored` for an event it has nothing to do for (another alias, an unknown policy or version, a test delivery);
 503 when MLflow, the server or the lock is not available right now, 500 when the reconcile failed otherwise:
-MLflow retries both (3 times, backing off), and the periodic `reconcile` deployment is the safety net.
+MLflow retries both (3 times, backing off).
+
+A missed event (the receiver was down, MLflow gave up retrying, an alias moved while the webhook was off) is caught
+by the receiver's own sweep: every `sweep_s` seconds it reconciles every policy and the router in this process, the
+same pass under the same locks, and logs only what it changed or could not do. A pass where nothing moved is a few
+reads of MLflow, the catalog and the server; the `reconcile` deployment (infra/prefect.yaml) does the same pass as
+a Prefect flow run, a new process each time, on a longer interval, as the net for when the receiver is not running.
 
 Run: `python -m mint_app.services.webhooks` (what `mint up` supervises), configured by MINT_HOOKS_<FIELD> variables.
 """
@@ -27,7 +33,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +88,12 @@ class HooksConfig(Settings):
     """A delivery whose X-MLflow-Timestamp is further than this from now is refused (a replay)."""
     lock_timeout_s: float = Field(20.0, gt=0)
     """Longest wait for the policy's promotion lock (a promotion in flight); then 503 and MLflow retries."""
+    sweep_s: float = Field(30.0, ge=0)
+    """Seconds between the receiver's own reconcile passes over every policy and the router (the net for a missed
+    event); 0 turns the sweep off."""
+    sweep_lock_timeout_s: float = Field(1.0, gt=0)
+    """Longest a sweep waits for a policy's promotion lock; a policy whose lock is held (a promotion in flight,
+    which refreshes serving itself) is left to the next pass."""
     served_names: dict[str, str] = Field(default_factory=dict)
     """Policy -> the adapter name it is served under, where that is not the policy's own name."""
     workspace: Workspace = Field(default_factory=Workspace)
@@ -97,8 +110,8 @@ class HooksConfig(Settings):
 
 
 def create_app(config: HooksConfig) -> FastAPI:
-    """The receiver's ASGI app: `POST /mlflow/webhook`, `GET /health`."""
-    app = FastAPI(title="mint webhook receiver", docs_url=None, redoc_url=None)
+    """The receiver's ASGI app: `POST /mlflow/webhook`, `GET /health`; while it is served, its sweep every
+    `config.sweep_s` seconds (`Sweeper`)."""
     secret = config.secret()
     # one reconcile per policy at a time in this process (the catalog lease serialises across processes); a burst
     # of moves coalesces: each pass reads MLflow's current alias, so later ones find nothing left to do
@@ -108,6 +121,18 @@ def create_app(config: HooksConfig) -> FastAPI:
     def guard(policy: str) -> threading.Lock:
         with guards_lock:
             return guards.setdefault(policy, threading.Lock())
+
+    sweeper = Sweeper(config, guard)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sweeper.start()
+        try:
+            yield
+        finally:
+            sweeper.stop()
+
+    app = FastAPI(title="mint webhook receiver", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -147,6 +172,85 @@ def create_app(config: HooksConfig) -> FastAPI:
         )
 
     return app
+
+
+class Sweeper:
+    """The receiver's net for a missed event: every `sweep_s` seconds, one reconcile pass over every policy the
+    registry holds and the router, each under its guard in this process and its promotion lock (waiting at most
+    `sweep_lock_timeout_s`: a policy being promoted is left to the next pass). Logs what it changed and what
+    failed, nothing for a policy already in line; a failure never stops the sweep."""
+
+    def __init__(self, config: HooksConfig, guard: Callable[[str], threading.Lock]):
+        self.config = config
+        self.guard = guard
+        self.passes = 0
+        self._failing: dict[str, str] = {}  # policy -> the failure last logged for it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.config.sweep_s <= 0 or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="mint-hooks-sweep", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.sweep_s):
+            try:
+                self.sweep()
+            except Exception as e:  # the registry unreachable, say: the next pass tries again
+                logger.warning("sweep: %s: %s", type(e).__name__, e)
+
+    def sweep(self) -> dict[str, str]:
+        """One pass: policy (or the router) -> "reloaded", "in line", "busy" (its lock held), "ignored: ..." (a
+        registered model that is no mint policy) or "failed: ..."."""
+        ws = self.config.workspace
+        out: dict[str, str] = {}
+        for policy in [*ws.registry().policies(), ROUTER_MODEL]:
+            out[policy] = self._one(ws, policy)
+        self.passes += 1
+        return out
+
+    def _one(self, ws: Workspace, policy: str) -> str:
+        router = policy == ROUTER_MODEL
+        try:
+            with self.guard(policy), policy_lock(ws, policy, "hooks-sweep", self.config.sweep_lock_timeout_s):
+                if router:
+                    r: Reconciliation | RouterReconciliation = reconcile_router(ws, policy)
+                else:
+                    r = reconcile(ws, policy, self.config.served_names.get(policy, policy))
+        except LockTimeout:
+            return "busy"
+        except RegistryError as e:
+            if isinstance(e, RegistryUnavailable):
+                return self._failed(policy, e)
+            # a registered model that is no mint policy (its champion has no mint.digest): nothing to serve
+            if self._failing.get(policy) != (said := f"ignored: {e}"):
+                logger.info("sweep: %s %s", policy, said)
+                self._failing[policy] = said
+            return said
+        except Exception as e:
+            return self._failed(policy, e)
+        if self._failing.pop(policy, None) is not None:
+            logger.info("sweep: %s reconciles again", policy)
+        if not r.reloaded:
+            return "in line"
+        logger.info("sweep: %s: serving %s -> %s", policy, r.served_before, r.served_after)
+        return "reloaded"
+
+    def _failed(self, policy: str, e: Exception) -> str:
+        failure = f"failed: {type(e).__name__}: {e}"
+        if self._failing.get(policy) != failure:  # once per failure, not every pass it lasts
+            logger.error("sweep: reconcile of %s %s", policy, failure)
+            self._failing[policy] = failure
+        return failure
 
 
 def _handle(

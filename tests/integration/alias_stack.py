@@ -70,6 +70,8 @@ def services_config(state: Path) -> ServicesConfig:
             "mlflow_port": free_port(),
             "serve_port": free_port(),
             "hooks_port": free_port(),
+            # no sweep: the tests move aliases with MLflow's webhook off and check that only a delivery acts
+            "hooks_sweep_s": 0,
             "serve_base": "tiny-dense",
             "serve_adapter_root": state / "store",
             "stop_timeout": 10,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from mlflow import MlflowClient
 
 from mint_app.services.control import start, status
-from mint_app.services.webhooks import WEBHOOK_PATH
+from mint_app.services.webhooks import WEBHOOK_PATH, HooksConfig, Sweeper, create_app
 from mint_core.lifecycle.leases import policy_lock
 from mint_core.lifecycle.routers import router_registry, served_router
 from mint_core.registry.routers import ROUTER_MODEL
@@ -288,3 +290,45 @@ def handled(stack: Stack, version: int, since: int) -> tuple[float, float] | Non
     # local time, as logging writes it
     finished = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return finished - int(ms) / 1000, finished
+
+
+@pytest.mark.usefixtures("webhook_off")
+class TestTheSweep:
+    """The receiver's own net for a missed event: every `sweep_s` it reconciles every policy and the router."""
+
+    def test_serves_an_alias_moved_while_no_event_came(self, stack: Stack) -> None:
+        client = MlflowClient(stack.mlflow)
+        before = stack.served()
+        current = next(v for v, d in stack.digests.items() if d == before)
+        target = next(v for v in stack.digests if v != current)
+        client.set_registered_model_alias(stack.policy, "champion", str(target))  # no delivery: webhook off
+        config = HooksConfig(
+            secret_file=stack.config.state_dir / "hooks.secret", workspace=stack.ws, sweep_s=0.5
+        )
+        with TestClient(create_app(config)) as app:  # the app's lifespan runs the sweep while it is served
+            assert app.get("/health").status_code == 200
+            stack.wait_served(target, bound=15)
+        assert stack.served() == stack.digests[target]
+
+    def test_reports_each_policy_and_leaves_a_locked_one_to_the_next_pass(self, stack: Stack) -> None:
+        config = HooksConfig(secret_file=stack.config.state_dir / "hooks.secret", workspace=stack.ws)
+        locks: dict[str, threading.Lock] = {}
+        sweeper = Sweeper(config, lambda p: locks.setdefault(p, threading.Lock()))
+        first = sweeper.sweep()  # whatever earlier tests left, in line after one pass
+        assert stack.policy in first and ROUTER_MODEL in first
+        # the registered model that is no mint policy (`test_events_with_nothing_to_do_are_ignored_with_2xx`)
+        others = {n: r for n, r in first.items() if n.startswith("not-mint-")}
+        assert all(r.startswith("ignored") for r in others.values()), others
+        again = sweeper.sweep()
+        assert again[stack.policy] == "in line" and again[ROUTER_MODEL] == "in line", again
+        before = stack.served()
+        current = next(v for v, d in stack.digests.items() if d == before)
+        target = next(v for v in stack.digests if v != current)
+        client = MlflowClient(stack.mlflow)
+        with policy_lock(stack.ws, stack.policy, "a-promotion"):  # a promotion in flight
+            client.set_registered_model_alias(stack.policy, "champion", str(target))
+            assert sweeper.sweep()[stack.policy] == "busy"
+            assert stack.served() == before
+        assert sweeper.sweep()[stack.policy] == "reloaded"
+        assert stack.served() == stack.digests[target]
+        assert sweeper.passes == 4
