@@ -246,11 +246,21 @@ class Sweeper:
         return "reloaded"
 
     def _failed(self, policy: str, e: Exception) -> str:
+        """Logged once per failure, not every pass it lasts: as a warning when it is a service not answering
+        right now (the server still starting, MLflow restarting: the next pass tries again), else an error."""
         failure = f"failed: {type(e).__name__}: {e}"
-        if self._failing.get(policy) != failure:  # once per failure, not every pass it lasts
-            logger.error("sweep: reconcile of %s %s", policy, failure)
+        if self._failing.get(policy) != failure:
+            level = logging.WARNING if _unavailable(e) else logging.ERROR
+            logger.log(level, "sweep: reconcile of %s %s", policy, failure)
             self._failing[policy] = failure
         return failure
+
+
+def _unavailable(e: BaseException) -> bool:
+    """A service that does not answer right now, rather than a reconcile that cannot succeed."""
+    if isinstance(e, ServingError):
+        return e.status in (0, 429, 502, 503, 504)
+    return isinstance(e, RegistryUnavailable | LockTimeout | OSError)
 
 
 def _handle(

@@ -9,6 +9,7 @@ receiver has nothing to do for is logged and answered 2xx.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -29,7 +30,7 @@ from mint_core.lifecycle.routers import router_registry, served_router
 from mint_core.registry.routers import ROUTER_MODEL
 from mint_core.registry.webhooks import WEBHOOK_NAME, ensure_alias_webhook, sign
 from mint_core.routing import Router, fit_router
-from mint_testkit.harness import mint_cli
+from mint_testkit.harness import free_port, mint_cli
 from mint_testkit.waiting import wait_until
 from tests.integration.alias_stack import BOUND_S, SERVICES, Stack, alias_stack
 
@@ -332,3 +333,22 @@ class TestTheSweep:
         assert sweeper.sweep()[stack.policy] == "reloaded"
         assert stack.served() == stack.digests[target]
         assert sweeper.passes == 4
+
+    def test_a_server_not_answering_is_a_warning_once_then_the_sweep_recovers(
+        self, stack: Stack, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The receiver starts before the server it drives (vLLM can take a minute): a pass that finds nothing
+        listening warns once, not at every pass, and the first pass that reaches the server says so."""
+        down = stack.ws.model_copy(update={"serving_url": f"http://127.0.0.1:{free_port()}"})
+        config = HooksConfig(secret_file=stack.config.state_dir / "hooks.secret", workspace=down)
+        sweeper = Sweeper(config, lambda p: threading.Lock())
+        with caplog.at_level(logging.INFO, logger="mint.hooks"):
+            first = sweeper.sweep()[stack.policy]
+            assert first.startswith("failed: ServingError") and " 0 " in first, first
+            sweeper.sweep()
+            said = [r for r in caplog.records if stack.policy in r.getMessage()]
+            assert [r.levelno for r in said] == [logging.WARNING], [r.getMessage() for r in said]
+            sweeper.config = HooksConfig(secret_file=config.secret_file, workspace=stack.ws)
+            assert sweeper.sweep()[stack.policy] in ("in line", "reloaded")
+        assert any(f"{stack.policy} reconciles again" in r.getMessage() for r in caplog.records)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
