@@ -335,6 +335,8 @@ def _failed(status: int, policy: str, delivery: str | None, e: BaseException) ->
 def main() -> None:
     """`python -m mint_app.services.webhooks`: serve the receiver with MINT_HOOKS_* settings until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the sweep's reads of MLflow and the server every 30 s are not news; what it does is logged as mint.hooks
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config = HooksConfig.load(None)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
 
