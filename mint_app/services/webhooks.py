@@ -203,10 +203,19 @@ class Sweeper:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.config.sweep_s):
-            try:
-                self.sweep()
-            except Exception as e:  # the registry unreachable, say: the next pass tries again
-                logger.warning("sweep: %s: %s", type(e).__name__, e)
+            self.tick()
+
+    def tick(self) -> dict[str, str] | None:
+        """One pass as the loop runs it: `sweep`'s report, or None when the pass could not list the policies
+        (MLflow unreachable, say), logged once while that lasts; the next pass tries again."""
+        try:
+            out = self.sweep()
+        except Exception as e:
+            self._failed("", e)
+            return None
+        if self._failing.pop("", None) is not None:
+            logger.info("sweep: the policies are listed again")
+        return out
 
     def sweep(self) -> dict[str, str]:
         """One pass: policy (or the router) -> "reloaded", "in line", "busy" (its lock held), "ignored: ..." (a
@@ -251,7 +260,7 @@ class Sweeper:
         failure = f"failed: {type(e).__name__}: {e}"
         if self._failing.get(policy) != failure:
             level = logging.WARNING if _unavailable(e) else logging.ERROR
-            logger.log(level, "sweep: reconcile of %s %s", policy, failure)
+            logger.log(level, "sweep: reconcile of %s %s", policy or "the policies (listing them)", failure)
             self._failing[policy] = failure
         return failure
 

@@ -62,3 +62,29 @@ def test_the_docs_give_the_sweep_and_the_reconcile_interval_as_the_code_and_pref
     (reconcile,) = [d for d in deployments if d["name"] == "reconcile"]
     (interval,) = [s["interval"] for s in reconcile["schedules"]]
     assert f"| `reconcile` | `flows/reconcile.py:reconcile` | every {interval // 60} minutes:" in readme
+
+
+def test_a_registry_that_does_not_answer_is_one_warning_while_it_lasts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sweep's pass cannot list the policies (MLflow down): each pass says so in its result, the log once."""
+    import logging
+    import threading
+
+    from mint_app.services.webhooks import Sweeper
+    from mint_core.lifecycle.workspace import Workspace
+    from mint_testkit.harness import free_port
+
+    (tmp_path / "secret").write_text("s")
+    ws = Workspace(
+        tracking_uri=f"http://127.0.0.1:{free_port()}",
+        catalog_url=f"sqlite:///{tmp_path / 'catalog.db'}",
+        serving_url=f"http://127.0.0.1:{free_port()}",
+    )
+    sweeper = Sweeper(HooksConfig(secret_file=tmp_path / "secret", workspace=ws), lambda p: threading.Lock())
+    with caplog.at_level(logging.INFO, logger="mint.hooks"):
+        assert [sweeper.tick() for _ in range(3)] == [None, None, None]
+    said = [r for r in caplog.records if r.name == "mint.hooks"]
+    assert [r.levelno for r in said] == [logging.WARNING], [r.getMessage() for r in said]
+    assert "RegistryUnavailable" in said[0].getMessage() and "listing them" in said[0].getMessage()
+    assert sweeper.passes == 0
