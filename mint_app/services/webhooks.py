@@ -266,7 +266,8 @@ class Sweeper:
 
 
 def _unavailable(e: BaseException) -> bool:
-    """A service that does not answer right now, rather than a reconcile that cannot succeed."""
+    """A service that does not answer right now, rather than a reconcile that cannot succeed: a delivery gets 503
+    for it (MLflow retries), the sweep a warning."""
     if isinstance(e, ServingError):
         return e.status in (0, 429, 502, 503, 504)
     return isinstance(e, RegistryUnavailable | LockTimeout | OSError)
@@ -310,7 +311,7 @@ def _handle(
     except (LockTimeout, OSError) as e:
         return _failed(503, policy, delivery, e)
     except ServingError as e:
-        return _failed(503 if e.status in (0, 429, 502, 503, 504) else 500, policy, delivery, e)
+        return _failed(503 if _unavailable(e) else 500, policy, delivery, e)
     except Exception as e:  # a smoke check that failed, a bad adapter: MLflow retries, the flow is the net
         return _failed(500, policy, delivery, e)
     ms = (time.perf_counter() - t0) * 1000
