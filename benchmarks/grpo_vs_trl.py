@@ -8,7 +8,8 @@ new tokens, temperature 1, no top-k/top-p. Reward: mint_core.data.rewards `char_
 
 One step is the same work on both sides:
   - sample 32 completions of <= 8 tokens with the LoRA policy (mint: its engine, one batch of 32 with the
-    adapter in a slot; TRL: transformers' `generate` on the PeftModel, no vLLM), score them, group advantages;
+    adapter in a slot, its decode steps compiled by default, `--decode`; TRL: transformers' `generate` on the
+    PeftModel, no vLLM), score them, group advantages;
   - one forward/backward of the policy over the 32 prompt + completion rows (no reference model: KL weight
     0, mint's default and TRL's `beta=0.0`; no extra "old logprobs" forward on either side, the update being
     on-policy; no KL metric either: TRL at `beta=0.0` measures none, so mint runs with `track_kl=False`,
@@ -28,11 +29,16 @@ each are skipped; medians over `--steps`. Threads: `--threads` (default 1). Each
 clock, and the process's CPU time, which on a shared machine does not count time spent waiting for a core
 (with one thread it is the step's compute; `cpu_speedup` is the ratio of those).
 
+mint's decode: `--decode compiled` (the default) runs the engine's compiled decode step
+(`EngineConfig.compile_decode`, what a recipe's `compile_decode` turns on), which compiles during mint's first
+warmup step: `mint_first_step_s` is that step, compile included, the price a run pays once. `--decode eager`
+runs transformers' forward, mint's default engine.
+
 Keys: `speedup` = TRL s/step / mint s/step, wall clock (target >= 2), `mint_step_s`, `trl_step_s`,
 `cpu_speedup` and `*_step_cpu_s` the same in CPU time, and the mean
 completion length of each over all steps (tokens per row, EOS included) to show both generated as much.
 
-    python benchmarks/grpo_vs_trl.py [--steps 8] [--warmup 2] [--threads 1] [--device cpu]
+    python benchmarks/grpo_vs_trl.py [--steps 8] [--warmup 2] [--threads 1] [--device cpu] [--decode compiled]
 """
 
 from __future__ import annotations
@@ -88,6 +94,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=MintGRPOConfig().learning_rate)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--decode", choices=["compiled", "eager"], default="compiled", help="mint's decode step (see above)"
+    )
     add_device(ap)
     args = ap.parse_args()
     device = checked_device(ap, args.device)
@@ -113,7 +122,13 @@ def main() -> None:
     # ---- mint: one policy of the multi-policy trainer over its engine
     engine = Engine(
         from_model(build_model(0, tok).to(device), tok, "bench-llama"),
-        EngineConfig(max_loras=1, max_lora_rank=8, target_modules=TARGETS, max_model_len=256),
+        EngineConfig(
+            max_loras=1,
+            max_lora_rank=8,
+            target_modules=TARGETS,
+            max_model_len=256,
+            compile_decode=args.decode == "compiled",
+        ),
     )
     mint_cfg = MintGRPOConfig(
         group_size=args.group,
@@ -243,6 +258,7 @@ def main() -> None:
     print(f"  mint {mint_s:7.3f} s/step ({mint_cpu_s:.3f} CPU s)   {[round(t, 3) for t in mint_times]}")
     print(f"  trl  {trl_s:7.3f} s/step ({trl_cpu:.3f} CPU s)   {[round(t, 3) for t in trl_full]}")
     print(f"  mean completion tokens per row: mint {mint_len:.2f}, trl {trl_len:.2f}")
+    print(f"  mint decode {args.decode}; its first step (compile included) {mint_times[0]:.1f} s")
     report(
         {
             "speedup": round(trl_s / mint_s, 3),
@@ -254,6 +270,8 @@ def main() -> None:
             "trl_loop_overhead_s": round(statistics.median(clock.gap_s[args.warmup :] or [0.0]), 4),
             "mint_mean_completion_tokens": round(mint_len, 3),
             "trl_mean_completion_tokens": round(trl_len, 3),
+            "mint_decode": args.decode,
+            "mint_first_step_s": round(mint_times[0], 2),
             "threads": torch.get_num_threads(),
             "steps": args.steps,
             "trl_version": trl.__version__,

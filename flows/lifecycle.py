@@ -436,6 +436,7 @@ def _recipe(
         grpo=training.grpo,
         seed=round_seed(training.seed, training.round_name()),
         continuation=training.continuation,
+        compile_decode=training.compile_decode,
     )
 
 

@@ -225,6 +225,13 @@ class Batcher:
                 self.mask = self.mask[:, lead:]
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.seqs), 1))], dim=1)
         self.pos = self.pos + 1
+        fast = getattr(self.engine, "compiled_decode", None)
+        if fast is not None and len(self.seqs) > 1:
+            eng = self.engine
+            with eng.exclusive():
+                eng.lora.ctx.set_rows([s.slot for s in self.seqs], self.dev, key=self.composition)
+                self.logits = fast(tokens, self.pos, self.mask.bool()[:, None, None, :], self.cache)
+            return done
         self.logits = self._forward(
             [s.slot for s in self.seqs],
             input_ids=tokens[:, None],

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mint_core.engine.base import Base
 from mint_core.engine.batcher import Batcher
 from mint_core.engine.chat import stop_token_ids
+from mint_core.engine.compiled_decode import CompiledDecode
 from mint_core.engine.kv_cache import BufferPool
 from mint_core.engine.sequence import Completion, Request, RequestError, Sequence
 from mint_core.engine.working_set import WorkingSet
@@ -45,6 +46,9 @@ class EngineConfig(BaseModel):
     """If set, adapters may only be loaded from inside these directories."""
     max_model_len: int = Field(2048, ge=8)
     """Longest prompt + completion, in tokens."""
+    compile_decode: bool = False
+    """Run decode steps through a compiled, written-out forward (`mint_core.engine.compiled_decode`; Llama,
+    Mistral and Qwen2 bases): faster a step once compiled, at the price of compiling on the first step."""
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -121,6 +125,9 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (eos or 0))
         positions = getattr(base.config, "max_position_embeddings", None) or config.max_model_len
+        self.compiled_decode: CompiledDecode | None = (
+            CompiledDecode(base.model, self.lora.ctx) if config.compile_decode else None
+        )
         self.max_model_len = min(config.max_model_len, int(positions))
 
     # ---- adapters -----------------------------------------------------------------------------------------

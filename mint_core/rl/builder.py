@@ -165,6 +165,7 @@ def load_trainer(
     device: str = "cpu",
     continuation: Continuation | None = None,
     headroom_items: dict[str, list[Example]] | None = None,
+    compile_decode: bool = False,
 ) -> MultiPolicyTrainer:
     """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
     parent revision (a directory) continues from it with the parent's rank, alpha and targets, whatever its spec
@@ -173,7 +174,8 @@ def load_trainer(
     `headroom_items` (the round's own prompts; none given: not measured); the engine's slots are sized for the
     largest rank of the parents and the fresh policies' specs. With a DeepSpeed config the process joins
     DeepSpeed's group, loads the base where its rank trains (its own GPU; `device` is not used), and the trainer
-    is a `DeepSpeedTrainer`."""
+    is a `DeepSpeedTrainer`. `compile_decode`: the engine's rollouts run its compiled decode step
+    (`EngineConfig.compile_decode`)."""
     found = {name: path for name, path in (parents or {}).items() if path is not None}
     ranks = [parent_rank(found[s.name]) or s.rank if s.name in found else s.rank for s in specs]
     if deepspeed is None:
@@ -185,7 +187,9 @@ def load_trainer(
         distributed.init_distributed()
         base = load_base(base_dir, *distributed.rank_placement())
     # prompts up to the base's own positions (the engine's default, clamped by the base)
-    engine = Engine(base, EngineConfig(max_loras=len(specs), max_lora_rank=max(ranks)))
+    engine = Engine(
+        base, EngineConfig(max_loras=len(specs), max_lora_rank=max(ranks), compile_decode=compile_decode)
+    )
     trained = []
     rooms: dict[str, Headroom | None] = {}
     for spec in specs:

@@ -91,6 +91,8 @@ class RecipeConfig(BaseModel):
     """A DeepSpeed config: the run trains under DeepSpeed (`load_trainer`)."""
     continuation: Continuation | None = None
     """How a policy with a parent continues from it (None: `Continuation()`)."""
+    compile_decode: bool = False
+    """Roll out through the engine's compiled decode step (`EngineConfig.compile_decode`)."""
 
 
 class ResumeError(MintError):
@@ -196,6 +198,7 @@ class TrainingRun:
             device=c.device,
             continuation=c.continuation,
             headroom_items=own,
+            compile_decode=c.compile_decode,
         )
 
     def _setup_data(
