@@ -300,7 +300,10 @@ def _mlflow_command(
         config, "mlflow-webhook.key", lambda: base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
     )
     # behind mint's auth app (MLflow's basic-auth, users and rights from the access file: mlflow_auth)
-    from mint_app.services.mlflow_auth import ACCESS_FILE_ENV, APP_NAME, write_ini
+    from mint_app.services.mlflow_auth import ACCESS_FILE_ENV, APP_NAME, QUIET_IMPORT_WARNING, write_ini
+
+    # MLflow's own import of an API Starlette deprecated: a line in its log for nothing the user can change
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), QUIET_IMPORT_WARNING) if w)
 
     env["MLFLOW_AUTH_CONFIG_PATH"] = str(write_ini(config).resolve())
     env[ACCESS_FILE_ENV] = str(access_path(config.state_dir).resolve())

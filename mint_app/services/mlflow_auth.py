@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -137,8 +138,15 @@ def as_service(config: ServicesConfig) -> Iterator[dict[str, str]]:
 # ---- users: from the access file into MLflow's auth database ---------------------------------------------
 
 
+QUIET_IMPORT_WARNING = "ignore:starlette.middleware.wsgi is deprecated:UserWarning"
+"""The one warning importing `mlflow.server` gives with Starlette >= 1.10 (MLflow's FastAPI app imports Starlette's
+WSGI middleware), as a `-W` / PYTHONWARNINGS filter."""
+
+
 def _auth_store(config: ServicesConfig) -> Any:
-    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=QUIET_IMPORT_WARNING.split(":")[1], category=UserWarning)
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
 
     store = SqlAlchemyStore()
     store.init_db(db_uri(config))

@@ -79,6 +79,23 @@ def test_stopped_and_resumed_ends_where_an_uninterrupted_run_does(base_dir: Path
     assert record["history"] == resumed.history and record["args"]["policies"] == ["add", "sort"]
 
 
+@pytest.mark.slow
+def test_a_run_with_compiled_decode_trains_the_same_adapters(base_dir: Path, tmp_path: Path) -> None:
+    """Two policies in one rollout (mixed adapter rows), three steps: the compiled decode step samples the tokens
+    the eager forward samples, so the update, which is the same either way, exports the same bytes."""
+    specs = [PolicySpec(name=t, task=t, rank=4, alpha=8) for t in PROMPTS]
+    runs = []
+    for compiled in (False, True):
+        trainer = load_trainer(base_dir, specs, GRPO, seed=3, compile_decode=compiled)
+        assert (trainer.engine.compiled_decode is not None) is compiled
+        run = TrainingRun.start(trainer, PROMPTS, 3, 2, tmp_path / f"compiled-{compiled}", checkpoint_every=0)
+        assert run.train()
+        runs.append(revisions(run, tmp_path / f"out-{compiled}"))
+    compiled_decode = trainer.engine.compiled_decode
+    assert compiled_decode is not None and compiled_decode.compiles == 1
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize(
     ("case", "change", "expected"),
     [
