@@ -118,7 +118,7 @@ class Training(BaseModel):
     continuation: Continuation = Continuation()
     """How a policy that continues from its champion trains: its share of the rate and its warmup (the
     default keeps a continuation's first steps from undoing the champion: `rl.builder.Continuation`)."""
-    compile_decode: bool = False
+    compile_decode: bool = RECIPE.compile_decode
     """Roll out through a compiled decode step (Llama, Mistral and Qwen2 bases; `mint_core.engine.compiled_decode`):
     the same tokens, each step's decode faster, after a compile of tens of seconds on a small CPU (seconds once
     its cache is warm) at the run's first step. Worth it for runs of hundreds of steps and more; a base it does

@@ -213,6 +213,14 @@ def train(
     deepspeed: _TrainDeepSpeed = None,
     checkpoint_every: _TrainCheckpointEvery = 10,
     resume: _TrainResume = False,
+    compile_decode: Annotated[
+        bool,
+        typer.Option(
+            help="Roll out through the engine's compiled decode step (Llama, Mistral and Qwen2 bases): the same "
+            "tokens, faster steps, after a compile at the first step (about 27 s on a 2-core CPU, seconds once "
+            "its cache is warm)."
+        ),
+    ] = RECIPE.compile_decode,
 ) -> None:
     """Train several policies with GRPO at once on one base; print held-out reward before and after.
 
@@ -224,6 +232,7 @@ def train(
     # thread and 2.9 s with two passive ones (set before torch loads; the environment wins)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # deferred: torch and transformers load for this command only, so `mint --help` stays fast
+    from mint_core.engine.compiled_decode import UnsupportedBase
     from mint_core.rl.builder import load_trainer, recipe_spec
     from mint_core.rl.checkpoints import is_lead_process
     from mint_core.rl.grpo import GRPOConfig
@@ -236,16 +245,25 @@ def train(
     ckpt_dir = out / "checkpoints"
     data = _train_data(names, base, ckpt_dir, steps, prompts, heldout, seed, resume)
     specs = [recipe_spec(t, t, rank, lr) for t in names]
-    trainer = load_trainer(
-        base,
-        specs,
-        GRPOConfig(
-            **{**RECIPE.grpo_fields(), "group_size": group, "learning_rate": lr, "temperature": temperature}
-        ),
-        seed,
-        deepspeed=deepspeed,
-        device=device,
-    )
+    try:
+        trainer = load_trainer(
+            base,
+            specs,
+            GRPOConfig(
+                **{
+                    **RECIPE.grpo_fields(),
+                    "group_size": group,
+                    "learning_rate": lr,
+                    "temperature": temperature,
+                }
+            ),
+            seed,
+            deepspeed=deepspeed,
+            device=device,
+            compile_decode=compile_decode,
+        )
+    except UnsupportedBase as e:
+        raise typer.BadParameter(str(e), param_hint="--compile-decode") from None
     lead = is_lead_process()  # the process that prints and exports (rank 0 under DeepSpeed)
     run = _start_run(trainer, data, steps, prompts, ckpt_dir, checkpoint_every, resume, lead)
     _train_until_done_or_stopped(run, ckpt_dir, steps, lead)

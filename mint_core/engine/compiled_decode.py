@@ -43,6 +43,10 @@ Factors = tuple[torch.Tensor, torch.Tensor] | None
 LoRAMode = Literal["none", "shared", "rows"]
 
 
+class UnsupportedBase(ValueError):
+    """A base the compiled decode step does not cover; the message says why."""
+
+
 def unsupported(model: nn.Module) -> str | None:
     """Why `model` cannot take the compiled step, or None when it can."""
     cfg = getattr(model, "config", None)
@@ -160,7 +164,7 @@ class CompiledDecode:
     def __init__(self, model: nn.Module, ctx: LoRAContext, mode: str | None = None):
         why = unsupported(model)
         if why is not None:
-            raise ValueError(f"no compiled decode for this base: {why}")
+            raise UnsupportedBase(f"no compiled decode for this base: {why}")
         hf: Any = model  # a transformers causal LM, checked by `unsupported`
         cfg = hf.config
         inner = hf.model
@@ -269,6 +273,10 @@ class CompiledDecode:
                         torch._dynamo.mark_dynamic(f[0], 0)
                         torch._dynamo.mark_dynamic(f[1], 0)
         first = mode not in self._seen
+        if first:
+            logger.info(
+                "compiling the decode step (%s LoRA): once a process and kind, seconds to a minute", mode
+            )
         t0 = time.perf_counter()
         # no duck sizing: a batch of as many rows as a head has dimensions would tie the two sizes, and the next
         # batch of another size would compile again

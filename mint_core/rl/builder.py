@@ -35,6 +35,7 @@ from mint_core.rl.constants import (
 from mint_core.rl.evaluate import Headroom, headroom
 from mint_core.rl.grpo import GRPOConfig
 from mint_core.rl.policy import PolicySpec
+from mint_core.rl.recipe_defaults import RECIPE
 from mint_core.rl.trainer import MultiPolicyTrainer
 from mint_core.types import Site
 
@@ -165,7 +166,7 @@ def load_trainer(
     device: str = "cpu",
     continuation: Continuation | None = None,
     headroom_items: dict[str, list[Example]] | None = None,
-    compile_decode: bool = False,
+    compile_decode: bool = RECIPE.compile_decode,
 ) -> MultiPolicyTrainer:
     """Load the base once, onto `device` (cpu, cuda, cuda:N), and a trainer of `specs` over it. A policy with a
     parent revision (a directory) continues from it with the parent's rank, alpha and targets, whatever its spec

@@ -44,6 +44,7 @@ from mint_core.rl.constants import BUILTIN_PROMPTS_PER_STEP, BUILTIN_RECIPE
 from mint_core.rl.evaluate import heldout_scores
 from mint_core.rl.grpo import GRPOConfig, lr_factor
 from mint_core.rl.policy import PolicySpec
+from mint_core.rl.recipe_defaults import RECIPE
 from mint_core.rl.rollout import RolloutRow
 from mint_core.rl.trainer import MultiPolicyTrainer, StepStats
 
@@ -91,7 +92,7 @@ class RecipeConfig(BaseModel):
     """A DeepSpeed config: the run trains under DeepSpeed (`load_trainer`)."""
     continuation: Continuation | None = None
     """How a policy with a parent continues from it (None: `Continuation()`)."""
-    compile_decode: bool = False
+    compile_decode: bool = RECIPE.compile_decode
     """Roll out through the engine's compiled decode step (`EngineConfig.compile_decode`)."""
 
 
