@@ -3,13 +3,15 @@
 
 The engine's decode forward goes through transformers' modules op by op: about 2,000 ATen calls a forward for a
 6-layer model, each a pass over memory of its own (a norm alone is six). Written out over the same weights and
-compiled (inductor: fused C++ loops on a CPU, Triton on a GPU, with `mode="reduce-overhead"` one CUDA graph a
-shape there), the elementwise work of a layer fuses into a few loops.
+compiled (inductor: fused C++ loops on a CPU, Triton kernels on a GPU), the elementwise work of a layer fuses into
+a few loops. No CUDA graph is captured: the step writes the KV cache it is handed, which CUDA graph trees do not
+record.
 
 What it covers: Llama, Mistral and Qwen2 bases (RMSNorm, rotary embedding with a static frequency table, SwiGLU
-MLP, grouped-query attention through sdpa, no sliding window), the engine's ragged KV cache, and LoRA slots in any
-batch composition: all rows on one slot (a policy's rollout) multiply by that slot's factors, mixed rows by their
-gathered factors. Anything else runs the eager forward (`CompiledDecode.unsupported` says why).
+MLP, grouped-query attention written out for its one query a row, no sliding window), the engine's ragged KV
+cache, and LoRA slots in any batch composition: all rows on one slot (a policy's rollout) multiply by that slot's
+factors, mixed rows by their gathered factors. An engine asked to compile the step for any other base is refused
+when it is built (`UnsupportedBase`, with the reason `unsupported` gives).
 
 Tokens equal the eager forward's; logits agree to float rounding, not bit for bit (the fused loops sum in
 another order). Compiling costs seconds (tens on a small CPU) on the first step and again at a new composition
@@ -161,7 +163,7 @@ def _make_step(n_heads: int, n_kv: int, head_dim: int, eps: float, scaling: floa
 class CompiledDecode:
     """The compiled decode step of one model, with its LoRA sites read from the engine's slot banks."""
 
-    def __init__(self, model: nn.Module, ctx: LoRAContext, mode: str | None = None):
+    def __init__(self, model: nn.Module, ctx: LoRAContext):
         why = unsupported(model)
         if why is not None:
             raise UnsupportedBase(f"no compiled decode for this base: {why}")
@@ -205,7 +207,7 @@ class CompiledDecode:
             "norm": inner.norm.weight,
             "head": (head.weight, head.bias),
         }
-        self._fn = torch.compile(step, dynamic=None, mode=mode)
+        self._fn = torch.compile(step, dynamic=None)
         self._key: object = None
         self._plan: tuple[LoRAMode, list[list[Factors]]] = ("none", [])
         self.compiles = 0  # the first call at each composition kind compiles
