@@ -12,10 +12,13 @@ Per seed (`--seeds`, default 0,1,2: the split of prompts, the stream, the router
 - online: `--requests` requests drawn from the evaluation rows; each router sees only the reward of what it
   picked. Mint's router starts cold (warm-started from the train half's prompts of the task each arm is named for,
   `warm_start_tasks`, as a server does); at request N/4 one policy's champion moves to a better revision (its
-  `-v1` rewards before, its champion's after; `set_revision` is called) and at N/2 another's moves to a revision
-  that regresses (its champion's rewards with noise in the adapter).
+  `-v1` rewards before, its champion's after) and at N/2 another's moves to a revision that regresses (its
+  champion's rewards with noise in the adapter). Mint's router is told each arm's revision from the start and at
+  each change, with the arm's cold start, as a server tells it (`set_revision`).
 
-Routers: mint's `Router` with each featurizer (`char` n-grams, `word` n-grams), context-free epsilon-greedy and
+Routers: mint's `Router` with each featurizer (`char` n-grams, `word` n-grams) and with the resident base's hidden
+state in their place (`base-hidden`: a forward of the base per prompt; `--no-hidden` leaves it out), context-free
+epsilon-greedy and
 Thompson sampling (`mint_core.routing.baselines`), the best single arm (by the train half; online: in hindsight
 over the stream), random, and three references: `task known` (told each prompt's task, it serves the arm with the
 best mean reward on that task's train half), the task oracle (each task's best arm in hindsight, on the rows
@@ -30,7 +33,7 @@ its traffic follows a revision change, the decision overhead p50/p95 with the ta
 
     python benchmarks/routing.py [--seeds 0,1,2] [--requests 2000] [--cache runs/routing] [--steps 300]
         [--learning-rate 2e-3] [--rank R] [--old-steps 30] [--heldout 200] [--catalog 100000] [--e2e]
-        [--e2e-requests 200] [--device cpu]
+        [--no-hidden] [--e2e-requests 200] [--device cpu]
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see mint_app/cli/app.py train
 os.environ.setdefault(
@@ -56,6 +59,7 @@ from _common import add_device, checked_device, load_avg, report, stop_servers_o
 from _reward_table import RewardTable, TableConfig, reward_table
 
 from mint_core.routing import (
+    Claim,
     ContextFreeThompson,
     EpsilonGreedy,
     Featurizer,
@@ -63,10 +67,15 @@ from mint_core.routing import (
     decision_latency,
     warm_start_tasks,
 )
-from mint_core.routing.features import Kind
+from mint_core.routing.features import Kind, prompt_text
 
-FEATURIZERS: tuple[Kind, ...] = ("char", "word")
-"""The featurizer kinds mint's router is measured with (`Featurizer(kind=...)`)."""
+FEATURIZERS: tuple[str, ...] = ("char", "word", "base-hidden")
+"""The features mint's router is measured with: its featurizer's kinds (`Featurizer(kind=...)`, the first is the
+default), and `base-hidden`, an alternative that is not a featurizer of mint's: the resident base's last hidden
+state, mean-pooled over the prompt's tokens (`HiddenStates`)."""
+HIDDEN = "base-hidden"
+CENTER_PROMPTS = 64
+"""Train prompts of each task whose mean hidden state `HiddenStates` subtracts (never an evaluated row)."""
 
 GOALS = {
     "offline_pct_oracle": 95.0,
@@ -123,6 +132,56 @@ def split(table: RewardTable, seed: int) -> Split:
     return Split(np.array(sorted(train)), np.array(ev))
 
 
+class HiddenStates(Featurizer):
+    """A prompt's features from the resident base: its last hidden state mean-pooled over the prompt's tokens, less
+    the mean over `CENTER_PROMPTS` train prompts of each registered task of the table (else every prompt's vector
+    shares one large common direction), L2-normalized. Computed once per distinct prompt (a forward of the base, timed in `seconds`)."""
+
+    def __init__(self, base: Path, tasks: list[str]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from mint_core.data.spec import read_rows, registry
+
+        self._torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(base))
+        super().__init__(dim=int(self.model.config.hidden_size))
+        self.seconds: list[float] = []
+        self._center = np.zeros(self.dim, dtype=np.float32)
+        reg = registry()
+        train = [r.prompt for t in tasks if t in reg for r in read_rows(reg.get(t), "train")[:CENTER_PROMPTS]]
+        if train:  # else (no task of the table registered) uncentered
+            self._center = np.mean([self._pooled(prompt_text(p)) for p in train], axis=0)
+        self.seconds.clear()
+        self._seen: dict[str, np.ndarray] = {}
+
+    def _pooled(self, prompt: str) -> np.ndarray:
+        t0 = time.perf_counter()
+        with self._torch.no_grad():
+            ids = self.tokenizer(prompt, return_tensors="pt").input_ids
+            h = self.model(ids, output_hidden_states=True).hidden_states[-1][0]
+            out = h.mean(dim=0).numpy()
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+    def transform(self, prompt: str | list[dict[str, str]]) -> np.ndarray:
+        text = prompt_text(prompt)
+        got = self._seen.get(text)
+        if got is None:
+            v = self._pooled(text) - self._center
+            got = self._seen[text] = (v / max(float(np.linalg.norm(v)), 1e-9)).astype(np.float32)
+        return got
+
+
+def featurizer(kind: str, hidden: HiddenStates | None) -> Featurizer:
+    """The featurizer a router of `kind` (a name of FEATURIZERS) is built with."""
+    if kind == HIDDEN:
+        assert hidden is not None
+        return hidden
+    return Featurizer(kind=cast(Kind, kind))
+
+
 def cold_start(table: RewardTable, rows: np.ndarray) -> dict[str, list[str]]:
     """{arm: the prompts of `rows` of the task it is named for}: what a server warm-starts arms with."""
     out: dict[str, list[str]] = {}
@@ -135,14 +194,16 @@ def cold_start(table: RewardTable, rows: np.ndarray) -> dict[str, list[str]]:
 # ---- offline ----------------------------------------------------------------------------------------------------
 
 
-def offline(table: RewardTable, X: dict[str, np.ndarray], sp: Split, seed: int) -> dict[str, Any]:
+def offline(
+    table: RewardTable, X: dict[str, np.ndarray], sp: Split, seed: int, hidden: HiddenStates | None = None
+) -> dict[str, Any]:
     """Every router's choices on the evaluation rows after a batch fit on the train rows."""
     arms = table.arms
     R = table.rewards[:, : len(arms)]
     rng = np.random.default_rng(seed)
     choices: dict[str, np.ndarray] = {}
-    for kind in FEATURIZERS:
-        router = Router(Featurizer(kind=kind), decay=1.0, seed=seed)  # a batch fit: nothing to forget
+    for kind in X:
+        router = Router(featurizer(kind, hidden), decay=1.0, seed=seed)  # a batch fit: nothing to forget
         warm_start_tasks(router, cold_start(table, sp.train))
         order = rng.permutation(sp.train)
         for i in order:
@@ -246,34 +307,48 @@ def stream_rewards(table: RewardTable, ev: Events, stream: np.ndarray) -> np.nda
     return R
 
 
-def _online_router(name: str, table: RewardTable, sp: Split, seed: int) -> Any:
+def _online_router(
+    name: str, table: RewardTable, sp: Split, seed: int, hidden: HiddenStates | None
+) -> tuple[Any, dict[str, list[Claim]]]:
+    """A router of the online replay, and each arm's cold start (what a new revision starts from again)."""
     if name.startswith("router:"):
-        router = Router(Featurizer(kind="word" if name == "router:word" else "char"), seed=seed)
-        warm_start_tasks(router, cold_start(table, sp.train))
-        return router
+        router = Router(featurizer(name.split(":", 1)[1], hidden), seed=seed)
+        return router, warm_start_tasks(router, cold_start(table, sp.train))
     if name == "epsilon-greedy":
-        return EpsilonGreedy(seed=seed)
-    return ContextFreeThompson(seed=seed)
+        return EpsilonGreedy(seed=seed), {}
+    return ContextFreeThompson(seed=seed), {}
 
 
-def online(table: RewardTable, X: dict[str, np.ndarray], sp: Split, seed: int, n: int) -> dict[str, Any]:
-    """Each learning router over the same stream of `n` requests, seeing only the reward of its own choice."""
+def online(
+    table: RewardTable,
+    X: dict[str, np.ndarray],
+    sp: Split,
+    seed: int,
+    n: int,
+    hidden: HiddenStates | None = None,
+) -> dict[str, Any]:
+    """Each learning router over the same stream of `n` requests, seeing only the reward of its own choice. Mint's
+    routers are told each arm's revision before the first request (a server learns it from the arm's first
+    answer) and at each change, with the arm's cold start (`set_revision`), as serving tells them."""
     arms = table.arms
     rng = np.random.default_rng(seed + 1000)
     stream = rng.choice(sp.eval, size=n)
     ev = events(table, sp.train, n)
     R = stream_rewards(table, ev, stream)
     choices: dict[str, np.ndarray] = {}
-    for name in [*(f"router:{k}" for k in FEATURIZERS), "epsilon-greedy", "Thompson (context-free)"]:
-        router = _online_router(name, table, sp, seed)
-        feats = X["word" if name == "router:word" else "char"]
+    for name in [*(f"router:{k}" for k in X), "epsilon-greedy", "Thompson (context-free)"]:
+        router, claims = _online_router(name, table, sp, seed, hidden)
+        feats = X[name.split(":", 1)[1] if name.startswith("router:") else FEATURIZERS[0]]
         r_rng = np.random.default_rng(seed)
         picked = np.zeros(n, dtype=np.int64)
+        told = isinstance(router, Router)
+        for a in arms if told else ():
+            router.set_revision(a, "v1")
         for t, row in enumerate(stream):
-            if t == ev.at_better and hasattr(router, "set_revision"):
-                router.set_revision(ev.better, "v2")
-            if t == ev.at_worse and hasattr(router, "set_revision"):
-                router.set_revision(ev.worse, "v3")
+            if t == ev.at_better and told:
+                router.set_revision(ev.better, "v2", claims.get(ev.better, ()))
+            if t == ev.at_worse and told:
+                router.set_revision(ev.worse, "v3", claims.get(ev.worse, ()))
             x = feats[row]
             j = arms.index(router.choose(x, arms, rng=r_rng).arm)
             picked[t] = j
@@ -357,7 +432,7 @@ def overhead(
     of them holding evidence of random weights (the rest on the prior, as a catalog's unrouted names are)."""
     rng = np.random.default_rng(seed)
     kind = FEATURIZERS[0]
-    feat = Featurizer(kind=kind)
+    feat = featurizer(kind, None)
     router = Router(feat, seed=seed)
     warm_start_tasks(router, cold_start(table, sp.train))
     R = table.rewards[:, : len(table.arms)]
@@ -469,6 +544,11 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--requests", type=int, default=2000, help="requests of the online stream")
     ap.add_argument("--catalog", type=int, default=100_000, help="candidate names of the overhead's catalog")
+    ap.add_argument(
+        "--no-hidden",
+        action="store_true",
+        help=f"leave out the {HIDDEN} features (they run the base per prompt)",
+    )
     ap.add_argument("--e2e", action="store_true", help="end-to-end latency with and without model auto")
     ap.add_argument("--e2e-requests", type=int, default=200, help="prompts sent each way per backend")
     add_device(ap)
@@ -495,17 +575,23 @@ def main() -> None:
         table.meta["cache"] = str(args.table)
     else:
         table = reward_table(cfg, args.cache)
+    kinds = [k for k in FEATURIZERS if k != HIDDEN or not args.no_hidden]
+    hidden = None if args.no_hidden else HiddenStates(args.base, sorted(set(table.tasks)))
     X: dict[str, np.ndarray] = {
-        k: Featurizer(kind=k).transform_many(list[Any](table.prompts)) for k in FEATURIZERS
+        k: featurizer(k, hidden).transform_many(list[Any](table.prompts)) for k in kinds
     }
+    hidden_ms = None
+    if hidden is not None:
+        ms = [1e3 * s for s in hidden.seconds]
+        hidden_ms = {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95))}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     off, on, best = [], [], []
     for seed in seeds:
         sp = split(table, seed)
-        o = offline(table, X, sp, seed)
+        o = offline(table, X, sp, seed, hidden)
         off.append(scores(table.rewards[sp.eval][:, : len(table.arms)], o["choices"]))
         best.append(o["best_single_arm"])
-        run = online(table, X, sp, seed, args.requests)
+        run = online(table, X, sp, seed, args.requests, hidden)
         on.append(online_scores(table, run))
         print(f"seed {seed}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     oh = overhead(table, X, split(table, seeds[0]), args.catalog, seeds[0])
@@ -527,6 +613,8 @@ def main() -> None:
                 f"{ev.worse}'s regression in {_follow_max(on, name, 'worse')} of its requests (worst seed)"
             )
     print(f"decision overhead: {oh}")
+    if hidden_ms is not None:
+        print(f"{HIDDEN} features (a forward of the base per prompt, before any decision): {hidden_ms}")
     e2e = _e2e(table, args.base, args.e2e_requests, device) if args.e2e else None
     checks = verdicts(off, on, oh, e2e)
     for c in checks:
@@ -552,6 +640,7 @@ def main() -> None:
             "offline": off,
             "online": on,
             "overhead": oh,
+            "hidden_features_ms": hidden_ms,
             "e2e": e2e,
             "goals": checks,
             "load_avg": load_avg(),

@@ -9,7 +9,7 @@ The defaults (FEATURE_DIM, ALPHA, DECAY, FIT_DECAY, EPSILON, TOP_K, ...) are the
 
 from mint_core.routing.baselines import ContextFreeThompson, EpsilonGreedy
 from mint_core.routing.features import FEATURE_DIM, GRAM_WEIGHTS, NGRAMS, Featurizer, prompt_text
-from mint_core.routing.fit import FIT_DECAY, fit_router, warm_start_tasks
+from mint_core.routing.fit import FIT_DECAY, cold_claims, fit_router, warm_start_tasks
 from mint_core.routing.log import LOG_NAME, RouteLog, RouteRecord, sparse_features
 from mint_core.routing.ope import Estimate, dr, ips, snips
 from mint_core.routing.router import (
@@ -21,6 +21,7 @@ from mint_core.routing.router import (
     RIDGE,
     TOP_K,
     WARM_WEIGHT,
+    Claim,
     Decision,
     Router,
     RouterLoadError,
@@ -41,6 +42,7 @@ __all__ = [
     "RIDGE",
     "TOP_K",
     "WARM_WEIGHT",
+    "Claim",
     "ContextFreeThompson",
     "Decision",
     "EpsilonGreedy",
@@ -50,6 +52,7 @@ __all__ = [
     "RouteRecord",
     "Router",
     "RouterLoadError",
+    "cold_claims",
     "decision_latency",
     "dr",
     "fit_router",

@@ -13,7 +13,8 @@ priors and evidence and adds the new records; starting fresh makes the fit repro
 
 Cold start: for each arm, its task's prompts are positive pseudo-observations (reward 1) and the other arms'
 prompts negative ones (reward 0), except prompts the arm shares (two revisions of one task share their prompts):
-a new adapter is routed its task's prompts before any traffic reaches it.
+a new adapter is routed its task's prompts before any traffic reaches it. A record that shows an arm's new revision
+adds that cold start again after shrinking the old revision's evidence (`Router.set_revision`), as serving does.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from mint_core.routing.features import Featurizer, prompt_text
 from mint_core.routing.log import RouteRecord
-from mint_core.routing.router import Router
+from mint_core.routing.router import Claim, Router
 
 FIT_DECAY = 0.999
 """Decay while a fit replays the log: ~1,000 rewards an arm instead of the online ~50 (revision changes are
@@ -51,8 +54,7 @@ def fit_router(
     if not 0 < fit_decay <= 1:
         raise ValueError(f"fit_decay {fit_decay} must be in (0, 1]")
     router.revision = ""
-    if cold_start:
-        warm_start_tasks(router, cold_start)
+    claims = warm_start_tasks(router, cold_start) if cold_start else {}
     dim = router.featurizer.dim
     serving_decay, router.decay = router.decay, fit_decay
     try:
@@ -61,22 +63,32 @@ def fit_router(
                 router.add_arm(name)
             if rec.reward is not None:
                 if rec.revision:
-                    router.set_revision(rec.choice, rec.revision)
+                    router.set_revision(rec.choice, rec.revision, claims.get(rec.choice, ()))
                 router.update(rec.choice, rec.vector(dim), rec.reward)
     finally:
         router.decay = serving_decay
     return router
 
 
-def warm_start_tasks(router: Router, prompts: Mapping[str, Sequence[Prompt]]) -> None:
+def warm_start_tasks(router: Router, prompts: Mapping[str, Sequence[Prompt]]) -> dict[str, list[Claim]]:
     """Warm-start each arm from its task's prompts (reward 1) and the other arms' prompts it does not share
-    (reward 0). The serving side calls this for a cold router too, so both start alike."""
-    feat: Featurizer = router.featurizer
+    (reward 0). The serving side calls this for a cold router too, so both start alike. Returns each arm's
+    claims (`cold_claims`), which `set_revision` adds again when the arm's policy serves a new revision."""
+    claims = cold_claims(router.featurizer, prompts)
+    for arm, parts in claims.items():
+        for xs, reward in parts:
+            router.warm_start(arm, xs, reward)
+    return claims
+
+
+def cold_claims(feat: Featurizer, prompts: Mapping[str, Sequence[Prompt]]) -> dict[str, list[Claim]]:
+    """{arm: [(its task's prompts' features, 1.0), (the other arms' prompts it does not share, 0.0)]}: an arm's
+    cold start, given {arm: its task's prompts}."""
     texts = {arm: [prompt_text(p) for p in ps] for arm, ps in prompts.items()}
     xs = {arm: feat.transform_many(list(ps)) for arm, ps in prompts.items()}
+    out: dict[str, list[Claim]] = {}
     for arm in prompts:
         own = set(texts[arm])
-        router.warm_start(arm, xs[arm], 1.0)
         negatives = [
             x
             for other in prompts
@@ -84,5 +96,5 @@ def warm_start_tasks(router: Router, prompts: Mapping[str, Sequence[Prompt]]) ->
             for x, t in zip(xs[other], texts[other], strict=True)
             if t not in own
         ]
-        if negatives:
-            router.warm_start(arm, negatives, 0.0)
+        out[arm] = [(xs[arm], 1.0)] + ([(np.stack(negatives), 0.0)] if negatives else [])
+    return out

@@ -19,7 +19,8 @@ reward vector) is multiplied by `decay` at each of its own updates, so the arm's
 ~1/(1 - decay) rewards: a revision that regresses loses traffic once its recent rewards drop. A nightly fit
 (fit.py) replays the whole log with a much slower decay, since it sees revision changes in the records. The prior (the
 ridge) is never decayed, so an arm never becomes ill-conditioned. `set_revision` keeps only `revision_keep` of the
-evidence: the new revision is relearned from near its prior within a few dozen requests instead of fighting the
+evidence and adds the arm's cold start again: a new revision has no traffic yet, so it starts as a new adapter
+does (from its task's held-out prompts) and is relearned within a few dozen requests instead of fighting the
 old revision's history.
 
 The intercept (the constant feature) has its own ridge (`BIAS_RIDGE`), so the prior can weigh an arm's mean
@@ -97,6 +98,10 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ARRAYS = "state.npz"
 _TIE = 1e-9
+
+
+Claim = tuple[Sequence[np.ndarray] | np.ndarray, float]
+"""Prompts' features claimed at a reward: one part of an arm's cold start (`warm_start`, `set_revision`)."""
 
 
 class RouterLoadError(MintError):
@@ -403,40 +408,58 @@ class Router:
         P -= np.outer(px, px) / (1.0 + xa @ px)
         return Step(arm, _Arm(st.A0, st.b0, G, g, P, since))
 
-    def set_revision(self, arm: str, revision: str) -> None:
+    def set_revision(self, arm: str, revision: str, claims: Sequence[Claim] = ()) -> None:
         """The policy behind `arm` now serves `revision`: keep the arm's prior, keep only `revision_keep` of its
-        evidence, so the new revision is relearned quickly. Idempotent: the same revision again changes nothing."""
-        self.apply(self.revision_step(arm, revision))
+        evidence, and add `claims` (the arm's cold start, `warm_start`'s (prompts' features, reward) pairs) afresh,
+        so the new revision is relearned quickly from where a new adapter would start. Idempotent: the same
+        revision again changes nothing; the first revision an arm is told of changes nothing either (its evidence
+        is that revision's)."""
+        self.apply(self.revision_step(arm, revision, claims))
 
-    def revision_step(self, arm: str, revision: str) -> Step:
+    def revision_step(self, arm: str, revision: str, claims: Sequence[Claim] = ()) -> Step:
         """`set_revision`'s change, computed and not applied."""
         _check_name(arm)
         i = self._index.get(arm)
         old = self._revisions.get(arm)
         st = self._state.get(i) if i is not None else None
-        if old is None or old == revision or st is None:
+        if old is None or old == revision or (st is None and not claims):
             return Step(arm, None, revision)
-        return Step(arm, st.exact(st.G * self.revision_keep, st.g * self.revision_keep), revision)
+        st = st if st is not None else _Arm.prior(self._d, self.ridge, self.bias_ridge)
+        G, g = st.G * self.revision_keep, st.g * self.revision_keep
+        for xs, reward in claims:
+            dG, dg = self._claim(arm, xs, reward)
+            G, g = G + dG, g + dg
+        return Step(arm, st.exact(G, g), revision)
 
     def warm_start(self, arm: str, xs: Sequence[np.ndarray] | np.ndarray, reward: float = 1.0) -> None:
         """Cold start: add prompts' features as pseudo-observations of `reward` (a task's held-out prompts with
         1.0; other tasks' prompts with 0.0), `warm_weight` observations in all. They are evidence, not prior: they
-        decay with the arm's real rewards and `set_revision` shrinks them, so a claim the arm does not live up to
+        decay with the arm's real rewards and `set_revision` shrinks them, so a claim an arm does not live up to
         (a decoy named for a task, a revision that regressed) fades instead of anchoring the arm for good."""
         self.apply(self.warm_step(arm, xs, reward))
 
     def warm_step(self, arm: str, xs: Sequence[np.ndarray] | np.ndarray, reward: float = 1.0) -> Step:
         """`warm_start`'s change, computed and not applied."""
+        _check_name(arm)
+        dG, dg = self._claim(arm, xs, reward)
+        if not dG.any() and not dg.any():
+            return Step(arm, None)
+        st = self._current(arm)
+        return Step(arm, st.exact(st.G + dG, st.g + dg))
+
+    def _claim(
+        self, arm: str, xs: Sequence[np.ndarray] | np.ndarray, reward: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The evidence (Gram matrix, reward vector) of prompts' features claimed at `reward`, `warm_weight`
+        observations in all (zeros for no prompts)."""
         reward = float(reward)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"warm-start reward {reward} for {arm!r} is outside [0, 1]")
         if len(xs) == 0:
-            return Step(arm, None)
+            return np.zeros((self._d, self._d)), np.zeros(self._d)
         X = np.stack([self._augment(x) for x in xs])
         w = min(1.0, self.warm_weight / len(X))
-        _check_name(arm)
-        st = self._current(arm)
-        return Step(arm, st.exact(st.G + w * (X.T @ X), st.g + w * reward * X.sum(axis=0)))
+        return w * (X.T @ X), w * reward * X.sum(axis=0)
 
     def apply(self, step: Step) -> None:
         """Make a computed change (`update_step`, `revision_step`, `warm_step`) the router's state: O(d) (the

@@ -46,7 +46,7 @@ from mint_core.access import allows
 from mint_core.data.spec import SpecError, TaskRegistry, read_rows, registry
 from mint_core.routing.features import Featurizer
 from mint_core.routing.log import RouteLog, RouteRecord, sparse_features
-from mint_core.routing.router import Decision, Router, RouterLoadError, Step
+from mint_core.routing.router import Claim, Decision, Router, RouterLoadError, Step
 from mint_core.serving.admin import Auth
 from mint_core.serving.canary import (
     AUTO,
@@ -191,6 +191,9 @@ class RoutingState:
         self._changes = 0  # changes applied to the serving router (what a save would have to write)
         self._routed: OrderedDict[str, _Routed] = OrderedDict()
         self._warm: set[str] = set()  # arms this router was offered a cold start for (done or nothing to do)
+        self._claims: dict[
+            str, list[Claim]
+        ] = {}  # each task-named arm's cold start, added again on a new revision
         self._warming = asyncio.Lock()
         self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mint-route-learner")
         self._saving = threading.Lock()  # one save at a time (the saver thread, close)
@@ -277,7 +280,9 @@ class RoutingState:
     ) -> None:
         """The learner's part of `answered`: the arm told its revision, the decision logged."""
         if model == decision.arm and revision:  # a canary's answers are not the policy's revision
-            self._change(router, router.revision_step, decision.arm, revision)
+            self._change(
+                router, router.revision_step, decision.arm, revision, self._claims.get(decision.arm, ())
+            )
         router_revision = router.revision  # "" for a cold router: no saved state to replay
         self.log.decided(
             RouteRecord(
@@ -396,16 +401,23 @@ class RoutingState:
             return
         known = set(router.arms())
         for arm in names:
-            if arm in tasks and arm not in known:
+            if arm in tasks:
                 positives = _heldout(tasks, arm, WARM_POSITIVES)
                 negatives = [p for t in tasks.names() if t != arm for p in _heldout(tasks, t, WARM_NEGATIVES)]
-                xs1 = [router.featurizer.transform(p) for p in positives]
-                xs0 = [router.featurizer.transform(p) for p in negatives]
+                claims: list[Claim] = [
+                    (router.featurizer.transform_many(ps), reward)
+                    for ps, reward in ((positives, 1.0), (negatives, 0.0))
+                    if ps
+                ]
                 if router is not self.router:  # swapped meanwhile: the new router is offered its own
                     return
-                self._change(router, router.warm_step, arm, xs1, 1.0)
-                self._change(router, router.warm_step, arm, xs0, 0.0)
-                logger.info("router arm %s: cold start from %d held-out prompts of its task", arm, len(xs1))
+                self._claims[arm] = claims  # a new revision of the arm's policy starts from them again
+                if arm not in known:
+                    for xs, reward in claims:
+                        self._change(router, router.warm_step, arm, xs, reward)
+                    logger.info(
+                        "router arm %s: cold start from %d held-out prompts of its task", arm, len(positives)
+                    )
             self._warm.add(arm)
 
     # -- which router serves ----------------------------------------------------------------------------------
@@ -426,7 +438,7 @@ class RoutingState:
             previous = self.revision
             self.router, self.path, self.loaded_at = loaded, path, time.time()
             self.routed_count = self.explored_count = 0
-            self._warm = set()
+            self._warm, self._claims = set(), {}
             self._changes += 1  # what a restart should serve now
         self.metrics.serving(self.revision, previous)
         logger.info("router %s serves model auto (was %s), from %s", self.revision, previous, path)

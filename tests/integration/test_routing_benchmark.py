@@ -95,6 +95,7 @@ def _check(result: dict[str, Any], out: str, seeds: int) -> None:
     for name in (
         "router:char",
         "router:word",
+        "router:base-hidden",
         "best single",
         "task known",
         "random",
@@ -109,6 +110,7 @@ def _check(result: dict[str, Any], out: str, seeds: int) -> None:
     assert result["online"][0]["oracle"]["regret"] == 0
     for key in ("arms_ms", "catalog_ms", "arms_cpu_ms", "catalog_cpu_ms"):
         assert result["overhead"][key]["p95_ms"] > 0, key
+    assert result["hidden_features_ms"]["p95_ms"] > 0
     assert ("PASS" in out or "FAIL" in out) and "end-to-end p95" in out
 
 
@@ -122,6 +124,7 @@ def test_the_replay_reports_every_figure_and_the_router_reads_the_prompt(
     _check(result, out, 2)
     for seed in result["offline"]:
         assert seed["router:char"]["pct_oracle"] > seed["best single"]["pct_oracle"] + 10
+        assert seed["router:base-hidden"]["pct_oracle"] > seed["best single"]["pct_oracle"] + 10
         assert seed["oracle"]["pct_oracle"] == 100
         # each task's own arm is its best on every row: told the task, the reference serves it, as the task oracle
         assert seed["task known"]["pct_task_oracle"] == pytest.approx(100)

@@ -48,3 +48,23 @@ def test_a_warm_start_claim_fades_once_real_rewards_contradict_it() -> None:
     for k in range(300):
         router.update("decoy", FEAT.transform(arith(k)), 0.0)
     assert router.predict(x, ["decoy"])[0] < 0.02
+
+
+def test_a_revision_change_in_the_log_starts_the_arm_from_its_cold_start() -> None:
+    """`a` answered arithmetic badly under r1; its first record under r2 (a middling answer) tells the fit of a new
+    revision, which starts from `a`'s cold start (its task's prompts) again, on top of a tenth of r1's evidence. A
+    fit given no cold start only forgets r1."""
+    rng = np.random.default_rng(1)
+    recs = [record(k, k, "a", float(rng.random() < 0.1), "r1") for k in range(300)]
+    recs += [record(k, k + 0.5, "b", 0.5) for k in range(300)]
+    recs.append(record(300, 300, "a", 0.5, "r2"))
+    cold = {
+        "a": [arith(k) for k in range(1000, 1040)],
+        "b": [f"Write a poem about the number {k}." for k in range(40)],
+    }
+    xs = [FEAT.transform(arith(k)) for k in range(500, 520)]
+    mean = {}
+    for given in (True, False):
+        router = fit_router(recs, cold_start=cold if given else None)
+        mean[given] = float(np.mean([router.predict(x, ["a"])[0] for x in xs]))
+    assert mean[True] > mean[False] + 0.05, mean

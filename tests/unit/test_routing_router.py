@@ -10,7 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mint_core.routing import Featurizer, Router, features, fit_router, prompt_text
+from mint_core.routing import (
+    Featurizer,
+    Router,
+    cold_claims,
+    features,
+    fit_router,
+    prompt_text,
+    warm_start_tasks,
+)
 from mint_core.routing.features import FEATURE_DIM, GRAM_WEIGHTS, NGRAMS
 from mint_core.routing.router import content_digest
 
@@ -233,6 +241,31 @@ def test_set_revision_is_idempotent() -> None:
     router.set_revision("arith", "rev-1")
     assert np.array_equal(router.probs(x, ARMS), before)
     assert router.revisions() == {"arith": "rev-1"}
+
+
+def test_a_new_revision_starts_from_the_arm_s_cold_start() -> None:
+    """arith regressed and lost arithmetic to the base. A new revision told with the arm's cold start (its claims)
+    takes (nearly all) arithmetic back before any reward of it, as a new adapter would; told without, the arm only
+    forgets and the base keeps it. The first revision an arm is told of changes nothing, claims or not."""
+    rng = np.random.default_rng(6)
+    cold = {c: [prompt(k, rng) for _ in range(20)] for k, c in enumerate(("arith", "code"))}
+    claims = cold_claims(FEAT, cold)
+    assert [r for _, r in claims["arith"]] == [1.0, 0.0] and claims["arith"][0][0].shape == (20, FEAT.dim)
+    routers = {}
+    for told in ("claims", "none"):
+        router = routers[told] = Router(FEAT, seed=6)
+        warm_start_tasks(router, cold)
+        x = FEAT.transform(prompt(0, rng))
+        before = router.probs(x, ARMS)
+        router.set_revision("arith", "rev-1", claims["arith"])
+        assert np.array_equal(router.probs(x, ARMS), before)
+        run(router, 400, np.random.default_rng(6))
+        run(router, 300, np.random.default_rng(7), means=regressed, cluster=0)
+        assert greedy(router, x) == "base"
+        router.set_revision("arith", "rev-2", claims["arith"] if told == "claims" else ())
+    xs = [FEAT.transform(prompt(0, rng)) for _ in range(20)]
+    took = {told: sum(greedy(r, x) == "arith" for x in xs) for told, r in routers.items()}
+    assert took["claims"] >= 16 and took["none"] <= 4, took
 
 
 def test_costs_shift_the_choice() -> None:

@@ -4,6 +4,7 @@ canary state's scores. The HTTP behaviour on both backends is tests/integration/
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from mint_core.data.spec import read_rows, registry
 from mint_core.routing.log import RouteLog
-from mint_core.routing.router import Router, RouterLoadError, Step
+from mint_core.routing.router import Decision, Router, RouterLoadError, Step
 from mint_core.serving.canary import CanaryState
 from mint_core.serving.config import ServingConfig
 from mint_core.serving.keys import Caller
@@ -316,3 +318,41 @@ def test_a_corrupt_saved_router_is_refused_and_the_server_starts_cold(
     state.settle()
     saved = state.save()  # the next save replaces it
     assert saved is not None and Router.load(tmp_path / "routing" / ONLINE_DIR).revision == saved
+
+
+def _taught(
+    state: RoutingState, canary: CanaryState, x: np.ndarray, revision: str, reward: float, n: int
+) -> None:
+    """`n` routed answers of the add arm at `revision`, each scored `reward` (feedback), learned."""
+    for k in range(n):
+        rid = f"cmpl-{revision}-{k}"
+        state.answered(rid, x, Decision("add", 1.0, False, 0.0), ["add", "sort"], "add", revision)
+        canary.answered(rid, "add", "none", "add", revision, None)
+        canary.feedback(rid, reward)
+    state.settle()
+
+
+@pytest.mark.parametrize("cold_start", [True, False])
+def test_a_new_revision_starts_from_its_task_s_cold_start(tmp_path: Path, cold_start: bool) -> None:
+    """The add arm starts warm from add's held-out prompts; its revision then answers them badly and loses them. An
+    answer at a new revision tells the router the policy changed: the arm starts from its task's cold start again,
+    before a single reward of the new revision, where an arm with no cold start only forgets."""
+    state = _state(tmp_path)
+    canary = CanaryState()
+    canary.on_score.append(state.scored)
+    if cold_start:
+        asyncio.run(state.warm(["add", "sort"]))
+    x = state.featurizer.transform(read_rows(registry().get("add"), "heldout")[0].prompt)
+    warm = state.router.predict(x, ["add"])[0]
+    _taught(state, canary, x, "sha256:aa", 0.0, 40)
+    bad = state.router.predict(x, ["add"])[0]
+    assert bad < 0.1 and (bad < warm - 0.5 if cold_start else warm == 0.0)
+    # an answer at the new revision, not scored yet: only the revision is news
+    state.answered("cmpl-new", x, Decision("add", 1.0, False, 0.0), ["add", "sort"], "add", "sha256:bb")
+    state.settle()
+    new = state.router.predict(x, ["add"])[0]
+    assert state.router.revisions()["add"] == "sha256:bb"
+    if cold_start:
+        assert new > bad + 0.2, (warm, bad, new)
+    else:
+        assert abs(new) < abs(bad) + 1e-9 and new < 0.1, (bad, new)
