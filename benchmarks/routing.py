@@ -22,7 +22,8 @@ epsilon-greedy and
 Thompson sampling (`mint_core.routing.baselines`), the best single arm (by the train half; online: in hindsight
 over the stream), random, and three references: `task known` (told each prompt's task, it serves the arm with the
 best mean reward on that task's train half), the task oracle (each task's best arm in hindsight, on the rows
-scored) and the oracle (each request's best arm). Reports % of the oracle's reward and of the task oracle's (the
+scored) and the oracle (each request's best arm); offline also Arrow's zero-shot routing from the adapters'
+weights (`arrow_choices`, with `base-hidden`: it runs the base). Reports % of the oracle's reward and of the task oracle's (the
 goals are judged against the oracle), top-1 accuracy
 (ties count), the share of the gap between the best single arm and the oracle recovered, cumulative regret,
 % of oracle over the last quarter of the stream (requests 1,500-2,000 of 2,000), requests of a task until 80% of
@@ -56,7 +57,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_device, checked_device, load_avg, report, stop_servers_on_kill
-from _reward_table import RewardTable, TableConfig, reward_table
+from _reward_table import BASE_ARM, RewardTable, TableConfig, reward_table
 
 from mint_core.routing import (
     Claim,
@@ -89,7 +90,7 @@ GOALS = {
 }
 """Issue 44's "Done when", one number each."""
 
-REFERENCES = ("best single", "task known", "random", "oracle", "task oracle")
+REFERENCES = ("best single", "task known", "random", "oracle", "task oracle", "arrow (from weights)")
 """Rows of the report that are references, not learning routers: `task known` is told each prompt's task (the
 best arm per task by the fit half), `task oracle` picks each task's best arm in hindsight on the rows scored,
 `oracle` each request's best arm."""
@@ -174,6 +175,63 @@ class HiddenStates(Featurizer):
         return got
 
 
+def arrow_choices(table: RewardTable, hidden: HiddenStates) -> np.ndarray | None:
+    """Per row of the table, the arm Arrow's routing from adapter weights picks (Ostapenko et al., 2024; zero-shot:
+    no reward, no prompt of any task): each adapter's prototype per LoRA module is the top right singular vector of
+    its B A; each token's input to that module gives every adapter the logit |<prototype, input>|, a softmax over
+    the adapters, averaged over the prompt's tokens and the modules; the highest average is served. The base has no
+    weights to score and is never picked. None when the table's adapters are not on disk."""
+    from safetensors.numpy import load_file
+
+    folder = Path(str(table.meta.get("cache", ""))) / "adapters"
+    served = table.meta.get("served_as", {})
+    arms = [a for a in table.arms if a != BASE_ARM]
+    paths = {
+        a: folder / str(served.get(a, a)).replace("@", "_at_") / "adapter_model.safetensors" for a in arms
+    }
+    if not table.meta.get("cache") or not all(p.is_file() for p in paths.values()):
+        return None
+    protos: dict[str, dict[str, np.ndarray]] = {}
+    for a, path in paths.items():
+        w = load_file(str(path))
+        protos[a] = {}
+        for key in sorted(k.rsplit(".lora_", 1)[0] for k in w if k.endswith(".lora_A.weight")):
+            delta = w[f"{key}.lora_B.weight"].astype(np.float64) @ w[f"{key}.lora_A.weight"].astype(
+                np.float64
+            )
+            if np.abs(delta).sum() > 0:
+                protos[a][key.removeprefix("base_model.model.")] = np.linalg.svd(delta, full_matrices=False)[
+                    2
+                ][0]
+    modules = sorted(set().union(*(set(p) for p in protos.values())))
+    V = {
+        m: np.stack([protos[a].get(m, np.zeros_like(next(iter(protos[a].values())))) for a in arms])
+        for m in modules
+    }
+    seen: dict[str, np.ndarray] = {}
+    handles = [
+        mod.register_forward_hook(lambda _m, args, _o, name=name: seen.__setitem__(name, args[0][0].numpy()))
+        for name, mod in hidden.model.named_modules()
+        if name in V
+    ]
+    out = np.zeros(len(table.prompts), dtype=np.int64)
+    try:
+        with hidden._torch.no_grad():
+            for r, prompt in enumerate(table.prompts):
+                seen.clear()
+                hidden.model(hidden.tokenizer(prompt, return_tensors="pt").input_ids)
+                score = np.zeros(len(arms))
+                for m in modules:
+                    logits = np.abs(seen[m].astype(np.float64) @ V[m].T)  # tokens x adapters
+                    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+                    score += (e / e.sum(axis=1, keepdims=True)).mean(axis=0)
+                out[r] = table.arms.index(arms[int(np.argmax(score))])
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
 def featurizer(kind: str, hidden: HiddenStates | None) -> Featurizer:
     """The featurizer a router of `kind` (a name of FEATURIZERS) is built with."""
     if kind == HIDDEN:
@@ -195,7 +253,12 @@ def cold_start(table: RewardTable, rows: np.ndarray) -> dict[str, list[str]]:
 
 
 def offline(
-    table: RewardTable, X: dict[str, np.ndarray], sp: Split, seed: int, hidden: HiddenStates | None = None
+    table: RewardTable,
+    X: dict[str, np.ndarray],
+    sp: Split,
+    seed: int,
+    hidden: HiddenStates | None = None,
+    arrow: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Every router's choices on the evaluation rows after a batch fit on the train rows."""
     arms = table.arms
@@ -213,6 +276,8 @@ def offline(
         greedy = [int(np.argmax(router.predict(X[kind][i], arms))) for i in sp.eval]
         choices[f"router:{kind}"] = np.array(served)
         choices[f"router:{kind} (greedy)"] = np.array(greedy)
+    if arrow is not None:
+        choices["arrow (from weights)"] = arrow[sp.eval]
     best = int(np.argmax(R[sp.train].mean(axis=0)))
     choices["best single"] = np.full(len(sp.eval), best)
     choices["task known"] = task_known(table, sp.train, sp.eval)
@@ -580,6 +645,7 @@ def main() -> None:
     X: dict[str, np.ndarray] = {
         k: featurizer(k, hidden).transform_many(list[Any](table.prompts)) for k in kinds
     }
+    arrow = None if hidden is None else arrow_choices(table, hidden)
     hidden_ms = None
     if hidden is not None:
         ms = [1e3 * s for s in hidden.seconds]
@@ -588,7 +654,7 @@ def main() -> None:
     off, on, best = [], [], []
     for seed in seeds:
         sp = split(table, seed)
-        o = offline(table, X, sp, seed, hidden)
+        o = offline(table, X, sp, seed, hidden, arrow)
         off.append(scores(table.rewards[sp.eval][:, : len(table.arms)], o["choices"]))
         best.append(o["best_single_arm"])
         run = online(table, X, sp, seed, args.requests, hidden)

@@ -143,6 +143,8 @@ def test_the_reward_table_is_built_from_trained_arms_and_cached(
     _check(result, out, 1)
     arms = set(result["arms"])
     assert {"base", "add", "add-v1", "add-expert", "upper-pro"} <= arms and len(arms) == 11
+    arrow = result["offline"][0]["arrow (from weights)"]  # scored from the adapters the table wrote
+    assert 0 < arrow["pct_oracle"] <= 100, arrow
     assert result["rows"] == 2 * 10 * 5  # held-out and paraphrased, every task
     cached = Path(result["table"]["cache"])
     assert (cached / "rewards.npy").is_file() and (
