@@ -191,9 +191,8 @@ class RoutingState:
         self._changes = 0  # changes applied to the serving router (what a save would have to write)
         self._routed: OrderedDict[str, _Routed] = OrderedDict()
         self._warm: set[str] = set()  # arms this router was offered a cold start for (done or nothing to do)
-        self._claims: dict[
-            str, list[Claim]
-        ] = {}  # each task-named arm's cold start, added again on a new revision
+        # each task-named arm's cold start, added again on a new revision, with the router it was computed for
+        self._claims: dict[str, tuple[Router, list[Claim]]] = {}
         self._warming = asyncio.Lock()
         self._learner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mint-route-learner")
         self._saving = threading.Lock()  # one save at a time (the saver thread, close)
@@ -280,9 +279,9 @@ class RoutingState:
     ) -> None:
         """The learner's part of `answered`: the arm told its revision, the decision logged."""
         if model == decision.arm and revision:  # a canary's answers are not the policy's revision
-            self._change(
-                router, router.revision_step, decision.arm, revision, self._claims.get(decision.arm, ())
-            )
+            owner, claims = self._claims.get(decision.arm, (None, []))
+            claims = claims if owner is router else []  # computed for another router's featurizer: none
+            self._change(router, router.revision_step, decision.arm, revision, claims)
         router_revision = router.revision  # "" for a cold router: no saved state to replay
         self.log.decided(
             RouteRecord(
@@ -411,7 +410,8 @@ class RoutingState:
                 ]
                 if router is not self.router:  # swapped meanwhile: the new router is offered its own
                     return
-                self._claims[arm] = claims  # a new revision of the arm's policy starts from them again
+                # a new revision of the arm's policy starts from them again (the router's own arms too)
+                self._claims[arm] = (router, claims)
                 if arm not in known:
                     for xs, reward in claims:
                         self._change(router, router.warm_step, arm, xs, reward)
