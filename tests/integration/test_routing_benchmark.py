@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mint_testkit.harness import save_tiny_base
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,8 +120,12 @@ def test_the_replay_reports_every_figure_and_the_router_reads_the_prompt(
     tmp_path: Path, run_benchmark: Callable[..., tuple[dict[str, Any], str]]
 ) -> None:
     _table(tmp_path / "table")
+    base = save_tiny_base(
+        tmp_path / "base"
+    )  # the base-hidden features' base: CI's clean clone builds no data/
     result, out = run_benchmark(
-        *("--table", str(tmp_path / "table"), "--seeds", "0,1", "--requests", "240", "--catalog", "1000")
+        *("--table", str(tmp_path / "table"), "--base", str(base), "--seeds", "0,1", "--requests", "240"),
+        *("--catalog", "1000"),
     )
     _check(result, out, 2)
     for seed in result["offline"]:
