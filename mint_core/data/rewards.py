@@ -418,13 +418,18 @@ def dry_run(
 ) -> list[float]:
     """Score the base's own completions before the first step; refuses a reward that gives them all one score."""
     scores = rewarder.score_task(spec, examples, texts)
+    check_signal(spec, scores, texts)
+    return scores
+
+
+def check_signal(spec: TaskSpec, scores: Sequence[float], texts: Sequence[str]) -> None:
+    """`NoRewardSignal` when the base's completions `texts` of the task's prompts all got one score."""
     if len(scores) > 1 and len(set(scores)) == 1:
         raise NoRewardSignal(
             f"task {spec.name!r}: its reward gave all {len(scores)} of the base's completions the same score "
             f"{scores[0]:g}, so GRPO has no signal; check the reward ({', '.join(r.label for r in spec.rewards)}) "
             f"and the data's answer column against what the base writes (first completion: {texts[0][:60]!r})"
         )
-    return scores
 
 
 # ---- by name: a policy's override of its task's reward ----------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.data.generators import Example
-from mint_core.data.rewards import dry_run, override_spec
+from mint_core.data.rewards import check_signal, override_spec
 from mint_core.data.spec import registry as task_registry
 from mint_core.engine.base import load_base
 from mint_core.engine.chat import prompt_ids
@@ -237,33 +237,53 @@ def _champion_headroom(
     return room
 
 
+DRY_RUN_ROUNDS = 4
+"""Rounds of `k` more prompts the reward's dry run samples while every completion so far scored the same, before it
+refuses the reward: a hard task's base may miss every answer of its first few prompts (seen: the built-in `reverse`,
+all 64 of its first 8 prompts' completions well formed and wrong on one CPU), where a broken reward or answer column
+gives one score however many prompts are tried."""
+
+
 def dry_run_rewards(
     trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]], k: int
 ) -> dict[str, float]:
     """Before the first step: the bare base's own completions of each policy's first `k` prompts of its own task
-    (`group_size` samples each, as the rollouts sample), scored by the policy's reward; `NoRewardSignal` names the
-    task whose reward gives them all one score (GRPO would learn nothing). Returns each policy's mean reward."""
+    (`group_size` samples each, as the rollouts sample), scored by the policy's reward; while they all score the
+    same, `k` more prompts, up to DRY_RUN_ROUNDS rounds; `NoRewardSignal` names the task whose reward still gives
+    them all one score (GRPO would learn nothing). Returns each policy's mean reward."""
     cfg = trainer.config
+    eng = trainer.engine
     out = {}
     for name, examples in prompts.items():
-        own = trainer.policies[
-            name
-        ].spec.task  # not the replayed rows of other tasks: they have their own rewards
-        exs = [e for e in [x for x in examples if x.task == own][:k] for _ in range(trainer.group_size(name))]
-        params = [
-            SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
-            for i in range(len(exs))
-        ]
-        eng = trainer.engine
-        done = eng.generate(
-            [Request(prompt_ids(eng.tokenizer, e.prompt), None, p) for e, p in zip(exs, params, strict=True)]
-        )
-        texts = [c.text for c in done]
         spec = trainer.policies[name].spec
+        own = [
+            x for x in examples if x.task == spec.task
+        ]  # not the replayed rows of other tasks: own rewards
         task = trainer.rewarder.tasks.get(spec.task)
         if spec.reward is not None:
             task = override_spec(task, spec.reward)
-        scores = dry_run(trainer.rewarder, task, exs, texts)
+        texts: list[str] = []
+        scores: list[float] = []
+        for r in range(DRY_RUN_ROUNDS):
+            more = [e for e in own[r * k : (r + 1) * k] for _ in range(trainer.group_size(name))]
+            if not more:
+                break
+            params = [
+                SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
+                for i in range(len(texts), len(texts) + len(more))
+            ]
+            done = eng.generate(
+                [
+                    Request(prompt_ids(eng.tokenizer, e.prompt), None, p)
+                    for e, p in zip(more, params, strict=True)
+                ]
+            )
+            new = [c.text for c in done]
+            texts += new
+            scores += trainer.rewarder.score_task(task, more, new)
+            if len(set(scores)) > 1:
+                break
+        check_signal(task, scores, texts)
         out[name] = sum(scores) / len(scores)
         logger.info(
             "dry run of %s (task %s): mean reward %.3f on %d base completions",

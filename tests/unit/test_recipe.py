@@ -14,10 +14,18 @@ import pytest
 import torch
 
 from mint_core.data.generators import split
+from mint_core.data.rewards import NoRewardSignal
 from mint_core.engine.base import build_tiny_base, load_base
 from mint_core.engine.tokenizer import byte_tokenizer
 from mint_core.lora.adapter import random_adapter, save_adapter
-from mint_core.rl.builder import Continuation, continue_spec, load_trainer, spec_changes
+from mint_core.rl.builder import (
+    DRY_RUN_ROUNDS,
+    Continuation,
+    continue_spec,
+    dry_run_rewards,
+    load_trainer,
+    spec_changes,
+)
 from mint_core.rl.checkpoints import checkpoints
 from mint_core.rl.evaluate import Headroom, headroom
 from mint_core.rl.grpo import GRPOConfig
@@ -295,3 +303,16 @@ def test_a_tasks_recipe_section_sets_its_policies_hints(tmp_path: Path, register
     plain = recipe_spec("s", "sort")  # a built-in's own hints, from its spec
     assert (plain.rank, plain.group_size, plain.replay) == (8, None, 0.25)
     assert recipe_spec("r", "reverse").group_size == 16 and recipe_spec("a", "add").rank == 32
+
+
+def test_the_dry_run_tries_more_prompts_before_it_refuses_a_reward(base_dir: Path) -> None:
+    """The tiny random base answers no `add` prompt right nor in its shape: every completion scores 0. The dry run
+    samples DRY_RUN_ROUNDS rounds of `k` prompts (a hard task's first prompts may all be missed) before it refuses,
+    naming how many completions it scored."""
+    trainer = load_trainer(base_dir, [PolicySpec(name="add", task="add", rank=4, alpha=8)], GRPO, seed=3)
+    prompts = {"add": split("add", 40, 0, 0)[0]}
+    group = trainer.group_size("add")
+    with pytest.raises(NoRewardSignal, match=f"all {DRY_RUN_ROUNDS * 3 * group} of the base's completions"):
+        dry_run_rewards(trainer, prompts, 3)
+    with pytest.raises(NoRewardSignal, match=f"all {2 * group} of"):  # fewer prompts than the rounds ask for
+        dry_run_rewards(trainer, {"add": prompts["add"][:2]}, 3)
