@@ -413,17 +413,9 @@ class NoRewardSignal(MintError):
     """Every completion the base gave a task's prompts scores the same: GRPO would learn nothing."""
 
 
-def dry_run(
-    rewarder: Rewarder, spec: TaskSpec, examples: Sequence[Example], texts: Sequence[str]
-) -> list[float]:
-    """Score the base's own completions before the first step; refuses a reward that gives them all one score."""
-    scores = rewarder.score_task(spec, examples, texts)
-    check_signal(spec, scores, texts)
-    return scores
-
-
 def check_signal(spec: TaskSpec, scores: Sequence[float], texts: Sequence[str]) -> None:
-    """`NoRewardSignal` when the base's completions `texts` of the task's prompts all got one score."""
+    """Before the first step (the reward's dry run): `NoRewardSignal` when the base's own completions `texts` of the
+    task's prompts all got one score `scores`."""
     if len(scores) > 1 and len(set(scores)) == 1:
         raise NoRewardSignal(
             f"task {spec.name!r}: its reward gave all {len(scores)} of the base's completions the same score "

@@ -16,6 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from mint_app.cli.app import app
+from mint_testkit.harness import save_tiny_base
 from tests.unit.test_task_specs import eval_doc
 
 REWARD_PY = """
@@ -208,3 +209,15 @@ def test_a_failing_reward_shows_its_own_frames_once(tmp_path: Path) -> None:
     assert 'reward.py", line 12, in helper' in text and 'reward.py", line 15, in buggy' in text
     assert "multiprocessing" not in text and "mint_core" not in text, text
     assert len(text.strip().splitlines()) < 16, text
+
+
+def test_with_a_base_the_dry_run_tries_four_rounds_before_it_refuses(tmp_path: Path) -> None:
+    """`--base`: the base's own completions of 8 prompts, then 8 more while they all score the same, up to 4 rounds
+    (as training's dry run): a tiny random base never writes a shouted word, so all 4 x 64 score 0 and the check
+    fails naming the task and the count."""
+    base = save_tiny_base(tmp_path / "base")
+    folder = good_task(tmp_path)
+    out = CliRunner().invoke(app, ["task", "check", str(folder), "--base", str(base)], env={"COLUMNS": "400"})
+    text = re.sub(r"\s+", " ", out.output)
+    assert out.exit_code == 1, text
+    assert "task 'loud': its reward gave all 256 of the base's completions the same score 0" in text, text

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from mint_core.data.checks import check_task
-from mint_core.data.rewards import MIN_CALLS_FOR_SHARE, NoRewardSignal, Rewarder, RewardFailures, dry_run
+from mint_core.data.rewards import MIN_CALLS_FOR_SHARE, NoRewardSignal, Rewarder, RewardFailures, check_signal
 from mint_core.data.spec import BUILTIN_DIR, SpecError, TaskRegistry, load_spec, registry
 from mint_core.errors import DataCheckError
 from mint_core.eval.suites import SuiteError, spec_task_config
@@ -294,10 +294,12 @@ def test_the_dry_run_refuses_a_reward_with_no_signal(tmp_path: Path) -> None:
         Rewarder(TaskRegistry({spec.name: spec})) as r,
         pytest.raises(NoRewardSignal, match="task 'mine': its reward gave all 4 of the base's completions"),
     ):
-        dry_run(r, spec, rows, ["a", "b", "c", "d"])
+        check_signal(spec, r.score_task(spec, rows, ["a", "b", "c", "d"]), ["a", "b", "c", "d"])
     spec = load_spec(make_task(tmp_path / "b") / "task.yaml")
     with Rewarder(TaskRegistry({spec.name: spec})) as r:
-        assert dry_run(r, spec, rows, ["0", "x", "2", "y"]) == [1.0, 0.0, 1.0, 0.0]
+        scores = r.score_task(spec, rows, ["0", "x", "2", "y"])
+        assert scores == [1.0, 0.0, 1.0, 0.0]
+        check_signal(spec, scores, ["0", "x", "2", "y"])
 
 
 def test_a_tasks_eval_yaml_is_its_suite_and_a_broken_one_is_named(tmp_path: Path) -> None:
