@@ -636,10 +636,16 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     if args.table:
+        if not (args.table / "table.json").is_file():
+            ap.error(f"--table {args.table}: no reward table there (table.json); the cache holds them")
         table = RewardTable.load(args.table)
         table.meta["cache"] = str(args.table)
     else:
         table = reward_table(cfg, args.cache)
+    if not args.no_hidden and not (args.base / "config.json").is_file():
+        ap.error(
+            f"--base {args.base}: no model directory there (config.json); --no-hidden leaves {HIDDEN} out"
+        )
     kinds = [k for k in FEATURIZERS if k != HIDDEN or not args.no_hidden]
     hidden = None if args.no_hidden else HiddenStates(args.base, sorted(set(table.tasks)))
     X: dict[str, np.ndarray] = {

@@ -138,39 +138,26 @@ def _check_base(
     console: Console, spec: TaskSpec, base: Path, train: list[Example], rewarder: Rewarder
 ) -> None:
     """The base renders the task's prompts and its own sampled completions give the reward some signal."""
-    from mint_core.data.rewards import check_signal
     from mint_core.engine.base import load_base
     from mint_core.engine.chat import render_prompt
-    from mint_core.engine.engine import Engine, EngineConfig, Request
+    from mint_core.engine.engine import Engine, EngineConfig
     from mint_core.engine.sampling import SamplingParams
-    from mint_core.rl.builder import DRY_RUN_ROUNDS
+    from mint_core.rl.builder import sample_signal
     from mint_core.serving.base_check import check_base
 
     check_base(base, [e.prompt for e in train[:8]])
     engine = Engine(load_base(base), EngineConfig(max_loras=1, max_lora_rank=8))
-    texts: list[str] = []
-    scores: list[float] = []
-    for r in range(
-        DRY_RUN_ROUNDS
-    ):  # 8 prompts more while every completion so far scored the same, as training does
-        exs = [e for e in train[8 * r : 8 * (r + 1)] for _ in range(8)]
-        if not exs:
-            break
-        params = [
-            SamplingParams(max_tokens=spec.generation.max_new_tokens, temperature=0.7, seed=i)
-            for i in range(len(texts), len(texts) + len(exs))
-        ]
-        done = engine.generate(
-            [
-                Request(render_prompt(engine.tokenizer, e.prompt), None, p)
-                for e, p in zip(exs, params, strict=True)
-            ]
-        )
-        texts += [c.text for c in done]
-        scores += rewarder.score_task(spec, exs, [c.text for c in done])
-        if len(set(scores)) > 1:
-            break
-    check_signal(spec, scores, texts)
+    # 8 prompts, 8 samples each; more rounds while they all score the same, as training's dry run does
+    scores = sample_signal(
+        engine,
+        rewarder,
+        spec,
+        train,
+        8,
+        8,
+        lambda i: SamplingParams(max_tokens=spec.generation.max_new_tokens, temperature=0.7, seed=i),
+        lambda p: render_prompt(engine.tokenizer, p),
+    )
     console.print(
         f"[green]ok[/] base {base}: renders the prompts; its completions score {sum(scores) / len(scores):.3f}"
     )

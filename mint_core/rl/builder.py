@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.data.generators import Example
-from mint_core.data.rewards import check_signal, override_spec
+from mint_core.data.rewards import Rewarder, check_signal, override_spec
+from mint_core.data.spec import TaskSpec
 from mint_core.data.spec import registry as task_registry
 from mint_core.engine.base import load_base
 from mint_core.engine.chat import prompt_ids
@@ -244,46 +246,64 @@ all 64 of its first 8 prompts' completions well formed and wrong on one CPU), wh
 gives one score however many prompts are tried."""
 
 
+def sample_signal(
+    engine: Engine,
+    rewarder: Rewarder,
+    task: TaskSpec,
+    examples: list[Example],
+    k: int,
+    group: int,
+    sampling: Callable[[int], SamplingParams],
+    render: Callable[[Any], str | list[int]],
+) -> list[float]:
+    """The reward's dry run: the bare base's completions of the first `k` of `examples`, `group` samples each (the
+    i-th completion sampled with `sampling(i)`, its prompt rendered by `render`), scored by `task`'s reward; while
+    every score is the same, `k` more examples, up to DRY_RUN_ROUNDS rounds. Returns the scores; `NoRewardSignal`
+    (naming the task and how many completions it scored) when they are still all one."""
+    texts: list[str] = []
+    scores: list[float] = []
+    for r in range(DRY_RUN_ROUNDS):
+        more = [e for e in examples[r * k : (r + 1) * k] for _ in range(group)]
+        if not more:
+            break
+        reqs = [Request(render(e.prompt), None, sampling(len(texts) + j)) for j, e in enumerate(more)]
+        new = [c.text for c in engine.generate(reqs)]
+        texts += new
+        scores += rewarder.score_task(task, more, new)
+        if len(set(scores)) > 1:
+            break
+    check_signal(task, scores, texts)
+    return scores
+
+
 def dry_run_rewards(
     trainer: MultiPolicyTrainer, prompts: dict[str, list[Example]], k: int
 ) -> dict[str, float]:
     """Before the first step: the bare base's own completions of each policy's first `k` prompts of its own task
     (`group_size` samples each, as the rollouts sample), scored by the policy's reward; while they all score the
-    same, `k` more prompts, up to DRY_RUN_ROUNDS rounds; `NoRewardSignal` names the task whose reward still gives
-    them all one score (GRPO would learn nothing). Returns each policy's mean reward."""
+    same, `k` more prompts, up to DRY_RUN_ROUNDS rounds (`sample_signal`); `NoRewardSignal` names the task whose
+    reward still gives them all one score (GRPO would learn nothing). Returns each policy's mean reward."""
     cfg = trainer.config
     eng = trainer.engine
     out = {}
     for name, examples in prompts.items():
         spec = trainer.policies[name].spec
-        own = [
-            x for x in examples if x.task == spec.task
-        ]  # not the replayed rows of other tasks: own rewards
+        own = [x for x in examples if x.task == spec.task]  # not the replayed rows of other tasks
         task = trainer.rewarder.tasks.get(spec.task)
         if spec.reward is not None:
             task = override_spec(task, spec.reward)
-        texts: list[str] = []
-        scores: list[float] = []
-        for r in range(DRY_RUN_ROUNDS):
-            more = [e for e in own[r * k : (r + 1) * k] for _ in range(trainer.group_size(name))]
-            if not more:
-                break
-            params = [
-                SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i)
-                for i in range(len(texts), len(texts) + len(more))
-            ]
-            done = eng.generate(
-                [
-                    Request(prompt_ids(eng.tokenizer, e.prompt), None, p)
-                    for e, p in zip(more, params, strict=True)
-                ]
-            )
-            new = [c.text for c in done]
-            texts += new
-            scores += trainer.rewarder.score_task(task, more, new)
-            if len(set(scores)) > 1:
-                break
-        check_signal(task, scores, texts)
+        scores = sample_signal(
+            eng,
+            trainer.rewarder,
+            task,
+            own,
+            k,
+            trainer.group_size(name),
+            lambda i: SamplingParams(
+                max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=1_000_003 + i
+            ),
+            lambda p: prompt_ids(eng.tokenizer, p),
+        )
         out[name] = sum(scores) / len(scores)
         logger.info(
             "dry run of %s (task %s): mean reward %.3f on %d base completions",

@@ -399,14 +399,21 @@ class RoutingState:
             self._warm.update(names)
             return
         known = set(router.arms())
+        seen: dict[str, np.ndarray] = {}  # each task's first held-out prompts featurized once for all arms
+
+        def heldout(task: str, limit: int) -> np.ndarray:
+            if task not in seen:
+                seen[task] = router.featurizer.transform_many(_heldout(tasks, task, WARM_POSITIVES))
+            return seen[task][:limit]
+
         for arm in names:
             if arm in tasks:
-                positives = _heldout(tasks, arm, WARM_POSITIVES)
-                negatives = [p for t in tasks.names() if t != arm for p in _heldout(tasks, t, WARM_NEGATIVES)]
+                positives = heldout(arm, WARM_POSITIVES)
+                negatives = [heldout(t, WARM_NEGATIVES) for t in tasks.names() if t != arm]
                 claims: list[Claim] = [
-                    (router.featurizer.transform_many(ps), reward)
-                    for ps, reward in ((positives, 1.0), (negatives, 0.0))
-                    if ps
+                    (xs, reward)
+                    for xs, reward in ((positives, 1.0), (np.concatenate([positives[:0], *negatives]), 0.0))
+                    if len(xs)
                 ]
                 if router is not self.router:  # swapped meanwhile: the new router is offered its own
                     return
