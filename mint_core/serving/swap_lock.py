@@ -1,5 +1,10 @@
 """A readers-writer lock for the front of a vLLM server: requests under a name read, an in-place swap of it writes
-(serving/gateway.py); the golden probe takes the same locks (serving/golden.py)."""
+(serving/gateway.py); the golden probe takes the same locks (serving/golden.py).
+
+The front holds two kinds: one for vLLM's batch (`Gateway.batch`: requests read, a golden probe that must run
+alone writes) and one per served name. Whoever needs both takes the batch's first: a load that held a name and then
+waited for the batch behind a probe that runs alone, while that probe waited for the name, would wait forever
+(`Gateway.load`)."""
 
 from __future__ import annotations
 
@@ -41,6 +46,14 @@ class SwapLock:
         async with self._cond:
             self._writing = False
             self._cond.notify_all()
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[None]:
+        await self.acquire_read()
+        try:
+            yield
+        finally:
+            await self.release_read()
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[None]:

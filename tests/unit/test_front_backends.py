@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -68,7 +69,7 @@ async def nothing() -> None:
 
 
 def test_the_config_names_the_backend() -> None:
-    args = (CollectorRegistry(), SwapLock(), lambda replica: False, "_base", Path)
+    args = (CollectorRegistry(), lambda replica: False, "_base", Path)
     one = ServingConfig(backend="vllm", vllm_api_key="k")
     assert isinstance(backend_for(one, *args), OneVLLM)
     fleet = one.model_copy(update={"vllm_replicas": ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]})
@@ -80,3 +81,66 @@ def test_the_config_names_the_backend() -> None:
     ]
     with pytest.raises(ValueError, match="vllm_api_key"):
         backend_for(ServingConfig(backend="vllm"), *args)
+
+
+class Replica:
+    """One vLLM replica's routes the fleet's load and the golden probe use, answering at once."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, str] = {}  # name -> digest
+        self.calls: list[tuple[str, str]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/models":
+            cards = [{"id": n, "parent": "base", "root": f"/s/{d[:2]}/{d}"} for n, d in self.held.items()]
+            return httpx.Response(200, json={"data": cards})
+        body = json.loads(request.content)
+        self.calls.append((path, body.get("lora_name") or body.get("model")))
+        if path == LOAD:
+            self.held[body["lora_name"]] = Path(body["lora_path"]).name
+            return httpx.Response(200, text="Success")
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}]})
+
+
+def test_a_load_and_a_probe_that_runs_alone_never_wait_on_each_other() -> None:
+    """A load takes vLLM's batch before its name, as requests and the golden probe do. The other order deadlocked a
+    fleet's promotion: the load held the name and waited for the batch behind a probe that must run alone, and the
+    probe, once the batch was its own, waited for the name."""
+    from mint_core.serving.front.state import Gateway
+    from mint_core.serving.golden import GoldenProbe
+
+    async def scenario() -> None:
+        config = ServingConfig(backend="vllm", vllm_api_key="k", vllm_replicas=["http://127.0.0.1:9001"])
+        backend = backend_for(config, CollectorRegistry(), lambda replica: False, "_base", Path)
+        assert isinstance(backend, Replicas)
+        replica = Replica()
+        for r in backend.fleet.replicas:
+            r.http = httpx.AsyncClient(base_url=r.url, transport=httpx.MockTransport(replica))
+        locks: dict[str, SwapLock] = {}
+        gw = SimpleNamespace(
+            batch=SwapLock(),
+            lock=lambda name: locks.setdefault(name, SwapLock()),
+            backend=backend,
+            served={},
+            _changes=0,
+            golden=SimpleNamespace(after_load=lambda name: None),
+            registry=CollectorRegistry(),
+            ensure_base=nothing,
+            base_adapter="_base",
+        )
+        target = backend.targets(dict, nothing)[0]
+        probe = GoldenProbe(gw, [target], backend.drain, ["a"], max_tokens=1, interval_s=0.0)  # type: ignore[arg-type]
+
+        await gw.batch.acquire_read()  # a request under another name is under way
+        alone = asyncio.ensure_future(probe.answers(target, "p", alone=True))  # waits for the batch
+        load = asyncio.ensure_future(Gateway.load(gw, "p", "ab" * 32, PATH, inplace=False))  # type: ignore[arg-type]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await gw.batch.release_read()  # the request ends
+        await asyncio.wait_for(asyncio.gather(alone, load), timeout=10)
+        assert alone.result() == ["x"]
+        assert gw.served == {"p": "ab" * 32} and replica.held == {"p": "ab" * 32}
+        assert [call for call in replica.calls if call[0] == LOAD] == [(LOAD, "p")]
+
+    asyncio.run(scenario())

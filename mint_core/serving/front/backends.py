@@ -203,7 +203,6 @@ class Replicas:
         config: ServingConfig,
         key: str,
         registry: CollectorRegistry,
-        batch: SwapLock,
         out: Callable[[str | None], bool],
         hidden: str,
         dir_of: Callable[[str], Path],
@@ -214,7 +213,6 @@ class Replicas:
         self.http = self.fleet.replicas[
             0
         ].routed  # builds streamed requests; `stream` sends each to its replica
-        self.batch = batch
         self.out = out  # whether a replica is out of rotation (its answers are not passed on)
         self.dir_of = dir_of  # a revision's verified directory in the store: what a failed load puts back
 
@@ -271,11 +269,7 @@ class Replicas:
         return served.get(name)
 
     async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
-        await self.batch.acquire_read()  # the per-replica smoke check shares vLLM's batch as a request does
-        try:
-            held = await self.fleet.load(name, digest, path, self.dir_of)
-        finally:
-            await self.batch.release_read()
+        held = await self.fleet.load(name, digest, path, self.dir_of)  # the caller holds the batch's lock
         logger.info("vLLM replicas %s serve %s as sha256:%s", ", ".join(held), name, digest[:12])
 
     async def unload(self, name: str) -> None:
@@ -321,7 +315,6 @@ def _served_by(r: Replica) -> Callable[[], dict[str, str]]:
 def backend_for(
     config: ServingConfig,
     registry: CollectorRegistry,
-    batch: SwapLock,
     out: Callable[[str | None], bool],
     hidden: str,
     dir_of: Callable[[str], Path],
@@ -331,5 +324,5 @@ def backend_for(
         raise ValueError("backend vllm needs vllm_api_key: the key vLLM was started with")
     key = config.vllm_api_key.get_secret_value()
     if config.vllm_replicas:
-        return Replicas(config, key, registry, batch, out, hidden, dir_of)
+        return Replicas(config, key, registry, out, hidden, dir_of)
     return OneVLLM(config, key)

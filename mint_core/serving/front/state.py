@@ -71,7 +71,6 @@ class Gateway:
         self.backend = backend_for(
             config,
             self.registry,
-            self.batch,
             lambda r: self.golden.out(r),
             BASE_ADAPTER,
             self.store.local_dir,
@@ -132,8 +131,10 @@ class Gateway:
             self.served = served
 
     async def load(self, name: str, digest: str, path: Path, inplace: bool) -> None:
-        """Revision `digest` (verified, at `path`) under `name` in vLLM; no request runs under the name meanwhile."""
-        async with self.lock(name).write():
+        """Revision `digest` (verified, at `path`) under `name` in vLLM; no request runs under the name meanwhile.
+        The load shares vLLM's batch as a request does (a fleet's smoke check is one), and takes the batch's lock
+        before the name's, in the order requests and the golden probe take them (serving/swap_lock.py)."""
+        async with self.batch.read(), self.lock(name).write():
             await self.backend.load(name, digest, path, inplace)
             self.served[name] = digest
             self._changes += 1
