@@ -16,8 +16,9 @@ Per seed (`--seeds`, default 0,1,2: the split of prompts, the stream, the router
   champion's rewards with noise in the adapter). Mint's router is told each arm's revision from the start and at
   each change, with the arm's cold start, as a server tells it (`set_revision`).
 
-Routers: mint's `Router` with each featurizer (`char` n-grams, `word` n-grams) and with the resident base's hidden
-state in their place (`base-hidden`: a forward of the base per prompt; `--no-hidden` leaves it out), context-free
+Routers: mint's `Router` with each featurizer (`char` n-grams, `word` n-grams), with the char n-grams followed by
+each prompt's soft assignment to the tasks' centroids (`char+anchors`, `TaskAnchors`), and with the resident base's
+hidden state in their place (`base-hidden`: a forward of the base per prompt; `--no-hidden` leaves it out), context-free
 epsilon-greedy and
 Thompson sampling (`mint_core.routing.baselines`), the best single arm (by the train half; online: in hindsight
 over the stream), random, and three references: `task known` (told each prompt's task, it serves the arm with the
@@ -70,10 +71,16 @@ from mint_core.routing import (
 )
 from mint_core.routing.features import Kind, prompt_text
 
-FEATURIZERS: tuple[str, ...] = ("char", "word", "base-hidden")
+FEATURIZERS: tuple[str, ...] = ("char", "word", "char+anchors", "base-hidden")
 """The features mint's router is measured with: its featurizer's kinds (`Featurizer(kind=...)`, the first is the
-default), and `base-hidden`, an alternative that is not a featurizer of mint's: the resident base's last hidden
-state, mean-pooled over the prompt's tokens (`HiddenStates`)."""
+default), and two alternatives that are not featurizers of mint's: `char+anchors` (`TaskAnchors`) and
+`base-hidden`, the resident base's last hidden state, mean-pooled over the prompt's tokens (`HiddenStates`)."""
+ANCHORED = "char+anchors"
+ANCHOR_TEMPERATURE = 0.05
+"""Softmax temperature over a prompt's cosines to the task centroids (`TaskAnchors`): char n-gram cosines of a
+task's prompts to its own centroid are about 0.5-0.8, to another task's about 0.05-0.3."""
+ANCHOR_WEIGHT = 3.0
+"""What the anchors' part weighs beside the unit n-gram part before the whole is normalized."""
 HIDDEN = "base-hidden"
 CENTER_PROMPTS = 64
 """Train prompts of each task whose mean hidden state `HiddenStates` subtracts (never an evaluated row)."""
@@ -175,6 +182,31 @@ class HiddenStates(Featurizer):
         return got
 
 
+class TaskAnchors(Featurizer):
+    """The char n-grams (mint's default featurizer), then the prompt's soft assignment to each task's centroid: a
+    softmax over the cosines between the prompt's n-gram vector and each task's mean (of `prompts`, the fit half's:
+    never an evaluated row) at ANCHOR_TEMPERATURE, times ANCHOR_WEIGHT; the whole L2-normalized. A few dimensions
+    that say which task a prompt is in any wording, beside the n-grams the arms' linear models also fit the
+    arguments with. The centroids depend on the registered tasks, so a router of these features would need them
+    fixed per router revision (fitted by the route flow, saved with the router)."""
+
+    def __init__(self, prompts: dict[str, list[str]]) -> None:
+        super().__init__()
+        self.grams = Featurizer()
+        means = np.stack(
+            [self.grams.transform_many(list[Any](ps)).mean(axis=0) for _, ps in sorted(prompts.items()) if ps]
+        )
+        self.anchors = means / np.linalg.norm(means, axis=1, keepdims=True)
+        self.dim = self.grams.dim + len(self.anchors)
+
+    def transform(self, prompt: str | list[dict[str, str]]) -> np.ndarray:
+        x = self.grams.transform(prompt)
+        s = self.anchors @ x.astype(np.float64) / ANCHOR_TEMPERATURE
+        e = np.exp(s - s.max())
+        v = np.concatenate([x, ANCHOR_WEIGHT * e / e.sum()])
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+
 def arrow_choices(table: RewardTable, hidden: HiddenStates) -> np.ndarray | None:
     """Per row of the table, the arm Arrow's routing from adapter weights picks (Ostapenko et al., 2024; zero-shot:
     no reward, no prompt of any task): each adapter's prototype per LoRA module is the top right singular vector of
@@ -232,12 +264,34 @@ def arrow_choices(table: RewardTable, hidden: HiddenStates) -> np.ndarray | None
     return out
 
 
-def featurizer(kind: str, hidden: HiddenStates | None) -> Featurizer:
-    """The featurizer a router of `kind` (a name of FEATURIZERS) is built with."""
+def featurizer(
+    kind: str, hidden: HiddenStates | None = None, table: RewardTable | None = None, sp: Split | None = None
+) -> Featurizer:
+    """The featurizer a router of `kind` (a name of FEATURIZERS) is built with; `char+anchors` takes its tasks'
+    centroids from the train rows of `sp`."""
     if kind == HIDDEN:
         assert hidden is not None
         return hidden
+    if kind == ANCHORED:
+        assert table is not None and sp is not None
+        by_task: dict[str, list[str]] = {}
+        for i in sp.train:
+            by_task.setdefault(table.tasks[i], []).append(table.prompts[i])
+        return TaskAnchors(by_task)
     return Featurizer(kind=cast(Kind, kind))
+
+
+def seed_features(
+    table: RewardTable, X: dict[str, np.ndarray], kinds: list[str], sp: Split, hidden: HiddenStates | None
+) -> tuple[dict[str, Featurizer], dict[str, np.ndarray]]:
+    """Each kind's featurizer for a seed and every row's features: those of `X` (the same for every seed) and, for a
+    kind whose featurizer depends on the split (`char+anchors`), computed for this one."""
+    feats = {k: featurizer(k, hidden, table, sp) for k in kinds}
+    rows = dict(X)
+    for k in kinds:
+        if k not in rows:
+            rows[k] = feats[k].transform_many(list[Any](table.prompts))
+    return feats, rows
 
 
 def cold_start(table: RewardTable, rows: np.ndarray) -> dict[str, list[str]]:
@@ -257,16 +311,17 @@ def offline(
     X: dict[str, np.ndarray],
     sp: Split,
     seed: int,
-    hidden: HiddenStates | None = None,
+    feats: dict[str, Featurizer],
     arrow: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Every router's choices on the evaluation rows after a batch fit on the train rows."""
+    """Every router's choices on the evaluation rows after a batch fit on the train rows (`feats`: each kind of `X`'s
+    featurizer)."""
     arms = table.arms
     R = table.rewards[:, : len(arms)]
     rng = np.random.default_rng(seed)
     choices: dict[str, np.ndarray] = {}
     for kind in X:
-        router = Router(featurizer(kind, hidden), decay=1.0, seed=seed)  # a batch fit: nothing to forget
+        router = Router(feats[kind], decay=1.0, seed=seed)  # a batch fit: nothing to forget
         warm_start_tasks(router, cold_start(table, sp.train))
         order = rng.permutation(sp.train)
         for i in order:
@@ -373,11 +428,11 @@ def stream_rewards(table: RewardTable, ev: Events, stream: np.ndarray) -> np.nda
 
 
 def _online_router(
-    name: str, table: RewardTable, sp: Split, seed: int, hidden: HiddenStates | None
+    name: str, table: RewardTable, sp: Split, seed: int, feats: dict[str, Featurizer]
 ) -> tuple[Any, dict[str, list[Claim]]]:
     """A router of the online replay, and each arm's cold start (what a new revision starts from again)."""
     if name.startswith("router:"):
-        router = Router(featurizer(name.split(":", 1)[1], hidden), seed=seed)
+        router = Router(feats[name.split(":", 1)[1]], seed=seed)
         return router, warm_start_tasks(router, cold_start(table, sp.train))
     if name == "epsilon-greedy":
         return EpsilonGreedy(seed=seed), {}
@@ -390,7 +445,7 @@ def online(
     sp: Split,
     seed: int,
     n: int,
-    hidden: HiddenStates | None = None,
+    feats: dict[str, Featurizer],
 ) -> dict[str, Any]:
     """Each learning router over the same stream of `n` requests, seeing only the reward of its own choice. Mint's
     routers are told each arm's revision before the first request (a server learns it from the arm's first
@@ -402,8 +457,8 @@ def online(
     R = stream_rewards(table, ev, stream)
     choices: dict[str, np.ndarray] = {}
     for name in [*(f"router:{k}" for k in X), "epsilon-greedy", "Thompson (context-free)"]:
-        router, claims = _online_router(name, table, sp, seed, hidden)
-        feats = X[name.split(":", 1)[1] if name.startswith("router:") else FEATURIZERS[0]]
+        router, claims = _online_router(name, table, sp, seed, feats)
+        xs = X[name.split(":", 1)[1] if name.startswith("router:") else FEATURIZERS[0]]
         r_rng = np.random.default_rng(seed)
         picked = np.zeros(n, dtype=np.int64)
         told = isinstance(router, Router)
@@ -414,7 +469,7 @@ def online(
                 router.set_revision(ev.better, "v2", claims.get(ev.better, ()))
             if t == ev.at_worse and told:
                 router.set_revision(ev.worse, "v3", claims.get(ev.worse, ()))
-            x = feats[row]
+            x = xs[row]
             j = arms.index(router.choose(x, arms, rng=r_rng).arm)
             picked[t] = j
             router.update(arms[j], x, float(R[t, j]))
@@ -648,8 +703,8 @@ def main() -> None:
         )
     kinds = [k for k in FEATURIZERS if k != HIDDEN or not args.no_hidden]
     hidden = None if args.no_hidden else HiddenStates(args.base, sorted(set(table.tasks)))
-    X: dict[str, np.ndarray] = {
-        k: featurizer(k, hidden).transform_many(list[Any](table.prompts)) for k in kinds
+    X: dict[str, np.ndarray] = {  # the kinds whose features are the same for every seed
+        k: featurizer(k, hidden).transform_many(list[Any](table.prompts)) for k in kinds if k != ANCHORED
     }
     arrow = None if hidden is None else arrow_choices(table, hidden)
     hidden_ms = None
@@ -660,10 +715,11 @@ def main() -> None:
     off, on, best = [], [], []
     for seed in seeds:
         sp = split(table, seed)
-        o = offline(table, X, sp, seed, hidden, arrow)
+        feats, rows = seed_features(table, X, kinds, sp, hidden)
+        o = offline(table, rows, sp, seed, feats, arrow)
         off.append(scores(table.rewards[sp.eval][:, : len(table.arms)], o["choices"]))
         best.append(o["best_single_arm"])
-        run = online(table, X, sp, seed, args.requests, hidden)
+        run = online(table, rows, sp, seed, args.requests, feats)
         on.append(online_scores(table, run))
         print(f"seed {seed}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     oh = overhead(table, X, split(table, seeds[0]), args.catalog, seeds[0])

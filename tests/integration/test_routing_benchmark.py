@@ -97,6 +97,7 @@ def _check(result: dict[str, Any], out: str, seeds: int) -> None:
     for name in (
         "router:char",
         "router:word",
+        "router:char+anchors",
         "router:base-hidden",
         "best single",
         "task known",
@@ -131,6 +132,7 @@ def test_the_replay_reports_every_figure_and_the_router_reads_the_prompt(
     for seed in result["offline"]:
         assert seed["router:char"]["pct_oracle"] > seed["best single"]["pct_oracle"] + 10
         assert seed["router:base-hidden"]["pct_oracle"] > seed["best single"]["pct_oracle"] + 10
+        assert seed["router:char+anchors"]["pct_oracle"] > seed["best single"]["pct_oracle"] + 10
         assert seed["oracle"]["pct_oracle"] == 100
         # each task's own arm is its best on every row: told the task, the reference serves it, as the task oracle
         assert seed["task known"]["pct_task_oracle"] == pytest.approx(100)
