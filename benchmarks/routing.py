@@ -24,7 +24,9 @@ Thompson sampling (`mint_core.routing.baselines`), the best single arm (by the t
 over the stream), random, and three references: `task known` (told each prompt's task, it serves the arm with the
 best mean reward on that task's train half), the task oracle (each task's best arm in hindsight, on the rows
 scored) and the oracle (each request's best arm); offline also Arrow's zero-shot routing from the adapters'
-weights (`arrow_choices`, with `base-hidden`: it runs the base). Reports % of the oracle's reward and of the task oracle's (the
+weights (`arrow_choices`, with `base-hidden`: it runs the base) and `answers`, which sees every arm's own answer to
+the request before it picks one (`_arm_answers.py`: the most a router can know short of the reward, at one
+generation per arm a request; with `base-hidden`). Reports % of the oracle's reward and of the task oracle's (the
 goals are judged against the oracle), top-1 accuracy
 (ties count), the share of the gap between the best single arm and the oracle recovered, cumulative regret,
 % of oracle over the last quarter of the stream (requests 1,500-2,000 of 2,000), requests of a task until 80% of
@@ -57,6 +59,7 @@ os.environ.setdefault(
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arm_answers import answer_choices, arm_answers
 from _common import add_device, checked_device, load_avg, report, stop_servers_on_kill
 from _reward_table import BASE_ARM, RewardTable, TableConfig, reward_table
 
@@ -97,10 +100,12 @@ GOALS = {
 }
 """Issue 44's "Done when", one number each."""
 
-REFERENCES = ("best single", "task known", "random", "oracle", "task oracle", "arrow (from weights)")
+ARROW = "arrow (from weights)"
+ANSWERS = "answers (every arm answers)"
+REFERENCES = ("best single", "task known", "random", "oracle", "task oracle", ARROW, ANSWERS)
 """Rows of the report that are references, not learning routers: `task known` is told each prompt's task (the
 best arm per task by the fit half), `task oracle` picks each task's best arm in hindsight on the rows scored,
-`oracle` each request's best arm."""
+`oracle` each request's best arm, `answers` sees every arm's answer before it picks one (`_arm_answers.py`)."""
 
 COLUMNS = {
     "pct_oracle": "% oracle",
@@ -312,10 +317,10 @@ def offline(
     sp: Split,
     seed: int,
     feats: dict[str, Featurizer],
-    arrow: np.ndarray | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Every router's choices on the evaluation rows after a batch fit on the train rows (`feats`: each kind of `X`'s
-    featurizer)."""
+    featurizer), and the references of `extra` (their choices on the evaluation rows)."""
     arms = table.arms
     R = table.rewards[:, : len(arms)]
     rng = np.random.default_rng(seed)
@@ -331,8 +336,7 @@ def offline(
         greedy = [int(np.argmax(router.predict(X[kind][i], arms))) for i in sp.eval]
         choices[f"router:{kind}"] = np.array(served)
         choices[f"router:{kind} (greedy)"] = np.array(greedy)
-    if arrow is not None:
-        choices["arrow (from weights)"] = arrow[sp.eval]
+    choices |= extra or {}
     best = int(np.argmax(R[sp.train].mean(axis=0)))
     choices["best single"] = np.full(len(sp.eval), best)
     choices["task known"] = task_known(table, sp.train, sp.eval)
@@ -667,7 +671,7 @@ def main() -> None:
     ap.add_argument(
         "--no-hidden",
         action="store_true",
-        help=f"leave out the {HIDDEN} features (they run the base per prompt)",
+        help=f"leave out what runs the base per prompt: the {HIDDEN} features, Arrow and the answers reference",
     )
     ap.add_argument("--e2e", action="store_true", help="end-to-end latency with and without model auto")
     ap.add_argument("--e2e-requests", type=int, default=200, help="prompts sent each way per backend")
@@ -707,6 +711,7 @@ def main() -> None:
         k: featurizer(k, hidden).transform_many(list[Any](table.prompts)) for k in kinds if k != ANCHORED
     }
     arrow = None if hidden is None else arrow_choices(table, hidden)
+    answers = None if hidden is None else arm_answers(table, args.base, device)
     hidden_ms = None
     if hidden is not None:
         ms = [1e3 * s for s in hidden.seconds]
@@ -716,7 +721,10 @@ def main() -> None:
     for seed in seeds:
         sp = split(table, seed)
         feats, rows = seed_features(table, X, kinds, sp, hidden)
-        o = offline(table, rows, sp, seed, feats, arrow)
+        extra = {} if arrow is None else {ARROW: arrow[sp.eval]}
+        picked = None if answers is None else answer_choices(answers, table.rewards, sp.train, sp.eval)
+        extra |= {} if picked is None else {ANSWERS: picked}
+        o = offline(table, rows, sp, seed, feats, extra)
         off.append(scores(table.rewards[sp.eval][:, : len(table.arms)], o["choices"]))
         best.append(o["best_single_arm"])
         run = online(table, rows, sp, seed, args.requests, feats)
@@ -743,6 +751,11 @@ def main() -> None:
     print(f"decision overhead: {oh}")
     if hidden_ms is not None:
         print(f"{HIDDEN} features (a forward of the base per prompt, before any decision): {hidden_ms}")
+    if answers is not None:
+        print(
+            f"answers: every arm's, {answers.generate_s:.0f} s for all rows x arms when computed; "
+            f"{100 * answers.reproduced:.2f}% of the table's rewards reproduced"
+        )
     e2e = _e2e(table, args.base, args.e2e_requests, device) if args.e2e else None
     checks = verdicts(off, on, oh, e2e)
     for c in checks:
@@ -769,6 +782,9 @@ def main() -> None:
             "online": on,
             "overhead": oh,
             "hidden_features_ms": hidden_ms,
+            "answers": None
+            if answers is None
+            else {"reproduced": answers.reproduced, "generate_s": round(answers.generate_s, 1)},
             "e2e": e2e,
             "goals": checks,
             "load_avg": load_avg(),

@@ -153,6 +153,10 @@ def test_the_reward_table_is_built_from_trained_arms_and_cached(
     assert {"base", "add", "add-v1", "add-expert", "upper-pro"} <= arms and len(arms) == 11
     arrow = result["offline"][0]["arrow (from weights)"]  # scored from the adapters the table wrote
     assert 0 < arrow["pct_oracle"] <= 100, arrow
+    # every arm answered every row again, from the same adapters, to the same rewards; a model of the answers picks
+    assert result["answers"]["reproduced"] >= 0.995, result["answers"]
+    answers = result["offline"][0]["answers (every arm answers)"]
+    assert 0 < answers["pct_oracle"] <= 100, answers
     assert result["rows"] == 2 * 10 * 5  # held-out and paraphrased, every task
     cached = Path(result["table"]["cache"])
     assert (cached / "rewards.npy").is_file() and (
@@ -160,3 +164,34 @@ def test_the_reward_table_is_built_from_trained_arms_and_cached(
     ).is_file()
     again, _ = run_benchmark(*args, "--seeds", "0", "--requests", "80", "--catalog", "1000")
     assert again["table"]["cache"] == str(cached) and again["offline"] == result["offline"]
+    # the answers are read back from beside the table, not computed again
+    assert (cached / "answers.npz").is_file() and again["answers"] == result["answers"]
+
+
+def test_the_answers_reference_learns_which_answers_to_trust() -> None:
+    """Three arms: on every row two agree and one is alone; the rewards make the lone arm right on the train rows
+    only when it is surer of its tokens than the pair. The fit must pick the pair, or the sure lone arm, per row."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _arm_answers import ArmAnswers, answer_choices
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rng = np.random.default_rng(0)
+    n = 400
+    lone = rng.integers(3, size=n)
+    sure = rng.random(n) < 0.3
+    texts = np.full((n, 3), "pair", dtype=object)
+    texts[np.arange(n), lone] = "alone"
+    mean_lp = np.full((n, 3), -0.5)
+    mean_lp[np.arange(n), lone] = np.where(sure, -0.05, -2.0)
+    rewards = np.zeros((n, 3), dtype=np.float32)
+    for i in range(n):
+        rewards[i] = [1.0 if (j == lone[i]) == sure[i] else 0.0 for j in range(3)]
+    ans = ArmAnswers(texts.astype(str), mean_lp, mean_lp.copy(), reproduced=1.0, generate_s=0.0)
+    rows = np.arange(n)
+    picked = answer_choices(ans, rewards, rows[:200], rows[200:])
+    assert picked is not None
+    assert rewards[rows[200:], picked].mean() == 1.0
+    stale = ArmAnswers(ans.texts, mean_lp, mean_lp, reproduced=0.9, generate_s=0.0)
+    # answers that do not score to the table's rewards are not used
+    assert answer_choices(stale, rewards, rows[:200], rows[200:]) is None
