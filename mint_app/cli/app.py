@@ -28,6 +28,7 @@ from mint_app.job.config import MainJobConfig
 from mint_core import __version__
 from mint_core.data.spec import demo_policies
 from mint_core.errors import BaseError, MintError
+from mint_core.process import freeze_at_exit
 from mint_core.rl.recipe_defaults import RECIPE
 from mint_core.serving.config import ServingConfig
 
@@ -55,6 +56,7 @@ def _main(
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    freeze_at_exit()  # a command that imported torch exits a second sooner (mint_core/process.py)
 
 
 @app.command()
