@@ -44,7 +44,7 @@ def test_the_mint_command_and_the_flows_register_it() -> None:
             except SystemExit:
                 pass
         else:
-            import flows.canary
+            import flows  # the package a flow run's entry point is imported from
         """
     )
     for which in ("cli", "flows"):
