@@ -65,10 +65,18 @@ SHARED_VLLM_MODULES = frozenset(
 """The modules that use the session's vLLM (`vllm_server`, or `endpoint` through its vllm parameter)."""
 
 
+SHARED_MLFLOW_PG_MODULES = frozenset({"test_registry.py", "test_services.py"})
+"""The modules that use the session's MLflow on PostgreSQL (`mlflow_server_pg`): on one worker, it starts once."""
+
+
 def room(nodeid: str) -> str:
-    """What one worker runs whole: a test's module, or "vllm" for every module of SHARED_VLLM_MODULES."""
+    """What one worker runs whole: a test's module, "vllm" for every module of SHARED_VLLM_MODULES, "mlflow-pg" for
+    every module of SHARED_MLFLOW_PG_MODULES."""
     module = nodeid.split("::", 1)[0]
-    return "vllm" if Path(module).name in SHARED_VLLM_MODULES else module
+    name = Path(module).name
+    if name in SHARED_VLLM_MODULES:
+        return "vllm"
+    return "mlflow-pg" if name in SHARED_MLFLOW_PG_MODULES else module
 
 
 @functools.cache
@@ -84,12 +92,21 @@ def uses_session_vllm(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A module that uses the session's vLLM but is missing from SHARED_VLLM_MODULES would start a second vLLM on
-    the other worker: refuse to run, naming it."""
+    """A module that uses the session's vLLM (or MLflow on PostgreSQL) but is missing from SHARED_VLLM_MODULES (or
+    SHARED_MLFLOW_PG_MODULES) would start a second one on the other worker: refuse to run, naming it."""
     missing = sorted({item.path.name for item in items if uses_session_vllm(item)} - SHARED_VLLM_MODULES)
     if missing:
         raise pytest.UsageError(
             f"{', '.join(missing)} use the session's vLLM: add them to SHARED_VLLM_MODULES in tests/conftest.py"
+        )
+    missing = sorted(
+        {item.path.name for item in items if "mlflow_server_pg" in getattr(item, "fixturenames", ())}
+        - SHARED_MLFLOW_PG_MODULES
+    )
+    if missing:
+        raise pytest.UsageError(
+            f"{', '.join(missing)} use the session's MLflow on PostgreSQL: add them to SHARED_MLFLOW_PG_MODULES in "
+            "tests/conftest.py"
         )
 
 

@@ -45,6 +45,8 @@ def same_generation(eager: Engine, compiled: Engine, requests: list[Request]) ->
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # the inductor compile takes 11-39 s (warm or cold cache) of a CPU-bound default run, for an
+# opt-in feature (`compile_decode` is off by default); the default tier keeps its single-row and refusal checks
 def test_mixed_adapters_and_retiring_rows_generate_the_eager_tokens(pair):
     eager, compiled = pair
     assert compiled.compiled_decode is not None and eager.compiled_decode is None
