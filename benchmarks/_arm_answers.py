@@ -14,12 +14,13 @@ reported (another machine's kernels can answer a few rows differently from the b
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from _reward_table import BASE_ARM, RewardTable, TableConfig, _rows, progress
+from _reward_table import BASE_ARM, RewardTable, TableConfig, _rows, complete, progress
 
 ANSWERS_FILE = "answers.npz"
 ANSWER_RIDGE = 1.0
@@ -53,28 +54,28 @@ def arm_answers(table: RewardTable, base: Path, device: str) -> ArmAnswers | Non
     ):
         return None
     if (folder / ANSWERS_FILE).is_file():
-        z = np.load(folder / ANSWERS_FILE)
-        return ArmAnswers(
-            z["texts"], z["mean_lp"], z["min_lp"], float(z["reproduced"]), float(z["generate_s"])
-        )
+        try:
+            z = np.load(folder / ANSWERS_FILE)
+            return ArmAnswers(
+                z["texts"], z["mean_lp"], z["min_lp"], float(z["reproduced"]), float(z["generate_s"])
+            )
+        except (OSError, ValueError, KeyError) as e:  # cut short or of another layout: computed again
+            progress(f"answers: {folder / ANSWERS_FILE} does not read back ({e}); computing them again")
     config = table.meta.get("config", {})
     cfg = TableConfig(heldout=int(config.get("heldout", TableConfig.heldout)))
-    tasks = list(dict.fromkeys(table.tasks))
-    examples, _, _ = _rows(cfg, tasks)
+    examples, _, _ = _rows(cfg, list(dict.fromkeys(table.tasks)))
     from mint_core.data.spec import prompt_text
 
     if [prompt_text(ex.prompt) for ex in examples] != table.prompts:
         progress("answers: the table's rows are not the registered tasks' held-out rows; left out")
         return None
     from mint_core.data.rewards import Rewarder
-    from mint_core.data.spec import registry
     from mint_core.engine.base import load_base
-    from mint_core.engine.chat import prompt_ids
-    from mint_core.engine.engine import Engine, EngineConfig, Request
-    from mint_core.engine.sampling import SamplingParams
+    from mint_core.engine.engine import Engine, EngineConfig
 
     progress(f"answers: every row with each of {len(cols)} arms (once; kept as {folder / ANSWERS_FILE})")
-    engine = Engine(load_base(base, device=device), EngineConfig(max_loras=len(paths), max_lora_rank=64))
+    rank = max(json.loads((p / "adapter_config.json").read_text())["r"] for p in paths.values())
+    engine = Engine(load_base(base, device=device), EngineConfig(max_loras=len(paths), max_lora_rank=rank))
     for c, p in paths.items():
         engine.load_adapter(c, p)
     n, k = len(examples), len(cols)
@@ -83,17 +84,7 @@ def arm_answers(table: RewardTable, base: Path, device: str) -> ArmAnswers | Non
     t0 = time.perf_counter()
     with Rewarder() as rewarder:
         for j, col in enumerate(cols):
-            reqs = [
-                Request(
-                    prompt_ids(engine.tokenizer, ex.prompt),
-                    None if col == BASE_ARM else col,
-                    SamplingParams(
-                        max_tokens=registry().get(ex.task).generation.max_new_tokens, logprobs=True
-                    ),
-                )
-                for ex in examples
-            ]
-            done = [c for i in range(0, n, 512) for c in engine.generate(reqs[i : i + 512])]
+            done = complete(engine, None if col == BASE_ARM else col, examples, logprobs=True)
             texts[:, j] = [c.text for c in done]
             mean_lp[:, j] = [np.mean(c.logprobs) if c.logprobs else -100.0 for c in done]
             min_lp[:, j] = [np.min(c.logprobs) if c.logprobs else -100.0 for c in done]
@@ -116,9 +107,9 @@ def arm_answers(table: RewardTable, base: Path, device: str) -> ArmAnswers | Non
 
 
 def answer_features(ans: ArmAnswers, rows: np.ndarray) -> np.ndarray:
-    """rows x arms x features: a constant, the share of arms that gave this arm's answer, its mean and lowest
-    logprob, both less the row's best, and whether it is the surest arm's answer; then the same again in the
-    arm's own block (a slope per arm)."""
+    """rows x arms x features: a constant, the share of arms that gave this arm's answer, its tokens' mean and
+    lowest logprob, its mean logprob and its share less the row's highest, and whether it is the surest arm's
+    answer; then the same again in the arm's own block (a slope per arm)."""
     texts = np.char.strip(ans.texts[rows].astype(str))
     n, k = texts.shape
     share = (texts[:, :, None] == texts[:, None, :]).sum(axis=2) / k

@@ -284,8 +284,9 @@ def _rows(cfg: TableConfig, tasks: list[str]) -> tuple[list[Example], list[str],
     return held + para, ["heldout"] * len(held) + ["paraphrase"] * len(para), list(range(len(held))) * 2
 
 
-def _answer(engine: Any, column: str | None, examples: list[Example]) -> list[str]:
-    """Greedy completions of `examples` under `column` (None: the bare base), each task's max_new_tokens."""
+def complete(engine: Any, column: str | None, examples: list[Example], logprobs: bool = False) -> list[Any]:
+    """Greedy completions of `examples` under `column` (None: the bare base), each task's max_new_tokens, in
+    chunks of 512; with `logprobs`, each completion's tokens' logprobs too (the tokens are the same)."""
     from mint_core.engine.chat import prompt_ids
     from mint_core.engine.engine import Request
     from mint_core.engine.sampling import SamplingParams
@@ -297,11 +298,13 @@ def _answer(engine: Any, column: str | None, examples: list[Example]) -> list[st
             Request(
                 prompt_ids(engine.tokenizer, ex.prompt),
                 column,
-                SamplingParams(max_tokens=registry().get(ex.task).generation.max_new_tokens),
+                SamplingParams(
+                    max_tokens=registry().get(ex.task).generation.max_new_tokens, logprobs=logprobs
+                ),
             )
             for ex in examples[i : i + chunk]
         ]
-        out += [c.text for c in engine.generate(reqs)]
+        out += engine.generate(reqs)
     return out
 
 
@@ -334,7 +337,7 @@ def build(cfg: TableConfig, adapters: Path) -> RewardTable:
     rewards = np.zeros((len(examples), len(columns)), dtype=np.float32)
     with Rewarder() as rewarder:
         for j, col in enumerate(columns):
-            texts = _answer(engine, None if col == BASE_ARM else col, examples)
+            texts = [c.text for c in complete(engine, None if col == BASE_ARM else col, examples)]
             rewards[:, j] = rewarder.score(examples, texts)
             progress(
                 f"answered {len(examples)} prompts with {col} ({j + 1}/{len(columns)}), "
