@@ -47,6 +47,8 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -72,6 +74,7 @@ from mint_core.routing import (
     decision_latency,
     warm_start_tasks,
 )
+from mint_core.routing import router as router_module
 from mint_core.routing.features import Kind, prompt_text
 
 FEATURIZERS: tuple[str, ...] = ("char", "word", "char+anchors", "base-hidden")
@@ -548,12 +551,70 @@ def cpu_latency(
     return {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95))}
 
 
+def _evict_bytes() -> int:
+    """A buffer size that pushes a decision's state out of every cache: four times the last-level cache this
+    machine reports (at least 64 MiB, at most 512 MiB)."""
+    try:
+        llc = int(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+    except (ValueError, OSError):
+        llc = 0
+    return int(min(max(4 * llc, 64 << 20), 512 << 20))
+
+
+@contextmanager
+def _float64_widths(router: Router) -> Iterator[None]:
+    """Within it, `router` computes each arm's confidence width as mint did before `_width`: the float64
+    quadratic form over every row of P (the same-run baseline of the cold decision)."""
+    full = {id(st.P32): st.P for st in router._state.values()}
+
+    def width(P32: np.ndarray, x32: np.ndarray, rows: np.ndarray | None) -> float:
+        xa = x32.astype(np.float64)
+        return float(np.sqrt(max(float(xa @ full[id(P32)] @ xa), 0.0)))
+
+    saved = router_module._width
+    router_module._width = width
+    try:
+        yield
+    finally:
+        router_module._width = saved
+
+
+def cold_latency(
+    router: Router, xs: list[np.ndarray], candidates: list[str], rng: np.random.Generator
+) -> dict[str, dict[str, float]]:
+    """`choose`'s decide time (ms) when a buffer larger than the last-level cache was written just before each
+    decision, as a server's generation and HTTP handling do between two requests: what a decision costs in a
+    server, where it reads every arm's state from memory. Beside it, in the same run on the same prompts, the
+    float64 widths over every row (`_float64_widths`), and the ratio."""
+    junk = np.zeros(_evict_bytes() // 8)
+
+    def timed() -> list[float]:
+        ms = []
+        for x in xs:
+            junk[:] += 1.0
+            ms.append(router.choose(x, candidates, rng=rng).decide_s * 1e3)
+        return ms
+
+    now = timed()
+    with _float64_widths(router):
+        before = timed()
+    out = {
+        label: {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95))}
+        for label, ms in (("float32_rows", now), ("float64_full", before))
+    }
+    out["ratio_p50"] = {
+        "float32_rows / float64_full": out["float32_rows"]["p50_ms"] / out["float64_full"]["p50_ms"]
+    }
+    return out
+
+
 def overhead(
     table: RewardTable, X: dict[str, np.ndarray], sp: Split, catalog: int, seed: int
 ) -> dict[str, Any]:
     """Decision time p50/p95 (ms, `Router.choose` alone and with the prompt's features) with the table's arms
-    (a router warm-started and fed a few hundred rewards) and with `catalog` candidate names, `catalog // 100`
-    of them holding evidence of random weights (the rest on the prior, as a catalog's unrouted names are)."""
+    (a router warm-started and fed a few hundred rewards), the same from a cold cache (`cold_latency`), and with
+    `catalog` candidate names, `catalog // 100` of them holding evidence of random weights (the rest on the prior,
+    as a catalog's unrouted names are)."""
     rng = np.random.default_rng(seed)
     kind = FEATURIZERS[0]
     feat = featurizer(kind, None)
@@ -567,6 +628,7 @@ def overhead(
     out: dict[str, Any] = {"arms": len(table.arms), "catalog": catalog}
     out["arms_ms"] = decision_latency(router, xs, table.arms, rng=rng)
     out["arms_cpu_ms"] = cpu_latency(router, xs, table.arms, rng)
+    out["arms_cold_ms"] = cold_latency(router, xs[:200], table.arms, rng)
     texts = [table.prompts[i] for i in rng.choice(sp.eval, size=500)]
     ms = []
     for p in texts:

@@ -20,7 +20,7 @@ from mint_core.routing import (
     warm_start_tasks,
 )
 from mint_core.routing.features import FEATURE_DIM, GRAM_WEIGHTS, NGRAMS
-from mint_core.routing.router import content_digest
+from mint_core.routing.router import _width, content_digest
 
 FEAT = Featurizer(dim=128)
 ARMS = ["arith", "code", "base"]
@@ -380,3 +380,30 @@ def test_the_routing_doc_quotes_the_featurizers_defaults() -> None:
     """docs/routing.md states the featurizer's defaults for new routers: they are the code's."""
     doc = re.sub(r"\s+", " ", (Path(__file__).resolve().parents[2] / "docs" / "routing.md").read_text())
     assert f"`NGRAMS` = {NGRAMS}" in doc and f"`GRAM_WEIGHTS` = {GRAM_WEIGHTS}" in doc
+
+
+def test_the_width_a_decision_reads_is_the_exact_quadratic_form() -> None:
+    """A decision reads each arm's inverse covariance in float32, from the rows of the prompt's nonzero features
+    when they are few: the greedy choice is still exact LinUCB's (float64, every row), for short prompts (sparse
+    features) and long ones (dense)."""
+    rng = np.random.default_rng(11)
+    router = Router(FEAT, epsilon=0.01, alpha=2.0)
+    run(router, 300, rng)
+    texts = [f"add {i}" for i in range(20)] + [f"def f{i}()" for i in range(20)]
+    texts += [" ".join(prompt(i % 2, rng) for _ in range(30)) for i in range(40)]
+    branches = set()
+    for text in texts:
+        x = FEAT.transform(text)
+        xa = np.append(x.astype(np.float64), 1.0)
+        sparse = 2 * np.count_nonzero(xa) < len(xa)
+        branches.add(sparse)
+        ucb = []
+        for arm in ARMS:
+            st = router._state[router.arms().index(arm)]
+            ucb.append(st.theta @ xa + router.alpha * np.sqrt(xa @ st.P @ xa))
+        assert greedy(router, x) == ARMS[int(np.argmax(ucb))]
+        st = router._state[0]
+        rows = np.flatnonzero(xa) if sparse else None
+        exact = float(np.sqrt(xa @ st.P @ xa))
+        assert _width(st.P32, xa.astype(np.float32), rows) == pytest.approx(exact, rel=1e-5)
+    assert branches == {True, False}
