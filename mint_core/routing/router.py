@@ -33,9 +33,10 @@ uses the prior (mean 0, widest bonus): UCB tries it.
 
 Scale: the first stage scores every candidate by its mean (one matrix-vector product over the arms that have
 evidence; all others share the prior's score), the second computes the confidence width and the epsilon mix on the
-`top_k` best only. Only arms with evidence hold matrices (three (d+1)^2 float64 arrays each, about 1.6 MB at the
-default dim), so a catalog of 10^5 names costs a name table and one score vector. With ~11 arms and `top_k` 16
-every arm is considered, which is exact LinUCB.
+`top_k` best only. Only arms with evidence hold matrices (three (d+1)^2 float64 arrays each and a float32 copy
+of the inverse that decisions read, about 1.8 MB at the default dim), so a catalog of 10^5 names costs a name
+table and one score vector. With ~11 arms and `top_k` 16 every arm is considered, which is exact LinUCB (the
+width computed in float32: `_width`).
 
 The inverse covariance is kept by forgetting-RLS updates (divide by `decay`, then a Sherman-Morrison rank-one
 step; this decays the prior too, slightly) and recomputed exactly every `refresh` updates and on `set_revision`
