@@ -105,10 +105,13 @@ GOALS = {
 
 ARROW = "arrow (from weights)"
 ANSWERS = "answers (every arm answers)"
-REFERENCES = ("best single", "task known", "random", "oracle", "task oracle", ARROW, ANSWERS)
+LENGTH_ORACLE = "task+length oracle"
+REFERENCES = ("best single", "task known", "random", "oracle", "task oracle", LENGTH_ORACLE, ARROW, ANSWERS)
 """Rows of the report that are references, not learning routers: `task known` is told each prompt's task (the
 best arm per task by the fit half), `task oracle` picks each task's best arm in hindsight on the rows scored,
-`oracle` each request's best arm, `answers` sees every arm's answer before it picks one (`_arm_answers.py`)."""
+`task+length oracle` (offline) the same per task, wording and prompt length (how long an item is being what an
+arm's accuracy on it most plausibly depends on), `oracle` each request's best arm, `answers` sees every arm's
+answer before it picks one (`_arm_answers.py`)."""
 
 COLUMNS = {
     "pct_oracle": "% oracle",
@@ -347,6 +350,8 @@ def offline(
     choices["oracle"] = R[sp.eval].argmax(axis=1)
     groups = [(table.tasks[i], table.wording[i]) for i in sp.eval]
     choices["task oracle"] = task_oracle(R[sp.eval], groups)
+    by_length = [(*g, len(table.prompts[i])) for g, i in zip(groups, sp.eval, strict=True)]
+    choices[LENGTH_ORACLE] = task_oracle(R[sp.eval], by_length)
     return {"choices": choices, "best_single_arm": arms[best]}
 
 
