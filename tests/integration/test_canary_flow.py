@@ -125,14 +125,6 @@ def policy(
                 c.unload_adapter(n)
 
 
-def mint_only(endpoint: Endpoint) -> None:
-    """The flow's own logic, the same whichever backend serves: checked once (the vLLM case is the test above)."""
-    if endpoint.backend == "vllm":
-        pytest.skip(
-            "the flow's logic is backend-independent; the vLLM backend runs the promote/rollback test"
-        )
-
-
 CONFIG = CanaryConfig(share=0.5, poll_s=0.5, min_per_arm=20, max_requests=5000, max_minutes=2)
 
 
@@ -175,12 +167,17 @@ def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
         assert out["system_fingerprint"].removeprefix("sha256:") == digests[2]
 
 
+# the flow's own logic, the same whichever backend serves: checked on mint serve (the promote/rollback test above
+# runs on vLLM too, in the slow tier: tests/conftest.py SLOW_CASES)
+MINT_ONLY = pytest.mark.parametrize("endpoint", ["mint"], indirect=True, scope="module")
+
+
+@MINT_ONLY
 def test_a_first_revision_canaried_against_the_base_is_promoted(
     endpoint: Endpoint, policy: tuple[Workspace, str, dict[int, str]]
 ) -> None:
     """With no champion the control arm is the bare base; the promotion's smoke check of the name goes past the
     split (it would otherwise be answered by the base)."""
-    mint_only(endpoint)
     ws, name, digests = policy
     reg = ws.registry()
     reg.set_alias(name, "champion", None, "test: no champion yet", expect=1)
@@ -195,10 +192,10 @@ def test_a_first_revision_canaried_against_the_base_is_promoted(
         assert served_revision(c, name) == f"sha256:{digests[2]}"
 
 
+@MINT_ONLY
 def test_a_canary_of_the_champion_or_an_unknown_version_changes_nothing(
     endpoint: Endpoint, policy: tuple[Workspace, str, dict[int, str]]
 ) -> None:
-    mint_only(endpoint)
     ws, name, _ = policy
     reg = ws.registry()
     for version, says in ((1, "already"), (9, "9")):
