@@ -91,30 +91,9 @@ def uses_session_vllm(item: pytest.Item) -> bool:
     return item.path.suffix == ".py" and asks_for_session_vllm(item.path)
 
 
-SLOW_CASES: dict[str, str] = {
-    "tests/integration/test_canary_flow.py::test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back[vllm]": (
-        "25-35 s; the flow's logic is the same on both backends (its mint case runs by default), and the vLLM "
-        "front's split, feedback and promotion under load are in test_canary_serving.py, test_hot_swap.py and "
-        "test_vllm_replicas.py"
-    ),
-}
-"""Cases of a test parametrized through a shared fixture (`endpoint`'s backends) that run in the slow tier only,
-with why: a parametrize mark cannot reach them."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A module that uses the session's vLLM (or MLflow on PostgreSQL) but is missing from SHARED_VLLM_MODULES (or
-    SHARED_MLFLOW_PG_MODULES) would start a second one on the other worker: refuse to run, naming it. The cases of
-    SLOW_CASES get the `slow` mark."""
-    ids = {item.nodeid for item in items}
-    for case in SLOW_CASES:
-        test = case.split("[", 1)[0]
-        if case not in ids and any(i.startswith(test + "[") for i in ids):
-            raise pytest.UsageError(f"SLOW_CASES in tests/conftest.py names {case}, which is not collected")
-    for item in items:
-        if item.nodeid in SLOW_CASES:
-            item.add_marker(pytest.mark.slow)
+    SHARED_MLFLOW_PG_MODULES) would start a second one on the other worker: refuse to run, naming it."""
     missing = sorted({item.path.name for item in items if uses_session_vllm(item)} - SHARED_VLLM_MODULES)
     if missing:
         raise pytest.UsageError(

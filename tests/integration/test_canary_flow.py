@@ -1,4 +1,4 @@
-"""The canary flow on both backends against real servers (MLflow, Prefect, mint serve or vLLM behind its front):
+"""The canary flow against real servers (MLflow, Prefect, mint serve, and in the slow tier vLLM behind its front):
 users rate the answers (POST /v1/feedback), the always-valid test promotes a candidate they prefer and rolls back
 one they do not, and no request fails on the way."""
 
@@ -128,6 +128,11 @@ def policy(
 CONFIG = CanaryConfig(share=0.5, poll_s=0.5, min_per_arm=20, max_requests=5000, max_minutes=2)
 
 
+# on vLLM in the slow tier (25-35 s): the flow's logic is the same on both backends, and the vLLM front's split,
+# feedback and promotion under load run by default in test_canary_serving.py, test_hot_swap.py, test_vllm_replicas.py
+@pytest.mark.parametrize(
+    "endpoint", ["mint", pytest.param("vllm", marks=pytest.mark.slow)], indirect=True, scope="module"
+)
 def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
     endpoint: Endpoint, policy: tuple[Workspace, str, dict[int, str]]
 ) -> None:
@@ -168,7 +173,7 @@ def test_a_preferred_canary_is_promoted_and_a_worse_one_rolled_back(
 
 
 # the flow's own logic, the same whichever backend serves: checked on mint serve (the promote/rollback test above
-# runs on vLLM too, in the slow tier: tests/conftest.py SLOW_CASES)
+# runs on vLLM too)
 MINT_ONLY = pytest.mark.parametrize("endpoint", ["mint"], indirect=True, scope="module")
 
 
