@@ -589,9 +589,9 @@ def _width(P32: np.ndarray, x32: np.ndarray, rows: np.ndarray | None) -> float:
     prompt fills a fraction of the dimensions), from the rows of its nonzero features only (x is zero elsewhere).
     A decision reads every considered arm's P, (d+1)^2 values each: 0.5 MB in float64 at the default dim, which a
     server's generation has pushed out of the cache by the next request, so the read, not the arithmetic, is what a
-    decision costs (0.57 ms for 11 arms in float64 from a cold cache against 0.12 ms warm; 0.26 ms in float32 from
-    these rows). float32 changes the width by about 1e-7 of itself, far below what the epsilon mix and the
-    rewards' noise decide on."""
+    decision costs (benchmarks/routing.py's cold decision, 11 arms: 0.62 ms p50 with float64 widths over every
+    row, 0.30 ms read this way; 0.11 ms warm). float32 changes the width by about 1e-7 of itself, far below what
+    the epsilon mix and the rewards' noise decide on."""
     w2 = float(x32 @ P32 @ x32) if rows is None else float(x32[rows] @ (P32[rows] @ x32))
     return float(np.sqrt(max(w2, 0.0)))
 
