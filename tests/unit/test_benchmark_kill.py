@@ -20,8 +20,8 @@ import sys
 sys.path.insert(0, {bench!r})
 from _common import stop_servers_on_kill
 {install}
-open({ready!r}, "w").close()
-try:
+try:  # `ready` is made inside the try: a signal that comes as soon as it exists lands here too
+    open({ready!r}, "w").close()
     sys.stdin.read()  # blocks (the test never writes) until the signal comes
 finally:
     open({cleaned!r}, "w").close()
