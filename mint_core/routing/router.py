@@ -304,12 +304,13 @@ class Router:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(positions of the considered candidates, their probabilities, which of them are greedy)."""
         idx = self._indices(candidates)
+        x32 = xa.astype(np.float32)  # what the means and the widths read
         mean = np.zeros(len(idx))
         if self._slot_arm:
-            rows = self._slot[idx]
-            has = rows >= 0
+            slots = self._slot[idx]
+            has = slots >= 0
             if has.any():
-                mean[has] = (self._theta[: len(self._slot_arm)] @ xa.astype(np.float32))[rows[has]]
+                mean[has] = (self._theta[: len(self._slot_arm)] @ x32)[slots[has]]
         if costs:
             mean -= self._cost_vector(candidates, costs)
         k = min(self.top_k, len(idx))
@@ -318,7 +319,6 @@ class Router:
         width = np.full(len(top), prior_w)
         states = [self._state.get(int(idx[pos])) for pos in top]
         if any(st is not None for st in states):
-            x32 = xa.astype(np.float32)
             nz = np.flatnonzero(x32)
             rows = nz if 2 * len(nz) < len(x32) else None
             for j, st in enumerate(states):

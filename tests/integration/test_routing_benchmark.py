@@ -113,14 +113,11 @@ def _check(result: dict[str, Any], out: str, seeds: int) -> None:
     assert result["online"][0]["oracle"]["regret"] == 0
     for key in ("arms_ms", "catalog_ms", "arms_cpu_ms", "catalog_cpu_ms"):
         assert result["overhead"][key]["p95_ms"] > 0, key
-    for key in (
-        "float32_rows",
-        "float64_full",
-    ):  # the cold decision, and its float64 baseline of the same run
+    # the cold decision, and its float64 baseline of the same run
+    for key in ("float32_rows", "float64_full"):
         assert result["overhead"]["arms_cold_ms"][key]["p95_ms"] > 0, key
-    for seed in result[
-        "offline"
-    ]:  # hindsight over finer groups is never worse: task < task and length < each row
+    # hindsight over finer groups is never worse: per task, then per task and length, then per row
+    for seed in result["offline"]:
         task, length = seed["task oracle"]["reward"], seed["task+length oracle"]["reward"]
         assert task <= length + 1e-6 and length <= seed["oracle"]["reward"] + 1e-6
     assert result["hidden_features_ms"]["p95_ms"] > 0
